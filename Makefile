@@ -1,0 +1,145 @@
+# outbox-relay — top-level Makefile.
+#   make                      build liboutbox (.a/.so), outbox-relay, test programs
+#   make test                 start private PostgreSQL/RabbitMQ if needed and run every test
+#   make SANITIZER=address    (or undefined) instrumented build into build-address/
+#   make VALGRIND=1 test      run the daemon and C test programs under valgrind
+#   make bench                relay throughput vs. broker ceiling (not part of test)
+#   make install PREFIX=/usr/local DESTDIR=
+VERSION    := 0.1.0
+SOMAJOR    := 1
+PREFIX     ?= /usr/local
+DESTDIR    ?=
+CC         ?= cc
+OPT        ?= -O2 -g
+PYTHON     ?= /usr/bin/python3
+PKG_CONFIG ?= pkg-config
+
+ifeq ($(SANITIZER),)
+BUILD      ?= build
+else
+BUILD      ?= build-$(SANITIZER)
+endif
+
+WARN := -Wall -Wextra -Wshadow -Wformat=2 -Wstrict-prototypes -Wmissing-prototypes \
+        -Wpointer-arith -Wwrite-strings -Wvla -Wundef -Wnull-dereference
+ifeq ($(CI),true)
+WARN += -Werror
+endif
+
+pc_cflags = $(shell $(PKG_CONFIG) --cflags $(1) 2>/dev/null || echo $(2))
+pc_libs   = $(shell $(PKG_CONFIG) --libs $(1) 2>/dev/null || echo $(2))
+
+PQ_CFLAGS   := $(call pc_cflags,libpq,-I/usr/include/postgresql)
+PQ_LIBS     := $(call pc_libs,libpq,-lpq)
+ODBC_CFLAGS := $(call pc_cflags,odbc,)
+ODBC_LIBS   := $(call pc_libs,odbc,-lodbc)
+AMQP_CFLAGS := $(call pc_cflags,librabbitmq,)
+AMQP_LIBS   := $(call pc_libs,librabbitmq,-lrabbitmq)
+# libev and iniparser ship no .pc file on Debian
+EV_LIBS     := -lev
+INI_CFLAGS  := -I/usr/include/iniparser
+INI_LIBS    := -liniparser
+
+SAN_FLAGS :=
+ifeq ($(SANITIZER),address)
+SAN_FLAGS := -fsanitize=address -fno-omit-frame-pointer
+else ifeq ($(SANITIZER),undefined)
+SAN_FLAGS := -fsanitize=undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+else ifneq ($(SANITIZER),)
+$(error SANITIZER must be address or undefined)
+endif
+
+BASE_CFLAGS := -std=c11 -D_GNU_SOURCE -fPIC -pthread $(WARN) $(OPT) $(SAN_FLAGS) -MMD -MP \
+               -Ilib -I. $(PQ_CFLAGS) $(ODBC_CFLAGS) $(AMQP_CFLAGS) $(INI_CFLAGS) \
+               -DOUTBOX_VERSION='"$(VERSION)"'
+ALL_CFLAGS  := $(BASE_CFLAGS) $(CFLAGS)
+ALL_LDFLAGS := -pthread $(SAN_FLAGS) $(LDFLAGS)
+LIB_LIBS    := $(PQ_LIBS) $(ODBC_LIBS)
+RELAY_LIBS  := $(LIB_LIBS) $(AMQP_LIBS) $(EV_LIBS) $(INI_LIBS) -lm
+
+LIB_SRC   := $(wildcard lib/*.c)
+RELAY_SRC := $(filter-out relay/main.c,$(wildcard relay/*.c config/*.c sources/*.c sources/*/*.c sinks/*.c sinks/*/*.c))
+TEST_SRC  := $(wildcard tests/c/*.c)
+BENCH_SRC := $(wildcard tests/bench/*.c)
+EXAMPLE_SRC := $(wildcard examples/*.c)
+
+LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
+RELAY_OBJ := $(RELAY_SRC:%.c=$(BUILD)/obj/%.o)
+MAIN_OBJ  := $(BUILD)/obj/relay/main.o
+TEST_BIN  := $(TEST_SRC:tests/c/%.c=$(BUILD)/tests/%)
+BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/tests/%)
+EXAMPLE_BIN := $(EXAMPLE_SRC:examples/%.c=$(BUILD)/examples/%)
+
+LIBA  := $(BUILD)/liboutbox.a
+LIBSO := $(BUILD)/liboutbox.so.$(VERSION)
+RELAY := $(BUILD)/outbox-relay
+RELAYA := $(BUILD)/librelay.a
+
+.PHONY: all lib test bench install clean services-start services-stop
+all: $(LIBA) $(LIBSO) $(RELAY) $(TEST_BIN) $(BENCH_BIN) $(EXAMPLE_BIN) $(BUILD)/outbox.pc
+
+lib: $(LIBA) $(LIBSO)
+
+$(BUILD)/obj/%.o: %.c
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) -c $< -o $@
+
+$(LIBA): $(LIB_OBJ)
+	@rm -f $@
+	$(AR) rcs $@ $^
+
+$(LIBSO): $(LIB_OBJ)
+	$(CC) -shared -Wl,-soname,liboutbox.so.$(SOMAJOR) $(ALL_LDFLAGS) -o $@ $^ $(LIB_LIBS)
+	ln -sf liboutbox.so.$(VERSION) $(BUILD)/liboutbox.so.$(SOMAJOR)
+	ln -sf liboutbox.so.$(SOMAJOR) $(BUILD)/liboutbox.so
+
+$(RELAYA): $(RELAY_OBJ)
+	@rm -f $@
+	$(AR) rcs $@ $^
+
+$(RELAY): $(MAIN_OBJ) $(RELAYA) $(LIBA)
+	$(CC) $(ALL_LDFLAGS) -o $@ $(MAIN_OBJ) $(RELAYA) $(LIBA) $(RELAY_LIBS)
+
+$(BUILD)/tests/%: tests/c/%.c $(RELAYA) $(LIBA)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $(ALL_LDFLAGS) -o $@ $< $(RELAYA) $(LIBA) $(RELAY_LIBS) -lcmocka
+
+$(BUILD)/tests/%: tests/bench/%.c $(RELAYA) $(LIBA)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $(ALL_LDFLAGS) -o $@ $< $(RELAYA) $(LIBA) $(RELAY_LIBS)
+
+# Examples link only liboutbox, as an application would.
+$(BUILD)/examples/%: examples/%.c $(LIBA)
+	@mkdir -p $(dir $@)
+	$(CC) $(ALL_CFLAGS) $(ALL_LDFLAGS) -o $@ $< $(LIBA) $(LIB_LIBS)
+
+$(BUILD)/outbox.pc: lib/outbox.pc.in Makefile
+	@mkdir -p $(dir $@)
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
+
+# Tests: private services are started by the harness (tests/conftest.py) when not running.
+test: all
+	OUTBOX_BUILD=$(abspath $(BUILD)) OUTBOX_VALGRIND=$(VALGRIND) $(PYTHON) -m pytest -ra tests $(PYTEST_ARGS)
+
+bench: all
+	OUTBOX_BUILD=$(abspath $(BUILD)) $(PYTHON) tests/bench/bench.py
+
+services-start:
+	scripts/services.sh start
+services-stop:
+	scripts/services.sh stop
+
+install: $(LIBA) $(LIBSO) $(RELAY) $(BUILD)/outbox.pc
+	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
+	install -m 644 lib/outbox.h lib/outbox_pg.h lib/outbox_odbc.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 $(LIBA) $(DESTDIR)$(PREFIX)/lib/
+	install -m 755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/
+	ln -sf liboutbox.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/liboutbox.so.$(SOMAJOR)
+	ln -sf liboutbox.so.$(SOMAJOR) $(DESTDIR)$(PREFIX)/lib/liboutbox.so
+	install -m 644 $(BUILD)/outbox.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+	install -m 755 $(RELAY) $(DESTDIR)$(PREFIX)/bin/
+
+clean:
+	rm -rf build build-address build-undefined
+
+-include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

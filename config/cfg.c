@@ -1,0 +1,1459 @@
+/*
+ * cfg.c — loads and validates the relay's ini file (SPEC §5, contract in cfg.h).
+ *
+ * Parse → validate → return: nothing here touches live state. iniparser only
+ * splits the file into "section:key" → raw string; every value is parsed here
+ * strictly (iniparser's own getters are lax). Each key is described once in a
+ * table (name, type, default, bounds), which drives parsing, defaults and the
+ * unknown-key check. All problems are collected, one line each, then cfg_load
+ * fails. Secrets (url, conninfo, password_file contents) are never echoed.
+ */
+#include "config/cfg.h"
+#include "outbox_schema.h"
+
+#include <ctype.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <iniparser.h>
+#include <libpq-fe.h>
+#include <limits.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define MS_S   1000LL
+#define MS_M   (60LL * MS_S)
+#define MS_H   (60LL * MS_M)
+#define MS_D   (24LL * MS_H)
+
+#define DEFAULT_AMQP_URL "amqp://guest:guest@127.0.0.1:5672/%2f"
+#define SECRET_FILE_MAX  65536
+#define NAME_MAX_LEN     63
+
+/* ------------------------------------------------------------------ */
+/* strict scalar parsers                                               */
+/* ------------------------------------------------------------------ */
+
+/* Leading digits only: no sign, no whitespace, no hex/octal/exponent. */
+static int parse_digits(const char *s, const char **end, int64_t *out)
+{
+    char *e;
+    long long v;
+
+    if (!s || !isdigit((unsigned char)s[0]))
+        return -1;
+    errno = 0;
+    v = strtoll(s, &e, 10);
+    if (errno == ERANGE || e == s)
+        return -1;
+    *end = e;
+    *out = (int64_t)v;
+    return 0;
+}
+
+int cfg_parse_duration_ms(const char *s, int64_t *out)
+{
+    const char *end;
+    int64_t v, mult;
+
+    if (parse_digits(s, &end, &v) < 0)
+        return -1;
+    if (*end == '\0' || strcmp(end, "s") == 0)
+        mult = MS_S;
+    else if (strcmp(end, "ms") == 0)
+        mult = 1;
+    else if (strcmp(end, "m") == 0)
+        mult = MS_M;
+    else if (strcmp(end, "h") == 0)
+        mult = MS_H;
+    else if (strcmp(end, "d") == 0)
+        mult = MS_D;
+    else
+        return -1;
+    if (v > INT64_MAX / mult)
+        return -1;
+    *out = v * mult;
+    return 0;
+}
+
+int cfg_parse_int(const char *s, int64_t min, int64_t max, int64_t *out)
+{
+    char *e;
+    long long v;
+    const char *d;
+
+    if (!s)
+        return -1;
+    d = (s[0] == '-') ? s + 1 : s;
+    if (!isdigit((unsigned char)d[0]))
+        return -1;
+    errno = 0;
+    v = strtoll(s, &e, 10);
+    if (errno == ERANGE || e == s || *e != '\0')
+        return -1;
+    if ((int64_t)v < min || (int64_t)v > max)
+        return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+int cfg_parse_bool(const char *s, bool *out)
+{
+    static const char *const yes[] = { "true", "yes", "on", "1" };
+    static const char *const no[]  = { "false", "no", "off", "0" };
+
+    if (!s)
+        return -1;
+    for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++) {
+        if (strcasecmp(s, yes[i]) == 0) {
+            *out = true;
+            return 0;
+        }
+        if (strcasecmp(s, no[i]) == 0) {
+            *out = false;
+            return 0;
+        }
+    }
+    return -1;
+}
+
+int cfg_parse_size(const char *s, size_t *out)
+{
+    const char *end;
+    int64_t v;
+    uint64_t mult;
+
+    if (parse_digits(s, &end, &v) < 0)
+        return -1;
+    if (*end == '\0')
+        mult = 1;
+    else if (end[1] != '\0')
+        return -1;
+    else if (*end == 'k' || *end == 'K')
+        mult = 1024ULL;
+    else if (*end == 'm' || *end == 'M')
+        mult = 1024ULL * 1024;
+    else if (*end == 'g' || *end == 'G')
+        mult = 1024ULL * 1024 * 1024;
+    else
+        return -1;
+    if ((uint64_t)v > (uint64_t)SIZE_MAX / mult)
+        return -1;
+    *out = (size_t)((uint64_t)v * mult);
+    return 0;
+}
+
+const char *cfg_log_level_name(int level)
+{
+    switch (level) {
+    case CFG_LOG_ERROR: return "error";
+    case CFG_LOG_WARN:  return "warn";
+    case CFG_LOG_INFO:  return "info";
+    case CFG_LOG_DEBUG: return "debug";
+    default:            return "unknown";
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* AMQP URL                                                            */
+/* ------------------------------------------------------------------ */
+
+static int hexval(int c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+/* Percent-decodes [p, p+n) into a new string (caller owns it).
+ * NULL with *why set on bad encoding or out of memory. */
+static char *pct_decode(const char *p, size_t n, const char **why)
+{
+    char *out = malloc(n + 1);
+    size_t o = 0;
+
+    if (!out) {
+        *why = "out of memory";
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (p[i] == '%') {
+            int hi = i + 2 < n ? hexval((unsigned char)p[i + 1]) : -1;
+            int lo = i + 2 < n ? hexval((unsigned char)p[i + 2]) : -1;
+            if (hi < 0 || lo < 0) {
+                *why = "bad percent-encoding (expected %XX with two hex digits)";
+                free(out);
+                return NULL;
+            }
+            if (hi == 0 && lo == 0) {
+                *why = "percent-encoded NUL byte";
+                free(out);
+                return NULL;
+            }
+            out[o++] = (char)(hi * 16 + lo);
+            i += 2;
+        } else {
+            out[o++] = p[i];
+        }
+    }
+    out[o] = '\0';
+    return out;
+}
+
+static bool host_char_ok(int c)
+{
+    return isalnum(c) || c == '.' || c == '-' || c == '_';
+}
+
+int cfg_parse_amqp_url(const char *url, cfg_sink *s, char *err, size_t errlen)
+{
+    char *user = NULL, *pass = NULL, *host = NULL, *vhost = NULL;
+    const char *why = NULL, *p, *auth_end, *at, *hp, *port_s = NULL;
+    size_t alen, hlen, port_len = 0;
+    int port;
+    bool tls;
+
+    if (!url || !*url) {
+        why = "empty URL";
+        goto fail;
+    }
+    for (p = url; *p; p++) {
+        if ((unsigned char)*p <= 0x20 || (unsigned char)*p == 0x7f) {
+            why = "contains whitespace or control characters";
+            goto fail;
+        }
+    }
+    if (strncasecmp(url, "amqps://", 8) == 0) {
+        tls = true;
+        port = 5671;
+        p = url + 8;
+    } else if (strncasecmp(url, "amqp://", 7) == 0) {
+        tls = false;
+        port = 5672;
+        p = url + 7;
+    } else {
+        why = "unsupported scheme";
+        goto fail;
+    }
+
+    alen = strcspn(p, "/?#");
+    auth_end = p + alen;
+    if (*auth_end == '?' || (*auth_end == '/' && strchr(auth_end, '?'))) {
+        why = "query parameters are not supported (use the sink's keys)";
+        goto fail;
+    }
+    if (strchr(p, '#')) {
+        why = "fragments are not supported";
+        goto fail;
+    }
+
+    /* user info */
+    at = memchr(p, '@', alen);
+    if (at) {
+        const char *colon;
+        size_t ulen = (size_t)(at - p);
+
+        if (memchr(at + 1, '@', (size_t)(auth_end - at - 1))) {
+            why = "unencoded '@' in the user info (percent-encode it as %40)";
+            goto fail;
+        }
+        colon = memchr(p, ':', ulen);
+        if (colon) {
+            if (!(user = pct_decode(p, (size_t)(colon - p), &why)))
+                goto fail;
+            if (!(pass = pct_decode(colon + 1, (size_t)(at - colon - 1), &why)))
+                goto fail;
+        } else if (!(user = pct_decode(p, ulen, &why))) {
+            goto fail;
+        }
+        if (!*user) {
+            why = "empty user name";
+            goto fail;
+        }
+        hp = at + 1;
+    } else {
+        hp = p;
+    }
+    hlen = (size_t)(auth_end - hp);
+
+    /* host[:port] */
+    if (hlen > 0 && hp[0] == '[') {
+        const char *close = memchr(hp, ']', hlen);
+        if (!close) {
+            why = "unterminated [IPv6] address";
+            goto fail;
+        }
+        if (close == hp + 1) {
+            why = "missing host";
+            goto fail;
+        }
+        for (const char *c = hp + 1; c < close; c++) {
+            if (!isxdigit((unsigned char)*c) && *c != ':' && *c != '.') {
+                why = "bad character in [IPv6] address";
+                goto fail;
+            }
+        }
+        if (!memchr(hp + 1, ':', (size_t)(close - hp - 1))) {
+            why = "bracketed host is not an IPv6 address";
+            goto fail;
+        }
+        if (!(host = strndup(hp + 1, (size_t)(close - hp - 1)))) {
+            why = "out of memory";
+            goto fail;
+        }
+        if (close + 1 < auth_end) {
+            if (close[1] != ':') {
+                why = "unexpected characters after ]";
+                goto fail;
+            }
+            port_s = close + 2;
+            port_len = (size_t)(auth_end - port_s);
+        }
+    } else {
+        const char *colon = memchr(hp, ':', hlen);
+        size_t nlen = colon ? (size_t)(colon - hp) : hlen;
+
+        if (colon && memchr(colon + 1, ':', (size_t)(auth_end - colon - 1))) {
+            why = "IPv6 addresses must be written in brackets, e.g. [::1]";
+            goto fail;
+        }
+        if (nlen == 0) {
+            why = "missing host";
+            goto fail;
+        }
+        for (size_t i = 0; i < nlen; i++) {
+            if (!host_char_ok((unsigned char)hp[i])) {
+                why = "bad character in host name";
+                goto fail;
+            }
+        }
+        if (!(host = strndup(hp, nlen))) {
+            why = "out of memory";
+            goto fail;
+        }
+        if (colon) {
+            port_s = colon + 1;
+            port_len = (size_t)(auth_end - port_s);
+        }
+    }
+    if (port_s) {
+        int64_t v;
+        char buf[8];
+
+        if (port_len == 0 || port_len >= sizeof buf) {
+            why = "bad port (expected 1..65535)";
+            goto fail;
+        }
+        memcpy(buf, port_s, port_len);
+        buf[port_len] = '\0';
+        if (!isdigit((unsigned char)buf[0]) || cfg_parse_int(buf, 1, 65535, &v) < 0) {
+            why = "bad port (expected 1..65535)";
+            goto fail;
+        }
+        port = (int)v;
+    }
+
+    /* vhost: one path segment, percent-decoded; none or empty means "/" */
+    if (*auth_end == '/') {
+        const char *path = auth_end + 1;
+        if (strchr(path, '/')) {
+            why = "the vhost must be a single path segment (encode '/' as %2f)";
+            goto fail;
+        }
+        if (!(vhost = pct_decode(path, strlen(path), &why)))
+            goto fail;
+        if (!*vhost) {
+            free(vhost);
+            vhost = NULL;
+        }
+    }
+    if (!vhost && !(vhost = strdup("/"))) {
+        why = "out of memory";
+        goto fail;
+    }
+    if (!user && !(user = strdup("guest"))) {
+        why = "out of memory";
+        goto fail;
+    }
+    if (!pass && !(pass = strdup("guest"))) {
+        why = "out of memory";
+        goto fail;
+    }
+
+    /* success: the sink takes ownership of the new strings */
+    free(s->host);
+    free(s->user);
+    free(s->pass);
+    free(s->vhost);
+    s->host = host;
+    s->user = user;
+    s->pass = pass;
+    s->vhost = vhost;
+    s->port = port;
+    s->tls = tls;
+    return 0;
+
+fail:
+    free(user);
+    free(pass);
+    free(host);
+    free(vhost);
+    if (err && errlen)
+        snprintf(err, errlen, "%s", why ? why : "invalid URL");
+    return -1;
+}
+
+/* ------------------------------------------------------------------ */
+/* loader state and error lines                                        */
+/* ------------------------------------------------------------------ */
+
+typedef struct loader {
+    const char *file;
+    dictionary *d;
+    cfg_errors *errs;
+    int         nerr;
+} loader;
+
+static void errs_add(cfg_errors *e, char *line)
+{
+    char **n;
+
+    if (!e) {
+        free(line);
+        return;
+    }
+    n = realloc(e->lines, (e->n + 1) * sizeof *n);
+    if (!n) {
+        free(line);
+        return;
+    }
+    e->lines = n;
+    e->lines[e->n++] = line;   /* errs owns the line now */
+}
+
+void cfg_errors_clear(cfg_errors *e)
+{
+    if (!e)
+        return;
+    for (size_t i = 0; i < e->n; i++)
+        free(e->lines[i]);
+    free(e->lines);
+    e->lines = NULL;
+    e->n = 0;
+}
+
+/* One line: "FILE: [SECTION] KEY: message" (key NULL: "FILE: [SECTION]: message";
+ * section NULL: "FILE: message"). */
+static void lerr(loader *L, const char *sec, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static void lerr(loader *L, const char *sec, const char *key, const char *fmt, ...)
+{
+    char msg[1024], *line = NULL;
+    va_list ap;
+    int n;
+
+    L->nerr++;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (sec && key)
+        n = asprintf(&line, "%s: [%s] %s: %s", L->file, sec, key, msg);
+    else if (sec)
+        n = asprintf(&line, "%s: [%s]: %s", L->file, sec, msg);
+    else
+        n = asprintf(&line, "%s: %s", L->file, msg);
+    if (n < 0)
+        return;
+    errs_add(L->errs, line);
+}
+
+/* Quotes a value for an error line: "..." with control characters escaped,
+ * long values shortened. Never call it on a secret. */
+static const char *q(const char *v, char *buf, size_t len)
+{
+    size_t o = 0;
+
+    if (len < 16) {
+        if (len)
+            buf[0] = '\0';
+        return buf;
+    }
+    buf[o++] = '"';
+    for (const unsigned char *p = (const unsigned char *)v; *p; p++) {
+        if (o + 8 >= len) {
+            memcpy(buf + o, "...", 3);
+            o += 3;
+            break;
+        }
+        if (*p == '"' || *p == '\\') {
+            buf[o++] = '\\';
+            buf[o++] = (char)*p;
+        } else if (*p < 0x20 || *p == 0x7f) {
+            o += (size_t)snprintf(buf + o, len - o, "\\x%02x", *p);
+        } else {
+            buf[o++] = (char)*p;
+        }
+    }
+    buf[o++] = '"';
+    buf[o] = '\0';
+    return buf;
+}
+
+static void fmt_dur(int64_t ms, char *buf, size_t len)
+{
+    if (ms != 0 && ms % MS_D == 0)
+        snprintf(buf, len, "%lldd", (long long)(ms / MS_D));
+    else if (ms != 0 && ms % MS_H == 0)
+        snprintf(buf, len, "%lldh", (long long)(ms / MS_H));
+    else if (ms != 0 && ms % MS_M == 0)
+        snprintf(buf, len, "%lldm", (long long)(ms / MS_M));
+    else if (ms % MS_S == 0)
+        snprintf(buf, len, "%llds", (long long)(ms / MS_S));
+    else
+        snprintf(buf, len, "%lldms", (long long)ms);
+}
+
+static void fmt_size(uint64_t v, char *buf, size_t len)
+{
+    if (v != 0 && v % (1024ULL * 1024 * 1024) == 0)
+        snprintf(buf, len, "%lluG", (unsigned long long)(v >> 30));
+    else if (v != 0 && v % (1024ULL * 1024) == 0)
+        snprintf(buf, len, "%lluM", (unsigned long long)(v >> 20));
+    else if (v != 0 && v % 1024ULL == 0)
+        snprintf(buf, len, "%lluk", (unsigned long long)(v >> 10));
+    else
+        snprintf(buf, len, "%llu", (unsigned long long)v);
+}
+
+/* ------------------------------------------------------------------ */
+/* ${ENV} expansion                                                    */
+/* ------------------------------------------------------------------ */
+
+/* Returns a malloc'd copy of raw with ${NAME} replaced by the environment
+ * variable and $$ by $, or NULL after reporting the problem. */
+static char *expand_env(loader *L, const char *sec, const char *key, const char *raw)
+{
+    size_t cap = strlen(raw) + 1, o = 0;
+    char *out = malloc(cap);
+    const char *p = raw;
+
+    if (!out) {
+        lerr(L, sec, key, "out of memory");
+        return NULL;
+    }
+    while (*p) {
+        const char *add = p;
+        size_t addlen = 1;
+        char name[256];
+
+        if (*p == '$') {
+            if (p[1] == '$') {
+                addlen = 1;
+                p += 2;
+            } else if (p[1] == '{') {
+                const char *close = strchr(p + 2, '}');
+                size_t nlen;
+
+                if (!close) {
+                    lerr(L, sec, key, "expected ${NAME} with a closing }, got an unterminated ${");
+                    goto fail;
+                }
+                nlen = (size_t)(close - (p + 2));
+                if (nlen == 0 || nlen >= sizeof name || !(isalpha((unsigned char)p[2]) || p[2] == '_')) {
+                    lerr(L, sec, key, "expected ${NAME} with NAME matching [A-Za-z_][A-Za-z0-9_]*, got a bad variable name");
+                    goto fail;
+                }
+                for (size_t i = 0; i < nlen; i++) {
+                    if (!isalnum((unsigned char)p[2 + i]) && p[2 + i] != '_') {
+                        lerr(L, sec, key, "expected ${NAME} with NAME matching [A-Za-z_][A-Za-z0-9_]*, got a bad variable name");
+                        goto fail;
+                    }
+                }
+                memcpy(name, p + 2, nlen);
+                name[nlen] = '\0';
+                add = getenv(name);
+                if (!add) {
+                    lerr(L, sec, key, "expected environment variable %s to be set (from ${%s}), got it unset",
+                         name, name);
+                    goto fail;
+                }
+                addlen = strlen(add);
+                p = close + 1;
+            } else {
+                lerr(L, sec, key, "expected ${NAME} or $$ after '$', got a lone '$' (write $$ for a literal $)");
+                goto fail;
+            }
+        } else {
+            p++;
+        }
+        if (o + addlen + 1 > cap) {
+            size_t ncap = (o + addlen + 1) * 2;
+            char *n = realloc(out, ncap);
+            if (!n) {
+                lerr(L, sec, key, "out of memory");
+                goto fail;
+            }
+            out = n;
+            cap = ncap;
+        }
+        memcpy(out + o, add, addlen);
+        o += addlen;
+    }
+    out[o] = '\0';
+    return out;
+
+fail:
+    free(out);
+    return NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* secret files                                                        */
+/* ------------------------------------------------------------------ */
+
+/* Reads a secret file; trims one trailing newline (\n or \r\n).
+ * Returns a malloc'd string, or NULL after reporting (path only, never content). */
+static char *read_secret_file(loader *L, const char *sec, const char *key, const char *path)
+{
+    char qb[300], *buf = NULL;
+    size_t len = 0;
+    int fd = -1;
+    struct stat st;
+
+    fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) {
+        lerr(L, sec, key, "expected a readable file, got %s (%s)", q(path, qb, sizeof qb), strerror(errno));
+        goto fail;
+    }
+    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
+        lerr(L, sec, key, "expected a readable regular file, got %s (not a regular file)", q(path, qb, sizeof qb));
+        goto fail;
+    }
+    if (!(buf = malloc(SECRET_FILE_MAX + 1))) {
+        lerr(L, sec, key, "out of memory");
+        goto fail;
+    }
+    for (;;) {
+        ssize_t r = read(fd, buf + len, SECRET_FILE_MAX + 1 - len);
+        if (r < 0) {
+            if (errno == EINTR)
+                continue;
+            lerr(L, sec, key, "expected a readable file, got %s (%s)", q(path, qb, sizeof qb), strerror(errno));
+            goto fail;
+        }
+        if (r == 0)
+            break;
+        len += (size_t)r;
+        if (len > SECRET_FILE_MAX) {
+            lerr(L, sec, key, "expected a file of at most %d bytes, got %s (too large)", SECRET_FILE_MAX,
+                 q(path, qb, sizeof qb));
+            goto fail;
+        }
+    }
+    close(fd);
+    fd = -1;
+    if (len > 0 && buf[len - 1] == '\n') {
+        len--;
+        if (len > 0 && buf[len - 1] == '\r')
+            len--;
+    }
+    buf[len] = '\0';
+    if (memchr(buf, '\0', len) || memchr(buf, '\n', len)) {
+        lerr(L, sec, key, "expected a file holding one line of text, got %s (contains NUL bytes or several lines)",
+             q(path, qb, sizeof qb));
+        goto fail;
+    }
+    return buf;
+
+fail:
+    if (fd >= 0)
+        close(fd);
+    if (buf) {
+        explicit_bzero(buf, SECRET_FILE_MAX + 1);
+        free(buf);
+    }
+    return NULL;
+}
+
+static void free_secret(char *s)
+{
+    if (s) {
+        explicit_bzero(s, strlen(s));
+        free(s);
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* the key tables                                                      */
+/* ------------------------------------------------------------------ */
+
+enum ktype {
+    KT_STR,      /* char *, any text (KF_NONEMPTY / KF_EMPTY_NULL) */
+    KT_NAME,     /* char *, printable without spaces, 1..128 bytes */
+    KT_LISTEN,   /* char *, host:port, empty → NULL */
+    KT_ENUM,     /* int */
+    KT_INT,      /* int, min..max */
+    KT_DUR,      /* int64_t ms, min..max */
+    KT_SIZE,     /* size_t, min..max */
+    KT_BOOL,     /* bool */
+    KT_SECRET_FILE /* char *, the file's contents */
+};
+
+#define KF_REQUIRED   0x01  /* no default: must be present */
+#define KF_SECRET     0x02  /* never echo the value */
+#define KF_EMPTY_NULL 0x04  /* an empty value stores NULL */
+#define KF_NONEMPTY   0x08  /* an empty value is an error */
+#define KF_MUST_TRUE  0x10  /* bool that may only be true */
+#define KF_WHOLE_SEC  0x20  /* duration in whole seconds */
+#define KF_READABLE   0x40  /* path that must be readable */
+
+typedef struct keydef {
+    const char *key;
+    int         type;
+    unsigned    flags;
+    const char *def;                 /* default, parsed like a value; NULL: none */
+    int64_t     min, max;
+    const char *const *names;        /* KT_ENUM: NULL-terminated */
+    const int  *vals;                /* KT_ENUM: value per name */
+    size_t      off;
+    const char *expect;              /* KT_STR/KT_NAME/KF_MUST_TRUE: what is expected */
+} keydef;
+
+static const char *const log_level_names[] = { "error", "warn", "info", "debug", NULL };
+static const int log_level_vals[] = { CFG_LOG_ERROR, CFG_LOG_WARN, CFG_LOG_INFO, CFG_LOG_DEBUG };
+static const char *const log_format_names[] = { "text", "json", NULL };
+static const int log_format_vals[] = { CFG_LOG_TEXT, CFG_LOG_JSON };
+static const char *const sink_type_names[] = { "rabbitmq", NULL };
+static const int sink_type_vals[] = { CFG_SINK_RABBITMQ };
+static const char *const source_names[] = { "postgres", "sqlserver", "odbc", NULL };
+static const int source_vals[] = { CFG_SOURCE_POSTGRES, CFG_SOURCE_SQLSERVER, CFG_SOURCE_SQLSERVER };
+static const char *const on_sent_names[] = { "mark", "delete", NULL };
+static const int on_sent_vals[] = { CFG_ON_SENT_MARK, CFG_ON_SENT_DELETE };
+static const char *const mode_names[] = { "leader", "competing", NULL };
+static const int mode_vals[] = { CFG_MODE_LEADER, CFG_MODE_COMPETING };
+
+#define DUR_MAX   (3650LL * MS_D)
+#define ENUM(n)   n##_names, n##_vals
+
+#define R(f) offsetof(cfg_relay, f)
+static const keydef relay_keys[] = {
+    { "name",             KT_NAME,   KF_EMPTY_NULL, NULL, 0, 0, NULL, NULL, R(name),
+      "a relay name of 1..128 printable characters without spaces" },
+    { "log_level",        KT_ENUM,   0, "info", 0, 0, ENUM(log_level), R(log_level), NULL },
+    { "log_format",       KT_ENUM,   0, "text", 0, 0, ENUM(log_format), R(log_format), NULL },
+    { "log_file",         KT_STR,    KF_EMPTY_NULL, "", 0, 0, NULL, NULL, R(log_file), "a file path" },
+    { "http_listen",      KT_LISTEN, KF_EMPTY_NULL, "127.0.0.1:9187", 0, 0, NULL, NULL, R(http_listen), NULL },
+    { "shutdown_timeout", KT_DUR,    0, "10s", 0, 24 * MS_H, NULL, NULL, R(shutdown_timeout_ms), NULL },
+};
+#undef R
+
+#define S(f) offsetof(cfg_sink, f)
+static const keydef sink_keys[] = {
+    { "type",             KT_ENUM, 0, "rabbitmq", 0, 0, ENUM(sink_type), S(type), NULL },
+    { "url",              KT_STR,  KF_SECRET | KF_NONEMPTY, DEFAULT_AMQP_URL, 0, 0, NULL, NULL, S(url),
+      "an amqp:// or amqps:// URL" },
+    { "password_file",    KT_SECRET_FILE, KF_EMPTY_NULL, "", 0, 0, NULL, NULL, S(password), NULL },
+    { "publish_window",   KT_INT,  0, "1000", 1, 65535, NULL, NULL, S(publish_window), NULL },
+    { "heartbeat",        KT_DUR,  KF_WHOLE_SEC, "30s", 0, 65535 * MS_S, NULL, NULL, S(heartbeat_ms), NULL },
+    { "confirm_timeout",  KT_DUR,  0, "30s", 10, 24 * MS_H, NULL, NULL, S(confirm_timeout_ms), NULL },
+    { "connect_timeout",  KT_DUR,  0, "5s", 100, MS_H, NULL, NULL, S(connect_timeout_ms), NULL },
+    { "reconnect_max",    KT_DUR,  0, "30s", 10, MS_D, NULL, NULL, S(reconnect_max_ms), NULL },
+    { "max_message_size", KT_SIZE, 0, "128M", 1, 512LL * 1024 * 1024, NULL, NULL, S(max_message_size), NULL },
+    { "confirms",         KT_BOOL, KF_MUST_TRUE, "true", 0, 0, NULL, NULL, S(confirms),
+      "true (publisher confirms are required: a sink without confirms could lose messages)" },
+    { "mandatory",        KT_BOOL, KF_MUST_TRUE, "true", 0, 0, NULL, NULL, S(mandatory),
+      "true (mandatory publishing is required: without it an unroutable message would be "
+      "acknowledged and lost)" },
+    { "tls_ca_file",      KT_STR,  KF_EMPTY_NULL | KF_READABLE, "", 0, 0, NULL, NULL, S(tls_ca_file),
+      "a readable CA bundle file" },
+    { "tls_verify",       KT_BOOL, 0, "true", 0, 0, NULL, NULL, S(tls_verify), NULL },
+};
+#undef S
+
+#define O(f) offsetof(cfg_outbox, f)
+static const keydef outbox_keys[] = {
+    { "source",            KT_ENUM, 0, "postgres", 0, 0, ENUM(source), O(source), NULL },
+    { "conninfo",          KT_STR,  KF_REQUIRED | KF_SECRET | KF_NONEMPTY, NULL, 0, 0, NULL, NULL, O(conninfo),
+      "a libpq conninfo or ODBC connection string" },
+    { "password_file",     KT_SECRET_FILE, KF_EMPTY_NULL, "", 0, 0, NULL, NULL, O(password), NULL },
+    { "database",          KT_STR,  KF_REQUIRED | KF_NONEMPTY, NULL, 0, 0, NULL, NULL, O(database),
+      "the database name the connection must be in" },
+    { "table",             KT_STR,  KF_NONEMPTY, "outbox.messages", 0, 0, NULL, NULL, O(table),
+      "schema.table" },
+    { "sink",              KT_STR,  KF_NONEMPTY, "main", 0, 0, NULL, NULL, O(sink_name),
+      "the NAME of a [sink.NAME] section" },
+    { "batch_size",        KT_INT,  0, "500", 1, 100000, NULL, NULL, O(batch_size), NULL },
+    { "poll_interval",     KT_DUR,  0, "1s", 10, MS_D, NULL, NULL, O(poll_interval_ms), NULL },
+    { "lease",             KT_DUR,  0, "30s", MS_S, MS_D, NULL, NULL, O(lease_ms), NULL },
+    { "max_attempts",      KT_INT,  0, "10", 1, 1000000, NULL, NULL, O(max_attempts), NULL },
+    { "retry_backoff",     KT_DUR,  0, "1s", 10, MS_D, NULL, NULL, O(retry_backoff_ms), NULL },
+    { "retry_backoff_max", KT_DUR,  0, "5m", 10, 30 * MS_D, NULL, NULL, O(retry_backoff_max_ms), NULL },
+    { "on_sent",           KT_ENUM, 0, "mark", 0, 0, ENUM(on_sent), O(on_sent), NULL },
+    { "retention",         KT_DUR,  0, "7d", 0, DUR_MAX, NULL, NULL, O(retention_ms), NULL },
+    { "cleanup_batch",     KT_INT,  0, "1000", 1, 100000, NULL, NULL, O(cleanup_batch), NULL },
+    { "cleanup_interval",  KT_DUR,  0, "10s", 10, MS_D, NULL, NULL, O(cleanup_interval_ms), NULL },
+    { "mode",              KT_ENUM, 0, "leader", 0, 0, ENUM(mode), O(mode), NULL },
+    { "query_timeout",     KT_DUR,  0, "30s", 10, 24 * MS_H, NULL, NULL, O(query_timeout_ms), NULL },
+    { "connect_timeout",   KT_DUR,  0, "5s", 100, MS_H, NULL, NULL, O(connect_timeout_ms), NULL },
+    { "reconnect_max",     KT_DUR,  0, "30s", 10, MS_D, NULL, NULL, O(reconnect_max_ms), NULL },
+};
+#undef O
+
+#define NKEYS(t) (sizeof(t) / sizeof((t)[0]))
+
+/* ------------------------------------------------------------------ */
+/* generic value parsing                                               */
+/* ------------------------------------------------------------------ */
+
+static void expect_text(const keydef *k, char *buf, size_t len)
+{
+    char a[32], b[32];
+    size_t o = 0;
+
+    switch (k->type) {
+    case KT_ENUM:
+        o += (size_t)snprintf(buf + o, len - o, "one of ");
+        for (size_t i = 0; k->names[i] && o < len; i++)
+            o += (size_t)snprintf(buf + o, len - o, "%s%s", i ? " | " : "", k->names[i]);
+        break;
+    case KT_INT:
+        snprintf(buf, len, "an integer %lld..%lld", (long long)k->min, (long long)k->max);
+        break;
+    case KT_DUR:
+        fmt_dur(k->min, a, sizeof a);
+        fmt_dur(k->max, b, sizeof b);
+        snprintf(buf, len, "a duration like 250ms, 30s, 5m, 2h or 7d, %s%s..%s", 
+                 (k->flags & KF_WHOLE_SEC) ? "in whole seconds, " : "", a, b);
+        break;
+    case KT_SIZE:
+        fmt_size((uint64_t)k->min, a, sizeof a);
+        fmt_size((uint64_t)k->max, b, sizeof b);
+        snprintf(buf, len, "a size like 1024, 64k, 16M or 1G, %s..%s", a, b);
+        break;
+    case KT_BOOL:
+        snprintf(buf, len, "%s", (k->flags & KF_MUST_TRUE) ? k->expect : "true | false (or yes | no, on | off, 1 | 0)");
+        break;
+    case KT_LISTEN:
+        snprintf(buf, len, "host:port with a port 1..65535 (IPv6 as [addr]:port), or empty to disable");
+        break;
+    case KT_SECRET_FILE:
+        snprintf(buf, len, "a readable file");
+        break;
+    default:
+        snprintf(buf, len, "%s", k->expect ? k->expect : "a value");
+        break;
+    }
+}
+
+static bool name_ok(const char *v)
+{
+    size_t n = strlen(v);
+
+    if (n == 0 || n > 128)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        if ((unsigned char)v[i] <= 0x20 || (unsigned char)v[i] >= 0x7f)
+            return false;
+    return true;
+}
+
+/* host:port, [v6]:port; port 1..65535. */
+static bool listen_ok(const char *v)
+{
+    const char *colon, *host_end;
+    int64_t port;
+
+    if (v[0] == '[') {
+        const char *close = strchr(v, ']');
+        if (!close || close == v + 1 || close[1] != ':')
+            return false;
+        for (const char *c = v + 1; c < close; c++)
+            if (!isxdigit((unsigned char)*c) && *c != ':' && *c != '.')
+                return false;
+        colon = close + 1;
+        host_end = close;
+    } else {
+        colon = strrchr(v, ':');
+        if (!colon || colon == v)
+            return false;
+        for (const char *c = v; c < colon; c++)
+            if (!host_char_ok((unsigned char)*c))
+                return false;
+        host_end = colon;
+    }
+    (void)host_end;
+    if (!isdigit((unsigned char)colon[1]))
+        return false;
+    return cfg_parse_int(colon + 1, 1, 65535, &port) == 0;
+}
+
+/* Parses one value (already expanded) into base+k->off. Reports and returns -1 on error. */
+static int apply_value(loader *L, const char *sec, const keydef *k, const char *v, void *base)
+{
+    char *field = (char *)base + k->off;
+    char exp[512], qb[200];
+    int64_t i64;
+    size_t sz;
+    bool b;
+
+    expect_text(k, exp, sizeof exp);
+#define BAD() do {                                                             \
+        if (k->flags & KF_SECRET)                                              \
+            lerr(L, sec, k->key, "expected %s, got <secret>", exp);           \
+        else                                                                   \
+            lerr(L, sec, k->key, "expected %s, got %s", exp, q(v, qb, sizeof qb)); \
+        return -1;                                                             \
+    } while (0)
+
+    if (*v == '\0' && (k->flags & KF_NONEMPTY)) {
+        lerr(L, sec, k->key, "expected %s, got an empty value", exp);
+        return -1;
+    }
+
+    switch (k->type) {
+    case KT_STR:
+    case KT_NAME:
+    case KT_LISTEN: {
+        char **dst = (char **)(void *)field;
+        char *copy;
+
+        if (*v == '\0' && (k->flags & KF_EMPTY_NULL)) {
+            free(*dst);
+            *dst = NULL;
+            return 0;
+        }
+        if (k->type == KT_NAME && !name_ok(v))
+            BAD();
+        if (k->type == KT_LISTEN && !listen_ok(v))
+            BAD();
+        if (k->flags & KF_READABLE) {
+            if (access(v, R_OK) < 0) {
+                lerr(L, sec, k->key, "expected %s, got %s (%s)", exp, q(v, qb, sizeof qb), strerror(errno));
+                return -1;
+            }
+        }
+        if (!(copy = strdup(v))) {
+            lerr(L, sec, k->key, "out of memory");
+            return -1;
+        }
+        if (k->flags & KF_SECRET)
+            free_secret(*dst);
+        else
+            free(*dst);
+        *dst = copy;   /* the cfg owns it */
+        return 0;
+    }
+    case KT_SECRET_FILE: {
+        char **dst = (char **)(void *)field;
+        char *content;
+
+        if (*v == '\0') {
+            free_secret(*dst);
+            *dst = NULL;
+            return 0;
+        }
+        if (!(content = read_secret_file(L, sec, k->key, v)))
+            return -1;
+        free_secret(*dst);
+        *dst = content;
+        return 0;
+    }
+    case KT_ENUM:
+        for (size_t i = 0; k->names[i]; i++) {
+            if (strcasecmp(v, k->names[i]) == 0) {
+                *(int *)(void *)field = k->vals[i];
+                return 0;
+            }
+        }
+        BAD();
+    case KT_INT:
+        if (cfg_parse_int(v, k->min, k->max, &i64) < 0)
+            BAD();
+        *(int *)(void *)field = (int)i64;
+        return 0;
+    case KT_DUR:
+        if (cfg_parse_duration_ms(v, &i64) < 0 || i64 < k->min || i64 > k->max)
+            BAD();
+        if ((k->flags & KF_WHOLE_SEC) && i64 % MS_S != 0)
+            BAD();
+        *(int64_t *)(void *)field = i64;
+        return 0;
+    case KT_SIZE:
+        if (cfg_parse_size(v, &sz) < 0 || (uint64_t)sz < (uint64_t)k->min || (uint64_t)sz > (uint64_t)k->max)
+            BAD();
+        *(size_t *)(void *)field = sz;
+        return 0;
+    case KT_BOOL:
+        if (cfg_parse_bool(v, &b) < 0)
+            BAD();
+        if ((k->flags & KF_MUST_TRUE) && !b)
+            BAD();
+        *(bool *)(void *)field = b;
+        return 0;
+    default:
+        break;
+    }
+#undef BAD
+    lerr(L, sec, k->key, "internal error: unknown key type");
+    return -1;
+}
+
+static const keydef *find_key(const keydef *t, size_t n, const char *key)
+{
+    for (size_t i = 0; i < n; i++)
+        if (strcmp(t[i].key, key) == 0)
+            return &t[i];
+    return NULL;
+}
+
+/* Reports keys of section sec that are not in the table. */
+static void check_unknown_keys(loader *L, const char *sec, const keydef *t, size_t n)
+{
+    size_t slen = strlen(sec);
+    dictionary *d = L->d;
+
+    for (ssize_t i = 0; i < d->size; i++) {
+        const char *k = d->key[i];
+        char list[512];
+        size_t o = 0;
+
+        if (!k || !d->val[i] || strncmp(k, sec, slen) != 0 || k[slen] != ':')
+            continue;
+        if (find_key(t, n, k + slen + 1))
+            continue;
+        for (size_t j = 0; j < n && o < sizeof list; j++)
+            o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", j ? ", " : "", t[j].key);
+        lerr(L, sec, k + slen + 1, "unknown key, expected one of %s", list);
+    }
+}
+
+/* Applies every key of the table to base: the file's value (expanded) or the default. */
+static void apply_section(loader *L, const char *sec, const keydef *t, size_t n, void *base)
+{
+    char full[512];
+
+    for (size_t i = 0; i < n; i++) {
+        const keydef *k = &t[i];
+        const char *raw;
+        char *v;
+
+        snprintf(full, sizeof full, "%s:%s", sec, k->key);
+        raw = iniparser_getstring(L->d, full, NULL);
+        if (!raw) {
+            if (k->flags & KF_REQUIRED) {
+                char exp[512];
+                expect_text(k, exp, sizeof exp);
+                lerr(L, sec, k->key, "expected %s (required), got nothing", exp);
+                continue;
+            }
+            if (k->def)
+                apply_value(L, sec, k, k->def, base);
+            continue;
+        }
+        if (!(v = expand_env(L, sec, k->key, raw)))
+            continue;
+        apply_value(L, sec, k, v, base);
+        free_secret(v);
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* sections                                                            */
+/* ------------------------------------------------------------------ */
+
+static bool section_name_ok(const char *n)
+{
+    size_t len = strlen(n);
+
+    if (len == 0 || len > NAME_MAX_LEN)
+        return false;
+    for (size_t i = 0; i < len; i++)
+        if (!isalnum((unsigned char)n[i]) && n[i] != '_' && n[i] != '-' && n[i] != '.')
+            return false;
+    return true;
+}
+
+static void default_relay_name(loader *L, cfg_relay *r)
+{
+    char host[256];
+
+    if (r->name)
+        return;
+    if (gethostname(host, sizeof host) < 0)
+        snprintf(host, sizeof host, "localhost");
+    host[sizeof host - 1] = '\0';
+    if (asprintf(&r->name, "%s:%ld", host, (long)getpid()) < 0) {
+        r->name = NULL;
+        lerr(L, "relay", "name", "out of memory");
+    }
+}
+
+static void finish_sink(loader *L, const char *sec, cfg_sink *s)
+{
+    char why[200];
+
+    if (!s->url)
+        return;   /* already reported */
+    if (cfg_parse_amqp_url(s->url, s, why, sizeof why) < 0) {
+        lerr(L, sec, "url", "expected an amqp:// or amqps:// URL like amqp://user:pass@host:5672/vhost, "
+             "got <secret> (%s)", why);
+        return;
+    }
+    if (s->password) {
+        char *p = strdup(s->password);
+        if (!p) {
+            lerr(L, sec, "password_file", "out of memory");
+            return;
+        }
+        free_secret(s->pass);
+        s->pass = p;   /* password_file overrides the URL's password */
+    }
+    if (s->tls_ca_file && !s->tls) {
+        char qb[300];
+        lerr(L, sec, "tls_ca_file", "expected an amqps:// url when tls_ca_file is set, got %s with an amqp:// url",
+             q(s->tls_ca_file, qb, sizeof qb));
+    }
+}
+
+static void finish_outbox(loader *L, const char *sec, cfg_outbox *o)
+{
+    char qb[300];
+
+    if (o->table) {
+        outbox_table_name tn;
+        char why[200];
+
+        memset(&tn, 0, sizeof tn);
+        why[0] = '\0';
+        if (outbox_table_parse(o->table, &tn, why, sizeof why) < 0) {
+            lerr(L, sec, "table", "expected schema.table with each part matching [A-Za-z_][A-Za-z0-9_]* "
+                 "(at most 63 bytes), got %s (%s)", q(o->table, qb, sizeof qb), why[0] ? why : "invalid");
+        } else {
+            snprintf(o->schema_part, sizeof o->schema_part, "%s", tn.schema);
+            snprintf(o->table_part, sizeof o->table_part, "%s", tn.table);
+            snprintf(o->dead_part, sizeof o->dead_part, "%s", tn.dead);
+        }
+    }
+    if (o->conninfo && o->source == CFG_SOURCE_POSTGRES) {
+        char *perr = NULL;
+        PQconninfoOption *opts = PQconninfoParse(o->conninfo, &perr);
+
+        if (!opts)   /* libpq's message may quote the string: never echo it */
+            lerr(L, sec, "conninfo", "expected a libpq conninfo (key=value ... or postgresql:// URI), "
+                 "got <secret> (libpq cannot parse it)");
+        PQconninfoFree(opts);
+        PQfreemem(perr);
+    }
+    if (o->retry_backoff_ms > o->retry_backoff_max_ms) {
+        char a[32], b[32];
+        fmt_dur(o->retry_backoff_ms, a, sizeof a);
+        fmt_dur(o->retry_backoff_max_ms, b, sizeof b);
+        lerr(L, sec, "retry_backoff_max", "expected a duration of at least retry_backoff (%s), got \"%s\"", a, b);
+    }
+}
+
+static void free_sink(cfg_sink *s)
+{
+    free(s->name);
+    free_secret(s->url);
+    free_secret(s->password);
+    free(s->host);
+    free(s->user);
+    free_secret(s->pass);
+    free(s->vhost);
+    free(s->tls_ca_file);
+}
+
+static void free_outbox(cfg_outbox *o)
+{
+    free(o->name);
+    free_secret(o->conninfo);
+    free_secret(o->password);
+    free(o->database);
+    free(o->table);
+    free(o->sink_name);
+}
+
+void cfg_free(cfg *c)
+{
+    if (!c)
+        return;
+    free(c->path);
+    free(c->relay.name);
+    free(c->relay.log_file);
+    free(c->relay.http_listen);
+    for (size_t i = 0; i < c->n_sinks; i++)
+        free_sink(&c->sinks[i]);
+    free(c->sinks);
+    for (size_t i = 0; i < c->n_outboxes; i++)
+        free_outbox(&c->outboxes[i]);
+    free(c->outboxes);
+    free(c);
+}
+
+/* iniparser reports syntax errors through a process-wide callback; capture the
+ * first message so it can become one error line (cfg_load runs on main's thread). */
+static _Thread_local char ini_msg[512];
+
+static int ini_error_cb(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int ini_error_cb(const char *fmt, ...)
+{
+    va_list ap;
+
+    if (ini_msg[0])
+        return 0;
+    va_start(ap, fmt);
+    vsnprintf(ini_msg, sizeof ini_msg, fmt, ap);
+    va_end(ap);
+    return 0;
+}
+
+/* iniparser ends an unquoted value at the first ';' or '#', so
+ *   conninfo = Driver={ODBC Driver 18 for SQL Server};Server=db
+ * silently becomes "Driver={ODBC Driver 18 for SQL Server}". A comment has
+ * whitespace before its ';'/'#'; a value cut where none is, is an error
+ * (without echoing it: it may be a secret). */
+static void check_cut_values(loader *L)
+{
+    char section[256] = "", *line = NULL;
+    size_t cap = 0;
+    bool continued = false;
+    FILE *f = fopen(L->file, "r");
+
+    if (!f)
+        return;   /* iniparser just read it; nothing more to say */
+    while (getline(&line, &cap, f) > 0) {
+        char *p = line, *eq, *v, *cut, key[256];
+        size_t n = strlen(line), kl;
+        bool was_continued = continued;
+
+        while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r' || line[n - 1] == ' ' || line[n - 1] == '\t'))
+            line[--n] = '\0';
+        continued = n > 0 && line[n - 1] == '\\';
+        if (was_continued)
+            continue;
+        while (*p == ' ' || *p == '\t')
+            p++;
+        if (*p == ';' || *p == '#' || *p == '\0')
+            continue;
+        if (*p == '[') {
+            char *close = strchr(p, ']');
+            size_t sl = close ? (size_t)(close - p - 1) : 0;
+            if (close && sl < sizeof section) {
+                for (size_t i = 0; i < sl; i++)
+                    section[i] = (char)tolower((unsigned char)p[1 + i]);
+                section[sl] = '\0';
+                /* iniparser trims the name */
+                while (sl > 0 && (section[sl - 1] == ' ' || section[sl - 1] == '\t'))
+                    section[--sl] = '\0';
+            }
+            continue;
+        }
+        if (!(eq = strchr(p, '=')))
+            continue;
+        kl = (size_t)(eq - p);
+        while (kl > 0 && (p[kl - 1] == ' ' || p[kl - 1] == '\t'))
+            kl--;
+        if (kl == 0 || kl >= sizeof key)
+            continue;
+        for (size_t i = 0; i < kl; i++)
+            key[i] = (char)tolower((unsigned char)p[i]);
+        key[kl] = '\0';
+        v = eq + 1;
+        while (*v == ' ' || *v == '\t')
+            v++;
+        if (*v == '"' || *v == '\'')
+            continue;
+        cut = v + strcspn(v, ";#");
+        if (*cut && cut > v && cut[-1] != ' ' && cut[-1] != '\t') {
+            lerr(L, section, key, "expected the value in quotes because it contains '%c' (an unquoted ';' or '#' "
+                 "starts a comment and would cut the value), got an unquoted value", *cut);
+        }
+    }
+    free(line);
+    fclose(f);
+}
+
+/* Is key (a dictionary key "sec:key") inside one of the dictionary's sections? */
+static const char *key_section(dictionary *d, const char *key, size_t *seclen)
+{
+    const char *best = NULL;
+    size_t bestlen = 0;
+
+    for (ssize_t i = 0; i < d->size; i++) {
+        const char *s = d->key[i];
+        size_t n;
+
+        if (!s || d->val[i])
+            continue;   /* sections have NULL values */
+        n = strlen(s);
+        if (n > bestlen && strncmp(key, s, n) == 0 && key[n] == ':') {
+            best = s;
+            bestlen = n;
+        }
+    }
+    *seclen = bestlen;
+    return best;
+}
+
+int cfg_load(const char *path, cfg **out, cfg_errors *errs)
+{
+    loader L = { path ? path : "(null)", NULL, errs, 0 };
+    cfg *c = NULL;
+    FILE *f;
+    size_t n_sinks = 0, n_outboxes = 0;
+
+    *out = NULL;
+    if (!path) {
+        lerr(&L, NULL, NULL, "cannot open: no file given");
+        return -1;
+    }
+    /* iniparser only says "cannot open": check first so the line carries the reason */
+    if (!(f = fopen(path, "r"))) {
+        lerr(&L, NULL, NULL, "cannot open: %s", strerror(errno));
+        return -1;
+    }
+    {
+        struct stat st;
+        int is_dir = fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode);
+
+        fclose(f);
+        if (is_dir) {
+            lerr(&L, NULL, NULL, "cannot open: %s", strerror(EISDIR));
+            return -1;
+        }
+    }
+
+    ini_msg[0] = '\0';
+    iniparser_set_error_callback(ini_error_cb);
+    L.d = iniparser_load(path);
+    iniparser_set_error_callback(NULL);
+    if (!L.d) {
+        const char *lp = strrchr(ini_msg, '(');
+        int line = 0;
+
+        /* iniparser's message quotes the offending line (maybe a secret): keep only its number */
+        if (lp && sscanf(lp, "(%d)", &line) == 1 && line > 0)
+            lerr(&L, NULL, NULL, "line %d: cannot parse: expected [section], key = value or a ; comment%s",
+                 line, strstr(ini_msg, "too long") ? " (line too long: at most 1024 bytes)" : "");
+        else
+            lerr(&L, NULL, NULL, "cannot parse the ini file");
+        return -1;
+    }
+
+    if (!(c = calloc(1, sizeof *c)) || !(c->path = strdup(path))) {
+        lerr(&L, NULL, NULL, "out of memory");
+        goto fail;
+    }
+
+    check_cut_values(&L);
+
+    /* pass 1: classify sections, count, report strays */
+    for (ssize_t i = 0; i < L.d->size; i++) {
+        const char *k = L.d->key[i];
+
+        if (!k)
+            continue;
+        if (L.d->val[i]) {   /* a key: must be inside a section */
+            size_t sl;
+            if (!key_section(L.d, k, &sl)) {
+                const char *colon = strchr(k, ':');
+                lerr(&L, "", colon ? colon + 1 : k,
+                     "key outside any section, expected it under [relay], [sink.NAME] or [outbox.NAME]");
+            }
+            continue;
+        }
+        if (strcmp(k, "relay") == 0)
+            continue;
+        if (strncmp(k, "sink.", 5) == 0 && section_name_ok(k + 5)) {
+            n_sinks++;
+            continue;
+        }
+        if (strncmp(k, "outbox.", 7) == 0 && section_name_ok(k + 7)) {
+            n_outboxes++;
+            continue;
+        }
+        if (strncmp(k, "sink.", 5) == 0 || strncmp(k, "outbox.", 7) == 0)
+            lerr(&L, k, NULL, "bad section name, expected [sink.NAME] or [outbox.NAME] with NAME of 1..63 "
+                 "characters [a-z0-9_.-] (names are case-insensitive)");
+        else
+            lerr(&L, k, NULL, "unknown section, expected [relay], [sink.NAME] or [outbox.NAME]");
+    }
+
+    if (n_sinks && !(c->sinks = calloc(n_sinks, sizeof *c->sinks))) {
+        lerr(&L, NULL, NULL, "out of memory");
+        goto fail;
+    }
+    if (n_outboxes && !(c->outboxes = calloc(n_outboxes, sizeof *c->outboxes))) {
+        lerr(&L, NULL, NULL, "out of memory");
+        goto fail;
+    }
+
+    /* pass 2: [relay] (optional; defaults when absent) */
+    check_unknown_keys(&L, "relay", relay_keys, NKEYS(relay_keys));
+    apply_section(&L, "relay", relay_keys, NKEYS(relay_keys), &c->relay);
+    default_relay_name(&L, &c->relay);
+
+    /* pass 3: sinks and outboxes in file order */
+    for (ssize_t i = 0; i < L.d->size; i++) {
+        const char *k = L.d->key[i];
+
+        if (!k || L.d->val[i])
+            continue;
+        if (strncmp(k, "sink.", 5) == 0 && section_name_ok(k + 5)) {
+            cfg_sink *s = &c->sinks[c->n_sinks++];
+            if (!(s->name = strdup(k + 5))) {
+                lerr(&L, k, NULL, "out of memory");
+                continue;
+            }
+            check_unknown_keys(&L, k, sink_keys, NKEYS(sink_keys));
+            apply_section(&L, k, sink_keys, NKEYS(sink_keys), s);
+            finish_sink(&L, k, s);
+        } else if (strncmp(k, "outbox.", 7) == 0 && section_name_ok(k + 7)) {
+            cfg_outbox *o = &c->outboxes[c->n_outboxes++];
+            if (!(o->name = strdup(k + 7))) {
+                lerr(&L, k, NULL, "out of memory");
+                continue;
+            }
+            check_unknown_keys(&L, k, outbox_keys, NKEYS(outbox_keys));
+            apply_section(&L, k, outbox_keys, NKEYS(outbox_keys), o);
+            finish_outbox(&L, k, o);
+        }
+    }
+
+    /* pass 4: cross-section checks */
+    if (c->n_outboxes == 0)
+        lerr(&L, "outbox.NAME", NULL, "missing section, expected at least one [outbox.NAME] section");
+    for (size_t i = 0; i < c->n_outboxes; i++) {
+        cfg_outbox *o = &c->outboxes[i];
+        char sec[80], qb[200];
+
+        if (!o->sink_name)
+            continue;
+        for (size_t j = 0; j < c->n_sinks; j++)
+            if (c->sinks[j].name && strcasecmp(c->sinks[j].name, o->sink_name) == 0)
+                o->sink = &c->sinks[j];
+        if (!o->sink) {
+            snprintf(sec, sizeof sec, "outbox.%s", o->name ? o->name : "");
+            lerr(&L, sec, "sink", "expected the NAME of a [sink.NAME] section, got %s (no [sink.%s] section "
+                 "in this file; names are case-insensitive)", q(o->sink_name, qb, sizeof qb), o->sink_name);
+        }
+    }
+
+    if (L.nerr)
+        goto fail;
+    iniparser_freedict(L.d);
+    *out = c;   /* the caller owns the cfg */
+    return 0;
+
+fail:
+    if (L.d)
+        iniparser_freedict(L.d);
+    cfg_free(c);
+    return -1;
+}

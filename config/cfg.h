@@ -1,0 +1,116 @@
+/*
+ * cfg.h — the relay's configuration (SPEC §5): parse → validate → use.
+ *
+ * cfg_load() reads an ini file with iniparser, takes every value as a raw
+ * string and parses it strictly itself. It never touches live state: on any
+ * error the caller gets NULL and one line per problem, each naming the file,
+ * the section, the key and what was expected, e.g.
+ *   relay.ini: [outbox.orders] batch_size: expected an integer 1..100000, got "abc"
+ * Secrets (${ENV} in any value, *_file keys) are resolved here and never logged.
+ */
+#ifndef CFG_H
+#define CFG_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+enum cfg_log_level  { CFG_LOG_ERROR = 0, CFG_LOG_WARN, CFG_LOG_INFO, CFG_LOG_DEBUG };
+enum cfg_log_format { CFG_LOG_TEXT = 0, CFG_LOG_JSON };
+enum cfg_source     { CFG_SOURCE_POSTGRES = 0, CFG_SOURCE_SQLSERVER };
+enum cfg_on_sent    { CFG_ON_SENT_MARK = 0, CFG_ON_SENT_DELETE };
+enum cfg_mode       { CFG_MODE_LEADER = 0, CFG_MODE_COMPETING };
+enum cfg_sink_type  { CFG_SINK_RABBITMQ = 0 };
+
+typedef struct cfg_relay {
+    char   *name;               /* default: hostname:pid */
+    int     log_level;          /* enum cfg_log_level, default info */
+    int     log_format;         /* enum cfg_log_format, default text */
+    char   *log_file;           /* NULL: stderr; reopened on SIGHUP */
+    char   *http_listen;        /* "127.0.0.1:9187" default; NULL when empty (disabled) */
+    int64_t shutdown_timeout_ms;/* default 10s */
+} cfg_relay;
+
+typedef struct cfg_sink {
+    char   *name;               /* the part after "sink." */
+    int     type;               /* enum cfg_sink_type; only rabbitmq */
+    char   *url;                /* amqp[s]://user:pass@host:port/vhost, default amqp://guest:guest@127.0.0.1:5672/%2f */
+    char   *password;           /* from password_file (overrides the URL's), or NULL */
+    /* parsed URL (password applied) */
+    char   *host;
+    int     port;
+    char   *user;
+    char   *pass;               /* secret: never log */
+    char   *vhost;              /* decoded */
+    bool    tls;                /* amqps */
+    char   *tls_ca_file;        /* tls_ca_file key, NULL: system default */
+    bool    tls_verify;         /* tls_verify, default true */
+    int     publish_window;     /* default 1000, 1..65535 */
+    int64_t heartbeat_ms;       /* default 30s; 0 disables */
+    int64_t confirm_timeout_ms; /* default 30s */
+    int64_t connect_timeout_ms; /* default 5s */
+    int64_t reconnect_max_ms;   /* capped back-off ceiling, default 30s */
+    size_t  max_message_size;   /* default 128 MiB (RabbitMQ's default); bigger rows are dead-lettered */
+    bool    confirms;           /* must be true: a sink without publisher confirms is refused */
+    bool    mandatory;          /* default true; false is refused too (unroutable would be lost) */
+} cfg_sink;
+
+typedef struct cfg_outbox {
+    char   *name;               /* the part after "outbox." */
+    int     source;             /* enum cfg_source */
+    char   *conninfo;           /* libpq conninfo or ODBC connection string (secret-bearing: never log) */
+    char   *password;           /* from password_file, or NULL; the source applies it */
+    char   *database;           /* required; compared byte for byte */
+    char   *table;              /* "schema.table" as configured, default outbox.messages */
+    char    schema_part[64];    /* validated parts of table */
+    char    table_part[64];
+    char    dead_part[64];      /* dead-letter table name (same schema) */
+    char   *sink_name;          /* default "main" */
+    const struct cfg_sink *sink;/* resolved, points into cfg.sinks */
+    int     batch_size;         /* default 500 */
+    int64_t poll_interval_ms;   /* default 1s */
+    int64_t lease_ms;           /* default 30s */
+    int     max_attempts;       /* default 10 */
+    int64_t retry_backoff_ms;   /* first retry delay, doubled per attempt; default 1s */
+    int64_t retry_backoff_max_ms;/* cap, default 5m */
+    int     on_sent;            /* enum cfg_on_sent, default mark */
+    int64_t retention_ms;       /* default 7d */
+    int     cleanup_batch;      /* rows deleted per retention statement, default 1000 */
+    int64_t cleanup_interval_ms;/* default 10s */
+    int     mode;               /* enum cfg_mode, default leader */
+    int64_t query_timeout_ms;   /* statement timeout for the relay's queries, default 30s */
+    int64_t connect_timeout_ms; /* default 5s */
+    int64_t reconnect_max_ms;   /* default 30s */
+} cfg_outbox;
+
+typedef struct cfg {
+    char       *path;
+    cfg_relay   relay;
+    cfg_sink   *sinks;
+    size_t      n_sinks;
+    cfg_outbox *outboxes;
+    size_t      n_outboxes;
+} cfg;
+
+/* A growable list of error lines (each already prefixed with the file name). */
+typedef struct cfg_errors {
+    char  **lines;
+    size_t  n;
+} cfg_errors;
+
+/* Loads and validates path. Returns 0 and *out, or -1 with errs filled (*out NULL). */
+int  cfg_load(const char *path, cfg **out, cfg_errors *errs);
+void cfg_free(cfg *c);
+void cfg_errors_clear(cfg_errors *e);
+
+/* Strict scalar parsers (exposed for unit tests). Return 0 or -1. */
+int cfg_parse_duration_ms(const char *s, int64_t *out);   /* "250ms" "1s" "5m" "2h" "7d"; bare = seconds */
+int cfg_parse_int(const char *s, int64_t min, int64_t max, int64_t *out);
+int cfg_parse_bool(const char *s, bool *out);             /* true/false/yes/no/on/off/1/0 */
+int cfg_parse_size(const char *s, size_t *out);           /* "1024", "64k", "16M", "1G" */
+/* Parses an AMQP URL into the sink's host/port/user/pass/vhost/tls fields. */
+int cfg_parse_amqp_url(const char *url, cfg_sink *s, char *err, size_t errlen);
+
+const char *cfg_log_level_name(int level);
+
+#endif

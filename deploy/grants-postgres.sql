@@ -1,0 +1,69 @@
+-- Least-privilege roles for outbox-relay on PostgreSQL (SPEC §7).
+--
+-- Run as the owner of the outbox tables (the role that ran `outbox-relay init`, or a
+-- superuser), in the application database, AFTER the tables exist:
+--     outbox-relay schema --dialect postgres | psql -v ON_ERROR_STOP=1 -d app   (or: outbox-relay init -c relay.ini)
+--     psql -v ON_ERROR_STOP=1 -d app -f grants-postgres.sql
+-- Idempotent: running it twice is safe.
+--
+-- Names used: schema "outbox", outbox table outbox.messages, dead-letter table
+-- outbox.messages_dead (the defaults). For another table (relay.ini `table = S.T`), replace
+-- every outbox.messages with S.T and outbox.messages_dead with S.T_dead (the dead table is
+-- always <table>_dead, shortened with a hash when longer than 63 bytes: see
+-- `outbox-relay schema --table S.T` for the exact name), and "outbox" in the schema grants by S.
+--
+-- The two roles are NOLOGIN groups; give your login roles membership:
+--     CREATE ROLE orders_app LOGIN PASSWORD '...' IN ROLE outbox_producer;
+--     CREATE ROLE relay      LOGIN PASSWORD '...' IN ROLE outbox_relay;
+-- (or GRANT outbox_producer TO existing_app_role;)
+--
+-- What each needs and why:
+--   outbox_producer  INSERT on the outbox, USAGE on the schema (name lookup; the table-exists
+--                    check uses to_regclass()). Duplicate message_ids are detected with
+--                    INSERT ... ON CONFLICT DO NOTHING and the row count: PostgreSQL requires
+--                    SELECT on the arbiter columns when a conflict target is named
+--                    (ON CONFLICT (message_id)), and SELECT for RETURNING; a producer that
+--                    needs either must add: GRANT SELECT (message_id) ON outbox.messages TO
+--                    outbox_producer;  — tests/test_grants.py checks the INSERT-only form. The
+--                    identity column needs no sequence grant. The AFTER INSERT NOTIFY trigger
+--                    runs pg_notify(), which PUBLIC may execute.
+--   outbox_relay     SELECT/UPDATE/DELETE on the outbox (claim with FOR UPDATE SKIP LOCKED,
+--                    lease, mark sent, retention cleanup), INSERT on the outbox
+--                    (`outbox-relay dead retry`), SELECT/INSERT/DELETE on the dead-letter table
+--                    (dead-lettering, `dead list|retry|purge`). The relay's settle statement
+--                    moves rows to the dead table with INSERT ... ON CONFLICT (id) DO UPDATE,
+--                    and PostgreSQL checks UPDATE for that clause on every execution, so the
+--                    relay also has UPDATE on the dead table (drop it if that clause goes).
+--                    `dead retry` re-inserts with OVERRIDING SYSTEM VALUE: INSERT is enough.
+--                    Leader election uses pg_try_advisory_lock() and wake-ups use LISTEN:
+--                    neither needs a grant.
+--   Neither role may create, alter, drop or truncate anything. `outbox-relay init` (DDL) is
+--   run by the table owner / migration role, not by these roles.
+
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outbox_producer') THEN
+        CREATE ROLE outbox_producer NOLOGIN;
+    END IF;
+    IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'outbox_relay') THEN
+        CREATE ROLE outbox_relay NOLOGIN;
+    END IF;
+END
+$$;
+
+-- Start from nothing on these objects (PUBLIC has no table rights by default; be explicit).
+REVOKE ALL ON SCHEMA outbox FROM PUBLIC;
+REVOKE ALL ON TABLE outbox.messages, outbox.messages_dead FROM PUBLIC;
+REVOKE ALL ON TABLE outbox.messages, outbox.messages_dead FROM outbox_producer, outbox_relay;
+
+GRANT USAGE ON SCHEMA outbox TO outbox_producer, outbox_relay;
+
+-- producer: INSERT only
+GRANT INSERT ON TABLE outbox.messages TO outbox_producer;
+
+-- relay: drain, settle, clean up, retry
+GRANT SELECT, UPDATE, DELETE, INSERT ON TABLE outbox.messages TO outbox_relay;
+GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE outbox.messages_dead TO outbox_relay;
+
+-- Optional, for `outbox-relay stats` run as the relay role: reading pg_stat_user_tables
+-- needs no grant; nothing else is required.

@@ -1,0 +1,54 @@
+-- Least-privilege roles for outbox-relay on SQL Server (SPEC §7).
+--
+-- Run as db_owner in the application database, AFTER the tables exist
+-- (`outbox-relay schema --dialect sqlserver` | sqlcmd, or `outbox-relay init -c relay.ini`):
+--     sqlcmd -C -b -S host -d app -U sa -i grants-sqlserver.sql
+-- Idempotent (GRANT is; roles are created only when missing).
+--
+-- Names used: [outbox].[messages] and [outbox].[messages_dead] (the defaults). For another
+-- table (relay.ini `table = S.T`) replace them by [S].[T] and [S].[T_dead] (see
+-- `outbox-relay schema --dialect sqlserver --table S.T` for the exact dead-letter name).
+--
+-- Give logins membership, e.g.:
+--     CREATE LOGIN orders_app WITH PASSWORD = N'...';   CREATE USER orders_app FOR LOGIN orders_app;
+--     ALTER ROLE outbox_producer ADD MEMBER orders_app;
+--     CREATE LOGIN relay WITH PASSWORD = N'...';        CREATE USER relay FOR LOGIN relay;
+--     ALTER ROLE outbox_relay ADD MEMBER relay;
+--
+-- What each needs and why:
+--   outbox_producer  INSERT on the outbox. liboutbox also reads message_id (and only that
+--                    column) to report a duplicate without raising a unique violation
+--                    (INSERT ... WHERE NOT EXISTS (SELECT 1 ... WITH (UPDLOCK, HOLDLOCK) WHERE
+--                    message_id = ...)), and its table-exists check selects no column
+--                    (SELECT TOP (0) ...), so it gets column-level SELECT on message_id: it
+--                    still cannot read payloads, routing keys or headers, update or delete.
+--   outbox_relay     SELECT/UPDATE/DELETE on the outbox (claim with UPDATE ... READPAST,
+--                    UPDLOCK, ROWLOCK ... OUTPUT, mark sent, retention cleanup), INSERT on the
+--                    outbox, SELECT/INSERT/DELETE on the dead-letter table (DELETE ... OUTPUT
+--                    INTO the dead table; `dead list|purge`). Leader election uses
+--                    sp_getapplock with a session owner: no grant needed.
+--   outbox_admin     optional, for `outbox-relay dead retry` only: it re-inserts dead rows
+--                    with their original id (SET IDENTITY_INSERT), which SQL Server allows
+--                    only with ALTER on the table. Keep it out of the always-running relay:
+--                    run `dead retry` with a separate login that is a member of outbox_admin.
+--   Nobody here may create, drop or truncate; `outbox-relay init` runs as db_owner.
+
+IF DATABASE_PRINCIPAL_ID(N'outbox_producer') IS NULL EXEC(N'CREATE ROLE [outbox_producer]');
+IF DATABASE_PRINCIPAL_ID(N'outbox_relay') IS NULL EXEC(N'CREATE ROLE [outbox_relay]');
+IF DATABASE_PRINCIPAL_ID(N'outbox_admin') IS NULL EXEC(N'CREATE ROLE [outbox_admin]');
+GO
+
+-- producer: INSERT, plus reading the idempotency key for the duplicate check
+GRANT INSERT ON OBJECT::[outbox].[messages] TO [outbox_producer];
+GRANT SELECT ([message_id]) ON OBJECT::[outbox].[messages] TO [outbox_producer];
+GO
+
+-- relay: drain, settle, clean up, dead-letter
+GRANT SELECT, INSERT, UPDATE, DELETE ON OBJECT::[outbox].[messages] TO [outbox_relay];
+GRANT SELECT, INSERT, DELETE ON OBJECT::[outbox].[messages_dead] TO [outbox_relay];
+GO
+
+-- admin (optional): `outbox-relay dead retry` needs IDENTITY_INSERT, i.e. ALTER on the outbox
+GRANT SELECT, INSERT, UPDATE, DELETE, ALTER ON OBJECT::[outbox].[messages] TO [outbox_admin];
+GRANT SELECT, INSERT, DELETE ON OBJECT::[outbox].[messages_dead] TO [outbox_admin];
+GO

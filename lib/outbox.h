@@ -1,0 +1,96 @@
+/*
+ * outbox.h — liboutbox: write messages into a transactional outbox table
+ * inside the caller's own database transaction.
+ *
+ * The library never begins, commits, rolls back, closes, reconnects or
+ * retries. A rollback after a successful send removes the message too.
+ * A queue handle is immutable once created and may be shared between
+ * threads; a database connection is used by one thread at a time.
+ *
+ * Backends: outbox_pg.h (libpq), outbox_odbc.h (ODBC: SQL Server, or
+ * PostgreSQL through psqlODBC).
+ */
+#ifndef OUTBOX_H
+#define OUTBOX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define OUTBOX_VERSION_STRING "0.1.0"
+
+/* Status codes. Positive: success with a remark; negative: nothing written. */
+enum {
+    OUTBOX_OK        = 0,
+    OUTBOX_DUPLICATE = 1,  /* message_id already in the outbox; transaction intact */
+    OUTBOX_EINVAL    = -1, /* invalid argument; the message names the field */
+    OUTBOX_ENOTXN    = -2, /* connection not inside an open, healthy transaction */
+    OUTBOX_EDBNAME   = -3, /* connected database differs from the queue's database */
+    OUTBOX_ENOSCHEMA = -4, /* outbox table missing: run `outbox-relay init` */
+    OUTBOX_EDB       = -5, /* database error; see sqlstate and message */
+    OUTBOX_ENOMEM    = -6  /* out of memory */
+};
+
+#define OUTBOX_MAX_IDENT        63        /* bytes per identifier part */
+#define OUTBOX_MAX_SHORTSTR     255       /* exchange, routing key, header keys, ... */
+#define OUTBOX_DEFAULT_MAX_PAYLOAD (128u * 1024u * 1024u) /* RabbitMQ's default max_message_size */
+
+typedef struct outbox_error {
+    int  code;          /* one of the codes above */
+    char sqlstate[6];   /* five characters and NUL; empty when none */
+    char message[512];  /* human-readable, never contains payload bytes */
+} outbox_error;
+
+typedef struct outbox_header {
+    const char *key;    /* UTF-8, 1..255 bytes, unique within a message */
+    const char *value;  /* UTF-8 text, not NULL */
+} outbox_header;
+
+typedef struct outbox_message {
+    const char *exchange;        /* NULL or "" : the default exchange */
+    const char *routing_key;     /* required (may be ""), at most 255 bytes */
+    const void *payload;         /* body bytes, may contain NULs; NULL only if payload_len == 0 */
+    size_t      payload_len;
+    const char *message_id;      /* canonical UUID text, or NULL: a random UUID is generated */
+    const char *partition_key;   /* ordering key, or NULL */
+    const char *message_type;    /* AMQP type, or NULL */
+    const char *content_type;    /* AMQP content-type, or NULL */
+    const char *correlation_id;  /* AMQP correlation-id, or NULL */
+    const outbox_header *headers;/* n_headers entries, or NULL when n_headers == 0 */
+    size_t      n_headers;
+    uint64_t    delay_ms;        /* not published before now + delay_ms */
+} outbox_message;
+
+typedef struct outbox_queue outbox_queue;
+
+typedef struct outbox_queue_options {
+    const char *database;        /* required: compared byte for byte with the connection's */
+    const char *table;           /* "schema.table" or "table" (schema "outbox"); NULL: outbox.messages */
+    size_t      max_payload;     /* 0: OUTBOX_DEFAULT_MAX_PAYLOAD */
+} outbox_queue_options;
+
+/* Creates an immutable queue handle. On failure *q is NULL and err says why. */
+int  outbox_queue_new(outbox_queue **q, const char *database, const char *table,
+                      outbox_error *err);
+int  outbox_queue_new_opts(outbox_queue **q, const outbox_queue_options *opts,
+                           outbox_error *err);
+void outbox_queue_free(outbox_queue *q);
+
+/* Accessors (read-only). */
+const char *outbox_queue_database(const outbox_queue *q);
+const char *outbox_queue_schema(const outbox_queue *q);
+const char *outbox_queue_table(const outbox_queue *q);
+
+/* Static description of a status code ("invalid argument", ...). Never NULL. */
+const char *outbox_strerror(int code);
+
+/* Writes a canonical lower-case random (version 4) UUID and a NUL into out[37]. */
+int  outbox_uuid_generate(char out[37]);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,890 @@
+/*
+ * drain.c — the per-outbox relay core. See drain.h for the rules it keeps.
+ *
+ * Life of a row: CLAIM (leased with a random token) → buffer (id order) →
+ * publish when no earlier message of its partition key is in flight → the
+ * sink's result → an outcome (SENT / RETRY / DEAD / UNCLAIM) queued in
+ * `pending` → one SETTLE request applies all pending outcomes, fenced by token.
+ * The source runs one request at a time; kick() picks the next one.
+ */
+#include "relay/drain.h"
+
+#include <ev.h>
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "relay/keyset.h"
+#include "relay/log.h"
+#include "relay/sink.h"
+#include "relay/source.h"
+
+enum { E_BUFFERED = 1, E_INFLIGHT = 2 };
+
+typedef struct entry {
+    struct entry *prev, *next;   /* buffer list or in-flight list */
+    struct drain *d;
+    row          *r;             /* owned */
+    int           state;
+    bool          old;           /* published before the source last went down */
+    ev_tstamp     published_at;
+} entry;
+
+typedef struct elist { entry *head, *tail; size_t n; } elist;
+
+typedef struct outcome {
+    src_outcome o;               /* o.reason owned (malloc'd) or NULL */
+    char       *block_key;       /* owned: key blocked by this outcome until it is settled */
+} outcome;
+
+typedef struct outcomes { outcome *v; size_t n, cap; } outcomes;
+
+struct drain {
+    struct ev_loop   *loop;
+    const cfg        *c;
+    const cfg_outbox *ob;
+    const source_ops *sops;
+    source           *src;
+    const sink_ops   *kops;
+    sink             *snk;
+    char              lock_name[200];
+    char              conn_name[200];
+
+    bool      src_up;
+    int       sink_state;
+    bool      leader;
+    bool      busy;              /* a source request is outstanding */
+    int       busy_req;
+    ev_tstamp req_started;
+    size_t    claim_asked;
+    int       last_req;
+
+    bool      want_claim;        /* wake-up, poll tick or a full previous claim */
+    bool      lead_due;
+    bool      cleanup_due;
+    bool      stats_due;
+    double    poll_delay;        /* adaptive: grows while claims come back empty */
+    double    fail_delay;        /* back-off after a failed request while the source stays up */
+    bool      holding;           /* no request until hold_timer fires */
+
+    bool      stopping;
+    bool      stop_reported;
+    void    (*on_stopped)(void *ud);
+    void     *stop_ud;
+
+    elist     buffer;            /* claimed, not yet published, id order */
+    elist     inflight;          /* published, awaiting the sink's result */
+    size_t    n_old_inflight;
+    keyset    busy_keys;         /* partition key -> id of its in-flight message */
+    keyset    blocked;           /* partition key -> id of a failed row not yet settled */
+    outcomes  pending;           /* not yet sent to the source */
+    outcomes  settling;          /* in the outstanding SETTLE request */
+    bool      oom_warned;
+    char      last_down[256];    /* last reason the source gave for being down */
+
+    ev_timer  poll_timer;
+    ev_timer  lead_timer;
+    ev_timer  cleanup_timer;
+    ev_timer  stats_timer;
+    ev_timer  hold_timer;
+    ev_idle   kick_idle;         /* runs kick() once the current callback chain is done */
+
+    ob_metrics m;
+};
+
+static void kick(drain *d);
+static void pump(drain *d);
+
+/* ---------- small helpers ---------- */
+
+static void elist_push(elist *l, entry *e)
+{
+    e->prev = l->tail;
+    e->next = NULL;
+    if (l->tail)
+        l->tail->next = e;
+    else
+        l->head = e;
+    l->tail = e;
+    l->n++;
+}
+
+static void elist_remove(elist *l, entry *e)
+{
+    if (e->prev)
+        e->prev->next = e->next;
+    else
+        l->head = e->next;
+    if (e->next)
+        e->next->prev = e->prev;
+    else
+        l->tail = e->prev;
+    e->prev = e->next = NULL;
+    l->n--;
+}
+
+static void entry_free(entry *e)
+{
+    if (e == NULL)
+        return;
+    row_free(e->r);
+    free(e);
+}
+
+static int64_t new_token(void)
+{
+    uint64_t t = 0;
+    while (t == 0) {
+        if (getrandom(&t, sizeof t, 0) != (ssize_t)sizeof t) {
+            /* getrandom on Linux ≥ 3.17 does not fail for 8 bytes; fall back anyway */
+            t = (uint64_t)ev_time() * 1000003u ^ (uint64_t)(uintptr_t)&t;
+        }
+        t &= INT64_MAX;
+    }
+    return (int64_t)t;
+}
+
+static void outcomes_free(outcomes *o)
+{
+    for (size_t i = 0; i < o->n; i++) {
+        free((char *)o->v[i].o.reason);
+        free(o->v[i].block_key);
+    }
+    free(o->v);
+    *o = (outcomes){ 0 };
+}
+
+/* Queues an outcome for r. reason is copied. block_key (may be NULL) is copied. */
+static void add_outcome(drain *d, const row *r, int kind, int64_t backoff_ms,
+                        const char *reason, const char *block_key)
+{
+    outcomes *p = &d->pending;
+    if (p->n == p->cap) {
+        size_t ncap = p->cap ? p->cap * 2 : 64;
+        outcome *nv = realloc(p->v, ncap * sizeof *nv);
+        if (nv == NULL)
+            goto oom;
+        p->v = nv;
+        p->cap = ncap;
+    }
+    outcome *o = &p->v[p->n];
+    *o = (outcome){ .o = { .id = r->id, .lease_token = r->lease_token, .kind = kind,
+                           .backoff_ms = backoff_ms } };
+    if (reason != NULL && (o->o.reason = strdup(reason)) == NULL)
+        goto oom;
+    if (block_key != NULL && (o->block_key = strdup(block_key)) == NULL) {
+        free((char *)o->o.reason);
+        goto oom;
+    }
+    p->n++;
+    return;
+oom:
+    /* The row keeps its lease; it becomes claimable again when the lease expires. */
+    if (!d->oom_warned)
+        log_msg(LOG_ERROR, "outbox=%s: out of memory recording the outcome of id=%" PRId64
+                "; its lease will expire instead", d->ob->name, r->id);
+    d->oom_warned = true;
+}
+
+static void schedule_kick(drain *d)
+{
+    if (!ev_is_active(&d->kick_idle))
+        ev_idle_start(d->loop, &d->kick_idle);
+}
+
+/* Blocks key until the outcome that failed row id is settled, and gives back
+   every buffered later row of the same key so nothing overtakes it. */
+static void block_key(drain *d, const char *key, int64_t id)
+{
+    if (key == NULL)
+        return;
+    if (keyset_put(&d->blocked, key, id) != 0)
+        log_msg(LOG_ERROR, "outbox=%s: out of memory blocking key", d->ob->name);
+    for (entry *e = d->buffer.head, *next; e != NULL; e = next) {
+        next = e->next;
+        if (e->r->partition_key != NULL && strcmp(e->r->partition_key, key) == 0) {
+            elist_remove(&d->buffer, e);
+            add_outcome(d, e->r, SRC_UNCLAIM, 0, NULL, NULL);
+            entry_free(e);
+        }
+    }
+}
+
+/* Gives every buffered row back to the table. */
+static void unclaim_buffer(drain *d)
+{
+    entry *e;
+    while ((e = d->buffer.head) != NULL) {
+        elist_remove(&d->buffer, e);
+        add_outcome(d, e->r, SRC_UNCLAIM, 0, NULL, NULL);
+        entry_free(e);
+    }
+}
+
+static int64_t backoff_for(const cfg_outbox *ob, int attempts)
+{
+    int64_t b = ob->retry_backoff_ms;
+    for (int i = 1; i < attempts && b < ob->retry_backoff_max_ms; i++)
+        b *= 2;
+    return b > ob->retry_backoff_max_ms ? ob->retry_backoff_max_ms : b;
+}
+
+/* A failed attempt of r: retry with back-off, or dead-letter after max_attempts. */
+static void row_failed(drain *d, const row *r, const char *reason)
+{
+    int attempts = r->attempts + 1;
+    char why[600];
+    if (attempts >= d->ob->max_attempts) {
+        snprintf(why, sizeof why, "%s (after %d attempts)", reason, attempts);
+        log_msg(LOG_ERROR, "outbox=%s id=%" PRId64 " message_id=%s: dead-lettered: %s",
+                d->ob->name, r->id, r->message_id, why);
+        add_outcome(d, r, SRC_DEAD, 0, why, r->partition_key);
+        d->m.dead++;
+    } else {
+        int64_t b = backoff_for(d->ob, attempts);
+        log_msg(LOG_WARN, "outbox=%s id=%" PRId64 " message_id=%s: attempt %d/%d failed: %s; "
+                "retry in %" PRId64 " ms", d->ob->name, r->id, r->message_id, attempts,
+                d->ob->max_attempts, reason, b);
+        add_outcome(d, r, SRC_RETRY, b, reason, r->partition_key);
+    }
+    block_key(d, r->partition_key, r->id);
+}
+
+/* ---------- sink callbacks ---------- */
+
+static void sink_on_state(void *ud, int state, const char *msg)
+{
+    drain *d = ud;
+    int was = d->sink_state;
+    d->sink_state = state;
+    d->m.sink_up = state != SINK_DOWN;
+    d->m.sink_blocked = state == SINK_BLOCKED;
+    if (state == SINK_UP) {
+        if (was == SINK_BLOCKED)
+            log_msg(LOG_INFO, "outbox=%s sink=%s: broker unblocked, publishing resumes",
+                    d->ob->name, d->ob->sink_name);
+        else
+            log_msg(LOG_INFO, "outbox=%s sink=%s: connected", d->ob->name, d->ob->sink_name);
+        d->want_claim = true;
+        pump(d);
+    } else if (state == SINK_BLOCKED) {
+        log_msg(LOG_WARN, "outbox=%s sink=%s: broker blocked the connection (%s); publishing paused",
+                d->ob->name, d->ob->sink_name, msg ? msg : "resource alarm");
+    } else {
+        log_msg(was == SINK_DOWN ? LOG_DEBUG : LOG_WARN, "outbox=%s sink=%s: down: %s",
+                d->ob->name, d->ob->sink_name, msg ? msg : "?");
+        unclaim_buffer(d);
+    }
+    schedule_kick(d);
+}
+
+static void sink_on_result(void *ud, void *msg_ud, int outcome_kind, const char *reason)
+{
+    drain *d = ud;
+    entry *e = msg_ud;
+    row *r = e->r;
+    elist_remove(&d->inflight, e);
+    d->m.in_flight = d->inflight.n;
+    if (e->old && d->n_old_inflight > 0)
+        d->n_old_inflight--;
+    if (r->partition_key != NULL) {
+        int64_t v;
+        if (keyset_get(&d->busy_keys, r->partition_key, &v) && v == r->id)
+            keyset_del(&d->busy_keys, r->partition_key);
+    }
+    switch (outcome_kind) {
+    case SINK_ACK:
+        histogram_observe(&d->m.confirm_latency, ev_now(d->loop) - e->published_at);
+        add_outcome(d, r, SRC_SENT, 0, NULL, NULL);
+        break;
+    case SINK_RETURNED:
+        d->m.returned++;
+        d->m.failed++;
+        row_failed(d, r, reason ? reason : "returned by the broker (unroutable)");
+        break;
+    case SINK_NACKED:
+        d->m.nacked++;
+        d->m.failed++;
+        row_failed(d, r, reason ? reason : "nacked by the broker");
+        break;
+    case SINK_REJECTED:
+        d->m.rejected++;
+        d->m.failed++;
+        row_failed(d, r, reason ? reason : "rejected by the broker");
+        break;
+    default: /* SINK_LOST: not the message's fault */
+        d->m.lost++;
+        add_outcome(d, r, SRC_UNCLAIM, 0, NULL, r->partition_key);
+        block_key(d, r->partition_key, r->id);
+        break;
+    }
+    entry_free(e);
+    pump(d);
+    schedule_kick(d);
+}
+
+static void sink_on_writable(void *ud)
+{
+    drain *d = ud;
+    pump(d);
+    schedule_kick(d);
+}
+
+/* Publishes buffered rows while the sink accepts them, one in flight per key. */
+static void pump(drain *d)
+{
+    if (d->sink_state != SINK_UP || d->stopping)
+        return;
+    for (entry *e = d->buffer.head, *next; e != NULL; e = next) {
+        next = e->next;
+        const char *key = e->r->partition_key;
+        if (key != NULL && keyset_get(&d->busy_keys, key, NULL))
+            continue;
+        char err[300] = "";
+        int rc = d->kops->publish(d->snk, e->r, e, err, sizeof err);
+        if (rc == SINK_EAGAIN)
+            break;
+        elist_remove(&d->buffer, e);
+        if (rc == SINK_QUEUED) {
+            e->state = E_INFLIGHT;
+            e->published_at = ev_now(d->loop);
+            elist_push(&d->inflight, e);
+            d->m.in_flight = d->inflight.n;
+            if (key != NULL && keyset_put(&d->busy_keys, key, e->r->id) != 0)
+                log_msg(LOG_ERROR, "outbox=%s: out of memory tracking key", d->ob->name);
+        } else {
+            /* can never be published: dead-letter now, later rows of its key go on */
+            char why[400];
+            snprintf(why, sizeof why, "unpublishable: %s", err[0] ? err : "rejected by the sink");
+            log_msg(LOG_ERROR, "outbox=%s id=%" PRId64 " message_id=%s: dead-lettered: %s",
+                    d->ob->name, e->r->id, e->r->message_id, why);
+            add_outcome(d, e->r, SRC_DEAD, 0, why, key);
+            d->m.dead++;
+            d->m.failed++;
+            if (key != NULL && keyset_put(&d->blocked, key, e->r->id) != 0)
+                log_msg(LOG_ERROR, "outbox=%s: out of memory blocking key", d->ob->name);
+            entry_free(e);
+        }
+    }
+}
+
+/* ---------- source callbacks ---------- */
+
+static void src_on_state(void *ud, int state, const char *msg)
+{
+    drain *d = ud;
+    if (state == SRC_UP) {
+        d->src_up = true;
+        d->m.source_up = 1;
+        d->last_down[0] = '\0';
+        d->holding = false;
+        d->fail_delay = 0;
+        ev_timer_stop(d->loop, &d->hold_timer);
+        log_msg(LOG_INFO, "outbox=%s: database connected (database \"%s\", table %s)",
+                d->ob->name, d->ob->database, d->ob->table);
+        d->want_claim = true;
+        d->lead_due = true;
+        d->stats_due = true;
+    } else {
+        /* the source reports every failed reconnect: log a reason once, then quietly */
+        const char *why = msg ? msg : "?";
+        bool repeat = !d->src_up && strcmp(d->last_down, why) == 0;
+        log_msg(repeat ? LOG_DEBUG : d->src_up ? LOG_WARN : LOG_ERROR,
+                "outbox=%s: database unavailable: %s", d->ob->name, why);
+        snprintf(d->last_down, sizeof d->last_down, "%s", why);
+        d->src_up = false;
+        d->m.source_up = 0;
+        if (d->leader)
+            log_msg(LOG_WARN, "outbox=%s: leadership lost with the database session", d->ob->name);
+        d->leader = false;
+        d->m.leader = 0;
+        /* Buffered rows cannot be given back now; their leases expire or a new
+           leader resets them. In-flight ones are settled after reconnecting
+           (the token fences them), and no new claim runs before they finish. */
+        entry *e;
+        while ((e = d->buffer.head) != NULL) {
+            elist_remove(&d->buffer, e);
+            entry_free(e);
+        }
+        for (e = d->inflight.head; e != NULL; e = e->next)
+            if (!e->old) {
+                e->old = true;
+                d->n_old_inflight++;
+            }
+    }
+    schedule_kick(d);
+}
+
+static void src_on_wake(void *ud)
+{
+    drain *d = ud;
+    d->want_claim = true;
+    schedule_kick(d);
+}
+
+static void arm_poll(drain *d)
+{
+    ev_timer_stop(d->loop, &d->poll_timer);
+    ev_timer_set(&d->poll_timer, d->poll_delay, 0.);
+    ev_timer_start(d->loop, &d->poll_timer);
+}
+
+static void on_claimed(drain *d, const src_result *res)
+{
+    double min_poll = d->ob->poll_interval_ms / 1000.0;
+    if (min_poll > 0.05)
+        min_poll = 0.05;
+    d->m.claims++;
+    histogram_observe(&d->m.claim_latency, ev_now(d->loop) - d->req_started);
+    if (res->ok != 0) {
+        d->want_claim = true;
+        return;
+    }
+    d->m.claimed_rows += res->n_rows;
+    for (size_t i = 0; i < res->n_rows; i++) {
+        row *r = res->rows[i];
+        int64_t fid;
+        if (d->stopping || (r->partition_key != NULL &&
+                            keyset_get(&d->blocked, r->partition_key, &fid) && fid < r->id)) {
+            add_outcome(d, r, SRC_UNCLAIM, 0, NULL, NULL);
+            row_free(r);
+            continue;
+        }
+        entry *e = calloc(1, sizeof *e);
+        if (e == NULL) {
+            add_outcome(d, r, SRC_UNCLAIM, 0, NULL, NULL);
+            row_free(r);
+            continue;
+        }
+        e->d = d;
+        e->r = r;     /* takes ownership */
+        e->state = E_BUFFERED;
+        elist_push(&d->buffer, e);
+    }
+    free(res->rows);
+    if (res->n_rows >= d->claim_asked) {
+        d->want_claim = true;
+        d->poll_delay = min_poll;
+    } else {
+        d->want_claim = false;
+        d->poll_delay = res->n_rows > 0 ? min_poll : d->poll_delay * 2;
+        if (d->poll_delay > d->ob->poll_interval_ms / 1000.0)
+            d->poll_delay = d->ob->poll_interval_ms / 1000.0;
+        if (d->poll_delay < min_poll)
+            d->poll_delay = min_poll;
+        arm_poll(d);
+    }
+    pump(d);
+}
+
+static void on_settled(drain *d, const src_result *res)
+{
+    outcomes *s = &d->settling;
+    if (res->ok != 0) {
+        /* put them back in front of anything newer and try again later */
+        outcomes merged = *s;
+        *s = (outcomes){ 0 };
+        for (size_t i = 0; i < d->pending.n; i++) {
+            if (merged.n == merged.cap) {
+                size_t ncap = merged.cap ? merged.cap * 2 : 64;
+                outcome *nv = realloc(merged.v, ncap * sizeof *nv);
+                if (nv == NULL) {
+                    /* give up on the older ones: their leases expire */
+                    for (size_t k = i; k < d->pending.n; k++) {
+                        free((char *)d->pending.v[k].o.reason);
+                        free(d->pending.v[k].block_key);
+                    }
+                    break;
+                }
+                merged.v = nv;
+                merged.cap = ncap;
+            }
+            merged.v[merged.n++] = d->pending.v[i];
+        }
+        free(d->pending.v);
+        d->pending = merged;
+        return;
+    }
+    size_t n_sent = 0;
+    for (size_t i = 0; i < s->n; i++) {
+        if (s->v[i].o.kind == SRC_SENT)
+            n_sent++;
+        const char *k = s->v[i].block_key;
+        int64_t v;
+        if (k != NULL && keyset_get(&d->blocked, k, &v) && v == s->v[i].o.id)
+            keyset_del(&d->blocked, k);
+    }
+    d->m.relayed += n_sent;
+    if (res->n_applied < s->n) {
+        d->m.lease_lost += s->n - res->n_applied;
+        log_msg(LOG_WARN, "outbox=%s: %zu of %zu outcomes not applied: lease taken over "
+                "(those rows will be published again with the same message_id)",
+                d->ob->name, s->n - res->n_applied, s->n);
+    }
+    outcomes_free(s);
+}
+
+/* A request failed but the connection may still be up (permissions, timeouts,
+   a dropped table): wait before the next one, 100 ms doubling to 5 s. */
+static void hold_after_failure(drain *d)
+{
+    d->fail_delay = d->fail_delay > 0 ? d->fail_delay * 2 : 0.1;
+    if (d->fail_delay > 5.0)
+        d->fail_delay = 5.0;
+    d->holding = true;
+    ev_timer_stop(d->loop, &d->hold_timer);
+    ev_timer_set(&d->hold_timer, d->fail_delay, 0.);
+    ev_timer_start(d->loop, &d->hold_timer);
+}
+
+static void src_on_done(void *ud, const src_result *res)
+{
+    drain *d = ud;
+    d->busy = false;
+    d->last_req = res->req;
+    if (res->ok != 0)
+        hold_after_failure(d);
+    else
+        d->fail_delay = 0;
+    switch (res->req) {
+    case SRC_REQ_LEAD:
+        if (res->ok == 0) {
+            if (res->leader && !d->leader)
+                log_msg(LOG_INFO, "outbox=%s: became the active relay%s", d->ob->name,
+                        res->newly_leader ? " (stale leases reset)" : "");
+            else if (!res->leader && d->m.leader == 0 && d->lead_due == false)
+                log_msg(LOG_DEBUG, "outbox=%s: standing by", d->ob->name);
+            d->leader = res->leader;
+            d->m.leader = res->leader;
+            if (d->leader)
+                d->want_claim = true;
+        }
+        break;
+    case SRC_REQ_CLAIM:
+        on_claimed(d, res);
+        break;
+    case SRC_REQ_SETTLE:
+        on_settled(d, res);
+        break;
+    case SRC_REQ_CLEANUP:
+        if (res->ok == 0 && res->n_deleted > 0)
+            log_msg(LOG_DEBUG, "outbox=%s: retention removed %zu rows", d->ob->name, res->n_deleted);
+        if (res->ok == 0 && res->n_deleted >= (size_t)d->ob->cleanup_batch)
+            d->cleanup_due = true;      /* more to do: continue after other work */
+        break;
+    case SRC_REQ_STATS:
+        if (res->ok == 0) {
+            d->m.backlog = res->stats.backlog;
+            d->m.oldest_pending_s = res->stats.oldest_pending_s;
+            d->m.dead_rows = res->stats.dead;
+        }
+        break;
+    default:
+        break;
+    }
+    if (res->ok != 0 && res->error != NULL)
+        log_msg(LOG_WARN, "outbox=%s: database request failed: %s", d->ob->name, res->error);
+    schedule_kick(d);
+}
+
+/* ---------- scheduling ---------- */
+
+static bool may_drain(const drain *d)
+{
+    return d->ob->mode == CFG_MODE_COMPETING || d->leader;
+}
+
+static size_t claim_size(const drain *d)
+{
+    size_t window = (size_t)d->ob->sink->publish_window;
+    size_t used = d->inflight.n + d->buffer.n;
+    if (used >= window)
+        return 0;
+    size_t room = window - used;
+    size_t n = room < (size_t)d->ob->batch_size ? room : (size_t)d->ob->batch_size;
+    size_t quantum = ((size_t)d->ob->batch_size < window ? (size_t)d->ob->batch_size : window) / 4;
+    if (quantum == 0)
+        quantum = 1;
+    if (used > 0 && n < quantum)
+        return 0;    /* wait for a worthwhile claim */
+    return n;
+}
+
+static bool start_settle(drain *d)
+{
+    size_t n = d->pending.n;
+    src_outcome *v = malloc(n * sizeof *v);
+    if (v == NULL)
+        return false;
+    for (size_t i = 0; i < n; i++)
+        v[i] = d->pending.v[i].o;
+    d->settling = d->pending;
+    d->pending = (outcomes){ 0 };
+    d->busy = true;
+    d->busy_req = SRC_REQ_SETTLE;
+    d->req_started = ev_now(d->loop);
+    int rc = d->sops->settle(d->src, v, n);  /* copies v */
+    free(v);
+    if (rc != 0) {
+        d->busy = false;
+        d->pending = d->settling;
+        d->settling = (outcomes){ 0 };
+        return false;
+    }
+    return true;
+}
+
+static void check_stopped(drain *d)
+{
+    if (!d->stopping || d->stop_reported || d->busy)
+        return;
+    if (d->inflight.n == 0 && d->buffer.n == 0 && d->pending.n == 0) {
+        d->stop_reported = true;
+        log_msg(LOG_INFO, "outbox=%s: drained and settled", d->ob->name);
+        if (d->on_stopped)
+            d->on_stopped(d->stop_ud);
+    }
+}
+
+static void kick(drain *d)
+{
+    if (d->busy || !d->src_up || d->holding) {
+        check_stopped(d);
+        return;
+    }
+    bool claim_ok = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
+                    d->n_old_inflight == 0 && d->want_claim && claim_size(d) > 0;
+    /* Settle first, but alternate with claims so neither starves. */
+    if (d->pending.n > 0 && (d->last_req != SRC_REQ_SETTLE || !claim_ok)) {
+        if (start_settle(d))
+            return;
+    }
+    if (d->ob->mode == CFG_MODE_LEADER && !d->leader && !d->stopping) {
+        if (d->lead_due && d->n_old_inflight == 0 && d->pending.n == 0) {
+            d->lead_due = false;
+            d->busy = true;
+            d->busy_req = SRC_REQ_LEAD;
+            d->req_started = ev_now(d->loop);
+            if (d->sops->lead(d->src, d->lock_name) != 0)
+                d->busy = false;
+            else
+                return;
+        }
+    } else if (claim_ok) {
+        src_claim_args a = {
+            .max_rows = claim_size(d),
+            .lease_ms = d->ob->lease_ms,
+            .lease_token = new_token(),
+            .owner = d->c->relay.name,
+        };
+        d->claim_asked = a.max_rows;
+        d->want_claim = false;
+        d->busy = true;
+        d->busy_req = SRC_REQ_CLAIM;
+        d->req_started = ev_now(d->loop);
+        if (d->sops->claim(d->src, &a) == 0)
+            return;
+        d->busy = false;
+        d->want_claim = true;
+    }
+    if (d->pending.n > 0 && start_settle(d))
+        return;
+    if (d->cleanup_due && may_drain(d) && !d->stopping) {
+        d->cleanup_due = false;
+        d->busy = true;
+        d->busy_req = SRC_REQ_CLEANUP;
+        d->req_started = ev_now(d->loop);
+        if (d->sops->cleanup(d->src, d->ob->retention_ms, (size_t)d->ob->cleanup_batch) == 0)
+            return;
+        d->busy = false;
+    }
+    if (d->stats_due && !d->stopping) {
+        d->stats_due = false;
+        d->busy = true;
+        d->busy_req = SRC_REQ_STATS;
+        d->req_started = ev_now(d->loop);
+        if (d->sops->stats(d->src) == 0)
+            return;
+        d->busy = false;
+    }
+    check_stopped(d);
+}
+
+/* ---------- timers ---------- */
+
+static void kick_idle_cb(struct ev_loop *loop, ev_idle *w, int revents)
+{
+    (void)revents;
+    drain *d = w->data;
+    ev_idle_stop(loop, w);
+    kick(d);
+}
+
+static void hold_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    drain *d = w->data;
+    d->holding = false;
+    schedule_kick(d);
+}
+
+static void poll_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    drain *d = w->data;
+    d->want_claim = true;
+    schedule_kick(d);
+}
+
+static void lead_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    drain *d = w->data;
+    if (!d->leader)
+        d->lead_due = true;
+    schedule_kick(d);
+}
+
+static void cleanup_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    drain *d = w->data;
+    d->cleanup_due = true;
+    schedule_kick(d);
+}
+
+static void stats_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    drain *d = w->data;
+    d->stats_due = true;
+    schedule_kick(d);
+}
+
+/* ---------- public ---------- */
+
+drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char *err, size_t errlen)
+{
+    drain *d = calloc(1, sizeof *d);
+    if (d == NULL) {
+        snprintf(err, errlen, "outbox=%s: out of memory", ob->name);
+        return NULL;
+    }
+    d->loop = loop;
+    d->c = c;
+    d->ob = ob;
+    d->sink_state = SINK_DOWN;
+    d->last_req = 0;
+    d->poll_delay = ob->poll_interval_ms / 1000.0;
+    d->m.outbox = ob->name;
+    d->m.sink = ob->sink_name;
+    d->m.backlog = -1;
+    snprintf(d->lock_name, sizeof d->lock_name, "outbox-relay:%s.%s", ob->schema_part, ob->table_part);
+    snprintf(d->conn_name, sizeof d->conn_name, "outbox-relay %s/%s", c->relay.name, ob->name);
+
+    d->sops = source_ops_for(ob);
+    d->kops = sink_ops_for(ob->sink);
+    if (d->sops == NULL || d->kops == NULL) {
+        snprintf(err, errlen, "outbox=%s: no source or sink implementation", ob->name);
+        free(d);
+        return NULL;
+    }
+    src_cbs scb = { .ud = d, .on_state = src_on_state, .on_wake = src_on_wake, .on_done = src_on_done };
+    char e2[512] = "";
+    if (d->sops->create(loop, ob, &scb, &d->src, e2, sizeof e2) != 0) {
+        snprintf(err, errlen, "outbox=%s: %s", ob->name, e2);
+        free(d);
+        return NULL;
+    }
+    sink_cbs kcb = { .ud = d, .on_state = sink_on_state, .on_result = sink_on_result,
+                     .on_writable = sink_on_writable };
+    if (d->kops->create(loop, ob->sink, d->conn_name, &kcb, &d->snk, e2, sizeof e2) != 0) {
+        snprintf(err, errlen, "outbox=%s sink=%s: %s", ob->name, ob->sink_name, e2);
+        d->sops->destroy(d->src);
+        free(d);
+        return NULL;
+    }
+    ev_timer_init(&d->poll_timer, poll_cb, d->poll_delay, 0.);
+    d->poll_timer.data = d;
+    ev_timer_init(&d->lead_timer, lead_cb, 1., 1.);
+    d->lead_timer.data = d;
+    double ci = ob->cleanup_interval_ms / 1000.0;
+    ev_timer_init(&d->cleanup_timer, cleanup_cb, ci, ci);
+    d->cleanup_timer.data = d;
+    ev_timer_init(&d->stats_timer, stats_cb, 5., 5.);
+    d->stats_timer.data = d;
+    ev_timer_init(&d->hold_timer, hold_cb, 0.1, 0.);
+    d->hold_timer.data = d;
+    ev_idle_init(&d->kick_idle, kick_idle_cb);
+    d->kick_idle.data = d;
+    return d;
+}
+
+void drain_start(drain *d)
+{
+    if (d->ob->mode == CFG_MODE_LEADER)
+        ev_timer_start(d->loop, &d->lead_timer);
+    ev_timer_start(d->loop, &d->cleanup_timer);
+    ev_timer_start(d->loop, &d->stats_timer);
+    arm_poll(d);
+    d->sops->start(d->src);
+    d->kops->start(d->snk);
+}
+
+void drain_stop(drain *d, void (*on_stopped)(void *ud), void *ud)
+{
+    d->on_stopped = on_stopped;
+    d->stop_ud = ud;
+    if (d->stopping)
+        return;
+    d->stopping = true;
+    log_msg(LOG_INFO, "outbox=%s: stopping: %zu in flight, %zu buffered rows given back",
+            d->ob->name, d->inflight.n, d->buffer.n);
+    unclaim_buffer(d);
+    ev_timer_stop(d->loop, &d->poll_timer);
+    ev_timer_stop(d->loop, &d->lead_timer);
+    ev_timer_stop(d->loop, &d->cleanup_timer);
+    ev_timer_stop(d->loop, &d->stats_timer);
+    schedule_kick(d);
+}
+
+void drain_free(drain *d)
+{
+    if (d == NULL)
+        return;
+    ev_timer_stop(d->loop, &d->poll_timer);
+    ev_timer_stop(d->loop, &d->lead_timer);
+    ev_timer_stop(d->loop, &d->cleanup_timer);
+    ev_timer_stop(d->loop, &d->stats_timer);
+    ev_timer_stop(d->loop, &d->hold_timer);
+    ev_idle_stop(d->loop, &d->kick_idle);
+    d->kops->destroy(d->snk);
+    d->sops->destroy(d->src);
+    entry *e;
+    while ((e = d->buffer.head) != NULL) {
+        elist_remove(&d->buffer, e);
+        entry_free(e);
+    }
+    while ((e = d->inflight.head) != NULL) {
+        elist_remove(&d->inflight, e);
+        entry_free(e);
+    }
+    outcomes_free(&d->pending);
+    outcomes_free(&d->settling);
+    keyset_clear(&d->busy_keys);
+    keyset_clear(&d->blocked);
+    free(d);
+}
+
+bool drain_ready(const drain *d)
+{
+    return d->src_up && d->sink_state != SINK_DOWN;
+}
+
+ob_metrics *drain_metrics(drain *d)
+{
+    return &d->m;
+}

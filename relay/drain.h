@@ -1,0 +1,33 @@
+/*
+ * drain.h — the relay core: one drain per [outbox.*] section moves committed
+ * rows from its source to its own sink connection. It never names a database
+ * or a broker; it drives source_ops and sink_ops on the shared libev loop.
+ *
+ * Rules it keeps (SPEC §4):
+ *  - a row is settled SENT only after the sink's ACK, by id and lease token;
+ *  - at most one message per partition key is in flight; a failed row blocks
+ *    the later rows of its key (given back to the table) until it succeeds or
+ *    is dead-lettered; other keys keep flowing;
+ *  - memory is bounded by publish_window (+ batch_size), not by the backlog.
+ */
+#ifndef RELAY_DRAIN_H
+#define RELAY_DRAIN_H
+
+#include <stdbool.h>
+#include "config/cfg.h"
+#include "relay/metrics.h"
+
+struct ev_loop;
+typedef struct drain drain;
+
+/* Creates the drain and its source and sink (not started). NULL + err on failure. */
+drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char *err, size_t errlen);
+void   drain_start(drain *d);
+/* Graceful stop: no more claims, give back unpublished rows, wait for in-flight
+   confirms and settle them. on_stopped(ud) runs once when nothing is left. */
+void   drain_stop(drain *d, void (*on_stopped)(void *ud), void *ud);
+void   drain_free(drain *d);     /* immediate: closes connections */
+bool   drain_ready(const drain *d);
+ob_metrics *drain_metrics(drain *d);
+
+#endif

@@ -1,0 +1,286 @@
+/*
+ * log.c — one line per event, text or JSON, to stderr or log_file (log.h).
+ *
+ *   text: 2026-11-21T12:00:00.123Z INFO message
+ *   json: {"ts":"2026-11-21T12:00:00.123Z","level":"info","msg":"message"}
+ *
+ * Process state owned by the daemon's main. A mutex serialises writers (the
+ * loop thread and ODBC worker threads); each line goes out in one write(2).
+ * Control characters in messages are escaped so one event is always one line.
+ */
+#include "relay/log.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define LOG_LINE_MAX 8192   /* longer messages are cut and end with "..." */
+
+static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
+static int   log_level_cur = CFG_LOG_INFO;
+static int   log_format_cur = CFG_LOG_TEXT;
+static int   log_fd = STDERR_FILENO;
+static char *log_path;            /* owned here; NULL: stderr */
+
+static int open_log(const char *path)
+{
+    int fd;
+
+    do {
+        fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY, 0640);
+    } while (fd < 0 && errno == EINTR);
+    return fd;
+}
+
+static void write_all(int fd, const char *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(fd, p, n);
+        if (w < 0) {
+            if (errno == EINTR)
+                continue;
+            return;   /* nowhere left to report a failing log */
+        }
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+void log_setup(int level, int format, const char *file)
+{
+    int fd = -1, saved_errno = 0;
+    char *path = NULL;
+
+    if (file && *file) {
+        fd = open_log(file);
+        saved_errno = errno;
+        if (fd >= 0 && !(path = strdup(file))) {
+            close(fd);
+            fd = -1;
+            saved_errno = ENOMEM;
+        }
+    }
+    pthread_mutex_lock(&log_mu);
+    log_level_cur = level;
+    log_format_cur = format;
+    if (log_fd != STDERR_FILENO)
+        close(log_fd);
+    free(log_path);
+    log_fd = fd >= 0 ? fd : STDERR_FILENO;
+    log_path = path;   /* the logger owns it */
+    pthread_mutex_unlock(&log_mu);
+    if (file && *file && fd < 0)
+        log_msg(CFG_LOG_ERROR, "log_file: cannot open \"%s\": %s; logging to stderr", file,
+                strerror(saved_errno));
+}
+
+int log_reopen(void)
+{
+    char *path = NULL;
+    int fd, old, err;
+
+    pthread_mutex_lock(&log_mu);
+    if (log_path && !(path = strdup(log_path))) {
+        pthread_mutex_unlock(&log_mu);
+        return -1;
+    }
+    pthread_mutex_unlock(&log_mu);
+    if (!path)
+        return 0;   /* stderr: nothing to reopen */
+    fd = open_log(path);
+    err = errno;
+    if (fd < 0) {
+        log_msg(CFG_LOG_ERROR, "log_file: cannot reopen \"%s\": %s; keeping the old file", path, strerror(err));
+        free(path);
+        return -1;
+    }
+    free(path);
+    pthread_mutex_lock(&log_mu);
+    old = log_fd;
+    log_fd = fd;
+    pthread_mutex_unlock(&log_mu);
+    if (old != STDERR_FILENO)
+        close(old);
+    return 0;
+}
+
+int log_enabled(int level)
+{
+    int cur;
+
+    pthread_mutex_lock(&log_mu);
+    cur = log_level_cur;
+    pthread_mutex_unlock(&log_mu);
+    return level <= cur;
+}
+
+/* Length of a valid UTF-8 sequence at p (n bytes left), or 0 if invalid. */
+static size_t utf8_len(const unsigned char *p, size_t n)
+{
+    size_t len;
+    unsigned cp;
+
+    if (p[0] < 0x80)
+        return 1;
+    if ((p[0] & 0xe0) == 0xc0) {
+        len = 2;
+        cp = p[0] & 0x1f;
+    } else if ((p[0] & 0xf0) == 0xe0) {
+        len = 3;
+        cp = p[0] & 0x0f;
+    } else if ((p[0] & 0xf8) == 0xf0) {
+        len = 4;
+        cp = p[0] & 0x07;
+    } else {
+        return 0;
+    }
+    if (len > n)
+        return 0;
+    for (size_t i = 1; i < len; i++) {
+        if ((p[i] & 0xc0) != 0x80)
+            return 0;
+        cp = (cp << 6) | (p[i] & 0x3f);
+    }
+    if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
+        cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
+        return 0;
+    return len;
+}
+
+typedef struct lbuf {
+    char   b[LOG_LINE_MAX + 64];
+    size_t n;
+    bool   full;
+} lbuf;
+
+static void put(lbuf *l, const char *s, size_t n)
+{
+    if (l->full || l->n + n > LOG_LINE_MAX) {
+        l->full = true;
+        return;
+    }
+    memcpy(l->b + l->n, s, n);
+    l->n += n;
+}
+
+/* Appends msg escaped: JSON string rules (json) or C-like escapes (text). */
+static void put_escaped(lbuf *l, const char *msg, bool json)
+{
+    const unsigned char *p = (const unsigned char *)msg;
+    size_t left = strlen(msg);
+
+    while (left > 0 && !l->full) {
+        char esc[8];
+        size_t u;
+
+        switch (*p) {
+        case '\n': put(l, "\\n", 2); p++; left--; continue;
+        case '\r': put(l, "\\r", 2); p++; left--; continue;
+        case '\t': put(l, "\\t", 2); p++; left--; continue;
+        case '"':
+            if (json) { put(l, "\\\"", 2); p++; left--; continue; }
+            break;
+        case '\\':
+            if (json) { put(l, "\\\\", 2); p++; left--; continue; }
+            break;
+        default:
+            break;
+        }
+        if (*p < 0x20 || *p == 0x7f) {
+            snprintf(esc, sizeof esc, json ? "\\u%04x" : "\\x%02x", *p);
+            put(l, esc, strlen(esc));
+            p++;
+            left--;
+            continue;
+        }
+        u = utf8_len(p, left);
+        if (u == 0) {   /* invalid UTF-8: keep the line valid */
+            if (json)
+                put(l, "\\ufffd", 6);
+            else {
+                snprintf(esc, sizeof esc, "\\x%02x", *p);
+                put(l, esc, strlen(esc));
+            }
+            p++;
+            left--;
+            continue;
+        }
+        put(l, (const char *)p, u);
+        p += u;
+        left -= u;
+    }
+}
+
+void log_msg(int level, const char *fmt, ...)
+{
+    static const char *const upper[] = { "ERROR", "WARN", "INFO", "DEBUG" };
+    static const char *const lower[] = { "error", "warn", "info", "debug" };
+    char msg[LOG_LINE_MAX], ts[96];
+    struct timespec now;
+    struct tm tm;
+    lbuf *l;
+    va_list ap;
+    int saved_errno = errno, fmt_;
+
+    if (!log_enabled(level))
+        return;
+    if (level < CFG_LOG_ERROR)
+        level = CFG_LOG_ERROR;
+    if (level > CFG_LOG_DEBUG)
+        level = CFG_LOG_DEBUG;
+
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+
+    clock_gettime(CLOCK_REALTIME, &now);
+    gmtime_r(&now.tv_sec, &tm);
+    snprintf(ts, sizeof ts, "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900, tm.tm_mon + 1,
+             tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+             (int)((now.tv_nsec / 1000000L) % 1000));
+
+    if (!(l = malloc(sizeof *l))) {
+        errno = saved_errno;
+        return;
+    }
+    l->n = 0;
+    l->full = false;
+
+    pthread_mutex_lock(&log_mu);
+    fmt_ = log_format_cur;
+    if (fmt_ == CFG_LOG_JSON) {
+        put(l, "{\"ts\":\"", 7);
+        put(l, ts, strlen(ts));
+        put(l, "\",\"level\":\"", 11);
+        put(l, lower[level], strlen(lower[level]));
+        put(l, "\",\"msg\":\"", 9);
+        put_escaped(l, msg, true);
+        if (l->full) {   /* cut: keep the JSON valid */
+            memcpy(l->b + l->n, "...", 3);   /* the buffer keeps room past LOG_LINE_MAX */
+            l->n += 3;
+        }
+        memcpy(l->b + l->n, "\"}\n", 3);
+        l->n += 3;
+    } else {
+        put(l, ts, strlen(ts));
+        put(l, " ", 1);
+        put(l, upper[level], strlen(upper[level]));
+        put(l, " ", 1);
+        put_escaped(l, msg, false);
+        if (l->full) {
+            memcpy(l->b + l->n, "...", 3);   /* the buffer keeps room past LOG_LINE_MAX */
+            l->n += 3;
+        }
+        l->b[l->n++] = '\n';
+    }
+    write_all(log_fd, l->b, l->n);
+    pthread_mutex_unlock(&log_mu);
+    free(l);
+    errno = saved_errno;
+}

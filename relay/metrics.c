@@ -1,0 +1,148 @@
+/* metrics.c — Prometheus text exposition (format 0.0.4). */
+#include "relay/metrics.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+const double metrics_bucket_bounds[METRICS_NBUCKETS] = {
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 0 /* +Inf */
+};
+
+void histogram_observe(histogram *h, double seconds)
+{
+    size_t i = 0;
+    while (i < METRICS_NBUCKETS - 1 && seconds > metrics_bucket_bounds[i])
+        i++;
+    h->buckets[i]++;
+    h->count++;
+    h->sum += seconds;
+}
+
+typedef struct buf { char *p; size_t len, cap; int oom; } buf;
+
+__attribute__((format(printf, 2, 3)))
+static void bprintf(buf *b, const char *fmt, ...)
+{
+    if (b->oom)
+        return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            b->oom = 1;
+            return;
+        }
+        if ((size_t)n < b->cap - b->len) {
+            b->len += (size_t)n;
+            return;
+        }
+        size_t ncap = (b->cap + (size_t)n + 1) * 2;
+        char *np = realloc(b->p, ncap);
+        if (np == NULL) {
+            b->oom = 1;
+            return;
+        }
+        b->p = np;
+        b->cap = ncap;
+    }
+}
+
+typedef uint64_t (*u64_get)(const ob_metrics *);
+
+static void counter(buf *b, ob_metrics *const *m, size_t n, const char *name,
+                    const char *help, size_t off)
+{
+    bprintf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s counter\n", name, help, name);
+    for (size_t i = 0; i < n; i++) {
+        uint64_t v;
+        memcpy(&v, (const char *)m[i] + off, sizeof v);
+        bprintf(b, "outbox_relay_%s{outbox=\"%s\"} %llu\n", name, m[i]->outbox,
+                (unsigned long long)v);
+    }
+}
+
+static void gauge_int(buf *b, ob_metrics *const *m, size_t n, const char *name,
+                      const char *help, size_t off, int is_int)
+{
+    bprintf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s gauge\n", name, help, name);
+    for (size_t i = 0; i < n; i++) {
+        long long v;
+        if (is_int) {
+            int x;
+            memcpy(&x, (const char *)m[i] + off, sizeof x);
+            v = x;
+        } else {
+            int64_t x;
+            memcpy(&x, (const char *)m[i] + off, sizeof x);
+            v = x;
+        }
+        bprintf(b, "outbox_relay_%s{outbox=\"%s\"} %lld\n", name, m[i]->outbox, v);
+    }
+}
+
+static void hist(buf *b, ob_metrics *const *m, size_t n, const char *name, const char *help,
+                 size_t off)
+{
+    bprintf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s histogram\n", name, help, name);
+    for (size_t i = 0; i < n; i++) {
+        const histogram *h = (const histogram *)((const char *)m[i] + off);
+        uint64_t cum = 0;
+        for (size_t k = 0; k < METRICS_NBUCKETS; k++) {
+            cum += h->buckets[k];
+            if (k == METRICS_NBUCKETS - 1)
+                bprintf(b, "outbox_relay_%s_bucket{outbox=\"%s\",le=\"+Inf\"} %llu\n", name,
+                        m[i]->outbox, (unsigned long long)cum);
+            else
+                bprintf(b, "outbox_relay_%s_bucket{outbox=\"%s\",le=\"%g\"} %llu\n", name,
+                        m[i]->outbox, metrics_bucket_bounds[k], (unsigned long long)cum);
+        }
+        bprintf(b, "outbox_relay_%s_sum{outbox=\"%s\"} %.6f\n", name, m[i]->outbox, h->sum);
+        bprintf(b, "outbox_relay_%s_count{outbox=\"%s\"} %llu\n", name, m[i]->outbox,
+                (unsigned long long)h->count);
+    }
+}
+
+#define OFF(f) offsetof(ob_metrics, f)
+
+char *metrics_render(ob_metrics *const *m, size_t n, size_t *len)
+{
+    buf b = { 0 };
+    counter(&b, m, n, "relayed_total", "Messages confirmed by the broker and settled as sent.", OFF(relayed));
+    counter(&b, m, n, "failed_total", "Failed publish attempts (returned, nacked or rejected).", OFF(failed));
+    counter(&b, m, n, "returned_total", "Messages returned as unroutable (mandatory).", OFF(returned));
+    counter(&b, m, n, "nacked_total", "Messages nacked by the broker.", OFF(nacked));
+    counter(&b, m, n, "rejected_total", "Messages that made the broker close the channel.", OFF(rejected));
+    counter(&b, m, n, "dead_total", "Rows moved to the dead-letter table by this process.", OFF(dead));
+    counter(&b, m, n, "lost_total", "In-flight messages given back after a connection loss.", OFF(lost));
+    counter(&b, m, n, "claims_total", "Claim queries run.", OFF(claims));
+    counter(&b, m, n, "claimed_rows_total", "Rows leased by claims.", OFF(claimed_rows));
+    counter(&b, m, n, "lease_lost_total", "Outcomes not applied because the lease had moved on.", OFF(lease_lost));
+    gauge_int(&b, m, n, "backlog", "Pending rows (sent_at IS NULL) at the last stats query; -1 unknown.", OFF(backlog), 0);
+    bprintf(&b, "# HELP outbox_relay_oldest_pending_age_seconds Age of the oldest pending row.\n"
+                "# TYPE outbox_relay_oldest_pending_age_seconds gauge\n");
+    for (size_t i = 0; i < n; i++)
+        bprintf(&b, "outbox_relay_oldest_pending_age_seconds{outbox=\"%s\"} %.3f\n", m[i]->outbox,
+                m[i]->oldest_pending_s);
+    gauge_int(&b, m, n, "dead_rows", "Rows in the dead-letter table at the last stats query.", OFF(dead_rows), 0);
+    gauge_int(&b, m, n, "source_up", "1 when the database connection is up and verified.", OFF(source_up), 1);
+    gauge_int(&b, m, n, "sink_up", "1 when the broker connection is up.", OFF(sink_up), 1);
+    gauge_int(&b, m, n, "sink_blocked", "1 while the broker has blocked the connection.", OFF(sink_blocked), 1);
+    gauge_int(&b, m, n, "leader", "1 when this relay is the active one for the outbox.", OFF(leader), 1);
+    bprintf(&b, "# HELP outbox_relay_in_flight Published messages awaiting a confirm.\n"
+                "# TYPE outbox_relay_in_flight gauge\n");
+    for (size_t i = 0; i < n; i++)
+        bprintf(&b, "outbox_relay_in_flight{outbox=\"%s\"} %llu\n", m[i]->outbox,
+                (unsigned long long)m[i]->in_flight);
+    hist(&b, m, n, "confirm_latency_seconds", "Publish to broker confirm.", OFF(confirm_latency));
+    hist(&b, m, n, "claim_latency_seconds", "Claim query round trip.", OFF(claim_latency));
+    if (b.oom) {
+        free(b.p);
+        return NULL;
+    }
+    *len = b.len;
+    return b.p;
+}

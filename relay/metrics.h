@@ -1,0 +1,47 @@
+/*
+ * metrics.h — per-outbox counters and gauges, rendered in Prometheus text
+ * format. Written and read only on the loop thread.
+ */
+#ifndef RELAY_METRICS_H
+#define RELAY_METRICS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define METRICS_NBUCKETS 14
+extern const double metrics_bucket_bounds[METRICS_NBUCKETS]; /* seconds; last = +Inf */
+
+typedef struct histogram {
+    uint64_t buckets[METRICS_NBUCKETS]; /* non-cumulative counts */
+    uint64_t count;
+    double   sum;
+} histogram;
+
+typedef struct ob_metrics {
+    const char *outbox;      /* borrowed from the config */
+    const char *sink;
+    uint64_t relayed;        /* confirmed and settled as sent */
+    uint64_t failed;         /* failed attempts (returned + nacked + rejected) */
+    uint64_t returned;       /* unroutable (basic.return) */
+    uint64_t nacked;
+    uint64_t rejected;       /* channel closed because of the message */
+    uint64_t dead;           /* moved to the dead-letter table by this process */
+    uint64_t lost;           /* in flight when a connection dropped: given back */
+    uint64_t claims;
+    uint64_t claimed_rows;
+    uint64_t lease_lost;     /* settles whose token no longer matched */
+    int64_t  backlog;        /* from the last stats query; -1 unknown */
+    double   oldest_pending_s;
+    int64_t  dead_rows;
+    int      source_up, sink_up, sink_blocked, leader;
+    uint64_t in_flight;
+    histogram confirm_latency;
+    histogram claim_latency;
+} ob_metrics;
+
+void histogram_observe(histogram *h, double seconds);
+
+/* Appends the exposition text for all outboxes to a malloc'd buffer. NULL on OOM. */
+char *metrics_render(ob_metrics *const *m, size_t n, size_t *len);
+
+#endif

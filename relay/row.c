@@ -1,0 +1,83 @@
+/*
+ * row.c — one claimed outbox row in one allocation (row.h).
+ *
+ * Layout: [struct row][message_id is inline][strings, each NUL-terminated][payload + NUL].
+ */
+#include "relay/row.h"
+
+#include <ctype.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Adds a field's size (len + NUL) to *total; -1 on overflow. */
+static int add_len(size_t *total, const row_field *f, int always)
+{
+    size_t need;
+
+    if (!f->p && !always)
+        return 0;
+    need = (f->p ? f->len : 0) + 1;
+    if (need == 0 || *total > SIZE_MAX - need)
+        return -1;
+    *total += need;
+    return 0;
+}
+
+/* Copies a field into the block at *cur; returns its start, or NULL for SQL NULL
+ * (unless always: then "" for NULL). */
+static char *put_field(char **cur, const row_field *f, int always)
+{
+    char *start = *cur;
+    size_t len;
+
+    if (!f->p && !always)
+        return NULL;
+    len = f->p ? f->len : 0;
+    if (len)
+        memcpy(start, f->p, len);
+    start[len] = '\0';
+    *cur = start + len + 1;
+    return start;
+}
+
+row *row_new(const row_fields *f)
+{
+    size_t total = sizeof(row);
+    row *r;
+    char *cur;
+
+    if (!f || !f->message_id.p || f->message_id.len != 36)
+        return NULL;
+    if (add_len(&total, &f->exchange, 1) < 0 || add_len(&total, &f->routing_key, 1) < 0 ||
+        add_len(&total, &f->partition_key, 0) < 0 || add_len(&total, &f->message_type, 0) < 0 ||
+        add_len(&total, &f->content_type, 0) < 0 || add_len(&total, &f->correlation_id, 0) < 0 ||
+        add_len(&total, &f->headers_json, 0) < 0 || add_len(&total, &f->payload, 1) < 0)
+        return NULL;
+    if (!(r = malloc(total)))
+        return NULL;
+
+    r->id = f->id;
+    r->lease_token = f->lease_token;
+    r->attempts = f->attempts;
+    r->created_at_us = f->created_at_us;
+    for (size_t i = 0; i < 36; i++)
+        r->message_id[i] = (char)tolower((unsigned char)f->message_id.p[i]);
+    r->message_id[36] = '\0';
+
+    cur = (char *)(r + 1);
+    r->exchange = put_field(&cur, &f->exchange, 1);
+    r->routing_key = put_field(&cur, &f->routing_key, 1);
+    r->partition_key = put_field(&cur, &f->partition_key, 0);
+    r->message_type = put_field(&cur, &f->message_type, 0);
+    r->content_type = put_field(&cur, &f->content_type, 0);
+    r->correlation_id = put_field(&cur, &f->correlation_id, 0);
+    r->headers_json = put_field(&cur, &f->headers_json, 0);
+    r->payload_len = f->payload.p ? f->payload.len : 0;
+    r->payload = (const unsigned char *)put_field(&cur, &f->payload, 1);
+    return r;   /* the caller owns the row */
+}
+
+void row_free(row *r)
+{
+    free(r);
+}

@@ -1,0 +1,44 @@
+/*
+ * row.h — one claimed outbox row, as a source hands it to the core and the
+ * core hands it to a sink. A row is one allocation (strings live in the same
+ * block): free it with row_free(). Owner: whoever holds the pointer; the
+ * claim callback passes ownership to the core.
+ */
+#ifndef RELAY_ROW_H
+#define RELAY_ROW_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct row {
+    int64_t        id;
+    int64_t        lease_token;    /* the claim's token; settles must carry it */
+    int            attempts;       /* failed attempts before this claim */
+    int64_t        created_at_us;  /* unix epoch microseconds (AMQP timestamp = seconds) */
+    char           message_id[37]; /* canonical lower-case UUID */
+    const char    *exchange;       /* never NULL ("" = default exchange) */
+    const char    *routing_key;    /* never NULL */
+    const char    *partition_key;  /* NULL when none */
+    const char    *message_type;   /* NULL when none */
+    const char    *content_type;   /* NULL when none */
+    const char    *correlation_id; /* NULL when none */
+    const char    *headers_json;   /* NULL when none; a JSON object as stored */
+    const unsigned char *payload;  /* payload_len bytes (may contain NULs) */
+    size_t         payload_len;
+} row;
+
+/* Field values for row_new(); each string is (ptr, len), ptr NULL = SQL NULL. */
+typedef struct row_field { const char *p; size_t len; } row_field;
+typedef struct row_fields {
+    int64_t   id, lease_token, created_at_us;
+    int       attempts;
+    row_field message_id, exchange, routing_key, partition_key, message_type,
+              content_type, correlation_id, headers_json, payload;
+} row_fields;
+
+/* Copies everything into one block. NULL on out-of-memory or a message_id
+ * that is not 36 characters. exchange/routing_key NULL become "". */
+row *row_new(const row_fields *f);
+void row_free(row *r);
+
+#endif

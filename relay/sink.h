@@ -1,0 +1,74 @@
+/*
+ * sink.h — what the relay core needs from a message broker. The core never
+ * names RabbitMQ: it talks to this ops table. Everything runs on the loop
+ * thread; no call blocks without a bound.
+ *
+ * Each outbox owns its own sink instance (its own broker connection), so a
+ * channel closed by one outbox's bad message never disturbs another outbox.
+ */
+#ifndef RELAY_SINK_H
+#define RELAY_SINK_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "config/cfg.h"
+#include "relay/row.h"
+
+struct ev_loop;
+typedef struct sink sink;
+
+enum sink_state {
+    SINK_DOWN = 0,      /* not connected (connecting / backing off) */
+    SINK_UP,            /* connected, channel open in confirm mode: publish */
+    SINK_BLOCKED        /* connected but the broker sent connection.blocked: do not publish */
+};
+
+/* Final result of one accepted publish; delivered exactly once per accepted
+ * message, on the loop, never from inside sink_ops.publish. */
+enum sink_outcome {
+    SINK_ACK = 0,       /* broker confirmed and it was routed: success */
+    SINK_RETURNED,      /* basic.return (unroutable, mandatory): a failed attempt */
+    SINK_NACKED,        /* basic.nack: a failed attempt */
+    SINK_REJECTED,      /* the channel was closed because of this message (404 no exchange,
+                           403, 406...): a failed attempt */
+    SINK_LOST           /* connection/channel lost or confirm timeout while in flight: not the
+                           message's fault; give it back without counting an attempt */
+};
+
+typedef struct sink_cbs {
+    void *ud;
+    void (*on_state)(void *ud, int state, const char *msg);
+    /* reason: valid during the callback; NULL for SINK_ACK */
+    void (*on_result)(void *ud, void *msg_ud, int outcome, const char *reason);
+    /* Room again after publish returned SINK_EAGAIN (window/socket space freed). */
+    void (*on_writable)(void *ud);
+} sink_cbs;
+
+/* publish() return values */
+#define SINK_QUEUED    0    /* accepted: on_result follows exactly once */
+#define SINK_EAGAIN    1    /* not now (window full, socket full, blocked, down): retry after
+                               on_writable / on_state(SINK_UP); nothing was sent */
+#define SINK_EPERM    (-1)  /* this row can never be published (malformed headers, too large);
+                               reason in err: dead-letter it. Nothing was sent. */
+
+typedef struct sink_ops {
+    const char *name;   /* "rabbitmq" */
+    /* conn_name: shown in the broker's management UI ("outbox-relay <relay>/<outbox>"). */
+    int  (*create)(struct ev_loop *loop, const cfg_sink *cfg, const char *conn_name,
+                   const sink_cbs *cbs, sink **out, char *err, size_t errlen);
+    /* Closes the connection. Outstanding messages get no callback. */
+    void (*destroy)(sink *s);
+    void (*start)(sink *s);            /* begin connecting */
+    /* row stays owned by the caller and must stay valid until on_result. */
+    int  (*publish)(sink *s, const row *r, void *msg_ud, char *err, size_t errlen);
+    size_t (*in_flight)(const sink *s);
+    /* Admin: blocking login + confirm.select + close, bounded by timeouts. */
+    int  (*check)(const cfg_sink *cfg, char *err, size_t errlen);
+} sink_ops;
+
+extern const sink_ops amqpsink_ops;   /* sinks/rabbitmq */
+
+const sink_ops *sink_ops_for(const cfg_sink *cfg);
+
+#endif

@@ -1,0 +1,137 @@
+/*
+ * source.h — what the relay core needs from a database holding an outbox.
+ * The core never names PostgreSQL or SQL Server: it talks to this ops table.
+ *
+ * Asynchronous part (the daemon): every request returns at once; its result
+ * arrives later, on the loop thread, through cbs->on_done, exactly once —
+ * unless the source is destroyed first (then never). The core issues at most
+ * one request at a time per source. A request issued while the source is not
+ * UP fails at once through on_done with ok = -1 (never synchronously inside
+ * the call: on_done always runs from the loop).
+ *
+ * Synchronous part (admin commands: check, init, stats, dead): blocking calls
+ * bounded by the outbox's connect/query timeouts, each opening and closing its
+ * own connection.
+ */
+#ifndef RELAY_SOURCE_H
+#define RELAY_SOURCE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include "config/cfg.h"
+#include "relay/row.h"
+
+struct ev_loop;
+typedef struct source source;
+
+enum src_state { SRC_DOWN = 0, SRC_UP = 1 };
+
+enum src_req {
+    SRC_REQ_LEAD = 1,  /* try to become (or check we still are) the leader */
+    SRC_REQ_CLAIM,     /* lease up to n claimable rows in id order */
+    SRC_REQ_SETTLE,    /* apply outcomes */
+    SRC_REQ_CLEANUP,   /* delete marked rows older than retention, bounded */
+    SRC_REQ_STATS      /* backlog, oldest pending age, dead count */
+};
+
+/* What happened to a claimed row. */
+enum src_outcome_kind {
+    SRC_SENT = 0,   /* confirmed: mark sent_at (on_sent=mark) or delete (on_sent=delete) */
+    SRC_RETRY,      /* failed attempt: attempts+1, last_error, available_at = now()+backoff, lease cleared */
+    SRC_DEAD,       /* move to the dead-letter table with reason, in one transaction */
+    SRC_UNCLAIM     /* give back without counting an attempt (never published, or connection lost) */
+};
+
+typedef struct src_outcome {
+    int64_t     id;
+    int64_t     lease_token;  /* applied only where the row still carries this token */
+    int         kind;         /* enum src_outcome_kind */
+    int64_t     backoff_ms;   /* SRC_RETRY */
+    const char *reason;       /* SRC_RETRY, SRC_DEAD: stored as last_error / reason */
+} src_outcome;
+
+typedef struct src_stats {
+    int64_t backlog;            /* rows with sent_at NULL */
+    double  oldest_pending_s;   /* now - min(created_at) of pending rows; 0 when none */
+    int64_t dead;               /* rows in the dead-letter table */
+    int64_t sent_kept;          /* marked rows awaiting retention */
+} src_stats;
+
+typedef struct src_result {
+    int         req;            /* enum src_req */
+    int         ok;             /* 0 success, -1 failed (error says why; the source may go DOWN) */
+    const char *error;          /* valid during the callback only */
+    /* SRC_REQ_LEAD */
+    bool        leader;
+    bool        newly_leader;   /* leadership acquired by this request (stale leases were reset) */
+    /* SRC_REQ_CLAIM: ownership of rows[] and of every row passes to the callee
+       (free each with row_free and the array with free); rows are in id order */
+    row       **rows;
+    size_t      n_rows;
+    /* SRC_REQ_SETTLE */
+    size_t      n_applied;      /* outcomes whose token still matched */
+    /* SRC_REQ_CLEANUP */
+    size_t      n_deleted;
+    /* SRC_REQ_STATS */
+    src_stats   stats;
+} src_result;
+
+typedef struct src_cbs {
+    void *ud;
+    /* Connection state changes. UP: connected, database name verified, schema
+       present, LISTEN issued (PostgreSQL). DOWN: lost or failed; msg says why.
+       After DOWN the source reconnects by itself with capped back-off. */
+    void (*on_state)(void *ud, int state, const char *msg);
+    /* A wake-up hint (NOTIFY); rows may be claimable. */
+    void (*on_wake)(void *ud);
+    /* Completion of the one outstanding request. */
+    void (*on_done)(void *ud, const src_result *res);
+} src_cbs;
+
+typedef struct src_claim_args {
+    size_t      max_rows;
+    int64_t     lease_ms;
+    int64_t     lease_token;  /* the core's random token for this claim */
+    const char *owner;        /* relay name, stored in lease_owner */
+} src_claim_args;
+
+typedef struct source_ops {
+    const char *name;  /* "postgres", "sqlserver" */
+
+    /* --- daemon (asynchronous, loop thread) --- */
+    int  (*create)(struct ev_loop *loop, const cfg_outbox *cfg, const src_cbs *cbs,
+                   source **out, char *err, size_t errlen);
+    void (*destroy)(source *s);           /* closes; no callback afterwards */
+    void (*start)(source *s);             /* begin connecting; on_state reports */
+    int  (*lead)(source *s, const char *lock_name);
+    int  (*claim)(source *s, const src_claim_args *a);
+    int  (*settle)(source *s, const src_outcome *v, size_t n);  /* v copied before return */
+    int  (*cleanup)(source *s, int64_t retention_ms, size_t limit);
+    int  (*stats)(source *s);
+
+    /* --- admin (synchronous, blocking with timeouts) --- */
+    /* Connects, verifies database name and schema. 0 ok; -1 with one line per problem in err. */
+    int  (*check)(const cfg_outbox *cfg, char *err, size_t errlen);
+    /* Applies the DDL idempotently. */
+    int  (*init)(const cfg_outbox *cfg, char *err, size_t errlen);
+    int  (*stats_sync)(const cfg_outbox *cfg, src_stats *out, char *err, size_t errlen);
+    /* Dead letters: list prints one line per row to out (id, message_id, exchange,
+       routing_key, attempts, dead_at, reason); retry moves rows back into the
+       outbox (attempts reset, same id and message_id); purge deletes them.
+       ids == NULL/n_ids == 0 means all. *affected gets the row count. */
+    int  (*dead_list)(const cfg_outbox *cfg, FILE *out, char *err, size_t errlen);
+    int  (*dead_retry)(const cfg_outbox *cfg, const int64_t *ids, size_t n_ids,
+                       size_t *affected, char *err, size_t errlen);
+    int  (*dead_purge)(const cfg_outbox *cfg, const int64_t *ids, size_t n_ids,
+                       size_t *affected, char *err, size_t errlen);
+} source_ops;
+
+extern const source_ops pgsrc_ops;    /* sources/pg */
+extern const source_ops odbcsrc_ops;  /* sources/odbc */
+
+/* The ops for cfg->source. */
+const source_ops *source_ops_for(const cfg_outbox *cfg);
+
+#endif

@@ -1,0 +1,950 @@
+/*
+ * pgsrc.c — the PostgreSQL source, daemon side: libpq's asynchronous API on
+ * the libev loop (connect with PQconnectPoll, queries with PQsendQueryParams,
+ * results via PQconsumeInput/PQisBusy/PQgetResult, LISTEN/NOTIFY wake-ups).
+ *
+ * One connection per source, one state per connection:
+ *   IDLE → (start) → BACKOFF → CONNECTING → SETUP → UP
+ * and back to BACKOFF on any failure (capped exponential back-off, jitter).
+ * SETUP runs, in order: database-name check (PQdb, no round trip),
+ * SET statement_timeout, schema check (to_regclass), LISTEN.
+ *
+ * At most one query is in flight: either a SETUP step or the core's one
+ * outstanding request. Every callback into the core may destroy the source;
+ * cb_* return false then and the caller returns at once without touching it.
+ */
+#include <errno.h>
+#include <ev.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+#include <libpq-fe.h>
+#include "lib/outbox_schema.h"
+#include "relay/row.h"
+#include "relay/source.h"
+#include "sources/pg/pgsrc_int.h"
+
+#define BACKOFF_MIN_MS 100
+
+enum phase { PH_IDLE = 0, PH_BACKOFF, PH_CONNECTING, PH_SETUP, PH_UP };
+enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ };
+
+struct source {
+    struct ev_loop *loop;
+    src_cbs   cbs;
+    /* configuration (copies; conninfo and password are secrets: never logged) */
+    cfg_outbox cfg;          /* scalar fields; the string pointers below are ours */
+    char     *conninfo, *password, *database, *name;
+    pgsrc_names names;
+    char     *sql_lead, *sql_claim, *sql_settle, *sql_cleanup, *sql_stats;
+
+    PGconn   *conn;
+    int       phase;          /* enum phase */
+    ev_io     io;
+    bool      io_on;
+    ev_timer  deadline;       /* connect timeout, or the query in flight's client-side bound */
+    ev_timer  retry;          /* back-off before the next connect */
+    ev_timer  defer;          /* completes a request from the loop without a query */
+    int64_t   backoff_ms;
+    uint64_t  rng;
+    bool      flushing;       /* PQflush had more to send */
+    char      notice[256];    /* last notice/async error from the server, for DOWN messages */
+
+    int       qop;            /* enum qop: what the query in flight is */
+    PGresult *qres;           /* its result so far (the first error wins) */
+
+    int       req;            /* enum src_req outstanding, 0 none */
+    bool      req_deferred;
+    src_result dres;          /* the deferred result */
+    int64_t   claim_token;    /* the outstanding claim's token, copied into its rows */
+    char      derr[512];
+
+    bool      leader;         /* this session holds the advisory lock */
+    char     *lock_name;      /* the name it holds it under */
+
+    int       cb_depth;
+    bool      destroyed;
+};
+
+/* ------------------------------------------------------------ helpers */
+
+static void src_free(source *s)
+{
+    free(s->conninfo);
+    if (s->password) {
+        explicit_bzero(s->password, strlen(s->password));
+        free(s->password);
+    }
+    free(s->database);
+    free(s->name);
+    free(s->sql_lead);
+    free(s->sql_claim);
+    free(s->sql_settle);
+    free(s->sql_cleanup);
+    free(s->sql_stats);
+    free(s->lock_name);
+    free(s);
+}
+
+static bool after_cb(source *s)
+{
+    if (!s->destroyed)
+        return true;
+    if (s->cb_depth == 0)
+        src_free(s);
+    return false;
+}
+
+static bool cb_state(source *s, int st, const char *msg)
+{
+    if (!s->cbs.on_state)
+        return true;
+    s->cb_depth++;
+    s->cbs.on_state(s->cbs.ud, st, msg);
+    s->cb_depth--;
+    return after_cb(s);
+}
+
+static bool cb_wake(source *s)
+{
+    if (!s->cbs.on_wake)
+        return true;
+    s->cb_depth++;
+    s->cbs.on_wake(s->cbs.ud);
+    s->cb_depth--;
+    return after_cb(s);
+}
+
+/* Ownership of res->rows passes to the callee. */
+static bool cb_done(source *s, const src_result *res)
+{
+    if (!s->cbs.on_done) {
+        for (size_t i = 0; i < res->n_rows; i++)
+            row_free(res->rows[i]);
+        free(res->rows);
+        return true;
+    }
+    s->cb_depth++;
+    s->cbs.on_done(s->cbs.ud, res);
+    s->cb_depth--;
+    return after_cb(s);
+}
+
+static uint64_t rng_next(source *s)
+{
+    uint64_t x = s->rng;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    s->rng = x;
+    return x;
+}
+
+static void notice_cb(void *arg, const char *message)
+{
+    source *s = arg;
+    pgsrc_oneline(message, s->notice, sizeof s->notice);
+}
+
+static void io_watch(source *s, int fd, int events)
+{
+    if (s->io_on && s->io.fd == fd && (s->io.events & (EV_READ | EV_WRITE)) == events)
+        return;
+    if (s->io_on)
+        ev_io_stop(s->loop, &s->io);
+    ev_io_set(&s->io, fd, events);
+    ev_io_start(s->loop, &s->io);
+    s->io_on = true;
+}
+
+static void io_off(source *s)
+{
+    if (s->io_on) {
+        ev_io_stop(s->loop, &s->io);
+        s->io_on = false;
+    }
+}
+
+static void deadline_set(source *s, int64_t ms)
+{
+    ev_timer_stop(s->loop, &s->deadline);
+    ev_timer_set(&s->deadline, (double)ms / 1000.0, 0.);
+    ev_timer_start(s->loop, &s->deadline);
+}
+
+/* Closes the connection and forgets everything tied to the session. */
+static void conn_close(source *s)
+{
+    io_off(s);
+    ev_timer_stop(s->loop, &s->deadline);
+    if (s->qres) {
+        PQclear(s->qres);
+        s->qres = NULL;
+    }
+    s->qop = Q_NONE;
+    s->flushing = false;
+    if (s->conn) {
+        PQfinish(s->conn);
+        s->conn = NULL;
+    }
+    s->leader = false;  /* the advisory lock dies with the session */
+}
+
+static void schedule_reconnect(source *s)
+{
+    int64_t max = s->cfg.reconnect_max_ms > 0 ? s->cfg.reconnect_max_ms : 30000;
+    int64_t d = s->backoff_ms < max ? s->backoff_ms : max;
+    /* jitter: 75%..125% of the step, still capped */
+    d = d * 3 / 4 + (int64_t)(rng_next(s) % (uint64_t)(d / 2 + 1));
+    if (d > max)
+        d = max;
+    s->backoff_ms = s->backoff_ms > max / 2 ? max : s->backoff_ms * 2;
+    s->phase = PH_BACKOFF;
+    ev_timer_stop(s->loop, &s->retry);
+    ev_timer_set(&s->retry, (double)d / 1000.0, 0.);
+    ev_timer_start(s->loop, &s->retry);
+}
+
+/* The connection is gone or unusable: fail the outstanding request first
+ * (so the core can forget it), then report DOWN, then reconnect later. */
+static void conn_fail(source *s, const char *msg)
+{
+    int req = s->req;
+    conn_close(s);
+    schedule_reconnect(s);
+    if (req) {
+        src_result res;
+        memset(&res, 0, sizeof res);
+        s->req = 0;
+        s->req_deferred = false;
+        ev_timer_stop(s->loop, &s->defer);
+        res.req = req;
+        res.ok = -1;
+        res.error = msg;
+        if (!cb_done(s, &res))
+            return;
+    }
+    cb_state(s, SRC_DOWN, msg);
+}
+
+static void conn_lost(source *s, const char *what)
+{
+    char one[256], msg[600];
+    pgsrc_oneline(s->conn ? PQerrorMessage(s->conn) : "", one, sizeof one);
+    if (s->notice[0] && !strstr(one, s->notice))
+        snprintf(msg, sizeof msg, "%s: %s%s%s", what, s->notice, one[0] ? "; " : "", one);
+    else
+        snprintf(msg, sizeof msg, "%s: %s", what, one[0] ? one : "connection closed");
+    conn_fail(s, msg);
+}
+
+/* ------------------------------------------------------------ queries */
+
+static int q_flush(source *s)
+{
+    int rc = PQflush(s->conn);
+    if (rc < 0)
+        return -1;
+    s->flushing = rc == 1;
+    io_watch(s, PQsocket(s->conn), s->flushing ? EV_READ | EV_WRITE : EV_READ);
+    return 0;
+}
+
+/* Sends one statement; the result arrives through io_cb → q_done. 0 or -1
+ * (connection unusable: the caller handles it). */
+static int q_send(source *s, int op, const char *sql, int n, const char *const *vals,
+                  int result_format)
+{
+    if (!PQsendQueryParams(s->conn, sql, n, NULL, vals, NULL, NULL, result_format))
+        return -1;
+    s->qop = op;
+    if (q_flush(s) < 0)
+        return -1;
+    /* bounded on our side too: a silent network would otherwise hang forever */
+    int64_t slack = s->cfg.connect_timeout_ms > 1000 ? s->cfg.connect_timeout_ms : 1000;
+    deadline_set(s, s->cfg.query_timeout_ms + slack);
+    return 0;
+}
+
+static void setup_fail(source *s, const char *msg)
+{
+    conn_fail(s, msg);
+}
+
+static void setup_step(source *s, int op)
+{
+    char sql[128];
+    const char *vals[2];
+    int rc = 0;
+    switch (op) {
+    case Q_SET_TIMEOUT:
+        snprintf(sql, sizeof sql, "SET statement_timeout = %" PRId64, s->cfg.query_timeout_ms);
+        rc = q_send(s, op, sql, 0, NULL, 0);
+        break;
+    case Q_CHECK_SCHEMA:
+        vals[0] = s->names.table;
+        vals[1] = s->names.dead;
+        rc = q_send(s, op, "SELECT to_regclass($1::text) IS NOT NULL, to_regclass($2::text) IS NOT NULL",
+                    2, vals, 0);
+        break;
+    case Q_LISTEN:
+        rc = q_send(s, op, "LISTEN " OUTBOX_NOTIFY_CHANNEL, 0, NULL, 0);
+        break;
+    default:
+        break;
+    }
+    if (rc < 0)
+        conn_lost(s, "connection lost");
+}
+
+static const char *result_error(const PGresult *r, char *buf, size_t len)
+{
+    if (!r) {
+        snprintf(buf, len, "no result");
+        return buf;
+    }
+    pgsrc_oneline(PQresultErrorMessage(r), buf, len);
+    if (!buf[0])
+        snprintf(buf, len, "%s", PQresStatus(PQresultStatus(r)));
+    return buf;
+}
+
+static bool result_ok(const PGresult *r)
+{
+    if (!r)
+        return false;
+    ExecStatusType st = PQresultStatus(r);
+    return st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK;
+}
+
+/* ------------------------------------------------------------ claim decoding */
+
+static int64_t be64(const char *p)
+{
+    const unsigned char *u = (const unsigned char *)p;
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v = (v << 8) | u[i];
+    return (int64_t)v;
+}
+
+static int32_t be32(const char *p)
+{
+    const unsigned char *u = (const unsigned char *)p;
+    return (int32_t)(((uint32_t)u[0] << 24) | ((uint32_t)u[1] << 16) | ((uint32_t)u[2] << 8) | u[3]);
+}
+
+static row_field bfield(const PGresult *r, int i, int c)
+{
+    row_field f = {NULL, 0};
+    if (!PQgetisnull(r, i, c)) {
+        f.p = PQgetvalue(r, i, c);
+        f.len = (size_t)PQgetlength(r, i, c);
+    }
+    return f;
+}
+
+static int row_cmp(const void *a, const void *b)
+{
+    const row *x = *(row *const *)a, *y = *(row *const *)b;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+
+/* Builds the claimed rows from a binary-format result. 0 or -1 (err set). */
+static int decode_claim(const PGresult *r, int64_t token, row ***out, size_t *n_out,
+                        char *err, size_t errlen)
+{
+    int n = PQntuples(r);
+    row **rows = NULL;
+    *out = NULL;
+    *n_out = 0;
+    if (PQnfields(r) != 12) {
+        snprintf(err, errlen, "claim: unexpected result shape (%d columns)", PQnfields(r));
+        return -1;
+    }
+    if (n == 0)
+        return 0;
+    rows = calloc((size_t)n, sizeof *rows);
+    if (!rows) {
+        snprintf(err, errlen, "claim: out of memory");
+        return -1;
+    }
+    for (int i = 0; i < n; i++) {
+        row_fields f;
+        char uuid[37];
+        memset(&f, 0, sizeof f);
+        if (PQgetisnull(r, i, 0) || PQgetlength(r, i, 0) != 8 ||
+            PQgetisnull(r, i, 1) || PQgetlength(r, i, 1) != 16 ||
+            PQgetisnull(r, i, 10) || PQgetlength(r, i, 10) != 4 ||
+            PQgetisnull(r, i, 11) || PQgetlength(r, i, 11) != 8 ||
+            PQgetisnull(r, i, 9)) {
+            snprintf(err, errlen, "claim: unexpected column encoding in row %d", i);
+            goto fail;
+        }
+        const unsigned char *u = (const unsigned char *)PQgetvalue(r, i, 1);
+        snprintf(uuid, sizeof uuid,
+                 "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+                 u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
+                 u[12], u[13], u[14], u[15]);
+        f.id = be64(PQgetvalue(r, i, 0));
+        f.lease_token = token;
+        f.message_id.p = uuid;
+        f.message_id.len = 36;
+        f.exchange = bfield(r, i, 2);
+        f.routing_key = bfield(r, i, 3);
+        f.partition_key = bfield(r, i, 4);
+        f.message_type = bfield(r, i, 5);
+        f.content_type = bfield(r, i, 6);
+        f.correlation_id = bfield(r, i, 7);
+        f.headers_json = bfield(r, i, 8);
+        f.payload = bfield(r, i, 9);
+        f.attempts = be32(PQgetvalue(r, i, 10));
+        f.created_at_us = be64(PQgetvalue(r, i, 11));
+        rows[i] = row_new(&f);
+        if (!rows[i]) {
+            snprintf(err, errlen, "claim: out of memory building row %" PRId64, f.id);
+            goto fail;
+        }
+    }
+    qsort(rows, (size_t)n, sizeof *rows, row_cmp);  /* RETURNING order is not id order */
+    *out = rows;  /* ownership to the caller */
+    *n_out = (size_t)n;
+    return 0;
+fail:
+    for (int i = 0; i < n; i++)
+        row_free(rows[i]);
+    free(rows);
+    return -1;
+}
+
+/* ------------------------------------------------------------ request completion */
+
+static void req_complete(source *s, PGresult *r)
+{
+    src_result res;
+    char err[512];
+    bool table_gone = false;
+    memset(&res, 0, sizeof res);
+    res.req = s->req;
+    res.ok = 0;
+    if (!result_ok(r)) {
+        const char *st = r ? PQresultErrorField(r, PG_DIAG_SQLSTATE) : NULL;
+        res.ok = -1;
+        res.error = result_error(r, err, sizeof err);
+        table_gone = st && strcmp(st, "42P01") == 0;  /* undefined_table */
+    } else {
+        switch (s->req) {
+        case SRC_REQ_LEAD: {
+            bool got = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "t") == 0;
+            res.leader = got;
+            res.newly_leader = got;
+            s->leader = got;
+            break;
+        }
+        case SRC_REQ_CLAIM:
+            if (decode_claim(r, s->claim_token, &res.rows, &res.n_rows, err, sizeof err) < 0) {
+                res.ok = -1;
+                res.error = err;
+            }
+            break;
+        case SRC_REQ_SETTLE:
+            if (PQntuples(r) == 1 && !PQgetisnull(r, 0, 0))
+                res.n_applied = (size_t)strtoull(PQgetvalue(r, 0, 0), NULL, 10);
+            break;
+        case SRC_REQ_CLEANUP:
+            res.n_deleted = (size_t)strtoull(PQcmdTuples(r), NULL, 10);
+            break;
+        case SRC_REQ_STATS:
+            if (pgsrc_parse_stats(r, &res.stats) < 0) {
+                res.ok = -1;
+                res.error = "stats: unexpected result";
+            }
+            break;
+        default:
+            break;
+        }
+    }
+    s->req = 0;
+    s->req_deferred = false;
+    if (!cb_done(s, &res))
+        return;
+    if (table_gone && s->conn) {
+        char msg[400];
+        snprintf(msg, sizeof msg, "outbox table %s missing: run outbox-relay init", s->names.table);
+        conn_fail(s, msg);
+    }
+}
+
+/* The query in flight has returned all its results. */
+static void q_done(source *s)
+{
+    PGresult *r = s->qres;
+    int op = s->qop;
+    char err[512];
+    s->qres = NULL;
+    s->qop = Q_NONE;
+    ev_timer_stop(s->loop, &s->deadline);
+
+    if (op == Q_REQ) {
+        req_complete(s, r);
+        PQclear(r);
+        return;
+    }
+    if (!result_ok(r)) {
+        char msg[600];
+        snprintf(msg, sizeof msg, "connection setup failed: %s", result_error(r, err, sizeof err));
+        PQclear(r);
+        setup_fail(s, msg);
+        return;
+    }
+    switch (op) {
+    case Q_SET_TIMEOUT:
+        PQclear(r);
+        setup_step(s, Q_CHECK_SCHEMA);
+        return;
+    case Q_CHECK_SCHEMA: {
+        bool t_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "t") == 0;
+        bool d_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 1), "t") == 0;
+        PQclear(r);
+        if (!t_ok || !d_ok) {
+            char msg[400];
+            snprintf(msg, sizeof msg, "outbox table %s missing: run outbox-relay init",
+                     !t_ok ? s->names.table : s->names.dead);
+            setup_fail(s, msg);
+            return;
+        }
+        setup_step(s, Q_LISTEN);
+        return;
+    }
+    case Q_LISTEN:
+        PQclear(r);
+        s->phase = PH_UP;
+        s->backoff_ms = BACKOFF_MIN_MS;
+        s->notice[0] = '\0';
+        cb_state(s, SRC_UP, NULL);
+        return;
+    default:
+        PQclear(r);
+        return;
+    }
+}
+
+/* ------------------------------------------------------------ connection I/O */
+
+static void on_connected(source *s)
+{
+    ev_timer_stop(s->loop, &s->deadline);
+    const char *db = PQdb(s->conn);
+    if (!db || strcmp(db, s->database) != 0) {
+        char msg[400];
+        snprintf(msg, sizeof msg, "connected database \"%s\" differs from configured database \"%s\"",
+                 db ? db : "", s->database);
+        setup_fail(s, msg);
+        return;
+    }
+    if (PQsetnonblocking(s->conn, 1) != 0) {
+        conn_lost(s, "cannot make the connection non-blocking");
+        return;
+    }
+    s->phase = PH_SETUP;
+    s->notice[0] = '\0';
+    setup_step(s, Q_SET_TIMEOUT);
+}
+
+static void connect_poll(source *s)
+{
+    switch (PQconnectPoll(s->conn)) {
+    case PGRES_POLLING_READING:
+        io_watch(s, PQsocket(s->conn), EV_READ);
+        return;
+    case PGRES_POLLING_WRITING:
+        io_watch(s, PQsocket(s->conn), EV_WRITE);
+        return;
+    case PGRES_POLLING_OK:
+        on_connected(s);
+        return;
+    default:
+        conn_lost(s, "connect failed");
+        return;
+    }
+}
+
+static void conn_start(source *s)
+{
+    const char *keys[PGSRC_MAX_PARAMS], *vals[PGSRC_MAX_PARAMS];
+    char tmo[24];
+    pgsrc_conn_params(&s->cfg, keys, vals, tmo);
+    s->notice[0] = '\0';
+    s->conn = PQconnectStartParams(keys, vals, 1);
+    if (!s->conn) {
+        conn_fail(s, "connect failed: out of memory");
+        return;
+    }
+    PQsetNoticeProcessor(s->conn, notice_cb, s);
+    if (PQstatus(s->conn) == CONNECTION_BAD || PQsocket(s->conn) < 0) {
+        conn_lost(s, "connect failed");
+        return;
+    }
+    s->phase = PH_CONNECTING;
+    deadline_set(s, s->cfg.connect_timeout_ms > 0 ? s->cfg.connect_timeout_ms : 5000);
+    io_watch(s, PQsocket(s->conn), EV_WRITE);  /* as if PQconnectPoll said WRITING */
+}
+
+/* Watcher callbacks hold the source (cb_depth) so that a destroy from a
+ * callback into the core frees it only when the watcher returns. */
+static void hold(source *s)
+{
+    s->cb_depth++;
+}
+
+static void release(source *s)
+{
+    s->cb_depth--;
+    after_cb(s);
+}
+
+static void io_process(source *s, int revents)
+{
+    if (s->phase == PH_CONNECTING) {
+        connect_poll(s);
+        return;
+    }
+    if (!s->conn)
+        return;
+    if ((revents & EV_READ) && !PQconsumeInput(s->conn)) {
+        conn_lost(s, "connection lost");
+        return;
+    }
+    if (s->flushing && q_flush(s) < 0) {
+        conn_lost(s, "connection lost");
+        return;
+    }
+    /* results of the query in flight */
+    while (s->qop != Q_NONE && !PQisBusy(s->conn)) {
+        PGresult *r = PQgetResult(s->conn);
+        if (!r) {
+            q_done(s);  /* may call back, destroy, fail, or send the next query */
+            if (s->destroyed || !s->conn)
+                return;
+            continue;
+        }
+        if (!s->qres) {
+            s->qres = r;
+        } else if (result_ok(s->qres) && !result_ok(r)) {
+            PQclear(s->qres);
+            s->qres = r;
+        } else {
+            PQclear(r);
+        }
+    }
+    if (PQstatus(s->conn) == CONNECTION_BAD) {
+        conn_lost(s, "connection lost");
+        return;
+    }
+    /* notifications: the channel is shared by every outbox in the database */
+    bool wake = false;
+    PGnotify *n;
+    while ((n = PQnotifies(s->conn)) != NULL) {
+        if (strcmp(n->relname, OUTBOX_NOTIFY_CHANNEL) == 0 && n->extra &&
+            strcmp(n->extra, s->names.notify) == 0)
+            wake = true;
+        PQfreemem(n);
+    }
+    if (wake && s->phase == PH_UP)
+        cb_wake(s);
+}
+
+static void io_cb(struct ev_loop *loop, ev_io *w, int revents)
+{
+    source *s = w->data;
+    (void)loop;
+    hold(s);
+    io_process(s, revents);
+    release(s);
+}
+
+static void deadline_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    source *s = w->data;
+    char msg[160];
+    (void)loop;
+    (void)revents;
+    hold(s);
+    if (s->phase == PH_CONNECTING) {
+        snprintf(msg, sizeof msg, "connect timed out after %" PRId64 " ms", s->cfg.connect_timeout_ms);
+        conn_fail(s, msg);
+    } else if (s->qop != Q_NONE) {
+        snprintf(msg, sizeof msg, "no answer from the server within %" PRId64 " ms",
+                 s->cfg.query_timeout_ms);
+        conn_fail(s, msg);
+    }
+    release(s);
+}
+
+static void retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    source *s = w->data;
+    (void)loop;
+    (void)revents;
+    hold(s);
+    if (s->phase == PH_BACKOFF)
+        conn_start(s);
+    release(s);
+}
+
+static void defer_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    source *s = w->data;
+    src_result res;
+    (void)loop;
+    (void)revents;
+    if (!s->req || !s->req_deferred)
+        return;
+    res = s->dres;
+    res.req = s->req;
+    res.error = res.ok ? s->derr : NULL;
+    s->req = 0;
+    s->req_deferred = false;
+    hold(s);
+    if (cb_done(s, &res) && s->conn && s->phase >= PH_SETUP &&
+        PQstatus(s->conn) == CONNECTION_BAD)
+        conn_lost(s, "connection lost");
+    release(s);
+}
+
+/* ------------------------------------------------------------ ops: lifecycle */
+
+static char *dupstr(const char *p)
+{
+    return p ? strdup(p) : NULL;
+}
+
+static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cbs *cbs,
+                        source **out, char *err, size_t errlen)
+{
+    source *s;
+    *out = NULL;
+    if (!ob->database || !ob->conninfo) {
+        snprintf(err, errlen, "conninfo and database are required");
+        return -1;
+    }
+    s = calloc(1, sizeof *s);
+    if (!s)
+        goto oom;
+    s->loop = loop;
+    s->cbs = *cbs;
+    s->cfg = *ob;
+    s->conninfo = dupstr(ob->conninfo);
+    s->password = dupstr(ob->password);
+    s->database = dupstr(ob->database);
+    s->name = dupstr(ob->name ? ob->name : "");
+    if (!s->conninfo || !s->database || !s->name || (ob->password && !s->password))
+        goto oom;
+    /* the copy's string pointers are ours (or unused) */
+    s->cfg.conninfo = s->conninfo;
+    s->cfg.password = s->password;
+    s->cfg.database = s->database;
+    s->cfg.name = s->name;
+    s->cfg.table = NULL;
+    s->cfg.sink_name = NULL;
+    s->cfg.sink = NULL;
+    if (s->cfg.query_timeout_ms <= 0)
+        s->cfg.query_timeout_ms = 30000;
+    if (s->cfg.connect_timeout_ms <= 0)
+        s->cfg.connect_timeout_ms = 5000;
+    if (s->cfg.reconnect_max_ms < BACKOFF_MIN_MS)
+        s->cfg.reconnect_max_ms = 30000;
+    pgsrc_names_init(ob, &s->names);
+    s->sql_lead = pgsrc_sql_lead(&s->names);
+    s->sql_claim = pgsrc_sql_claim(&s->names);
+    s->sql_settle = pgsrc_sql_settle(&s->names, ob->on_sent);
+    s->sql_cleanup = pgsrc_sql_cleanup(&s->names);
+    s->sql_stats = pgsrc_sql_stats(&s->names);
+    if (!s->sql_lead || !s->sql_claim || !s->sql_settle || !s->sql_cleanup || !s->sql_stats)
+        goto oom;
+    s->backoff_ms = BACKOFF_MIN_MS;
+    s->rng = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid() ^ (uint64_t)(uintptr_t)s;
+    if (!s->rng)
+        s->rng = 0x9e3779b97f4a7c15ull;
+    ev_io_init(&s->io, io_cb, -1, EV_READ);
+    s->io.data = s;
+    ev_timer_init(&s->deadline, deadline_cb, 1., 0.);
+    s->deadline.data = s;
+    ev_timer_init(&s->retry, retry_cb, 0., 0.);
+    s->retry.data = s;
+    ev_timer_init(&s->defer, defer_cb, 0., 0.);
+    s->defer.data = s;
+    s->phase = PH_IDLE;
+    *out = s;  /* ownership to the caller: pgsrc_destroy */
+    return 0;
+oom:
+    snprintf(err, errlen, "out of memory");
+    if (s)
+        src_free(s);
+    return -1;
+}
+
+static void pgsrc_destroy(source *s)
+{
+    if (!s || s->destroyed)
+        return;
+    conn_close(s);
+    ev_timer_stop(s->loop, &s->retry);
+    ev_timer_stop(s->loop, &s->defer);
+    s->req = 0;
+    s->destroyed = true;
+    if (s->cb_depth == 0)
+        src_free(s);
+}
+
+static void pgsrc_start(source *s)
+{
+    if (s->phase != PH_IDLE)
+        return;
+    s->phase = PH_BACKOFF;
+    ev_timer_stop(s->loop, &s->retry);
+    ev_timer_set(&s->retry, 0., 0.);  /* connect from the loop, never inside start() */
+    ev_timer_start(s->loop, &s->retry);
+}
+
+/* ------------------------------------------------------------ ops: requests */
+
+/* Completes the request from the loop without a query. */
+static void req_defer(source *s, int ok, const char *err)
+{
+    memset(&s->dres, 0, sizeof s->dres);
+    s->dres.ok = ok;
+    snprintf(s->derr, sizeof s->derr, "%s", err ? err : "");
+    s->req_deferred = true;
+    ev_timer_stop(s->loop, &s->defer);
+    ev_timer_set(&s->defer, 0., 0.);
+    ev_timer_start(s->loop, &s->defer);
+}
+
+/* Common entry: 0 when the request is accepted and must be sent now, 1 when it
+ * was accepted and will complete by itself (deferred failure), -1 when refused
+ * (another request outstanding: no callback follows). */
+static int req_begin(source *s, int req)
+{
+    if (s->destroyed || s->req)
+        return -1;
+    s->req = req;
+    s->req_deferred = false;
+    if (s->phase != PH_UP || !s->conn) {
+        req_defer(s, -1, "not connected");
+        return 1;
+    }
+    return 0;
+}
+
+static int req_send(source *s, const char *sql, int n, const char *const *vals, int fmt)
+{
+    if (q_send(s, Q_REQ, sql, n, vals, fmt) < 0) {
+        char one[256];
+        pgsrc_oneline(PQerrorMessage(s->conn), one, sizeof one);
+        req_defer(s, -1, one[0] ? one : "send failed");  /* defer_cb then notices the bad connection */
+        s->qop = Q_NONE;
+        ev_timer_stop(s->loop, &s->deadline);
+    }
+    return 0;
+}
+
+static int pgsrc_lead(source *s, const char *lock_name)
+{
+    int rc = req_begin(s, SRC_REQ_LEAD);
+    if (rc)
+        return rc < 0 ? -1 : 0;
+    if (!lock_name)
+        lock_name = "";
+    if (s->leader && s->lock_name && strcmp(s->lock_name, lock_name) == 0) {
+        req_defer(s, 0, NULL);  /* still ours: the lock lives as long as this session */
+        s->dres.leader = true;
+        return 0;
+    }
+    char *dup = strdup(lock_name);
+    if (!dup) {
+        req_defer(s, -1, "out of memory");
+        return 0;
+    }
+    free(s->lock_name);
+    s->lock_name = dup;
+    s->leader = false;
+    const char *vals[1] = {lock_name};
+    return req_send(s, s->sql_lead, 1, vals, 0);
+}
+
+static int pgsrc_claim(source *s, const src_claim_args *a)
+{
+    int rc = req_begin(s, SRC_REQ_CLAIM);
+    if (rc)
+        return rc < 0 ? -1 : 0;
+    char lim[24], tok[24], lease[24];
+    snprintf(lim, sizeof lim, "%zu", a->max_rows);
+    snprintf(tok, sizeof tok, "%" PRId64, a->lease_token);
+    snprintf(lease, sizeof lease, "%" PRId64, a->lease_ms);
+    const char *vals[4] = {lim, a->owner ? a->owner : "", tok, lease};
+    s->claim_token = a->lease_token;
+    return req_send(s, s->sql_claim, 4, vals, 1);  /* binary results: payload as is */
+}
+
+static int pgsrc_settle(source *s, const src_outcome *v, size_t n)
+{
+    pgsrc_buf arr[5];
+    int rc = req_begin(s, SRC_REQ_SETTLE);
+    if (rc)
+        return rc < 0 ? -1 : 0;
+    if (n == 0) {
+        req_defer(s, 0, NULL);
+        return 0;
+    }
+    if (pgsrc_settle_arrays(v, n, arr) < 0) {
+        req_defer(s, -1, "settle: out of memory");
+        return 0;
+    }
+    const char *vals[5] = {arr[0].p, arr[1].p, arr[2].p, arr[3].p, arr[4].p};
+    req_send(s, s->sql_settle, 5, vals, 0);  /* libpq copied the parameters */
+    for (int k = 0; k < 5; k++)
+        pgsrc_buf_free(&arr[k]);
+    return 0;
+}
+
+static int pgsrc_cleanup(source *s, int64_t retention_ms, size_t limit)
+{
+    int rc = req_begin(s, SRC_REQ_CLEANUP);
+    if (rc)
+        return rc < 0 ? -1 : 0;
+    char ret[24], lim[24];
+    snprintf(ret, sizeof ret, "%" PRId64, retention_ms);
+    snprintf(lim, sizeof lim, "%zu", limit);
+    const char *vals[2] = {ret, lim};
+    return req_send(s, s->sql_cleanup, 2, vals, 0);
+}
+
+static int pgsrc_stats(source *s)
+{
+    int rc = req_begin(s, SRC_REQ_STATS);
+    if (rc)
+        return rc < 0 ? -1 : 0;
+    return req_send(s, s->sql_stats, 0, NULL, 0);
+}
+
+const source_ops pgsrc_ops = {
+    .name = "postgres",
+    .create = pgsrc_create,
+    .destroy = pgsrc_destroy,
+    .start = pgsrc_start,
+    .lead = pgsrc_lead,
+    .claim = pgsrc_claim,
+    .settle = pgsrc_settle,
+    .cleanup = pgsrc_cleanup,
+    .stats = pgsrc_stats,
+    .check = pgsrc_check,
+    .init = pgsrc_init,
+    .stats_sync = pgsrc_stats_sync,
+    .dead_list = pgsrc_dead_list,
+    .dead_retry = pgsrc_dead_retry,
+    .dead_purge = pgsrc_dead_purge,
+};

@@ -1,0 +1,406 @@
+/*
+ * pgsrc_sql.c — the PostgreSQL source's SQL text, connection keywords and
+ * array-literal building. Table names come only from validated identifier
+ * parts (ob) and are always quoted; values always travel as parameters.
+ */
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "lib/outbox_schema.h"
+#include "sources/pg/pgsrc_int.h"
+
+void pgsrc_names_init(const cfg_outbox *ob, pgsrc_names *n)
+{
+    outbox_table_name t;
+    memset(&t, 0, sizeof t);
+    /* the parts were validated by the config loader; copy bounded */
+    snprintf(t.schema, sizeof t.schema, "%s", ob->schema_part);
+    snprintf(t.table, sizeof t.table, "%s", ob->table_part);
+    snprintf(t.dead, sizeof t.dead, "%s", ob->dead_part);
+    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, 0, n->table, sizeof n->table);
+    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, 1, n->dead, sizeof n->dead);
+    snprintf(n->notify, sizeof n->notify, "%s.%s", ob->schema_part, ob->table_part);
+}
+
+void pgsrc_conn_params(const cfg_outbox *ob, const char **keys, const char **vals,
+                       char tmo[24])
+{
+    size_t i = 0;
+    int64_t s = (ob->connect_timeout_ms + 999) / 1000;
+    if (s < 2)
+        s = 2;  /* libpq's minimum */
+    snprintf(tmo, 24, "%" PRId64, s);
+    /* Keywords before "dbname" are defaults the conninfo may override; those
+     * after it are ours (last one wins with expand_dbname). */
+    keys[i] = "application_name"; vals[i++] = PGSRC_APP_NAME;
+    keys[i] = "connect_timeout";  vals[i++] = tmo;
+    keys[i] = "keepalives";       vals[i++] = "1";
+    keys[i] = "keepalives_idle";  vals[i++] = "30";
+    keys[i] = "keepalives_interval"; vals[i++] = "10";
+    keys[i] = "keepalives_count"; vals[i++] = "3";
+    keys[i] = "dbname";           vals[i++] = ob->conninfo ? ob->conninfo : "";
+    if (ob->password && ob->password[0]) {
+        keys[i] = "password";     vals[i++] = ob->password;
+    }
+    keys[i] = "client_encoding";  vals[i++] = "UTF8";
+    keys[i] = NULL;               vals[i] = NULL;
+}
+
+void pgsrc_oneline(const char *msg, char *out, size_t outlen)
+{
+    size_t j = 0;
+    int space = 0;
+    if (!outlen)
+        return;
+    if (!msg)
+        msg = "";
+    for (const char *p = msg; *p && j + 1 < outlen; p++) {
+        char c = *p;
+        if (c == '\n' || c == '\r' || c == '\t') {
+            space = 1;
+            continue;
+        }
+        if (space && j > 0 && j + 2 < outlen) {
+            out[j++] = ' ';
+        }
+        space = 0;
+        out[j++] = c;
+    }
+    while (j > 0 && (out[j - 1] == ' '))
+        j--;
+    out[j] = '\0';
+}
+
+/* ------------------------------------------------------------ buffers */
+
+static void buf_grow(pgsrc_buf *b, size_t more)
+{
+    if (b->oom)
+        return;
+    if (b->len + more + 1 <= b->cap)
+        return;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + more + 1) {
+        if (cap > SIZE_MAX / 2) {
+            b->oom = 1;
+            return;
+        }
+        cap *= 2;
+    }
+    char *p = realloc(b->p, cap);
+    if (!p) {
+        b->oom = 1;
+        return;
+    }
+    b->p = p;
+    b->cap = cap;
+}
+
+void pgsrc_buf_add(pgsrc_buf *b, const char *s, size_t n)
+{
+    buf_grow(b, n);
+    if (b->oom)
+        return;
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+}
+
+void pgsrc_buf_str(pgsrc_buf *b, const char *s)
+{
+    pgsrc_buf_add(b, s, strlen(s));
+}
+
+void pgsrc_buf_printf(pgsrc_buf *b, const char *fmt, ...)
+{
+    va_list ap;
+    char tmp[256];
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n < 0) {
+        b->oom = 1;
+        return;
+    }
+    if ((size_t)n < sizeof tmp) {
+        pgsrc_buf_add(b, tmp, (size_t)n);
+        return;
+    }
+    buf_grow(b, (size_t)n);
+    if (b->oom)
+        return;
+    va_start(ap, fmt);
+    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    b->len += (size_t)n;
+}
+
+void pgsrc_buf_free(pgsrc_buf *b)
+{
+    free(b->p);
+    b->p = NULL;
+    b->len = b->cap = 0;
+    b->oom = 0;
+}
+
+/* Length of the valid UTF-8 sequence at s (n bytes available), 0 if invalid. */
+static size_t utf8_seq(const unsigned char *s, size_t n)
+{
+    unsigned char c = s[0];
+    if (c < 0x80)
+        return 1;
+    size_t len;
+    unsigned min;
+    unsigned cp;
+    if (c >= 0xC2 && c <= 0xDF) { len = 2; cp = c & 0x1F; min = 0x80; }
+    else if (c >= 0xE0 && c <= 0xEF) { len = 3; cp = c & 0x0F; min = 0x800; }
+    else if (c >= 0xF0 && c <= 0xF4) { len = 4; cp = c & 0x07; min = 0x10000; }
+    else return 0;
+    if (len > n)
+        return 0;
+    for (size_t i = 1; i < len; i++) {
+        if ((s[i] & 0xC0) != 0x80)
+            return 0;
+        cp = (cp << 6) | (s[i] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
+        return 0;
+    return len;
+}
+
+void pgsrc_buf_array_elem(pgsrc_buf *b, const char *s, size_t maxlen)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t n = strlen(s), i = 0;
+    pgsrc_buf_add(b, "\"", 1);
+    while (i < n) {
+        size_t l = utf8_seq(p + i, n - i);
+        if (l == 0) {
+            if (i + 1 > maxlen)
+                break;
+            pgsrc_buf_add(b, "?", 1);
+            i++;
+            continue;
+        }
+        if (i + l > maxlen)
+            break;
+        if (l == 1 && (p[i] == '"' || p[i] == '\\'))
+            pgsrc_buf_add(b, "\\", 1);
+        pgsrc_buf_add(b, (const char *)p + i, l);
+        i += l;
+    }
+    pgsrc_buf_add(b, "\"", 1);
+}
+
+#define PGSRC_REASON_MAX 2000  /* bytes of a reason kept in last_error / dead reason */
+
+int pgsrc_settle_arrays(const src_outcome *v, size_t n, pgsrc_buf out[5])
+{
+    int oom = 0;
+    memset(out, 0, 5 * sizeof *out);
+    for (int k = 0; k < 5; k++)
+        pgsrc_buf_add(&out[k], "{", 1);
+    for (size_t i = 0; i < n; i++) {
+        const char *sep = i ? "," : "";
+        pgsrc_buf_printf(&out[0], "%s%" PRId64, sep, v[i].id);
+        pgsrc_buf_printf(&out[1], "%s%" PRId64, sep, v[i].lease_token);
+        pgsrc_buf_printf(&out[2], "%s%d", sep, v[i].kind);
+        pgsrc_buf_printf(&out[3], "%s%" PRId64, sep, v[i].backoff_ms > 0 ? v[i].backoff_ms : 0);
+        pgsrc_buf_str(&out[4], sep);
+        if (v[i].reason)
+            pgsrc_buf_array_elem(&out[4], v[i].reason, PGSRC_REASON_MAX);
+        else
+            pgsrc_buf_str(&out[4], "NULL");
+    }
+    for (int k = 0; k < 5; k++) {
+        pgsrc_buf_add(&out[k], "}", 1);
+        oom |= out[k].oom;
+    }
+    if (oom) {
+        for (int k = 0; k < 5; k++)
+            pgsrc_buf_free(&out[k]);
+        return -1;
+    }
+    return 0;
+}
+
+int pgsrc_id_array(const int64_t *ids, size_t n, char **out)
+{
+    pgsrc_buf b = {0};
+    *out = NULL;
+    if (!ids || n == 0)
+        return 0;
+    pgsrc_buf_add(&b, "{", 1);
+    for (size_t i = 0; i < n; i++)
+        pgsrc_buf_printf(&b, "%s%" PRId64, i ? "," : "", ids[i]);
+    pgsrc_buf_add(&b, "}", 1);
+    if (b.oom) {
+        pgsrc_buf_free(&b);
+        return -1;
+    }
+    *out = b.p;  /* ownership to the caller */
+    return 0;
+}
+
+/* ------------------------------------------------------------ SQL */
+
+static char *fmt(const char *f, ...) __attribute__((format(printf, 1, 2)));
+static char *fmt(const char *f, ...)
+{
+    va_list ap;
+    char *s = NULL;
+    va_start(ap, f);
+    int rc = vasprintf(&s, f, ap);
+    va_end(ap);
+    return rc < 0 ? NULL : s;
+}
+
+/* Producer columns, the same in the outbox and the dead-letter table. */
+#define PRODUCER_COLS "message_id, exchange, routing_key, partition_key, message_type, " \
+                      "content_type, correlation_id, headers, payload, created_at"
+
+char *pgsrc_sql_lead(const pgsrc_names *n)
+{
+    /* The lock CTE is volatile, so it is evaluated once; the UPDATE runs only
+     * when the lock was granted (its condition is an init plan). */
+    return fmt(
+        "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock(hashtextextended($1::text, 0)) AS got), "
+        "r AS (UPDATE %s SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+        "WHERE sent_at IS NULL AND lease_token IS NOT NULL AND (SELECT got FROM l) RETURNING 1) "
+        "SELECT l.got, (SELECT count(*) FROM r) FROM l",
+        n->table);
+}
+
+char *pgsrc_sql_claim(const pgsrc_names *n)
+{
+    return fmt(
+        "WITH c AS (SELECT m.id FROM %1$s m WHERE m.sent_at IS NULL AND m.available_at <= now() "
+        "AND (m.lease_until IS NULL OR m.lease_until < now()) "
+        "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM %1$s p "
+        "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
+        "AND p.id < m.id)) "
+        "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED) "
+        "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
+        "lease_until = now() + $4::float8 * interval '1 millisecond' "
+        "FROM c WHERE m.id = c.id "
+        "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
+        "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
+        "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint",
+        n->table);
+}
+
+char *pgsrc_sql_settle(const pgsrc_names *n, int on_sent)
+{
+    char sent[512];
+    if (on_sent == CFG_ON_SENT_DELETE)
+        snprintf(sent, sizeof sent,
+                 "DELETE FROM %s m USING u WHERE u.kind = %d AND m.id = u.id "
+                 "AND m.lease_token = u.token RETURNING m.id",
+                 n->table, SRC_SENT);
+    else
+        snprintf(sent, sizeof sent,
+                 "UPDATE %s m SET sent_at = now(), lease_owner = NULL, lease_token = NULL, "
+                 "lease_until = NULL FROM u WHERE u.kind = %d AND m.id = u.id "
+                 "AND m.lease_token = u.token RETURNING m.id",
+                 n->table, SRC_SENT);
+    return fmt(
+        "WITH u AS (SELECT DISTINCT ON (id) id, token, kind, backoff, reason "
+        "FROM unnest($1::bigint[], $2::bigint[], $3::int[], $4::bigint[], $5::text[]) "
+        "AS x(id, token, kind, backoff, reason) ORDER BY id), "
+        "s AS (%2$s), "
+        "r AS (UPDATE %1$s m SET attempts = m.attempts + 1, last_error = u.reason, "
+        "available_at = now() + u.backoff::float8 * interval '1 millisecond', "
+        "lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+        "FROM u WHERE u.kind = %4$d AND m.id = u.id AND m.lease_token = u.token RETURNING m.id), "
+        "x AS (UPDATE %1$s m SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+        "FROM u WHERE u.kind = %6$d AND m.id = u.id AND m.lease_token = u.token RETURNING m.id), "
+        "d AS (DELETE FROM %1$s m USING u WHERE u.kind = %5$d AND m.id = u.id "
+        "AND m.lease_token = u.token "
+        "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
+        "m.message_type, m.content_type, m.correlation_id, m.headers, m.payload, m.created_at, "
+        "m.available_at, m.attempts, u.reason), "
+        "i AS (INSERT INTO %3$s (id, " PRODUCER_COLS ", available_at, attempts, reason) "
+        "SELECT id, " PRODUCER_COLS ", available_at, attempts + 1, "
+        "coalesce(reason, 'dead-lettered') FROM d "
+        "ON CONFLICT (id) DO UPDATE SET message_id = EXCLUDED.message_id, "
+        "exchange = EXCLUDED.exchange, routing_key = EXCLUDED.routing_key, "
+        "partition_key = EXCLUDED.partition_key, message_type = EXCLUDED.message_type, "
+        "content_type = EXCLUDED.content_type, correlation_id = EXCLUDED.correlation_id, "
+        "headers = EXCLUDED.headers, payload = EXCLUDED.payload, "
+        "created_at = EXCLUDED.created_at, available_at = EXCLUDED.available_at, attempts = EXCLUDED.attempts, "
+        "reason = EXCLUDED.reason, dead_at = now() RETURNING 1) "
+        "SELECT (SELECT count(*) FROM s) + (SELECT count(*) FROM r) + (SELECT count(*) FROM x) "
+        "+ (SELECT count(*) FROM i)",
+        n->table, sent, n->dead, SRC_RETRY, SRC_DEAD, SRC_UNCLAIM);
+}
+
+char *pgsrc_sql_cleanup(const pgsrc_names *n)
+{
+    return fmt(
+        "DELETE FROM %1$s WHERE id IN (SELECT id FROM %1$s WHERE sent_at IS NOT NULL "
+        "AND sent_at < now() - $1::float8 * interval '1 millisecond' "
+        "ORDER BY sent_at LIMIT $2::bigint)",
+        n->table);
+}
+
+char *pgsrc_sql_stats(const pgsrc_names *n)
+{
+    return fmt(
+        "SELECT (SELECT count(*) FROM %1$s WHERE sent_at IS NULL), "
+        "greatest(coalesce((SELECT extract(epoch from now() - min(created_at)) FROM %1$s "
+        "WHERE sent_at IS NULL), 0), 0)::float8, "
+        "(SELECT count(*) FROM %2$s), "
+        "(SELECT count(*) FROM %1$s WHERE sent_at IS NOT NULL)",
+        n->table, n->dead);
+}
+
+char *pgsrc_sql_dead_list(const pgsrc_names *n)
+{
+    return fmt(
+        "SELECT id, message_id, exchange, routing_key, attempts, "
+        "to_char(dead_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), reason "
+        "FROM %s ORDER BY id",
+        n->dead);
+}
+
+char *pgsrc_sql_dead_retry(const pgsrc_names *n)
+{
+    /* One statement: the delete and the insert commit together. */
+    return fmt(
+        "WITH d AS (DELETE FROM %2$s WHERE $1::bigint[] IS NULL OR id = ANY($1::bigint[]) "
+        "RETURNING id, " PRODUCER_COLS ") "
+        "INSERT INTO %1$s (id, " PRODUCER_COLS ", available_at, attempts) "
+        "OVERRIDING SYSTEM VALUE SELECT id, " PRODUCER_COLS ", now(), 0 FROM d",
+        n->table, n->dead);
+}
+
+char *pgsrc_sql_dead_purge(const pgsrc_names *n)
+{
+    return fmt("DELETE FROM %s WHERE $1::bigint[] IS NULL OR id = ANY($1::bigint[])", n->dead);
+}
+
+int pgsrc_parse_stats(const PGresult *r, src_stats *out)
+{
+    char *end;
+    memset(out, 0, sizeof *out);
+    if (PQntuples(r) != 1 || PQnfields(r) != 4)
+        return -1;
+    for (int c = 0; c < 4; c++)
+        if (PQgetisnull(r, 0, c))
+            return -1;
+    out->backlog = strtoll(PQgetvalue(r, 0, 0), &end, 10);
+    if (*end)
+        return -1;
+    out->oldest_pending_s = strtod(PQgetvalue(r, 0, 1), &end);
+    if (*end)
+        return -1;
+    out->dead = strtoll(PQgetvalue(r, 0, 2), &end, 10);
+    if (*end)
+        return -1;
+    out->sent_kept = strtoll(PQgetvalue(r, 0, 3), &end, 10);
+    if (*end)
+        return -1;
+    return 0;
+}

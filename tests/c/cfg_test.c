@@ -1,0 +1,887 @@
+/*
+ * cfg_test.c — unit tests for config/cfg.c, relay/log.c and relay/row.c (cmocka).
+ *
+ *   cfg_test                 run the unit tests
+ *   cfg_test --load FILE     load FILE: print each error line to stdout and exit 1,
+ *                            or print a normalized dump of the config and exit 0
+ *                            (driven by tests/test_config.py)
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "config/cfg.h"
+#include "relay/log.h"
+#include "relay/row.h"
+
+/* ------------------------------------------------------------------ */
+/* --load: the normalized dump                                         */
+/* ------------------------------------------------------------------ */
+
+static const char *b2s(bool b) { return b ? "true" : "false"; }
+static const char *s2s(const char *s) { return s ? s : ""; }
+static const char *secret(const char *s) { return s ? "<secret>" : ""; }
+
+static void dump(const cfg *c)
+{
+    static const char *const fmts[] = { "text", "json" };
+    static const char *const srcs[] = { "postgres", "sqlserver" };
+    static const char *const sent[] = { "mark", "delete" };
+    static const char *const modes[] = { "leader", "competing" };
+
+    printf("[relay]\n");
+    printf("name = %s\n", s2s(c->relay.name));
+    printf("log_level = %s\n", cfg_log_level_name(c->relay.log_level));
+    printf("log_format = %s\n", fmts[c->relay.log_format]);
+    printf("log_file = %s\n", s2s(c->relay.log_file));
+    printf("http_listen = %s\n", s2s(c->relay.http_listen));
+    printf("shutdown_timeout = %lldms\n", (long long)c->relay.shutdown_timeout_ms);
+    for (size_t i = 0; i < c->n_sinks; i++) {
+        const cfg_sink *s = &c->sinks[i];
+        printf("[sink.%s]\n", s->name);
+        printf("type = rabbitmq\n");
+        printf("url = %s\n", secret(s->url));
+        printf("password_file = %s\n", secret(s->password));
+        printf("publish_window = %d\n", s->publish_window);
+        printf("heartbeat = %lldms\n", (long long)s->heartbeat_ms);
+        printf("confirm_timeout = %lldms\n", (long long)s->confirm_timeout_ms);
+        printf("connect_timeout = %lldms\n", (long long)s->connect_timeout_ms);
+        printf("reconnect_max = %lldms\n", (long long)s->reconnect_max_ms);
+        printf("max_message_size = %zu\n", s->max_message_size);
+        printf("confirms = %s\n", b2s(s->confirms));
+        printf("mandatory = %s\n", b2s(s->mandatory));
+        printf("tls_ca_file = %s\n", s2s(s->tls_ca_file));
+        printf("tls_verify = %s\n", b2s(s->tls_verify));
+        printf("url.host = %s\n", s2s(s->host));
+        printf("url.port = %d\n", s->port);
+        printf("url.user = %s\n", s2s(s->user));
+        printf("url.pass = %s\n", secret(s->pass));
+        printf("url.vhost = %s\n", s2s(s->vhost));
+        printf("url.tls = %s\n", b2s(s->tls));
+    }
+    for (size_t i = 0; i < c->n_outboxes; i++) {
+        const cfg_outbox *o = &c->outboxes[i];
+        printf("[outbox.%s]\n", o->name);
+        printf("source = %s\n", srcs[o->source]);
+        printf("conninfo = %s\n", secret(o->conninfo));
+        printf("password_file = %s\n", secret(o->password));
+        printf("database = %s\n", s2s(o->database));
+        printf("table = %s\n", s2s(o->table));
+        printf("sink = %s\n", s2s(o->sink_name));
+        printf("batch_size = %d\n", o->batch_size);
+        printf("poll_interval = %lldms\n", (long long)o->poll_interval_ms);
+        printf("lease = %lldms\n", (long long)o->lease_ms);
+        printf("max_attempts = %d\n", o->max_attempts);
+        printf("retry_backoff = %lldms\n", (long long)o->retry_backoff_ms);
+        printf("retry_backoff_max = %lldms\n", (long long)o->retry_backoff_max_ms);
+        printf("on_sent = %s\n", sent[o->on_sent]);
+        printf("retention = %lldms\n", (long long)o->retention_ms);
+        printf("cleanup_batch = %d\n", o->cleanup_batch);
+        printf("cleanup_interval = %lldms\n", (long long)o->cleanup_interval_ms);
+        printf("mode = %s\n", modes[o->mode]);
+        printf("query_timeout = %lldms\n", (long long)o->query_timeout_ms);
+        printf("connect_timeout = %lldms\n", (long long)o->connect_timeout_ms);
+        printf("reconnect_max = %lldms\n", (long long)o->reconnect_max_ms);
+        printf("table.schema = %s\n", o->schema_part);
+        printf("table.table = %s\n", o->table_part);
+        printf("table.dead = %s\n", o->dead_part);
+        printf("sink.resolved = %s\n", o->sink ? o->sink->name : "");
+    }
+}
+
+static int load_mode(const char *path)
+{
+    cfg *c = NULL;
+    cfg_errors e = { 0 };
+
+    if (cfg_load(path, &c, &e) < 0) {
+        for (size_t i = 0; i < e.n; i++)
+            printf("%s\n", e.lines[i]);
+        cfg_errors_clear(&e);
+        return 1;
+    }
+    dump(c);
+    cfg_free(c);
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* helpers                                                             */
+/* ------------------------------------------------------------------ */
+
+static char tmpdir[64];
+
+static char *tmp_write(const char *name, const char *text)
+{
+    char *path = NULL;
+    FILE *f;
+
+    assert_true(asprintf(&path, "%s/%s", tmpdir, name) > 0);
+    f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    assert_int_equal(fclose(f), 0);
+    return path;   /* caller frees */
+}
+
+static void rm_rf_tmp(void)
+{
+    char cmd[128];
+
+    if (tmpdir[0]) {
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+        if (system(cmd) != 0)
+            fprintf(stderr, "cannot remove %s\n", tmpdir);
+    }
+}
+
+/* Loads text as a file; returns the cfg (or NULL with e filled). */
+static cfg *load_text(const char *text, cfg_errors *e, char **pathp)
+{
+    cfg *c = NULL;
+    char *path = tmp_write("t.ini", text);
+
+    cfg_load(path, &c, e);
+    if (pathp)
+        *pathp = path;
+    else
+        free(path);
+    return c;
+}
+
+static void print_errs(const cfg_errors *e)
+{
+    for (size_t i = 0; i < e->n; i++)
+        print_message("  err: %s\n", e->lines[i]);
+}
+
+/* ------------------------------------------------------------------ */
+/* scalar parsers                                                      */
+/* ------------------------------------------------------------------ */
+
+static void t_duration(void **st)
+{
+    int64_t v;
+    static const struct { const char *s; int64_t ms; } ok[] = {
+        { "250ms", 250 }, { "1s", 1000 }, { "5m", 300000 }, { "2h", 7200000 },
+        { "7d", 604800000 }, { "10", 10000 }, { "0", 0 }, { "0ms", 0 },
+        { "010", 10000 },             /* decimal, never octal */
+        { "106751991167d", 106751991167LL * 86400000LL },
+    };
+    static const char *const bad[] = {
+        "", "1e3", " 5s", "5 s", "5s ", "-1s", "+5s", "5S", "5sec", "1.5s", "0x10", "s",
+        "ms", "5ms5", "106751991168d", "99999999999999999999", "9223372036854775807s", "5d ",
+    };
+    (void)st;
+    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++) {
+        v = -1;
+        assert_int_equal(cfg_parse_duration_ms(ok[i].s, &v), 0);
+        assert_true(v == ok[i].ms);
+    }
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        v = 4242;
+        if (cfg_parse_duration_ms(bad[i], &v) == 0)
+            fail_msg("duration \"%s\" accepted as %lld", bad[i], (long long)v);
+        assert_true(v == 4242);   /* untouched on error */
+    }
+    assert_int_equal(cfg_parse_duration_ms(NULL, &v), -1);
+}
+
+static void t_int(void **st)
+{
+    int64_t v;
+    (void)st;
+
+    assert_int_equal(cfg_parse_int("010", 0, 100, &v), 0);
+    assert_true(v == 10);
+    assert_int_equal(cfg_parse_int("-5", -10, 10, &v), 0);
+    assert_true(v == -5);
+    assert_int_equal(cfg_parse_int("0", 0, 0, &v), 0);
+    assert_int_equal(cfg_parse_int("9223372036854775807", 0, INT64_MAX, &v), 0);
+    assert_true(v == INT64_MAX);
+    assert_int_equal(cfg_parse_int("-9223372036854775808", INT64_MIN, 0, &v), 0);
+    assert_true(v == INT64_MIN);
+    static const char *const bad[] = {
+        "", "abc", "10abc", "010abc", " 1", "1 ", "+1", "0x10", "1e3", "1.0", "-", "--1", "- 1",
+        "9223372036854775808", "-9223372036854775809", "99999999999999999999999",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        v = 4242;
+        if (cfg_parse_int(bad[i], INT64_MIN, INT64_MAX, &v) == 0)
+            fail_msg("int \"%s\" accepted as %lld", bad[i], (long long)v);
+        assert_true(v == 4242);
+    }
+    /* bounds */
+    assert_int_equal(cfg_parse_int("0", 1, 10, &v), -1);
+    assert_int_equal(cfg_parse_int("11", 1, 10, &v), -1);
+    assert_int_equal(cfg_parse_int("-1", 0, 10, &v), -1);
+    assert_int_equal(cfg_parse_int("10", 1, 10, &v), 0);
+    assert_int_equal(cfg_parse_int(NULL, 1, 10, &v), -1);
+}
+
+static void t_bool(void **st)
+{
+    bool b;
+    static const char *const t[] = { "true", "yes", "on", "1", "TRUE", "Yes", "ON" };
+    static const char *const f[] = { "false", "no", "off", "0", "False", "NO", "Off" };
+    static const char *const bad[] = { "", "2", "tru", "y", "n", " true", "true ", "enable", "t", "f", "01" };
+    (void)st;
+    for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
+        b = false;
+        assert_int_equal(cfg_parse_bool(t[i], &b), 0);
+        assert_true(b);
+    }
+    for (size_t i = 0; i < sizeof f / sizeof f[0]; i++) {
+        b = true;
+        assert_int_equal(cfg_parse_bool(f[i], &b), 0);
+        assert_false(b);
+    }
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        if (cfg_parse_bool(bad[i], &b) == 0)
+            fail_msg("bool \"%s\" accepted", bad[i]);
+    assert_int_equal(cfg_parse_bool(NULL, &b), -1);
+}
+
+static void t_size(void **st)
+{
+    size_t v;
+    (void)st;
+    assert_int_equal(cfg_parse_size("1024", &v), 0);
+    assert_true(v == 1024);
+    assert_int_equal(cfg_parse_size("64k", &v), 0);
+    assert_true(v == 65536);
+    assert_int_equal(cfg_parse_size("64K", &v), 0);
+    assert_true(v == 65536);
+    assert_int_equal(cfg_parse_size("16M", &v), 0);
+    assert_true(v == 16u * 1024 * 1024);
+    assert_int_equal(cfg_parse_size("1G", &v), 0);
+    assert_true(v == 1024u * 1024 * 1024);
+    assert_int_equal(cfg_parse_size("0", &v), 0);
+    assert_true(v == 0);
+    assert_int_equal(cfg_parse_size("010", &v), 0);
+    assert_true(v == 10);
+    static const char *const bad[] = {
+        "", "1T", "1kb", "1KB", "-1", "1.5M", " 1k", "1 k", "1k ", "k", "0x10", "1e3",
+        "99999999999999999999", "17179869184G", "+1",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        v = 4242;
+        if (cfg_parse_size(bad[i], &v) == 0)
+            fail_msg("size \"%s\" accepted as %zu", bad[i], v);
+        assert_true(v == 4242);
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* AMQP URLs                                                           */
+/* ------------------------------------------------------------------ */
+
+static void sink_clear(cfg_sink *s)
+{
+    free(s->host);
+    free(s->user);
+    free(s->pass);
+    free(s->vhost);
+    memset(s, 0, sizeof *s);
+}
+
+static void t_amqp_url_ok(void **st)
+{
+    cfg_sink s;
+    char err[200];
+    (void)st;
+
+    memset(&s, 0, sizeof s);
+    assert_int_equal(cfg_parse_amqp_url("amqp://guest:guest@127.0.0.1:5672/%2f", &s, err, sizeof err), 0);
+    assert_string_equal(s.host, "127.0.0.1");
+    assert_int_equal(s.port, 5672);
+    assert_string_equal(s.user, "guest");
+    assert_string_equal(s.pass, "guest");
+    assert_string_equal(s.vhost, "/");
+    assert_false(s.tls);
+
+    /* re-parse into the same sink: old strings freed (valgrind/ASan check it) */
+    assert_int_equal(cfg_parse_amqp_url("amqps://broker.example.com", &s, err, sizeof err), 0);
+    assert_string_equal(s.host, "broker.example.com");
+    assert_int_equal(s.port, 5671);
+    assert_true(s.tls);
+    assert_string_equal(s.user, "guest");
+    assert_string_equal(s.pass, "guest");
+    assert_string_equal(s.vhost, "/");
+
+    assert_int_equal(cfg_parse_amqp_url("AMQPS://h:1234/", &s, err, sizeof err), 0);
+    assert_int_equal(s.port, 1234);
+    assert_true(s.tls);
+    assert_string_equal(s.vhost, "/");   /* empty path segment → "/" */
+
+    assert_int_equal(cfg_parse_amqp_url("amqp://us%40er:p%3Ass%2Fw%25rd@h/my%20vhost", &s, err, sizeof err), 0);
+    assert_string_equal(s.user, "us@er");
+    assert_string_equal(s.pass, "p:ss/w%rd");
+    assert_string_equal(s.vhost, "my vhost");
+    assert_int_equal(s.port, 5672);
+
+    assert_int_equal(cfg_parse_amqp_url("amqp://u:a:b@h/a%2Fb", &s, err, sizeof err), 0);
+    assert_string_equal(s.pass, "a:b");
+    assert_string_equal(s.vhost, "a/b");
+
+    assert_int_equal(cfg_parse_amqp_url("amqp://alice@h", &s, err, sizeof err), 0);
+    assert_string_equal(s.user, "alice");
+    assert_string_equal(s.pass, "guest");
+
+    assert_int_equal(cfg_parse_amqp_url("amqp://u:@h/v", &s, err, sizeof err), 0);
+    assert_string_equal(s.pass, "");
+    assert_string_equal(s.vhost, "v");
+
+    assert_int_equal(cfg_parse_amqp_url("amqp://[::1]:5673/prod", &s, err, sizeof err), 0);
+    assert_string_equal(s.host, "::1");
+    assert_int_equal(s.port, 5673);
+    assert_string_equal(s.vhost, "prod");
+
+    assert_int_equal(cfg_parse_amqp_url("amqps://u:p@[fe80::1:2]", &s, err, sizeof err), 0);
+    assert_string_equal(s.host, "fe80::1:2");
+    assert_int_equal(s.port, 5671);
+    sink_clear(&s);
+}
+
+static void t_amqp_url_bad(void **st)
+{
+    static const struct { const char *url, *why; } bad[] = {
+        { "http://h/", "unsupported scheme" },
+        { "amqp:/h", "unsupported scheme" },
+        { "", "empty" },
+        { "amqp://", "missing host" },
+        { "amqp:///vh", "missing host" },
+        { "amqp://u:p@/vh", "missing host" },
+        { "amqp://h:0", "bad port" },
+        { "amqp://h:65536", "bad port" },
+        { "amqp://h:abc", "bad port" },
+        { "amqp://h:", "bad port" },
+        { "amqp://h:-1", "bad port" },
+        { "amqp://h:+1", "bad port" },
+        { "amqp://::1/", "brackets" },
+        { "amqp://[::1", "unterminated" },
+        { "amqp://[::1]x", "after ]" },
+        { "amqp://[1.2.3.4]/", "not an IPv6" },
+        { "amqp://h/a/b", "single path segment" },
+        { "amqp://h?heartbeat=10", "query" },
+        { "amqp://h/v?x=1", "query" },
+        { "amqp://h/v#frag", "fragment" },
+        { "amqp://u:p@x@h", "%40" },
+        { "amqp://u:p%zz@h", "percent-encoding" },
+        { "amqp://u:p%2@h", "percent-encoding" },
+        { "amqp://h/%", "percent-encoding" },
+        { "amqp://u:p%00@h", "NUL" },
+        { "amqp://:p@h", "empty user" },
+        { "amqp://h st/", "whitespace" },
+        { "amqp://h/\tv", "whitespace" },
+        { "amqp://h%41/", "bad character" },
+    };
+    cfg_sink s;
+    char err[200];
+    (void)st;
+
+    memset(&s, 0, sizeof s);
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        err[0] = '\0';
+        if (cfg_parse_amqp_url(bad[i].url, &s, err, sizeof err) == 0)
+            fail_msg("URL \"%s\" accepted", bad[i].url);
+        if (!strstr(err, bad[i].why))
+            fail_msg("URL \"%s\": reason \"%s\" lacks \"%s\"", bad[i].url, err, bad[i].why);
+        assert_null(s.host);   /* untouched on error */
+    }
+    assert_int_equal(cfg_parse_amqp_url(NULL, &s, err, sizeof err), -1);
+}
+
+/* ------------------------------------------------------------------ */
+/* whole files                                                         */
+/* ------------------------------------------------------------------ */
+
+static void t_load_defaults(void **st)
+{
+    cfg_errors e = { 0 };
+    char host[300], expect_name[400];
+    cfg *c;
+    (void)st;
+
+    c = load_text("[sink.main]\n"
+                  "[outbox.Orders]\n"
+                  "conninfo = host=127.0.0.1 dbname=app user=postgres\n"
+                  "database = app\n", &e, NULL);
+    print_errs(&e);
+    assert_non_null(c);
+    assert_int_equal(e.n, 0);
+
+    assert_int_equal(gethostname(host, sizeof host), 0);
+    snprintf(expect_name, sizeof expect_name, "%s:%ld", host, (long)getpid());
+    assert_string_equal(c->relay.name, expect_name);
+    assert_int_equal(c->relay.log_level, CFG_LOG_INFO);
+    assert_int_equal(c->relay.log_format, CFG_LOG_TEXT);
+    assert_null(c->relay.log_file);
+    assert_string_equal(c->relay.http_listen, "127.0.0.1:9187");
+    assert_true(c->relay.shutdown_timeout_ms == 10000);
+
+    assert_int_equal(c->n_sinks, 1);
+    const cfg_sink *s = &c->sinks[0];
+    assert_string_equal(s->name, "main");
+    assert_int_equal(s->type, CFG_SINK_RABBITMQ);
+    assert_string_equal(s->url, "amqp://guest:guest@127.0.0.1:5672/%2f");
+    assert_null(s->password);
+    assert_string_equal(s->host, "127.0.0.1");
+    assert_int_equal(s->port, 5672);
+    assert_string_equal(s->user, "guest");
+    assert_string_equal(s->pass, "guest");
+    assert_string_equal(s->vhost, "/");
+    assert_false(s->tls);
+    assert_null(s->tls_ca_file);
+    assert_true(s->tls_verify);
+    assert_int_equal(s->publish_window, 1000);
+    assert_true(s->heartbeat_ms == 30000);
+    assert_true(s->confirm_timeout_ms == 30000);
+    assert_true(s->connect_timeout_ms == 5000);
+    assert_true(s->reconnect_max_ms == 30000);
+    assert_true(s->max_message_size == 128u * 1024 * 1024);
+    assert_true(s->confirms);
+    assert_true(s->mandatory);
+
+    assert_int_equal(c->n_outboxes, 1);
+    const cfg_outbox *o = &c->outboxes[0];
+    assert_string_equal(o->name, "orders");   /* iniparser lower-cases section names */
+    assert_int_equal(o->source, CFG_SOURCE_POSTGRES);
+    assert_string_equal(o->conninfo, "host=127.0.0.1 dbname=app user=postgres");
+    assert_null(o->password);
+    assert_string_equal(o->database, "app");
+    assert_string_equal(o->table, "outbox.messages");
+    assert_string_equal(o->schema_part, "outbox");
+    assert_string_equal(o->table_part, "messages");
+    assert_string_equal(o->dead_part, "messages_dead");
+    assert_string_equal(o->sink_name, "main");
+    assert_ptr_equal(o->sink, &c->sinks[0]);
+    assert_int_equal(o->batch_size, 500);
+    assert_true(o->poll_interval_ms == 1000);
+    assert_true(o->lease_ms == 30000);
+    assert_int_equal(o->max_attempts, 10);
+    assert_true(o->retry_backoff_ms == 1000);
+    assert_true(o->retry_backoff_max_ms == 300000);
+    assert_int_equal(o->on_sent, CFG_ON_SENT_MARK);
+    assert_true(o->retention_ms == 7LL * 86400000);
+    assert_int_equal(o->cleanup_batch, 1000);
+    assert_true(o->cleanup_interval_ms == 10000);
+    assert_int_equal(o->mode, CFG_MODE_LEADER);
+    assert_true(o->query_timeout_ms == 30000);
+    assert_true(o->connect_timeout_ms == 5000);
+    assert_true(o->reconnect_max_ms == 30000);
+    cfg_free(c);
+}
+
+static void t_load_values(void **st)
+{
+    cfg_errors e = { 0 };
+    cfg *c;
+    (void)st;
+
+    c = load_text("; a comment\n"
+                  "[relay]\n"
+                  "name = relay-7\n"
+                  "log_level = DEBUG\n"
+                  "log_format = json\n"
+                  "log_file = /tmp/x.log\n"
+                  "http_listen =\n"
+                  "shutdown_timeout = 250ms\n"
+                  "[sink.bus]\n"
+                  "url = \"amqps://app:pw%3Bx@[::1]:5999/prod\" ; quoted\n"
+                  "publish_window = 65535\n"
+                  "heartbeat = 0\n"
+                  "max_message_size = 64k\n"
+                  "tls_verify = off\n"
+                  "[outbox.a]\n"
+                  "source = odbc\n"
+                  "conninfo = Driver={PostgreSQL Unicode} ;Server=127.0.0.1\n"
+                  "database = App\n"
+                  "table = \"Sales.Outbox_1\"\n"
+                  "sink = bus\n"
+                  "batch_size = 100000\n"
+                  "on_sent = delete\n"
+                  "retention = 0\n"
+                  "mode = competing\n"
+                  "retry_backoff = 2s\n"
+                  "retry_backoff_max = 2s\n"
+                  "[outbox.b]\n"
+                  "source = sqlserver\n"
+                  "conninfo = \"Driver={x};Pwd=a;b\"\n"
+                  "database = b\n"
+                  "table = only_table\n"
+                  "sink = bus\n", &e, NULL);
+    print_errs(&e);
+    assert_non_null(c);
+    assert_string_equal(c->relay.name, "relay-7");
+    assert_int_equal(c->relay.log_level, CFG_LOG_DEBUG);
+    assert_int_equal(c->relay.log_format, CFG_LOG_JSON);
+    assert_string_equal(c->relay.log_file, "/tmp/x.log");
+    assert_null(c->relay.http_listen);
+    assert_true(c->relay.shutdown_timeout_ms == 250);
+    assert_int_equal(c->n_sinks, 1);
+    assert_string_equal(c->sinks[0].name, "bus");
+    assert_string_equal(c->sinks[0].host, "::1");
+    assert_int_equal(c->sinks[0].port, 5999);
+    assert_string_equal(c->sinks[0].user, "app");
+    assert_string_equal(c->sinks[0].pass, "pw;x");
+    assert_string_equal(c->sinks[0].vhost, "prod");
+    assert_true(c->sinks[0].tls);
+    assert_int_equal(c->sinks[0].publish_window, 65535);
+    assert_true(c->sinks[0].heartbeat_ms == 0);
+    assert_true(c->sinks[0].max_message_size == 65536);
+    assert_false(c->sinks[0].tls_verify);
+    assert_int_equal(c->n_outboxes, 2);
+    const cfg_outbox *a = &c->outboxes[0], *b = &c->outboxes[1];
+    assert_string_equal(a->name, "a");
+    assert_int_equal(a->source, CFG_SOURCE_SQLSERVER);
+    /* "value ;text" is a value and a comment */
+    assert_string_equal(a->conninfo, "Driver={PostgreSQL Unicode}");
+    assert_string_equal(a->database, "App");   /* values keep their case */
+    assert_string_equal(a->schema_part, "Sales");
+    assert_string_equal(a->table_part, "Outbox_1");
+    assert_ptr_equal(a->sink, &c->sinks[0]);
+    assert_int_equal(a->batch_size, 100000);
+    assert_int_equal(a->on_sent, CFG_ON_SENT_DELETE);
+    assert_true(a->retention_ms == 0);
+    assert_int_equal(a->mode, CFG_MODE_COMPETING);
+    assert_string_equal(b->conninfo, "Driver={x};Pwd=a;b");
+    assert_int_equal(b->source, CFG_SOURCE_SQLSERVER);
+    assert_string_equal(b->schema_part, "outbox");
+    assert_string_equal(b->table_part, "only_table");
+    cfg_free(c);
+}
+
+static void t_env_and_secret_files(void **st)
+{
+    cfg_errors e = { 0 };
+    char *pw = tmp_write("pw", "s3cr3t\n");
+    char *pw2 = tmp_write("pw2", "db-pass\r\n");
+    char *text = NULL;
+    cfg *c;
+    (void)st;
+
+    assert_int_equal(setenv("CFGT_HOST", "10.1.2.3", 1), 0);
+    assert_int_equal(setenv("CFGT_DB", "appdb", 1), 0);
+    assert_int_equal(setenv("CFGT_URLPASS", "from-env", 1), 0);
+    assert_true(asprintf(&text,
+                         "[sink.main]\n"
+                         "url = amqp://u:${CFGT_URLPASS}@${CFGT_HOST}/v\n"
+                         "[sink.pf]\n"
+                         "url = amqp://u:old@h/\n"
+                         "password_file = %s\n"
+                         "[outbox.o]\n"
+                         "conninfo = host=${CFGT_HOST} dbname=${CFGT_DB} password=$$x\n"
+                         "database = ${CFGT_DB}\n"
+                         "password_file = %s\n", pw, pw2) > 0);
+    c = load_text(text, &e, NULL);
+    print_errs(&e);
+    assert_non_null(c);
+    assert_string_equal(c->sinks[0].host, "10.1.2.3");
+    assert_string_equal(c->sinks[0].pass, "from-env");
+    assert_null(c->sinks[0].password);
+    assert_string_equal(c->sinks[1].user, "u");
+    assert_string_equal(c->sinks[1].pass, "s3cr3t");       /* password_file overrides the URL */
+    assert_string_equal(c->sinks[1].password, "s3cr3t");   /* one trailing newline trimmed */
+    assert_string_equal(c->outboxes[0].conninfo, "host=10.1.2.3 dbname=appdb password=$x");
+    assert_string_equal(c->outboxes[0].database, "appdb");
+    assert_string_equal(c->outboxes[0].password, "db-pass");
+    cfg_free(c);
+    free(text);
+    free(pw);
+    free(pw2);
+}
+
+static void t_env_unset_and_bad_file(void **st)
+{
+    cfg_errors e = { 0 };
+    char *path = NULL;
+    cfg *c;
+    (void)st;
+
+    unsetenv("CFGT_NOPE");
+    c = load_text("[sink.main]\n"
+                  "url = amqp://u:${CFGT_NOPE}@h/\n"
+                  "password_file = /nonexistent/secret-hunter2\n"
+                  "[outbox.o]\n"
+                  "conninfo = host=h password=hunter2 ${\n"
+                  "database = d$x\n", &e, &path);
+    assert_null(c);
+    print_errs(&e);
+    assert_int_equal(e.n, 4);
+    for (size_t i = 0; i < e.n; i++) {
+        assert_true(strncmp(e.lines[i], path, strlen(path)) == 0);
+        assert_null(strstr(e.lines[i], "hunter2 "));   /* the conninfo never shows */
+    }
+    assert_non_null(strstr(e.lines[0], "[sink.main] url: "));
+    assert_non_null(strstr(e.lines[0], "CFGT_NOPE"));
+    assert_non_null(strstr(e.lines[1], "[sink.main] password_file: "));
+    assert_non_null(strstr(e.lines[1], "/nonexistent/secret-hunter2"));   /* the path, not content */
+    assert_non_null(strstr(e.lines[1], "No such file"));
+    assert_non_null(strstr(e.lines[2], "[outbox.o] conninfo: "));
+    assert_non_null(strstr(e.lines[2], "unterminated"));
+    assert_non_null(strstr(e.lines[3], "[outbox.o] database: "));
+    assert_non_null(strstr(e.lines[3], "$$"));
+    cfg_errors_clear(&e);
+    assert_int_equal(e.n, 0);
+    free(path);
+}
+
+static void t_secret_file_content_never_echoed(void **st)
+{
+    cfg_errors e = { 0 };
+    char *pw = tmp_write("pw3", "line1-topsecret\nline2\n");
+    char *text = NULL;
+    cfg *c;
+    (void)st;
+
+    assert_true(asprintf(&text, "[sink.main]\npassword_file = %s\n"
+                         "url = ftp://u:topsecret@h/\n"
+                         "[outbox.o]\nconninfo = topsecret=\ndatabase = d\n", pw) > 0);
+    c = load_text(text, &e, NULL);
+    assert_null(c);
+    print_errs(&e);
+    assert_int_equal(e.n, 3);   /* multi-line file, bad URL, conninfo libpq rejects */
+    for (size_t i = 0; i < e.n; i++)
+        assert_null(strstr(e.lines[i], "topsecret"));
+    assert_non_null(strstr(e.lines[0], "password_file"));
+    assert_non_null(strstr(e.lines[1], "url: expected an amqp:// or amqps:// URL"));
+    assert_non_null(strstr(e.lines[1], "got <secret>"));
+    assert_non_null(strstr(e.lines[2], "conninfo"));
+    cfg_errors_clear(&e);
+    free(text);
+    free(pw);
+}
+
+static void t_collects_all_errors(void **st)
+{
+    cfg_errors e = { 0 };
+    cfg *c;
+    (void)st;
+
+    c = load_text("stray = 1\n"
+                  "[relay]\nlog_level = loud\ncolour = blue\n"
+                  "[sinks.x]\nk = v\n"
+                  "[sink.main]\npublish_window = 0\nconfirms = false\nmandatory = no\n"
+                  "[outbox.o]\nbatch_size = 010abc\nretry_backoff = 10s\nretry_backoff_max = 1s\n", &e, NULL);
+    assert_null(c);
+    print_errs(&e);
+    {
+        static const char *const want[] = {
+            "[] stray: key outside any section",
+            "[sinks.x]: unknown section, expected [relay], [sink.NAME] or [outbox.NAME]",
+            "[relay] colour: unknown key, expected one of name, log_level,",
+            "[relay] log_level: expected one of error | warn | info | debug, got \"loud\"",
+            "[sink.main] publish_window: expected an integer 1..65535, got \"0\"",
+            ("[sink.main] confirms: expected true (publisher confirms are required: a sink without "
+             "confirms could lose messages), got \"false\""),
+            "[sink.main] mandatory: expected true",
+            "[outbox.o] conninfo: expected a libpq conninfo or ODBC connection string (required), got nothing",
+            "[outbox.o] database: expected the database name the connection must be in (required), got nothing",
+            "[outbox.o] batch_size: expected an integer 1..100000, got \"010abc\"",
+            "[outbox.o] retry_backoff_max: expected a duration of at least retry_backoff (10s), got \"1s\"",
+        };
+        assert_int_equal(e.n, sizeof want / sizeof want[0]);
+        for (size_t i = 0; i < e.n; i++)
+            if (!strstr(e.lines[i], want[i]))
+                fail_msg("line %zu: \"%s\" lacks \"%s\"", i, e.lines[i], want[i]);
+    }
+    cfg_errors_clear(&e);
+}
+
+static void t_missing_file_and_syntax(void **st)
+{
+    cfg_errors e = { 0 };
+    cfg *c = NULL;
+    char *path = NULL;
+    (void)st;
+
+    assert_int_equal(cfg_load("/nonexistent/relay.ini", &c, &e), -1);
+    assert_null(c);
+    assert_int_equal(e.n, 1);
+    assert_string_equal(e.lines[0], "/nonexistent/relay.ini: cannot open: No such file or directory");
+    cfg_errors_clear(&e);
+
+    c = load_text("[relay]\nthis line has no equals sign, password hunter2\n", &e, &path);
+    assert_null(c);
+    print_errs(&e);
+    assert_int_equal(e.n, 1);
+    assert_true(strncmp(e.lines[0], path, strlen(path)) == 0);
+    assert_non_null(strstr(e.lines[0], "line 2"));
+    assert_null(strstr(e.lines[0], "hunter2"));
+    cfg_errors_clear(&e);
+    free(path);
+}
+
+/* ------------------------------------------------------------------ */
+/* log and row                                                         */
+/* ------------------------------------------------------------------ */
+
+static char *slurp(const char *path)
+{
+    FILE *f = fopen(path, "r");
+    char *buf;
+    size_t n;
+
+    assert_non_null(f);
+    buf = calloc(1, 1 << 16);
+    assert_non_null(buf);
+    n = fread(buf, 1, (1 << 16) - 1, f);
+    buf[n] = '\0';
+    fclose(f);
+    return buf;
+}
+
+static void t_log(void **st)
+{
+    char *path = NULL, *path2 = NULL, *text;
+    (void)st;
+
+    assert_true(asprintf(&path, "%s/relay.log", tmpdir) > 0);
+    assert_true(asprintf(&path2, "%s/relay.log.1", tmpdir) > 0);
+
+    log_setup(LOG_INFO, CFG_LOG_TEXT, path);
+    assert_true(log_enabled(LOG_WARN));
+    assert_false(log_enabled(LOG_DEBUG));
+    log_msg(LOG_INFO, "hello %s", "world");
+    log_msg(LOG_DEBUG, "not shown");
+    log_msg(LOG_ERROR, "two\nlines\x01");
+    text = slurp(path);
+    print_message("%s", text);
+    /* 2026-11-21T12:00:00.123Z INFO hello world */
+    assert_int_equal(strlen(text) > 25, 1);
+    assert_true(text[4] == '-' && text[10] == 'T' && text[19] == '.' && text[23] == 'Z');
+    assert_non_null(strstr(text, "Z INFO hello world\n"));
+    assert_null(strstr(text, "not shown"));
+    assert_non_null(strstr(text, "Z ERROR two\\nlines\\x01\n"));
+    free(text);
+
+    /* rotation: rename, SIGHUP → reopen, next line lands in the new file */
+    assert_int_equal(rename(path, path2), 0);
+    assert_int_equal(log_reopen(), 0);
+    log_msg(LOG_WARN, "after reopen");
+    text = slurp(path);
+    assert_non_null(strstr(text, "Z WARN after reopen\n"));
+    free(text);
+
+    log_setup(LOG_DEBUG, CFG_LOG_JSON, path);
+    log_msg(LOG_DEBUG, "q\"b\\s\tn\n\x02 \xc3\xa9 \xff end");
+    text = slurp(path);
+    print_message("%s", text);
+    assert_non_null(strstr(text, "\",\"level\":\"debug\",\"msg\":\"q\\\"b\\\\s\\tn\\n\\u0002 \xc3\xa9 \\ufffd end\"}\n"));
+    assert_non_null(strstr(text, "{\"ts\":\"20"));
+    free(text);
+
+    /* a huge message is cut, the line stays one valid line */
+    {
+        char *big = malloc(20000);
+        assert_non_null(big);
+        memset(big, 'x', 19999);
+        big[19999] = '\0';
+        log_msg(LOG_INFO, "%s", big);
+        free(big);
+        text = slurp(path);
+        char *last = strstr(text, "\"level\":\"info\"");
+        assert_non_null(last);
+        assert_non_null(strstr(last, "...\"}\n"));
+        free(text);
+    }
+    log_setup(LOG_INFO, CFG_LOG_TEXT, NULL);   /* back to stderr; closes the file */
+    free(path);
+    free(path2);
+}
+
+static void t_row(void **st)
+{
+    static const unsigned char payload[] = { 'a', 0, 'b', 0xff };
+    row_fields f;
+    row *r;
+    (void)st;
+
+    memset(&f, 0, sizeof f);
+    f.id = 42;
+    f.lease_token = 7;
+    f.attempts = 3;
+    f.created_at_us = 1700000000123456LL;
+    f.message_id = (row_field){ "0F8FAD5B-D9CB-469F-A165-70867728950E", 36 };
+    f.routing_key = (row_field){ "orders.created+junk", 14 };
+    f.partition_key = (row_field){ "cust-1", 6 };
+    f.headers_json = (row_field){ "{\"a\":1}", 7 };
+    f.payload = (row_field){ (const char *)payload, sizeof payload };
+    r = row_new(&f);
+    assert_non_null(r);
+    assert_true(r->id == 42 && r->lease_token == 7 && r->attempts == 3);
+    assert_true(r->created_at_us == 1700000000123456LL);
+    assert_string_equal(r->message_id, "0f8fad5b-d9cb-469f-a165-70867728950e");
+    assert_string_equal(r->exchange, "");
+    assert_string_equal(r->routing_key, "orders.created");
+    assert_string_equal(r->partition_key, "cust-1");
+    assert_null(r->message_type);
+    assert_null(r->content_type);
+    assert_null(r->correlation_id);
+    assert_string_equal(r->headers_json, "{\"a\":1}");
+    assert_int_equal(r->payload_len, 4);
+    assert_memory_equal(r->payload, payload, 4);
+    row_free(r);
+
+    f.payload = (row_field){ NULL, 0 };
+    r = row_new(&f);
+    assert_non_null(r);
+    assert_non_null(r->payload);
+    assert_int_equal(r->payload_len, 0);
+    row_free(r);
+
+    f.message_id = (row_field){ "short", 5 };
+    assert_null(row_new(&f));
+    f.message_id = (row_field){ NULL, 36 };
+    assert_null(row_new(&f));
+    assert_null(row_new(NULL));
+    row_free(NULL);
+}
+
+int main(int argc, char **argv)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(t_duration),
+        cmocka_unit_test(t_int),
+        cmocka_unit_test(t_bool),
+        cmocka_unit_test(t_size),
+        cmocka_unit_test(t_amqp_url_ok),
+        cmocka_unit_test(t_amqp_url_bad),
+        cmocka_unit_test(t_load_defaults),
+        cmocka_unit_test(t_load_values),
+        cmocka_unit_test(t_env_and_secret_files),
+        cmocka_unit_test(t_env_unset_and_bad_file),
+        cmocka_unit_test(t_secret_file_content_never_echoed),
+        cmocka_unit_test(t_collects_all_errors),
+        cmocka_unit_test(t_missing_file_and_syntax),
+        cmocka_unit_test(t_log),
+        cmocka_unit_test(t_row),
+    };
+    int rc;
+
+    if (argc == 3 && strcmp(argv[1], "--load") == 0)
+        return load_mode(argv[2]);
+    if (argc != 1) {
+        fprintf(stderr, "usage: %s [--load FILE]\n", argv[0]);
+        return 2;
+    }
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/cfg_test.XXXXXX");
+    if (!mkdtemp(tmpdir)) {
+        perror("mkdtemp");
+        return 2;
+    }
+    rc = cmocka_run_group_tests(tests, NULL, NULL);
+    rm_rf_tmp();
+    return rc;
+}

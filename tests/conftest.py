@@ -1,0 +1,272 @@
+"""pytest harness for outbox-relay: private PostgreSQL 15 + RabbitMQ, scratch databases, helpers.
+
+Fixtures (the contract other tests rely on):
+  services  (session)  private servers started by scripts/services.sh; see class Services
+  pgdb      (function) a fresh empty database t_<hex>, dropped afterwards; see class PgDb
+  build     (session)  pathlib.Path of the build dir (env OUTBOX_BUILD, default <repo>/build)
+  relay_bin (session)  build / "outbox-relay"
+  amqp      (function) a pika BlockingConnection to the private broker, closed afterwards
+Helpers importable with `from conftest import ...`:
+  run_prog(argv, **kw)      run a program (timeout, valgrind when OUTBOX_VALGRIND=1)
+  prog_argv(argv)           argv wrapped in valgrind when OUTBOX_VALGRIND=1 (for Popen)
+  wait_for(pred, timeout)   poll pred until truthy, instead of sleeping
+  tail(path, n)             last n lines of a file
+Run from the repo root: /usr/bin/python3 -m pytest tests   (or: make test)
+"""
+import os
+import pathlib
+import secrets
+import shlex
+import subprocess
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SERVICES_SH = ROOT / "scripts" / "services.sh"
+
+VALGRIND_ARGS = ["valgrind", "-q", "--error-exitcode=99", "--leak-check=full",
+                 "--errors-for-leak-kinds=definite", "--track-fds=no"]
+
+# Sanitizer defaults for every program spawned by the tests (callers may override).
+os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0:strict_string_checks=1:"
+                      "detect_stack_use_after_return=1:check_initialization_order=1")
+os.environ.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
+if (ROOT / "tests" / "lsan.supp").exists():  # optional: third-party leaks we cannot fix
+    os.environ.setdefault("LSAN_OPTIONS", f"suppressions={ROOT / 'tests' / 'lsan.supp'}:"
+                          "print_suppressions=0")
+
+
+# ---------------------------------------------------------------------------- helpers
+def valgrind_enabled():
+    return os.environ.get("OUTBOX_VALGRIND", "") not in ("", "0")
+
+
+def prog_argv(argv, valgrind=True):
+    """argv as it should be executed: under valgrind when OUTBOX_VALGRIND=1."""
+    argv = [str(a) for a in argv]
+    if valgrind and valgrind_enabled():
+        return VALGRIND_ARGS + argv
+    return argv
+
+
+def run_prog(argv, timeout=120, valgrind=True, **kw):
+    """Run a program and return CompletedProcess with text stdout/stderr.
+
+    Under OUTBOX_VALGRIND=1 it runs under valgrind (exit code 99 on errors or definite
+    leaks) and the timeout is multiplied by 4. Extra keyword arguments go to
+    subprocess.run (input=, env=, cwd=, check=...). A timeout raises
+    subprocess.TimeoutExpired (the child is killed)."""
+    argv = prog_argv(argv, valgrind)
+    if valgrind and valgrind_enabled() and timeout is not None:
+        timeout *= 4
+    kw.setdefault("stdout", subprocess.PIPE)
+    kw.setdefault("stderr", subprocess.PIPE)
+    kw.setdefault("text", True)
+    if "input" not in kw:
+        kw.setdefault("stdin", subprocess.DEVNULL)
+    return subprocess.run(argv, timeout=timeout, **kw)
+
+
+def wait_for(predicate, timeout, interval=0.05, desc=None, ignore=()):
+    """Poll predicate() until it returns something truthy; return that value.
+
+    Exceptions of the types in `ignore` count as "not yet". On timeout raises
+    AssertionError naming desc (or the predicate) and the last ignored exception."""
+    deadline = time.monotonic() + timeout
+    last_exc = None
+    while True:
+        try:
+            v = predicate()
+            if v:
+                return v
+        except ignore as e:  # noqa: PERF203
+            last_exc = e
+        if time.monotonic() >= deadline:
+            what = desc or getattr(predicate, "__name__", repr(predicate))
+            extra = f" (last error: {last_exc!r})" if last_exc is not None else ""
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
+        time.sleep(interval)
+
+
+def tail(path, n=50):
+    """The last n lines of a file ('' when it does not exist)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 256 * 1024))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-n:])
+
+
+# ---------------------------------------------------------------------------- services
+class Services:
+    """The private servers. Attributes: pg_host, pg_port, pg_user, amqp_port, amqp_url,
+    rabbit_node, pg_log, rabbit_log, env (the exports of services.sh env)."""
+
+    def __init__(self, env):
+        self.env = env
+        self.dir = pathlib.Path(env["OUTBOX_SERVICES_DIR"])
+        self.pg_host = env["OUTBOX_PG_HOST"]
+        self.pg_port = int(env["OUTBOX_PG_PORT"])
+        self.pg_user = env["OUTBOX_PG_USER"]
+        self.pg_log = pathlib.Path(env["OUTBOX_PG_LOG"])
+        self.amqp_port = int(env["OUTBOX_AMQP_PORT"])
+        self.amqp_url = env["OUTBOX_AMQP_URL"]
+        self.amqp_host = "127.0.0.1"
+        self.rabbit_node = env["OUTBOX_RABBIT_NODE"]
+        self.rabbit_log = pathlib.Path(env["OUTBOX_RABBIT_LOG"])
+        self._rabbit_home = env["OUTBOX_RABBIT_HOME"]
+        self._rabbitmqctl = env["OUTBOX_RABBITMQCTL"]
+        self._epmd_port = env["ERL_EPMD_PORT"]
+
+    def pg_dsn(self, dbname="postgres"):
+        """libpq conninfo for dbname."""
+        return (f"host={self.pg_host} port={self.pg_port} user={self.pg_user} "
+                f"dbname={dbname} connect_timeout=10")
+
+    def odbc_dsn(self, dbname="postgres"):
+        """psqlODBC connection string for dbname."""
+        return (f"Driver={{PostgreSQL Unicode}};Server={self.pg_host};Port={self.pg_port};"
+                f"Database={dbname};Uid={self.pg_user};Pwd=x;")
+
+    def pg_connect(self, dbname="postgres", autocommit=True):
+        import psycopg
+        return psycopg.connect(self.pg_dsn(dbname), autocommit=autocommit)
+
+    def psql(self, dbname, sql=None, args=(), timeout=60, check=True):
+        """Run psql (ON_ERROR_STOP) with sql on stdin; returns CompletedProcess."""
+        argv = ["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-h", self.pg_host,
+                "-p", str(self.pg_port), "-U", self.pg_user, "-d", dbname, *args]
+        return subprocess.run(argv, input=sql or "", capture_output=True, text=True,
+                              timeout=timeout, check=check)
+
+    def rabbitmqctl(self, *args, timeout=60, check=False):
+        """rabbitmqctl against the private node → CompletedProcess (text)."""
+        env = dict(os.environ, HOME=self._rabbit_home, ERL_EPMD_PORT=self._epmd_port,
+                   RABBITMQ_USE_LONGNAME="false")
+        return subprocess.run([self._rabbitmqctl, "-n", self.rabbit_node, *map(str, args)],
+                              env=env, capture_output=True, text=True, timeout=timeout,
+                              check=check, stdin=subprocess.DEVNULL)
+
+    def amqp_params(self):
+        import pika
+        p = pika.URLParameters(self.amqp_url)
+        p.socket_timeout = 10
+        p.blocked_connection_timeout = 30
+        return p
+
+    def amqp_connect(self):
+        import pika
+        return pika.BlockingConnection(self.amqp_params())
+
+
+def _services_env():
+    r = subprocess.run([str(SERVICES_SH), "env"], capture_output=True, text=True, timeout=60,
+                       check=True)
+    env = {}
+    for line in r.stdout.splitlines():
+        if line.startswith("export "):
+            k, _, v = line[len("export "):].partition("=")
+            env[k] = shlex.split(v)[0] if v else ""
+    return env
+
+
+_SERVICES = None
+
+
+@pytest.fixture(scope="session")
+def services():
+    global _SERVICES
+    r = subprocess.run([str(SERVICES_SH), "start"], capture_output=True, text=True,
+                       timeout=900, stdin=subprocess.DEVNULL)
+    if r.returncode != 0:
+        pytest.fail(f"scripts/services.sh start failed (exit {r.returncode}):\n"
+                    f"{r.stdout}\n{r.stderr}", pytrace=False)
+    _SERVICES = Services(_services_env())
+    return _SERVICES
+
+
+# ---------------------------------------------------------------------------- databases
+class PgDb:
+    """A scratch database. Attributes: name, dsn (libpq), odbc (ODBC string)."""
+
+    def __init__(self, services, name):
+        self.services = services
+        self.name = name
+        self.dsn = services.pg_dsn(name)
+        self.odbc = services.odbc_dsn(name)
+        self._conns = []
+
+    def connect(self, autocommit=True):
+        """A psycopg connection (autocommit by default), closed at teardown."""
+        c = self.services.pg_connect(self.name, autocommit=autocommit)
+        self._conns.append(c)
+        return c
+
+    def psql(self, sql=None, args=(), **kw):
+        return self.services.psql(self.name, sql, args, **kw)
+
+    def close_all(self):
+        for c in self._conns:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - best effort at teardown
+                pass
+        self._conns.clear()
+
+
+@pytest.fixture
+def pgdb(services):
+    name = "t_" + secrets.token_hex(6)
+    with services.pg_connect() as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    db = PgDb(services, name)
+    try:
+        yield db
+    finally:
+        db.close_all()
+        with services.pg_connect() as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+# ---------------------------------------------------------------------------- build, broker
+@pytest.fixture(scope="session")
+def build():
+    return pathlib.Path(os.environ.get("OUTBOX_BUILD") or ROOT / "build").resolve()
+
+
+@pytest.fixture(scope="session")
+def relay_bin(build):
+    return build / "outbox-relay"
+
+
+@pytest.fixture
+def amqp(services):
+    conn = services.amqp_connect()
+    try:
+        yield conn
+    finally:
+        if conn.is_open:
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001 - the broker may have been restarted by the test
+                pass
+
+
+# ---------------------------------------------------------------------------- failure logs
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """On a failing test, attach the tails of the PostgreSQL and RabbitMQ logs."""
+    outcome = yield
+    rep = outcome.get_result()
+    if not rep.failed or _SERVICES is None or "services" not in item.fixturenames:
+        return
+    for title, path in (("postgresql log", _SERVICES.pg_log),
+                        ("rabbitmq log", _SERVICES.rabbit_log)):
+        text = tail(path, 50)
+        if text:
+            rep.sections.append((f"{title} {path} (last 50 lines)", text))

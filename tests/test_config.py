@@ -1,0 +1,255 @@
+"""Configuration (SPEC §5): the invalid-file corpus in config/bad/, the example file and the
+documented defaults in config/README.md, all through `cfg_test --load FILE` (which prints
+one line per error and exits 1, or a normalized dump and exits 0) and the cmocka unit tests
+in tests/c/cfg_test.c. No servers needed."""
+import os
+import pathlib
+import re
+
+import pytest
+
+from conftest import run_prog
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "config"
+BAD = sorted((CONFIG / "bad").glob("*.ini"))
+EXAMPLE = CONFIG / "relay.example.ini"
+README = CONFIG / "README.md"
+
+# "FILE: [SECTION] KEY: message" or "FILE: [SECTION]: message"
+LINE_RE = re.compile(r"^(?P<file>.+?): \[(?P<sec>[^\]]*)\](?: (?P<key>[a-z_]+))?: (?P<msg>.+)$")
+LEAD_RE = re.compile(r"^\[(?P<sec>[^\]]*)\](?: (?P<key>[a-z_]+))?: ")
+
+
+@pytest.fixture(scope="session")
+def cfg_test(build):
+    exe = build / "tests" / "cfg_test"
+    if not exe.exists():
+        pytest.fail(f"{exe} not built (run make)")
+    return exe
+
+
+def clean_env():
+    env = dict(os.environ)
+    env.pop("OUTBOX_RELAY_TEST_UNSET", None)
+    return env
+
+
+def load(cfg_test, path, **kw):
+    return run_prog([cfg_test, "--load", path], timeout=60, env=kw.pop("env", clean_env()), **kw)
+
+
+def parse_dump(text):
+    """Dump → {section: {key: value}}."""
+    out, sec = {}, None
+    for line in text.splitlines():
+        if line.startswith("[") and line.endswith("]"):
+            sec = line[1:-1]
+            out[sec] = {}
+        else:
+            k, sep, v = line.partition(" = ")
+            assert sep and sec is not None, f"bad dump line {line!r}"
+            out[sec][k] = v
+    return out
+
+
+def header(path, name):
+    for line in path.read_text().splitlines():
+        if line.startswith(f"; {name}: "):
+            return line[len(f"; {name}: "):]
+    return None
+
+
+def test_unit_tests(cfg_test):
+    """The cmocka suite: scalar parsers, AMQP URLs, whole files, ${ENV}, password_file, log, row."""
+    r = run_prog([cfg_test], timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_corpus_is_big_enough():
+    assert len(BAD) >= 20, [p.name for p in BAD]
+
+
+@pytest.mark.parametrize("path", BAD, ids=[p.stem for p in BAD])
+def test_bad_file(cfg_test, path):
+    expect = header(path, "expect")
+    assert expect, f"{path.name}: no '; expect:' header"
+    lead = LEAD_RE.match(expect)
+    assert lead, f"{path.name}: the expect header must start with [section] key: or [section]:"
+
+    r = load(cfg_test, path)
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr == "", r.stderr   # sanitizer/valgrind reports land here
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1, f"expected exactly one error line, got {lines}"
+    line = lines[0]
+    m = LINE_RE.match(line)
+    assert m, f"error line does not name file and section: {line!r}"
+    assert m["file"] == str(path), line
+    assert m["sec"] == lead["sec"], line
+    assert m["key"] == lead["key"], line
+    if m["key"] is None:
+        # only section-level problems may omit the key
+        assert re.search(r"unknown section|bad section name|missing section", m["msg"]), line
+    else:
+        assert "expected" in m["msg"], line
+    assert expect in line, f"\n got:  {line}\n want: {expect}"
+    secret = header(path, "secret")
+    if secret:
+        assert secret not in line
+
+
+def test_missing_file_is_one_line(cfg_test, tmp_path):
+    p = tmp_path / "nope.ini"
+    r = load(cfg_test, p)
+    assert r.returncode == 1
+    assert r.stdout.splitlines() == [f"{p}: cannot open: No such file or directory"]
+
+
+def test_directory_is_one_line(cfg_test, tmp_path):
+    r = load(cfg_test, tmp_path)
+    assert r.returncode == 1
+    assert r.stdout.splitlines() == [f"{tmp_path}: cannot open: Is a directory"]
+
+
+def test_syntax_error_is_one_line_without_content(cfg_test, tmp_path):
+    p = tmp_path / "syntax.ini"
+    p.write_text("[relay]\nlog_level = info\nthis has no equals sign hunter2\n")
+    r = load(cfg_test, p)
+    assert r.returncode == 1
+    lines = r.stdout.splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith(f"{p}: line 3: cannot parse")
+    assert "hunter2" not in r.stdout + r.stderr
+
+
+def test_all_problems_reported(cfg_test, tmp_path):
+    """Errors are collected: one line per problem, in a stable order."""
+    text = "".join(pathlib.Path(p).read_text() for p in
+                   (CONFIG / "bad" / "bad_mode.ini", CONFIG / "bad" / "bad_log_level.ini"))
+    p = tmp_path / "two.ini"
+    # both files define [sink.main]/[outbox.orders]; iniparser merges duplicate sections
+    p.write_text(text)
+    r = load(cfg_test, p)
+    assert r.returncode == 1
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2, lines
+    assert any("[relay] log_level:" in line for line in lines)
+    assert any("[outbox.orders] mode:" in line for line in lines)
+
+
+# ----------------------------------------------------------------- documented defaults
+DUR_RE = re.compile(r"^(\d+)(ms|s|m|h|d)?$")
+DUR_MS = {"ms": 1, "s": 1000, "m": 60000, "h": 3600000, "d": 86400000, None: 1000}
+SIZE_RE = re.compile(r"^(\d+)([kKmMgG])?$")
+SIZE_MUL = {"k": 1024, "m": 1 << 20, "g": 1 << 30, None: 1}
+
+# keys whose dump value is not the documented literal
+NOT_LITERAL = {("relay", "name"), ("sink", "url"), ("outbox", "conninfo")}
+
+
+def readme_keys():
+    """[(section kind, key, default)] from the README's key table."""
+    rows = []
+    for line in README.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 5 and cells[0] in ("relay", "sink", "outbox"):
+            rows.append((cells[0], cells[1], cells[2]))
+    return rows
+
+
+def normalize_default(value):
+    """README default → the cfg_test dump's canonical form (None: not comparable)."""
+    if value == "(empty)":
+        return ""
+    if value.startswith("("):
+        return None
+    v = value.strip("`")
+    m = DUR_RE.match(v)
+    if m and (m[2] or False):
+        return f"{int(m[1]) * DUR_MS[m[2]]}ms"
+    m = SIZE_RE.match(v)
+    if m and m[2]:
+        return str(int(m[1]) * SIZE_MUL[m[2].lower()])
+    return v
+
+
+def kind(section):
+    return section.split(".", 1)[0]
+
+
+def check_defaults(dump, skip=()):
+    rows = readme_keys()
+    assert len(rows) >= 35, rows
+    for sec, values in dump.items():
+        documented = {k for s, k, _ in rows if s == kind(sec)}
+        dumped = {k for k in values if "." not in k}   # url.host etc. are derived fields
+        assert dumped == documented, (sec, dumped ^ documented)
+    for sec, values in dump.items():
+        for s, key, default in rows:
+            if s != kind(sec) or (s, key) in NOT_LITERAL or key in skip:
+                continue
+            want = normalize_default(default)
+            if want is None:
+                continue
+            # a duration documented without unit would be seconds; README always has units
+            got = values[key]
+            if re.fullmatch(r"\d+ms", got) and not want.endswith("ms"):
+                pytest.fail(f"[{sec}] {key}: README default {default!r} is not a duration")
+            assert got == want, f"[{sec}] {key}: loaded {got!r}, README says {default!r}"
+
+
+def test_example_loads_with_every_documented_default(cfg_test):
+    r = load(cfg_test, EXAMPLE)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stderr == ""
+    dump = parse_dump(r.stdout)
+    assert set(dump) == {"relay", "sink.main", "outbox.orders"}
+    check_defaults(dump, skip={"database"})
+    s = dump["sink.main"]
+    assert (s["url.host"], s["url.port"], s["url.user"], s["url.vhost"], s["url.tls"]) == \
+        ("127.0.0.1", "5672", "guest", "/", "false")
+    assert dump["outbox.orders"]["database"] == "app"
+    assert dump["outbox.orders"]["sink.resolved"] == "main"
+
+
+def test_example_sets_every_key():
+    """The example is complete: every documented key appears in its section."""
+    import configparser
+    cp = configparser.ConfigParser(inline_comment_prefixes=(";", "#"), interpolation=None)
+    cp.read(EXAMPLE)
+    for s, key, _ in readme_keys():
+        sec = {"relay": "relay", "sink": "sink.main", "outbox": "outbox.orders"}[s]
+        assert cp.has_option(sec, key), f"relay.example.ini lacks [{sec}] {key}"
+
+
+def test_minimal_file_gets_documented_defaults(cfg_test, tmp_path):
+    """Absent keys take exactly the defaults documented in config/README.md."""
+    p = tmp_path / "min.ini"
+    p.write_text("[sink.main]\n[outbox.orders]\nconninfo = host=127.0.0.1 dbname=app\ndatabase = app\n")
+    r = load(cfg_test, p)
+    assert r.returncode == 0, r.stdout + r.stderr
+    dump = parse_dump(r.stdout)
+    check_defaults(dump, skip={"database"})
+    assert re.fullmatch(r".+:\d+", dump["relay"]["name"])   # hostname:pid
+
+
+def test_env_and_password_file_through_load(cfg_test, tmp_path):
+    pw = tmp_path / "amqp.pw"
+    pw.write_text("s3cret\n")
+    p = tmp_path / "env.ini"
+    p.write_text("[Sink.Bus]\nurl = amqp://relay:${T_URL_PASS}@${T_HOST}:5673/v\n"
+                 f"password_file = {pw}\n"
+                 "[outbox.Orders]\nconninfo = host=${T_HOST} dbname=shop\ndatabase = ${T_DB}\nsink = BUS\n")
+    env = clean_env()
+    env.update(T_URL_PASS="p", T_HOST="10.0.0.9", T_DB="shop")
+    r = load(cfg_test, p, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    dump = parse_dump(r.stdout)
+    assert set(dump) == {"relay", "sink.bus", "outbox.orders"}   # names are case-insensitive
+    assert dump["sink.bus"]["url.host"] == "10.0.0.9"
+    assert dump["sink.bus"]["url.port"] == "5673"
+    assert dump["sink.bus"]["password_file"] == "<secret>"
+    assert dump["outbox.orders"]["database"] == "shop"
+    assert dump["outbox.orders"]["sink.resolved"] == "bus"
+    assert "s3cret" not in r.stdout and "10.0.0.9 dbname" not in r.stdout
