@@ -1,0 +1,1413 @@
+/*
+ * odbcsrc_db.c — one blocking ODBC session of the ODBC source and the
+ * statements it runs, in T-SQL (SQL Server) and PostgreSQL (psqlODBC).
+ *
+ * Table names come only from validated identifier parts and are quoted by
+ * outbox_qualified(); every value travels as a parameter. Text travels as
+ * UTF-16 (SQL_C_WCHAR) both ways and is converted to/from UTF-8 here, which is
+ * lossless with msodbcsql, FreeTDS and the psqlODBC Unicode driver alike.
+ * Every statement carries SQL_ATTR_QUERY_TIMEOUT; the login carries
+ * SQL_ATTR_LOGIN_TIMEOUT.
+ */
+#include <inttypes.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <string.h>
+#include "sources/odbc/odbcsrc_int.h"
+
+_Static_assert(SRC_SENT == 0 && SRC_RETRY == 1 && SRC_DEAD == 2 && SRC_UNCLAIM == 3,
+               "the settle SQL below spells the outcome kinds as numbers");
+
+#define REASON_MAX 2000   /* bytes of a reason kept (cut on a character boundary) */
+#define MAX_PARAMS 6
+
+/* ------------------------------------------------------------ config copy */
+
+int odbcsrc_conf_init(odbcsrc_conf *c, const cfg_outbox *oc)
+{
+    memset(c, 0, sizeof *c);
+    c->conninfo = strdup(oc->conninfo ? oc->conninfo : "");
+    c->database = strdup(oc->database ? oc->database : "");
+    if (oc->password)
+        c->password = strdup(oc->password);
+    if (!c->conninfo || !c->database || (oc->password && !c->password)) {
+        odbcsrc_conf_clear(c);
+        return -1;
+    }
+    snprintf(c->tn.schema, sizeof c->tn.schema, "%s", oc->schema_part);
+    snprintf(c->tn.table, sizeof c->tn.table, "%s", oc->table_part);
+    snprintf(c->tn.dead, sizeof c->tn.dead, "%s", oc->dead_part);
+    c->on_sent = oc->on_sent;
+    c->query_timeout_ms = oc->query_timeout_ms;
+    c->connect_timeout_ms = oc->connect_timeout_ms;
+    c->reconnect_max_ms = oc->reconnect_max_ms;
+    return 0;
+}
+
+void odbcsrc_conf_clear(odbcsrc_conf *c)
+{
+    if (c->password) {
+        explicit_bzero(c->password, strlen(c->password));
+        free(c->password);
+    }
+    if (c->conninfo) {
+        explicit_bzero(c->conninfo, strlen(c->conninfo));
+        free(c->conninfo);
+    }
+    free(c->database);
+    memset(c, 0, sizeof *c);
+}
+
+/* ------------------------------------------------------------ buffers */
+
+typedef struct dbuf {
+    char  *p;
+    size_t len, cap;
+} dbuf;
+
+static int dbuf_reserve(dbuf *b, size_t more)
+{
+    if (b->len + more + 1 <= b->cap)
+        return 0;
+    size_t cap = b->cap ? b->cap : 256;
+    while (cap < b->len + more + 1) {
+        if (cap > SIZE_MAX / 2)
+            return -1;
+        cap *= 2;
+    }
+    char *p = realloc(b->p, cap);
+    if (!p)
+        return -1;
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+static int dbuf_add(dbuf *b, const void *s, size_t n)
+{
+    if (dbuf_reserve(b, n) < 0)
+        return -1;
+    memcpy(b->p + b->len, s, n);
+    b->len += n;
+    b->p[b->len] = '\0';
+    return 0;
+}
+
+static int dbuf_str(dbuf *b, const char *s)
+{
+    return dbuf_add(b, s, strlen(s));
+}
+
+static int dbuf_printf(dbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int dbuf_printf(dbuf *b, const char *fmt, ...)
+{
+    char tmp[256];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n < 0 || (size_t)n >= sizeof tmp)
+        return -1;  /* only used for short numeric fragments */
+    return dbuf_add(b, tmp, (size_t)n);
+}
+
+/* ------------------------------------------------------------ UTF-8 / UTF-16 */
+
+/* Decodes one UTF-8 sequence at s (n > 0 bytes); invalid input yields U+FFFD
+ * and consumes one byte. Returns the bytes consumed. */
+static size_t utf8_decode(const unsigned char *s, size_t n, uint32_t *cp)
+{
+    unsigned char c = s[0];
+    size_t len;
+    uint32_t v, min;
+    if (c < 0x80) {
+        *cp = c;
+        return 1;
+    }
+    if (c >= 0xC2 && c <= 0xDF) { len = 2; v = c & 0x1F; min = 0x80; }
+    else if (c >= 0xE0 && c <= 0xEF) { len = 3; v = c & 0x0F; min = 0x800; }
+    else if (c >= 0xF0 && c <= 0xF4) { len = 4; v = c & 0x07; min = 0x10000; }
+    else goto bad;
+    if (len > n)
+        goto bad;
+    for (size_t i = 1; i < len; i++) {
+        if ((s[i] & 0xC0) != 0x80)
+            goto bad;
+        v = (v << 6) | (s[i] & 0x3F);
+    }
+    if (v < min || v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF))
+        goto bad;
+    *cp = v;
+    return len;
+bad:
+    *cp = 0xFFFD;
+    return 1;
+}
+
+/* UTF-8 → UTF-16, NUL-terminated, malloc'd (ownership to the caller); *units
+ * gets the length without the terminator. NULL on out-of-memory. */
+static SQLWCHAR *utf8_to_w(const char *s, size_t len, size_t *units)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    SQLWCHAR *w = malloc((len * 2 + 1) * sizeof *w);  /* worst case: every byte a pair */
+    size_t j = 0;
+    if (!w)
+        return NULL;
+    for (size_t i = 0; i < len;) {
+        uint32_t cp;
+        i += utf8_decode(p + i, len - i, &cp);
+        if (cp >= 0x10000) {
+            cp -= 0x10000;
+            w[j++] = (SQLWCHAR)(0xD800 + (cp >> 10));
+            w[j++] = (SQLWCHAR)(0xDC00 + (cp & 0x3FF));
+        } else {
+            w[j++] = (SQLWCHAR)cp;
+        }
+    }
+    w[j] = 0;
+    *units = j;
+    return w;
+}
+
+/* Appends UTF-16 text as UTF-8 (lone surrogates become U+FFFD). */
+static int w_to_utf8(const SQLWCHAR *w, size_t n, dbuf *out)
+{
+    if (dbuf_reserve(out, n * 3) < 0)
+        return -1;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t cp = w[i];
+        if (cp >= 0xD800 && cp <= 0xDBFF && i + 1 < n && w[i + 1] >= 0xDC00 && w[i + 1] <= 0xDFFF) {
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (w[i + 1] - 0xDC00u);
+            i++;
+        } else if (cp >= 0xD800 && cp <= 0xDFFF) {
+            cp = 0xFFFD;
+        }
+        unsigned char b[4];
+        size_t k;
+        if (cp < 0x80) { b[0] = (unsigned char)cp; k = 1; }
+        else if (cp < 0x800) { b[0] = (unsigned char)(0xC0 | (cp >> 6)); b[1] = (unsigned char)(0x80 | (cp & 0x3F)); k = 2; }
+        else if (cp < 0x10000) { b[0] = (unsigned char)(0xE0 | (cp >> 12)); b[1] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F)); b[2] = (unsigned char)(0x80 | (cp & 0x3F)); k = 3; }
+        else { b[0] = (unsigned char)(0xF0 | (cp >> 18)); b[1] = (unsigned char)(0x80 | ((cp >> 12) & 0x3F)); b[2] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F)); b[3] = (unsigned char)(0x80 | (cp & 0x3F)); k = 4; }
+        if (dbuf_add(out, b, k) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------ errors */
+
+static void oneline_cat(char *dst, size_t cap, const char *src)
+{
+    size_t j = strlen(dst);
+    int space = 0;
+    for (const char *p = src; *p && j + 1 < cap; p++) {
+        if (*p == '\n' || *p == '\r' || *p == '\t') {
+            space = 1;
+            continue;
+        }
+        if (space && j > 0 && dst[j - 1] != ' ' && j + 2 < cap)
+            dst[j++] = ' ';
+        space = 0;
+        dst[j++] = *p;
+    }
+    while (j > 0 && dst[j - 1] == ' ')
+        j--;
+    dst[j] = '\0';
+}
+
+static void set_err(odbcsrc_db *db, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void set_err(odbcsrc_db *db, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(db->err, sizeof db->err, fmt, ap);
+    va_end(ap);
+}
+
+static bool conn_state(const char *st)
+{
+    return strncmp(st, "08", 2) == 0 || strcmp(st, "HYT01") == 0 ||
+           strncmp(st, "57P0", 4) == 0;  /* PostgreSQL: admin/crash shutdown */
+}
+
+/* Fills db->err with "what: [STATE] message; ..." from the handle's
+ * diagnostics and sets db->lost on a connection-class error. */
+static void diag(odbcsrc_db *db, SQLSMALLINT type, SQLHANDLE h, const char *what)
+{
+    snprintf(db->err, sizeof db->err, "%s", what);
+    bool any = false;
+    for (SQLSMALLINT rec = 1; rec <= 3; rec++) {
+        SQLCHAR state[6] = "", msg[512] = "";
+        SQLINTEGER native = 0;
+        SQLSMALLINT ml = 0;
+        SQLRETURN rc = SQLGetDiagRec(type, h, rec, state, &native, msg, sizeof msg, &ml);
+        if (!SQL_SUCCEEDED(rc))
+            break;
+        char part[600];
+        snprintf(part, sizeof part, "%s[%s] %s", any ? "; " : ": ", (char *)state, (char *)msg);
+        oneline_cat(db->err, sizeof db->err, part);
+        if (conn_state((char *)state))
+            db->lost = true;
+        any = true;
+    }
+    if (!any)
+        oneline_cat(db->err, sizeof db->err, ": (no diagnostics)");
+    if (db->connected && db->dbc != SQL_NULL_HDBC && !db->lost) {
+        SQLUINTEGER dead = SQL_CD_FALSE;
+        if (SQL_SUCCEEDED(SQLGetConnectAttr(db->dbc, SQL_ATTR_CONNECTION_DEAD, &dead, 0, NULL)) &&
+            dead == SQL_CD_TRUE)
+            db->lost = true;
+    }
+}
+
+/* ------------------------------------------------------------ statements */
+
+typedef struct param {
+    SQLSMALLINT ctype, stype;
+    SQLULEN     colsize;
+    int64_t     i64;
+    SQLINTEGER  i32;
+    SQLWCHAR   *w;       /* owned */
+    SQLLEN      ind;
+} param;
+
+typedef struct params {
+    param p[MAX_PARAMS];
+    int   n;
+    int   oom;
+} params;
+
+static void p_i64(params *ps, int64_t v)
+{
+    param *p = &ps->p[ps->n++];
+    memset(p, 0, sizeof *p);
+    p->ctype = SQL_C_SBIGINT;
+    p->stype = SQL_BIGINT;
+    p->i64 = v;
+}
+
+static void p_i32(params *ps, int64_t v)
+{
+    param *p = &ps->p[ps->n++];
+    memset(p, 0, sizeof *p);
+    p->ctype = SQL_C_SLONG;
+    p->stype = SQL_INTEGER;
+    p->i32 = (SQLINTEGER)(v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : v);
+}
+
+static void p_text(params *ps, const char *s)
+{
+    param *p = &ps->p[ps->n++];
+    size_t units = 0;
+    memset(p, 0, sizeof *p);
+    p->ctype = SQL_C_WCHAR;
+    p->stype = SQL_WVARCHAR;
+    p->w = utf8_to_w(s, strlen(s), &units);
+    if (!p->w) {
+        ps->oom = 1;
+        return;
+    }
+    p->ind = (SQLLEN)(units * sizeof(SQLWCHAR));
+    /* 0 = nvarchar(max) for SQL Server drivers beyond 4000 characters */
+    p->colsize = units > 4000 ? 0 : (units ? units : 1);
+}
+
+static void p_free(params *ps)
+{
+    for (int i = 0; i < ps->n; i++)
+        free(ps->p[i].w);
+    ps->n = 0;
+}
+
+static void cur_set(odbcsrc_db *db, SQLHSTMT h)
+{
+    if (db->cur_fn)
+        db->cur_fn(db->cur_ud, h);
+}
+
+static void st_free(odbcsrc_db *db, SQLHSTMT h)
+{
+    if (h == SQL_NULL_HSTMT)
+        return;
+    cur_set(db, SQL_NULL_HSTMT);
+    SQLFreeHandle(SQL_HANDLE_STMT, h);
+}
+
+/* Allocates a statement, binds ps, executes sql. 0 with *out (free with
+ * st_free), or -1 with db->err set. ps stays owned by the caller. */
+static int st_run(odbcsrc_db *db, const char *what, const char *sql, params *ps, SQLHSTMT *out)
+{
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    SQLRETURN rc;
+    *out = SQL_NULL_HSTMT;
+    if (ps && ps->oom) {
+        set_err(db, "%s: out of memory", what);
+        return -1;
+    }
+    rc = SQLAllocHandle(SQL_HANDLE_STMT, db->dbc, &h);
+    if (!SQL_SUCCEEDED(rc)) {
+        diag(db, SQL_HANDLE_DBC, db->dbc, what);
+        return -1;
+    }
+    int64_t qs = (db->conf->query_timeout_ms + 999) / 1000;
+    if (qs < 1)
+        qs = 1;
+    rc = SQLSetStmtAttr(h, SQL_ATTR_QUERY_TIMEOUT, (SQLPOINTER)(uintptr_t)qs, 0);
+    if (!SQL_SUCCEEDED(rc))
+        goto fail;
+    (void)SQLSetStmtAttr(h, SQL_ATTR_NOSCAN, (SQLPOINTER)SQL_NOSCAN_ON, 0);  /* optional */
+    for (int i = 0; ps && i < ps->n; i++) {
+        param *p = &ps->p[i];
+        SQLPOINTER v = p->ctype == SQL_C_SBIGINT ? (SQLPOINTER)&p->i64
+                     : p->ctype == SQL_C_SLONG ? (SQLPOINTER)&p->i32 : (SQLPOINTER)p->w;
+        SQLLEN blen = p->ctype == SQL_C_WCHAR ? p->ind + (SQLLEN)sizeof(SQLWCHAR) : 0;
+        rc = SQLBindParameter(h, (SQLUSMALLINT)(i + 1), SQL_PARAM_INPUT, p->ctype, p->stype,
+                              p->colsize, 0, v, blen, p->ctype == SQL_C_WCHAR ? &p->ind : NULL);
+        if (!SQL_SUCCEEDED(rc))
+            goto fail;
+    }
+    cur_set(db, h);
+    rc = SQLExecDirect(h, (SQLCHAR *)(uintptr_t)sql, SQL_NTS);
+    if (!SQL_SUCCEEDED(rc) && rc != SQL_NO_DATA)
+        goto fail;
+    db->nodata = rc == SQL_NO_DATA;  /* no result at all: no cursor to read */
+    *out = h;
+    return 0;
+fail:
+    diag(db, SQL_HANDLE_STMT, h, what);
+    st_free(db, h);
+    return -1;
+}
+
+/* Advances to the first result set with columns. 0, 1 (none), -1 error. */
+static int st_result(odbcsrc_db *db, SQLHSTMT h, const char *what)
+{
+    if (db->nodata)
+        return 1;
+    for (;;) {
+        SQLSMALLINT nc = 0;
+        SQLRETURN rc = SQLNumResultCols(h, &nc);
+        if (!SQL_SUCCEEDED(rc)) {
+            diag(db, SQL_HANDLE_STMT, h, what);
+            return -1;
+        }
+        if (nc > 0)
+            return 0;
+        rc = SQLMoreResults(h);
+        if (rc == SQL_NO_DATA)
+            return 1;
+        if (!SQL_SUCCEEDED(rc)) {
+            diag(db, SQL_HANDLE_STMT, h, what);
+            return -1;
+        }
+    }
+}
+
+/* Consumes the remaining results (errors of later batch statements surface here). */
+static int st_drain(odbcsrc_db *db, SQLHSTMT h, const char *what)
+{
+    if (db->nodata)
+        return 0;
+    for (;;) {
+        SQLRETURN rc = SQLMoreResults(h);
+        if (rc == SQL_NO_DATA)
+            return 0;
+        if (!SQL_SUCCEEDED(rc)) {
+            diag(db, SQL_HANDLE_STMT, h, what);
+            return -1;
+        }
+    }
+}
+
+/* Fetches the next row: 1 row, 0 end, -1 error. */
+static int st_fetch(odbcsrc_db *db, SQLHSTMT h, const char *what)
+{
+    SQLRETURN rc = SQLFetch(h);
+    if (rc == SQL_NO_DATA)
+        return 0;
+    if (!SQL_SUCCEEDED(rc)) {
+        diag(db, SQL_HANDLE_STMT, h, what);
+        return -1;
+    }
+    return 1;
+}
+
+static int get_i64(odbcsrc_db *db, SQLHSTMT h, int col, int64_t *v, bool *isnull)
+{
+    SQLLEN ind = 0;
+    int64_t x = 0;
+    SQLRETURN rc = SQLGetData(h, (SQLUSMALLINT)col, SQL_C_SBIGINT, &x, sizeof x, &ind);
+    if (!SQL_SUCCEEDED(rc)) {
+        diag(db, SQL_HANDLE_STMT, h, "reading a result column");
+        return -1;
+    }
+    if (isnull)
+        *isnull = ind == SQL_NULL_DATA;
+    *v = ind == SQL_NULL_DATA ? 0 : x;
+    return 0;
+}
+
+static int get_f64(odbcsrc_db *db, SQLHSTMT h, int col, double *v)
+{
+    SQLLEN ind = 0;
+    double x = 0;
+    SQLRETURN rc = SQLGetData(h, (SQLUSMALLINT)col, SQL_C_DOUBLE, &x, sizeof x, &ind);
+    if (!SQL_SUCCEEDED(rc)) {
+        diag(db, SQL_HANDLE_STMT, h, "reading a result column");
+        return -1;
+    }
+    *v = ind == SQL_NULL_DATA ? 0 : x;
+    return 0;
+}
+
+/* Reads a text column as UTF-16 in chunks and stores it as UTF-8 in out
+ * (reset first). *isnull tells SQL NULL apart from "". */
+static int get_text(odbcsrc_db *db, SQLHSTMT h, int col, dbuf *out, bool *isnull)
+{
+    SQLWCHAR chunk[4096];
+    out->len = 0;
+    if (dbuf_reserve(out, 0) < 0)
+        goto oom;
+    out->p[0] = '\0';
+    *isnull = false;
+    for (;;) {
+        SQLLEN ind = 0;
+        SQLRETURN rc = SQLGetData(h, (SQLUSMALLINT)col, SQL_C_WCHAR, chunk, sizeof chunk, &ind);
+        if (rc == SQL_NO_DATA)
+            return 0;
+        if (!SQL_SUCCEEDED(rc)) {
+            diag(db, SQL_HANDLE_STMT, h, "reading a text column");
+            return -1;
+        }
+        if (ind == SQL_NULL_DATA) {
+            *isnull = true;
+            return 0;
+        }
+        size_t room = sizeof chunk - sizeof(SQLWCHAR);   /* minus the terminator */
+        size_t got = (ind == SQL_NO_TOTAL || (size_t)ind > room) ? room : (size_t)ind;
+        if (w_to_utf8(chunk, got / sizeof(SQLWCHAR), out) < 0)
+            goto oom;
+        if (rc == SQL_SUCCESS)
+            return 0;
+        if (ind != SQL_NO_TOTAL && (size_t)ind <= room)
+            return 0;  /* the info was not a truncation */
+    }
+oom:
+    set_err(db, "reading a text column: out of memory");
+    return -1;
+}
+
+/* Reads a binary column in chunks into out (reset first). A surrogate pair
+ * split across UTF-16 chunks cannot happen here: bytes are bytes. */
+static int get_bin(odbcsrc_db *db, SQLHSTMT h, int col, dbuf *out, bool *isnull)
+{
+    unsigned char chunk[65536];
+    out->len = 0;
+    *isnull = false;
+    if (dbuf_reserve(out, 0) < 0)
+        goto oom;
+    for (;;) {
+        SQLLEN ind = 0;
+        SQLRETURN rc = SQLGetData(h, (SQLUSMALLINT)col, SQL_C_BINARY, chunk, sizeof chunk, &ind);
+        if (rc == SQL_NO_DATA)
+            return 0;
+        if (!SQL_SUCCEEDED(rc)) {
+            diag(db, SQL_HANDLE_STMT, h, "reading a binary column");
+            return -1;
+        }
+        if (ind == SQL_NULL_DATA) {
+            *isnull = true;
+            return 0;
+        }
+        size_t got = (ind == SQL_NO_TOTAL || (size_t)ind > sizeof chunk) ? sizeof chunk : (size_t)ind;
+        if (ind != SQL_NO_TOTAL && dbuf_reserve(out, (size_t)ind) < 0)
+            goto oom;  /* the whole remaining length, once */
+        if (dbuf_add(out, chunk, got) < 0)
+            goto oom;
+        if (rc == SQL_SUCCESS)
+            return 0;
+        if (ind != SQL_NO_TOTAL && (size_t)ind <= sizeof chunk)
+            return 0;
+    }
+oom:
+    set_err(db, "reading a binary column: out of memory");
+    return -1;
+}
+
+/* The SQL text with {T} and {D} replaced by the quoted table names. */
+static char *sql_for(odbcsrc_db *db, const char *tmpl)
+{
+    dbuf b = {0};
+    for (const char *p = tmpl; *p;) {
+        const char *q = strchr(p, '{');
+        if (!q) {
+            if (dbuf_str(&b, p) < 0)
+                goto oom;
+            break;
+        }
+        if (dbuf_add(&b, p, (size_t)(q - p)) < 0)
+            goto oom;
+        if (q[1] == 'T' && q[2] == '}') {
+            if (dbuf_str(&b, db->qt) < 0)
+                goto oom;
+            p = q + 3;
+        } else if (q[1] == 'D' && q[2] == '}') {
+            if (dbuf_str(&b, db->qd) < 0)
+                goto oom;
+            p = q + 3;
+        } else {
+            if (dbuf_add(&b, q, 1) < 0)
+                goto oom;
+            p = q + 1;
+        }
+    }
+    return b.p;  /* ownership to the caller */
+oom:
+    free(b.p);
+    set_err(db, "out of memory");
+    return NULL;
+}
+
+/* Runs a template that returns one row of integers; reads n of them. */
+static int one_row_ints(odbcsrc_db *db, const char *what, const char *tmpl, params *ps,
+                        int64_t *v, int n)
+{
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    char *sql = sql_for(db, tmpl);
+    int rc = -1;
+    if (!sql)
+        return -1;
+    if (st_run(db, what, sql, ps, &h) < 0)
+        goto done;
+    int r = st_result(db, h, what);
+    if (r != 0) {
+        if (r > 0)
+            set_err(db, "%s: no result", what);
+        goto done;
+    }
+    r = st_fetch(db, h, what);
+    if (r <= 0) {
+        if (r == 0)
+            set_err(db, "%s: no result row", what);
+        goto done;
+    }
+    for (int i = 0; i < n; i++)
+        if (get_i64(db, h, i + 1, &v[i], NULL) < 0)
+            goto done;
+    if (st_drain(db, h, what) < 0)
+        goto done;
+    rc = 0;
+done:
+    st_free(db, h);
+    free(sql);
+    return rc;
+}
+
+/* Runs a statement without a result set; *count gets SQLRowCount (>= 0). */
+static int exec_count(odbcsrc_db *db, const char *what, const char *tmpl, params *ps,
+                      size_t *count)
+{
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    char *sql = sql_for(db, tmpl);
+    int rc = -1;
+    if (!sql)
+        return -1;
+    if (st_run(db, what, sql, ps, &h) < 0)
+        goto done;
+    if (count) {
+        SQLLEN n = 0;
+        if (!SQL_SUCCEEDED(SQLRowCount(h, &n))) {
+            diag(db, SQL_HANDLE_STMT, h, what);
+            goto done;
+        }
+        *count = n > 0 ? (size_t)n : 0;
+    }
+    if (st_drain(db, h, what) < 0)
+        goto done;
+    rc = 0;
+done:
+    st_free(db, h);
+    free(sql);
+    return rc;
+}
+
+/* ------------------------------------------------------------ session */
+
+static bool is_tsql(const odbcsrc_db *db)
+{
+    return db->dialect == OUTBOX_DIALECT_SQLSERVER;
+}
+
+int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
+{
+    SQLRETURN rc;
+    dbuf cs = {0};
+    odbcsrc_cur_fn fn = db->cur_fn;
+    void *ud = db->cur_ud;
+    memset(db, 0, sizeof *db);
+    db->cur_fn = fn;
+    db->cur_ud = ud;
+    db->conf = conf;
+    db->env = SQL_NULL_HENV;
+    db->dbc = SQL_NULL_HDBC;
+
+    rc = SQLAllocHandle(SQL_HANDLE_ENV, SQL_NULL_HANDLE, &db->env);
+    if (!SQL_SUCCEEDED(rc)) {
+        set_err(db, "ODBC: cannot allocate an environment handle");
+        db->env = SQL_NULL_HENV;
+        goto fail;
+    }
+    rc = SQLSetEnvAttr(db->env, SQL_ATTR_ODBC_VERSION, (SQLPOINTER)SQL_OV_ODBC3, 0);
+    if (!SQL_SUCCEEDED(rc)) {
+        diag(db, SQL_HANDLE_ENV, db->env, "ODBC: setting ODBC version 3");
+        goto fail;
+    }
+    rc = SQLAllocHandle(SQL_HANDLE_DBC, db->env, &db->dbc);
+    if (!SQL_SUCCEEDED(rc)) {
+        diag(db, SQL_HANDLE_ENV, db->env, "ODBC: allocating a connection handle");
+        db->dbc = SQL_NULL_HDBC;
+        goto fail;
+    }
+    int64_t ls = (conf->connect_timeout_ms + 999) / 1000;
+    if (ls < 1)
+        ls = 1;
+    rc = SQLSetConnectAttr(db->dbc, SQL_ATTR_LOGIN_TIMEOUT, (SQLPOINTER)(uintptr_t)ls, 0);
+    if (!SQL_SUCCEEDED(rc)) {
+        diag(db, SQL_HANDLE_DBC, db->dbc, "ODBC: setting the login timeout");
+        goto fail;
+    }
+    /* optional: not every driver implements it (psqlODBC does not) */
+    (void)SQLSetConnectAttr(db->dbc, SQL_ATTR_CONNECTION_TIMEOUT, (SQLPOINTER)(uintptr_t)ls, 0);
+
+    /* The connection string; it may carry secrets: never logged. */
+    if (dbuf_str(&cs, conf->conninfo) < 0)
+        goto oom;
+    if (conf->password) {
+        if (cs.len && cs.p[cs.len - 1] != ';' && dbuf_str(&cs, ";") < 0)
+            goto oom;
+        if (dbuf_str(&cs, "PWD={") < 0)
+            goto oom;
+        for (const char *p = conf->password; *p; p++)
+            if (dbuf_add(&cs, p, 1) < 0 || (*p == '}' && dbuf_add(&cs, "}", 1) < 0))
+                goto oom;
+        if (dbuf_str(&cs, "}") < 0)
+            goto oom;
+    }
+    rc = SQLDriverConnect(db->dbc, NULL, (SQLCHAR *)cs.p, SQL_NTS, NULL, 0, NULL,
+                          SQL_DRIVER_NOPROMPT);
+    explicit_bzero(cs.p, cs.cap);
+    free(cs.p);
+    cs.p = NULL;
+    if (!SQL_SUCCEEDED(rc)) {
+        diag(db, SQL_HANDLE_DBC, db->dbc, "connect");
+        goto fail;
+    }
+    db->connected = true;
+    rc = SQLSetConnectAttr(db->dbc, SQL_ATTR_AUTOCOMMIT,
+                           (SQLPOINTER)(uintptr_t)(autocommit ? SQL_AUTOCOMMIT_ON : SQL_AUTOCOMMIT_OFF), 0);
+    if (!SQL_SUCCEEDED(rc)) {
+        diag(db, SQL_HANDLE_DBC, db->dbc, "setting autocommit");
+        goto fail;
+    }
+    SQLCHAR dbms[128] = "";
+    SQLSMALLINT dl = 0;
+    rc = SQLGetInfo(db->dbc, SQL_DBMS_NAME, dbms, sizeof dbms, &dl);
+    if (!SQL_SUCCEEDED(rc)) {
+        diag(db, SQL_HANDLE_DBC, db->dbc, "SQLGetInfo(SQL_DBMS_NAME)");
+        goto fail;
+    }
+    if (strstr((char *)dbms, "SQL Server"))
+        db->dialect = OUTBOX_DIALECT_SQLSERVER;
+    else if (strstr((char *)dbms, "PostgreSQL"))
+        db->dialect = OUTBOX_DIALECT_POSTGRES;
+    else {
+        set_err(db, "unsupported DBMS \"%s\" (expected Microsoft SQL Server or PostgreSQL)",
+                (char *)dbms);
+        goto fail;
+    }
+    outbox_qualified((outbox_dialect)db->dialect, &conf->tn, 0, db->qt, sizeof db->qt);
+    outbox_qualified((outbox_dialect)db->dialect, &conf->tn, 1, db->qd, sizeof db->qd);
+    return 0;
+oom:
+    set_err(db, "connect: out of memory");
+fail:
+    if (cs.p) {
+        explicit_bzero(cs.p, cs.cap);
+        free(cs.p);
+    }
+    odbcsrc_db_close(db);
+    return -1;
+}
+
+void odbcsrc_db_close(odbcsrc_db *db)
+{
+    if (db->dbc != SQL_NULL_HDBC) {
+        if (db->connected) {
+            (void)SQLEndTran(SQL_HANDLE_DBC, db->dbc, SQL_ROLLBACK);
+            (void)SQLDisconnect(db->dbc);
+        }
+        SQLFreeHandle(SQL_HANDLE_DBC, db->dbc);
+    }
+    if (db->env != SQL_NULL_HENV)
+        SQLFreeHandle(SQL_HANDLE_ENV, db->env);
+    db->dbc = SQL_NULL_HDBC;
+    db->env = SQL_NULL_HENV;
+    db->connected = false;
+}
+
+int odbcsrc_db_end(odbcsrc_db *db, bool commit)
+{
+    SQLRETURN rc = SQLEndTran(SQL_HANDLE_DBC, db->dbc, commit ? SQL_COMMIT : SQL_ROLLBACK);
+    if (!SQL_SUCCEEDED(rc)) {
+        diag(db, SQL_HANDLE_DBC, db->dbc, commit ? "commit" : "rollback");
+        return -1;
+    }
+    return 0;
+}
+
+/* The connected database's name as UTF-8 into out. SQL_ATTR_CURRENT_CATALOG
+ * is free (no round trip) but its narrow form is only trustworthy for plain
+ * ASCII (drivers differ in how they convert, and the wide form is broken in
+ * psqlODBC 13); anything else is asked from the server as UTF-16. */
+static int current_db(odbcsrc_db *db, dbuf *out)
+{
+    SQLCHAR a[256];
+    SQLINTEGER len = 0;
+    SQLRETURN rc = SQLGetConnectAttr(db->dbc, SQL_ATTR_CURRENT_CATALOG, a, sizeof a - 1, &len);
+    if (rc == SQL_SUCCESS && len > 0 && (size_t)len < sizeof a) {
+        bool plain = true;
+        a[len] = '\0';
+        for (SQLINTEGER i = 0; i < len; i++)
+            if (a[i] < 0x20 || a[i] > 0x7e || a[i] == '?')
+                plain = false;
+        if (plain) {
+            out->len = 0;
+            return dbuf_add(out, a, (size_t)len);
+        }
+    }
+    /* fallback: ask the server */
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    const char *q = is_tsql(db) ? "SELECT DB_NAME()" : "SELECT current_database()";
+    int r = -1;
+    bool isnull = false;
+    if (st_run(db, "reading the database name", q, NULL, &h) < 0)
+        return -1;
+    if (st_result(db, h, "reading the database name") != 0 ||
+        st_fetch(db, h, "reading the database name") != 1)
+        goto done;
+    if (get_text(db, h, 1, out, &isnull) < 0)
+        goto done;
+    r = 0;
+done:
+    st_free(db, h);
+    return r;
+}
+
+int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
+{
+    dbuf name = {0};
+    int rc = -1;
+    if (current_db(db, &name) < 0)
+        goto done;
+    if (strcmp(name.p ? name.p : "", db->conf->database) != 0) {
+        set_err(db, "connected database \"%s\" differs from configured database \"%s\"",
+                name.p ? name.p : "", db->conf->database);
+        goto done;
+    }
+    if (!tables) {
+        rc = 0;
+        goto done;
+    }
+    params ps = {0};
+    int64_t v[2] = {0, 0};
+    p_text(&ps, db->qt);
+    p_text(&ps, db->qd);
+    int r = one_row_ints(db, "checking the outbox tables",
+                         is_tsql(db)
+                         ? "SELECT CASE WHEN OBJECT_ID(?, N'U') IS NULL THEN 0 ELSE 1 END, "
+                           "CASE WHEN OBJECT_ID(?, N'U') IS NULL THEN 0 ELSE 1 END"
+                         : "SELECT CASE WHEN to_regclass(?) IS NULL THEN 0 ELSE 1 END, "
+                           "CASE WHEN to_regclass(?) IS NULL THEN 0 ELSE 1 END",
+                         &ps, v, 2);
+    p_free(&ps);
+    (void)odbcsrc_db_end(db, false);
+    if (r < 0)
+        goto done;
+    if (!v[0] || !v[1]) {
+        set_err(db, "%s%s%s%s%s %s not exist in database \"%s\": run outbox-relay init",
+                v[0] ? "" : "table ", v[0] ? "" : db->qt, (!v[0] && !v[1]) ? " and " : "",
+                v[1] ? "" : "dead-letter table ", v[1] ? "" : db->qd,
+                (!v[0] && !v[1]) ? "do" : "does", db->conf->database);
+        goto done;
+    }
+    rc = 0;
+done:
+    free(name.p);
+    return rc;
+}
+
+/* ------------------------------------------------------------ relay statements */
+
+int odbcsrc_db_try_lock(odbcsrc_db *db, const char *lock_name, bool *got)
+{
+    params ps = {0};
+    int64_t v = 0;
+    p_text(&ps, lock_name);
+    int rc = one_row_ints(db, "lead",
+                          is_tsql(db)
+                          ? "SET NOCOUNT ON; DECLARE @r int; "
+                            "EXEC @r = sp_getapplock @Resource = ?, @LockMode = 'Exclusive', "
+                            "@LockOwner = 'Session', @LockTimeout = 0; SELECT @r"
+                          : "SELECT CASE WHEN pg_try_advisory_lock(hashtextextended(?::text, 0)) "
+                            "THEN 0 ELSE -1 END",
+                          &ps, &v, 1);
+    p_free(&ps);
+    *got = rc == 0 && v >= 0;
+    return rc;
+}
+
+int odbcsrc_db_ping(odbcsrc_db *db)
+{
+    int64_t v = 0;
+    return one_row_ints(db, "lead (session check)", "SELECT 1", NULL, &v, 1);
+}
+
+int odbcsrc_db_reset_leases(odbcsrc_db *db)
+{
+    return exec_count(db, "resetting stale leases",
+                      "UPDATE {T} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+                      "WHERE sent_at IS NULL AND lease_token IS NOT NULL",
+                      NULL, NULL);
+}
+
+static const char CLAIM_TSQL[] =
+    "SET NOCOUNT ON; "
+    "WITH c AS (SELECT TOP (?) m.* FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
+    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
+    "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
+    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p "
+    "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
+    "AND p.id < m.id)) ORDER BY m.id) "
+    "UPDATE c SET lease_owner = ?, lease_token = ?, "
+    "lease_until = DATEADD(millisecond, ?, SYSUTCDATETIME()) "
+    "OUTPUT inserted.id, LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange, "
+    "inserted.routing_key, inserted.partition_key, inserted.message_type, inserted.content_type, "
+    "inserted.correlation_id, inserted.headers, inserted.payload, inserted.attempts, "
+    "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), inserted.created_at)";
+
+static const char CLAIM_PG[] =
+    "WITH c AS (SELECT m.id FROM {T} m WHERE m.sent_at IS NULL AND m.available_at <= now() "
+    "AND (m.lease_until IS NULL OR m.lease_until < now()) "
+    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p "
+    "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
+    "AND p.id < m.id)) "
+    "ORDER BY m.id LIMIT ?::bigint FOR UPDATE SKIP LOCKED) "
+    "UPDATE {T} m SET lease_owner = ?::text, lease_token = ?::bigint, "
+    "lease_until = now() + ?::float8 * interval '1 millisecond' "
+    "FROM c WHERE m.id = c.id "
+    "RETURNING m.id, m.message_id::text, m.exchange, m.routing_key, m.partition_key, "
+    "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
+    "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint";
+
+static int row_cmp(const void *a, const void *b)
+{
+    const row *x = *(row *const *)a, *y = *(row *const *)b;
+    return x->id < y->id ? -1 : x->id > y->id;
+}
+
+static row_field fld(const dbuf *b, bool isnull)
+{
+    row_field f;
+    f.p = isnull ? NULL : (b->p ? b->p : "");
+    f.len = isnull ? 0 : b->len;
+    return f;
+}
+
+int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t token,
+                     const char *owner, row ***rows_out, size_t *n_out)
+{
+    enum { NTXT = 8 };
+    dbuf txt[NTXT], pay = {0};
+    bool tnull[NTXT], pnull = false;
+    row **rows = NULL;
+    size_t n = 0, cap = 0;
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    params ps = {0};
+    char *sql = NULL;
+    int rc = -1;
+
+    memset(txt, 0, sizeof txt);
+    *rows_out = NULL;
+    *n_out = 0;
+    if (is_tsql(db)) {
+        p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
+        p_text(&ps, owner ? owner : "");
+        p_i64(&ps, token);
+        p_i32(&ps, lease_ms);
+    } else {
+        p_i64(&ps, (int64_t)max_rows);
+        p_text(&ps, owner ? owner : "");
+        p_i64(&ps, token);
+        p_i64(&ps, lease_ms);
+    }
+    sql = sql_for(db, is_tsql(db) ? CLAIM_TSQL : CLAIM_PG);
+    if (!sql)
+        goto done;
+    if (st_run(db, "claim", sql, &ps, &h) < 0)
+        goto done;
+    int r = st_result(db, h, "claim");
+    if (r < 0)
+        goto done;
+    while (r == 0) {
+        int f = st_fetch(db, h, "claim");
+        if (f < 0)
+            goto done;
+        if (f == 0)
+            break;
+        row_fields rf;
+        int64_t attempts = 0;
+        memset(&rf, 0, sizeof rf);
+        if (get_i64(db, h, 1, &rf.id, NULL) < 0)
+            goto done;
+        for (int i = 0; i < NTXT; i++)
+            if (get_text(db, h, 2 + i, &txt[i], &tnull[i]) < 0)
+                goto done;
+        if (get_bin(db, h, 10, &pay, &pnull) < 0 ||
+            get_i64(db, h, 11, &attempts, NULL) < 0 ||
+            get_i64(db, h, 12, &rf.created_at_us, NULL) < 0)
+            goto done;
+        rf.lease_token = token;
+        rf.attempts = (int)attempts;
+        rf.message_id = fld(&txt[0], tnull[0]);
+        rf.exchange = fld(&txt[1], tnull[1]);
+        rf.routing_key = fld(&txt[2], tnull[2]);
+        rf.partition_key = fld(&txt[3], tnull[3]);
+        rf.message_type = fld(&txt[4], tnull[4]);
+        rf.content_type = fld(&txt[5], tnull[5]);
+        rf.correlation_id = fld(&txt[6], tnull[6]);
+        rf.headers_json = fld(&txt[7], tnull[7]);
+        rf.payload.p = pay.p ? pay.p : "";
+        rf.payload.len = pnull ? 0 : pay.len;
+        if (n == cap) {
+            size_t nc = cap ? cap * 2 : 16;
+            row **nr = realloc(rows, nc * sizeof *nr);
+            if (!nr) {
+                set_err(db, "claim: out of memory");
+                goto done;
+            }
+            rows = nr;
+            cap = nc;
+        }
+        rows[n] = row_new(&rf);
+        if (!rows[n]) {
+            set_err(db, "claim: row %" PRId64 ": out of memory or a malformed message_id", rf.id);
+            goto done;
+        }
+        n++;
+    }
+    if (r == 0 && st_drain(db, h, "claim") < 0)
+        goto done;
+    if (n > 1)
+        qsort(rows, n, sizeof *rows, row_cmp);
+    *rows_out = rows;  /* ownership to the caller */
+    *n_out = n;
+    rows = NULL;
+    n = 0;
+    rc = 0;
+done:
+    for (size_t i = 0; i < n; i++)
+        row_free(rows[i]);
+    free(rows);
+    st_free(db, h);
+    p_free(&ps);
+    free(sql);
+    for (int i = 0; i < NTXT; i++)
+        free(txt[i].p);
+    free(pay.p);
+    return rc;
+}
+
+/* Producer columns, the same in the outbox and the dead-letter table. */
+#define PRODUCER_COLS "message_id, exchange, routing_key, partition_key, message_type, " \
+                      "content_type, correlation_id, headers, payload, created_at"
+
+static const char SETTLE_TSQL_HEAD[] =
+    "SET NOCOUNT ON; SET XACT_ABORT ON; "
+    "DECLARE @o TABLE (id bigint NOT NULL PRIMARY KEY, token bigint NOT NULL, kind int NOT NULL, "
+    "backoff_ms bigint NULL, reason nvarchar(max) NULL); "
+    "INSERT INTO @o (id, token, kind, backoff_ms, reason) "
+    "SELECT id, token, kind, backoff_ms, reason FROM OPENJSON(?) WITH (id bigint '$.id', "
+    "token bigint '$.token', kind int '$.kind', backoff_ms bigint '$.backoff_ms', "
+    "reason nvarchar(max) '$.reason'); "
+    "DECLARE @n bigint = 0; ";
+static const char SETTLE_TSQL_MARK[] =
+    "UPDATE m SET sent_at = SYSUTCDATETIME(), lease_owner = NULL, lease_token = NULL, "
+    "lease_until = NULL FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token "
+    "WHERE o.kind = 0; SET @n = @n + @@ROWCOUNT; ";
+static const char SETTLE_TSQL_DELETE[] =
+    "DELETE m FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token "
+    "WHERE o.kind = 0; SET @n = @n + @@ROWCOUNT; ";
+static const char SETTLE_TSQL_TAIL[] =
+    "UPDATE m SET attempts = m.attempts + 1, last_error = o.reason, "
+    "available_at = DATEADD(millisecond, CAST(o.backoff_ms AS int), SYSUTCDATETIME()), "
+    "lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+    "FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token WHERE o.kind = 1; "
+    "SET @n = @n + @@ROWCOUNT; "
+    "UPDATE m SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+    "FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token WHERE o.kind = 3; "
+    "SET @n = @n + @@ROWCOUNT; "
+    "DELETE m OUTPUT deleted.id, deleted.message_id, deleted.exchange, deleted.routing_key, "
+    "deleted.partition_key, deleted.message_type, deleted.content_type, deleted.correlation_id, "
+    "deleted.headers, deleted.payload, deleted.created_at, deleted.attempts + 1, "
+    "COALESCE(o.reason, N'dead-lettered') "
+    "INTO {D} (id, " PRODUCER_COLS ", attempts, reason) "
+    "FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token WHERE o.kind = 2; "
+    "SET @n = @n + @@ROWCOUNT; "
+    "SELECT @n";
+
+static const char SETTLE_PG_HEAD[] =
+    "WITH o AS (SELECT DISTINCT ON (id) id, token, kind, backoff_ms, reason "
+    "FROM json_to_recordset(?::json) AS x(id bigint, token bigint, kind int, backoff_ms bigint, "
+    "reason text) ORDER BY id), ";
+static const char SETTLE_PG_MARK[] =
+    "s AS (UPDATE {T} m SET sent_at = now(), lease_owner = NULL, lease_token = NULL, "
+    "lease_until = NULL FROM o WHERE o.kind = 0 AND m.id = o.id AND m.lease_token = o.token "
+    "RETURNING m.id), ";
+static const char SETTLE_PG_DELETE[] =
+    "s AS (DELETE FROM {T} m USING o WHERE o.kind = 0 AND m.id = o.id "
+    "AND m.lease_token = o.token RETURNING m.id), ";
+static const char SETTLE_PG_TAIL[] =
+    "r AS (UPDATE {T} m SET attempts = m.attempts + 1, last_error = o.reason, "
+    "available_at = now() + o.backoff_ms::float8 * interval '1 millisecond', "
+    "lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+    "FROM o WHERE o.kind = 1 AND m.id = o.id AND m.lease_token = o.token RETURNING m.id), "
+    "x AS (UPDATE {T} m SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+    "FROM o WHERE o.kind = 3 AND m.id = o.id AND m.lease_token = o.token RETURNING m.id), "
+    "d AS (DELETE FROM {T} m USING o WHERE o.kind = 2 AND m.id = o.id "
+    "AND m.lease_token = o.token "
+    "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
+    "m.message_type, m.content_type, m.correlation_id, m.headers, m.payload, m.created_at, "
+    "m.attempts, o.reason), "
+    "i AS (INSERT INTO {D} (id, " PRODUCER_COLS ", attempts, reason) "
+    "SELECT id, " PRODUCER_COLS ", attempts + 1, coalesce(reason, 'dead-lettered') FROM d "
+    "ON CONFLICT (id) DO UPDATE SET message_id = EXCLUDED.message_id, "
+    "exchange = EXCLUDED.exchange, routing_key = EXCLUDED.routing_key, "
+    "partition_key = EXCLUDED.partition_key, message_type = EXCLUDED.message_type, "
+    "content_type = EXCLUDED.content_type, correlation_id = EXCLUDED.correlation_id, "
+    "headers = EXCLUDED.headers, payload = EXCLUDED.payload, "
+    "created_at = EXCLUDED.created_at, attempts = EXCLUDED.attempts, "
+    "reason = EXCLUDED.reason, dead_at = now() RETURNING 1) "
+    "SELECT (SELECT count(*) FROM s) + (SELECT count(*) FROM r) + (SELECT count(*) FROM x) "
+    "+ (SELECT count(*) FROM i)";
+
+int odbcsrc_db_settle(odbcsrc_db *db, const char *json, size_t *applied)
+{
+    dbuf t = {0};
+    params ps = {0};
+    int64_t v = 0;
+    int rc = -1;
+    bool del = db->conf->on_sent == CFG_ON_SENT_DELETE;
+    *applied = 0;
+    if (is_tsql(db)) {
+        if (dbuf_str(&t, SETTLE_TSQL_HEAD) < 0 ||
+            dbuf_str(&t, del ? SETTLE_TSQL_DELETE : SETTLE_TSQL_MARK) < 0 ||
+            dbuf_str(&t, SETTLE_TSQL_TAIL) < 0)
+            goto oom;
+    } else {
+        if (dbuf_str(&t, SETTLE_PG_HEAD) < 0 ||
+            dbuf_str(&t, del ? SETTLE_PG_DELETE : SETTLE_PG_MARK) < 0 ||
+            dbuf_str(&t, SETTLE_PG_TAIL) < 0)
+            goto oom;
+    }
+    p_text(&ps, json);
+    rc = one_row_ints(db, "settle", t.p, &ps, &v, 1);
+    if (rc == 0)
+        *applied = v > 0 ? (size_t)v : 0;
+    p_free(&ps);
+    free(t.p);
+    return rc;
+oom:
+    free(t.p);
+    set_err(db, "settle: out of memory");
+    return -1;
+}
+
+int odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, size_t *deleted)
+{
+    params ps = {0};
+    int rc;
+    if (retention_ms < 0)
+        retention_ms = 0;
+    if (is_tsql(db)) {
+        p_i32(&ps, (int64_t)(limit > INT32_MAX ? INT32_MAX : limit));
+        p_i32(&ps, retention_ms % 1000);
+        p_i32(&ps, retention_ms / 1000);
+        rc = exec_count(db, "cleanup",
+                        "DELETE TOP (?) FROM {T} WHERE sent_at IS NOT NULL AND sent_at < "
+                        "DATEADD(millisecond, -?, DATEADD(second, -?, SYSUTCDATETIME()))",
+                        &ps, deleted);
+    } else {
+        p_i64(&ps, retention_ms);
+        p_i64(&ps, (int64_t)limit);
+        rc = exec_count(db, "cleanup",
+                        "DELETE FROM {T} WHERE id IN (SELECT id FROM {T} WHERE sent_at IS NOT NULL "
+                        "AND sent_at < now() - ?::float8 * interval '1 millisecond' "
+                        "ORDER BY sent_at LIMIT ?::bigint)",
+                        &ps, deleted);
+    }
+    p_free(&ps);
+    return rc;
+}
+
+int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out)
+{
+    static const char tsql[] =
+        "SELECT (SELECT COUNT_BIG(*) FROM {T} WHERE sent_at IS NULL), "
+        "CAST(COALESCE((SELECT DATEDIFF_BIG(microsecond, MIN(created_at), SYSUTCDATETIME()) "
+        "FROM {T} WHERE sent_at IS NULL), 0) AS float) / 1e6, "
+        "(SELECT COUNT_BIG(*) FROM {D}), "
+        "(SELECT COUNT_BIG(*) FROM {T} WHERE sent_at IS NOT NULL)";
+    static const char pg[] =
+        "SELECT (SELECT count(*) FROM {T} WHERE sent_at IS NULL), "
+        "greatest(coalesce((SELECT extract(epoch from now() - min(created_at)) FROM {T} "
+        "WHERE sent_at IS NULL), 0), 0)::float8, "
+        "(SELECT count(*) FROM {D}), "
+        "(SELECT count(*) FROM {T} WHERE sent_at IS NOT NULL)";
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    char *sql = sql_for(db, is_tsql(db) ? tsql : pg);
+    int rc = -1;
+    memset(out, 0, sizeof *out);
+    if (!sql)
+        return -1;
+    if (st_run(db, "stats", sql, NULL, &h) < 0)
+        goto done;
+    if (st_result(db, h, "stats") != 0 || st_fetch(db, h, "stats") != 1) {
+        if (!db->err[0] || strncmp(db->err, "stats", 5) != 0)
+            set_err(db, "stats: no result");
+        goto done;
+    }
+    if (get_i64(db, h, 1, &out->backlog, NULL) < 0 ||
+        get_f64(db, h, 2, &out->oldest_pending_s) < 0 ||
+        get_i64(db, h, 3, &out->dead, NULL) < 0 ||
+        get_i64(db, h, 4, &out->sent_kept, NULL) < 0)
+        goto done;
+    if (out->oldest_pending_s < 0)
+        out->oldest_pending_s = 0;
+    rc = 0;
+done:
+    st_free(db, h);
+    free(sql);
+    return rc;
+}
+
+/* ------------------------------------------------------------ admin statements */
+
+int odbcsrc_db_init(odbcsrc_db *db)
+{
+    char **stmts = outbox_ddl((outbox_dialect)db->dialect, &db->conf->tn);
+    int rc = -1;
+    if (!stmts) {
+        set_err(db, "init: out of memory");
+        return -1;
+    }
+    for (size_t i = 0; stmts[i]; i++) {
+        SQLHSTMT h = SQL_NULL_HSTMT;
+        char what[64];
+        snprintf(what, sizeof what, "init: DDL statement %zu", i + 1);
+        if (st_run(db, what, stmts[i], NULL, &h) < 0)
+            goto done;
+        int r = st_drain(db, h, what);
+        st_free(db, h);
+        if (r < 0)
+            goto done;
+    }
+    rc = 0;
+done:
+    outbox_ddl_free(stmts);
+    return rc;
+}
+
+/* Writes s with tab, newline, carriage return and backslash escaped. */
+static void put_field(FILE *out, const char *s)
+{
+    for (; *s; s++) {
+        switch (*s) {
+        case '\t': fputs("\\t", out); break;
+        case '\n': fputs("\\n", out); break;
+        case '\r': fputs("\\r", out); break;
+        case '\\': fputs("\\\\", out); break;
+        default: fputc(*s, out);
+        }
+    }
+}
+
+int odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out)
+{
+    static const char tsql[] =
+        "SELECT id, LOWER(CONVERT(nvarchar(36), message_id)), exchange, routing_key, attempts, "
+        "CONVERT(nvarchar(23), dead_at, 126) + N'Z', reason FROM {D} ORDER BY id";
+    static const char pg[] =
+        "SELECT id, message_id::text, exchange, routing_key, attempts, "
+        "to_char(dead_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), reason "
+        "FROM {D} ORDER BY id";
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    char *sql = sql_for(db, is_tsql(db) ? tsql : pg);
+    dbuf t[5];
+    int rc = -1;
+    memset(t, 0, sizeof t);
+    if (!sql)
+        return -1;
+    if (st_run(db, "dead list", sql, NULL, &h) < 0 || st_result(db, h, "dead list") < 0)
+        goto done;
+    for (;;) {
+        int f = st_fetch(db, h, "dead list");
+        if (f < 0)
+            goto done;
+        if (f == 0)
+            break;
+        int64_t id = 0, attempts = 0;
+        bool nul[5];
+        if (get_i64(db, h, 1, &id, NULL) < 0 || get_text(db, h, 2, &t[0], &nul[0]) < 0 ||
+            get_text(db, h, 3, &t[1], &nul[1]) < 0 || get_text(db, h, 4, &t[2], &nul[2]) < 0 ||
+            get_i64(db, h, 5, &attempts, NULL) < 0 || get_text(db, h, 6, &t[3], &nul[3]) < 0 ||
+            get_text(db, h, 7, &t[4], &nul[4]) < 0)
+            goto done;
+        fprintf(out, "%" PRId64, id);
+        for (int i = 0; i < 5; i++) {
+            if (i == 3)
+                fprintf(out, "\t%" PRId64, attempts);
+            fputc('\t', out);
+            put_field(out, nul[i] ? "" : t[i].p);
+        }
+        fputc('\n', out);
+    }
+    rc = 0;
+done:
+    st_free(db, h);
+    free(sql);
+    for (int i = 0; i < 5; i++)
+        free(t[i].p);
+    return rc;
+}
+
+int odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t n_ids,
+                         size_t *affected)
+{
+    static const char retry_tsql[] =
+        "SET NOCOUNT ON; SET XACT_ABORT ON; "
+        "DECLARE @all int = ?; "
+        "DECLARE @ids TABLE (id bigint NOT NULL PRIMARY KEY); "
+        "INSERT INTO @ids (id) SELECT d.id FROM {D} d WITH (UPDLOCK, HOLDLOCK) "
+        "WHERE @all = 1 OR d.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(?)); "
+        "SET IDENTITY_INSERT {T} ON; "
+        "INSERT INTO {T} (id, " PRODUCER_COLS ", available_at, attempts) "
+        "SELECT d.id, d.message_id, d.exchange, d.routing_key, d.partition_key, d.message_type, "
+        "d.content_type, d.correlation_id, d.headers, d.payload, d.created_at, SYSUTCDATETIME(), 0 "
+        "FROM {D} d JOIN @ids i ON i.id = d.id; "
+        "DECLARE @n bigint = @@ROWCOUNT; "
+        "SET IDENTITY_INSERT {T} OFF; "
+        "DELETE d FROM {D} d JOIN @ids i ON i.id = d.id; "
+        "SELECT @n";
+    static const char retry_pg[] =
+        "WITH d AS (DELETE FROM {D} WHERE ?::int = 1 OR id = ANY(?::bigint[]) "
+        "RETURNING id, " PRODUCER_COLS ") "
+        "INSERT INTO {T} (id, " PRODUCER_COLS ", available_at, attempts) "
+        "OVERRIDING SYSTEM VALUE SELECT id, " PRODUCER_COLS ", now(), 0 FROM d";
+    static const char purge_tsql[] =
+        "DELETE FROM {D} WHERE ? = 1 OR id IN (SELECT CAST(value AS bigint) FROM OPENJSON(?))";
+    static const char purge_pg[] =
+        "DELETE FROM {D} WHERE ?::int = 1 OR id = ANY(?::bigint[])";
+    dbuf list = {0};
+    params ps = {0};
+    int rc = -1;
+    *affected = 0;
+    bool all = !ids || n_ids == 0;
+    if (dbuf_str(&list, is_tsql(db) ? "[" : "{") < 0)
+        goto oom;
+    for (size_t i = 0; !all && i < n_ids; i++)
+        if (dbuf_printf(&list, "%s%" PRId64, i ? "," : "", ids[i]) < 0)
+            goto oom;
+    if (dbuf_str(&list, is_tsql(db) ? "]" : "}") < 0)
+        goto oom;
+    p_i32(&ps, all ? 1 : 0);
+    p_text(&ps, list.p);
+    if (retry && is_tsql(db)) {
+        int64_t v = 0;
+        rc = one_row_ints(db, "dead retry", retry_tsql, &ps, &v, 1);
+        *affected = v > 0 ? (size_t)v : 0;
+    } else if (retry) {
+        rc = exec_count(db, "dead retry", retry_pg, &ps, affected);
+    } else {
+        rc = exec_count(db, "dead purge", is_tsql(db) ? purge_tsql : purge_pg, &ps, affected);
+    }
+    p_free(&ps);
+    free(list.p);
+    return rc;
+oom:
+    free(list.p);
+    set_err(db, "out of memory");
+    return -1;
+}
+
+/* ------------------------------------------------------------ outcomes as JSON */
+
+static int json_str(dbuf *b, const char *s, size_t maxlen)
+{
+    const unsigned char *p = (const unsigned char *)s;
+    size_t n = strlen(s), i = 0;
+    if (dbuf_add(b, "\"", 1) < 0)
+        return -1;
+    while (i < n) {
+        uint32_t cp;
+        size_t l = utf8_decode(p + i, n - i, &cp);
+        if (i + l > maxlen)
+            break;
+        int r;
+        if (cp == '"' || cp == '\\') {
+            char e[2] = {'\\', (char)cp};
+            r = dbuf_add(b, e, 2);
+        } else if (cp < 0x20) {
+            r = dbuf_printf(b, "\\u%04x", (unsigned)cp);
+        } else if (cp == 0xFFFD && l == 1) {
+            r = dbuf_str(b, "\xEF\xBF\xBD");   /* invalid byte: replacement character */
+        } else {
+            r = dbuf_add(b, p + i, l);
+        }
+        if (r < 0)
+            return -1;
+        i += l;
+    }
+    return dbuf_add(b, "\"", 1);
+}
+
+char *odbcsrc_outcomes_json(const src_outcome *v, size_t n)
+{
+    dbuf b = {0};
+    if (dbuf_add(&b, "[", 1) < 0)
+        goto oom;
+    for (size_t i = 0; i < n; i++) {
+        int64_t bo = v[i].backoff_ms;
+        if (bo < 0)
+            bo = 0;
+        if (bo > INT32_MAX)
+            bo = INT32_MAX;  /* DATEADD takes an int */
+        if (dbuf_printf(&b, "%s{\"id\":%" PRId64 ",\"token\":%" PRId64 ",\"kind\":%d,"
+                        "\"backoff_ms\":%" PRId64 ",\"reason\":",
+                        i ? "," : "", v[i].id, v[i].lease_token, v[i].kind, bo) < 0)
+            goto oom;
+        if (v[i].reason) {
+            if (json_str(&b, v[i].reason, REASON_MAX) < 0)
+                goto oom;
+        } else if (dbuf_str(&b, "null") < 0) {
+            goto oom;
+        }
+        if (dbuf_add(&b, "}", 1) < 0)
+            goto oom;
+    }
+    if (dbuf_add(&b, "]", 1) < 0)
+        goto oom;
+    return b.p;  /* ownership to the caller */
+oom:
+    free(b.p);
+    return NULL;
+}

@@ -1,0 +1,168 @@
+"""Helpers for the relay's integration tests: config files, a relay process
+wrapper (optionally under valgrind), the liboutbox producer and an AMQP consumer."""
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+
+import pika
+
+VALGRIND = os.environ.get("OUTBOX_VALGRIND") == "1"
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def expected_payload(prefix, i, size):
+    head = f"{prefix}|{i}|".encode()
+    body = bytearray(head)
+    for j in range(len(head), size):
+        body.append((i + j) % 256)
+    return bytes(body)
+
+
+def write_config(path, services, db, *, outboxes=None, relay=None, sink=None, **outbox):
+    """Writes a relay ini for one outbox named 'main' (or `outboxes`: name -> dict)."""
+    relay_keys = {"name": "relay-test", "log_level": "debug", "http_listen": "",
+                  "shutdown_timeout": "10s"}
+    relay_keys.update(relay or {})
+    sink_keys = {"url": services.amqp_url, "publish_window": "1000", "heartbeat": "10s",
+                 "confirm_timeout": "10s", "reconnect_max": "1s"}
+    sink_keys.update(sink or {})
+    if outboxes is None:
+        ob = {"source": "postgres", "conninfo": db.dsn, "database": db.name,
+              "table": "outbox.messages", "sink": "main", "batch_size": "500",
+              "poll_interval": "1s", "lease": "5s", "max_attempts": "3",
+              "retry_backoff": "200ms", "retry_backoff_max": "1s", "reconnect_max": "1s"}
+        ob.update(outbox)
+        outboxes = {"main": ob}
+    def kv(k, v):
+        v = str(v)
+        if ";" in v or "#" in v:  # ODBC strings: quote so ';' is not a comment
+            v = '"' + v + '"'
+        return f"{k} = {v}"
+    lines = ["[relay]"] + [kv(k, v) for k, v in relay_keys.items()]
+    lines += ["", "[sink.main]"] + [kv(k, v) for k, v in sink_keys.items()]
+    for name, keys in outboxes.items():
+        lines += ["", f"[outbox.{name}]"] + [kv(k, v) for k, v in keys.items()]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+class Relay:
+    """An `outbox-relay run` process whose stderr goes to a log file."""
+
+    def __init__(self, relay_bin, config, log_path, http_port=None):
+        self.config = config
+        self.log_path = log_path
+        self.http_port = http_port
+        argv = [str(relay_bin), "run", "-c", str(config)]
+        if VALGRIND:
+            argv = ["valgrind", "--error-exitcode=99", "--leak-check=full",
+                    "--errors-for-leak-kinds=definite", "--track-fds=no", "-q"] + argv
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def text(self):
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_log(self, pattern, timeout=20):
+        rx = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if rx.search(self.text()):
+                return True
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"log never matched {pattern!r}; log:\n{self.text()[-4000:]}")
+
+    def metrics(self):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def metric(self, name, outbox="main"):
+        m = re.search(rf'^{name}{{outbox="{outbox}"}} (\S+)$', self.metrics(), re.M)
+        return float(m.group(1)) if m else None
+
+    def stop(self, sig=signal.SIGTERM, timeout=30):
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            rc = self.proc.wait()
+        self.log.close()
+        return rc
+
+    def kill9(self):
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+    def assert_clean_exit(self, rc):
+        text = self.text()
+        assert rc == 0, f"relay exited {rc}; log:\n{text[-4000:]}"
+        assert "ERROR: AddressSanitizer" not in text and "runtime error:" not in text, text[-4000:]
+
+
+def run_producer(build, dsn, database, *, count, keys=10, exchange="", routing_key="q",
+                 size=64, batch=100, prefix="msg", start=0, odbc=False, table="outbox.messages"):
+    argv = [str(build / "examples" / "producer"), "--dsn", dsn, "--database", database,
+            "--table", table, "--count", str(count), "--keys", str(keys), "--exchange", exchange,
+            "--routing-key", routing_key, "--size", str(size), "--batch", str(batch),
+            "--prefix", prefix, "--start", str(start)]
+    if odbc:
+        argv.append("--odbc")
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
+def amqp_channel(services):
+    conn = pika.BlockingConnection(pika.ConnectionParameters(
+        host="127.0.0.1", port=services.amqp_port, heartbeat=0, blocked_connection_timeout=30))
+    return conn, conn.channel()
+
+
+def declare(ch, exchange, queue, routing_key, bind=True, **qargs):
+    if exchange:
+        ch.exchange_declare(exchange=exchange, exchange_type="direct", durable=True)
+    ch.queue_declare(queue=queue, durable=True, arguments=qargs or None)
+    ch.queue_purge(queue=queue)
+    if bind and exchange:
+        ch.queue_bind(queue=queue, exchange=exchange, routing_key=routing_key)
+
+
+def consume(ch, queue, count, timeout=60, idle=0.0):
+    """Reads messages until `count` arrived (or `timeout`), then keeps listening `idle` more
+    seconds so that extra copies (duplicates) would be seen too. Returns [(props, body, t)]."""
+    got = []
+    deadline = time.monotonic() + timeout
+    reached = None
+    ch.basic_qos(prefetch_count=2000)
+    for method, props, body in ch.consume(queue, auto_ack=True, inactivity_timeout=0.1):
+        now = time.monotonic()
+        if method is not None:
+            got.append((props, body, now))
+        if reached is None and len(got) >= count:
+            reached = now
+        if reached is not None and now - reached >= idle:
+            break
+        if now > deadline:
+            break
+    ch.cancel()
+    return got
+
+
+def psql_rows(db, sql, params=()):
+    with db.connect() as c:
+        return c.execute(sql, params).fetchall()
