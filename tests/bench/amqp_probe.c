@@ -1,0 +1,159 @@
+/*
+ * amqp_probe.c — the broker's ceiling, the yardstick for the relay's throughput.
+ *
+ *   amqp_probe URL QUEUE COUNT WINDOW SIZE
+ *
+ * Publishes COUNT persistent messages of SIZE bytes to QUEUE (through the
+ * default exchange; the caller declares the queue durable) on one channel in
+ * confirm mode, keeping at most WINDOW unconfirmed, with plain blocking
+ * rabbitmq-c. Prints `probe msgs=N secs=S rate=R`. Exit 1 on any failure
+ * (nack, return, broker error, 30 s without a confirm).
+ */
+#include <amqp.h>
+#include <amqp_tcp_socket.h>
+#include <amqp_ssl_socket.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/time.h>
+#include <time.h>
+
+static double now(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int reply_ok(amqp_rpc_reply_t r, const char *what)
+{
+    if (r.reply_type == AMQP_RESPONSE_NORMAL)
+        return 1;
+    if (r.reply_type == AMQP_RESPONSE_LIBRARY_EXCEPTION)
+        fprintf(stderr, "amqp_probe: %s: %s\n", what, amqp_error_string2(r.library_error));
+    else
+        fprintf(stderr, "amqp_probe: %s: broker error (method 0x%08x)\n", what,
+                (unsigned)r.reply.id);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    struct amqp_connection_info ci;
+    amqp_connection_state_t     conn = NULL;
+    amqp_socket_t              *sock;
+    amqp_basic_properties_t     props;
+    amqp_bytes_t                body, queue;
+    struct timeval              tmo = { 30, 0 };
+    char                       *url = NULL;
+    unsigned char              *payload = NULL;
+    long                        count, window;
+    size_t                      size;
+    long                        published = 0, confirmed = 0;
+    double                      t0, secs;
+    int                         rc = 1;
+
+    if (argc != 6) {
+        fprintf(stderr, "usage: %s URL QUEUE COUNT WINDOW SIZE\n", argv[0]);
+        return 1;
+    }
+    count = strtol(argv[3], NULL, 10);
+    window = strtol(argv[4], NULL, 10);
+    size = strtoull(argv[5], NULL, 10);
+    if (count < 1 || window < 1) {
+        fprintf(stderr, "amqp_probe: COUNT and WINDOW must be positive\n");
+        return 1;
+    }
+    url = strdup(argv[1]);   /* amqp_parse_url points into it */
+    payload = malloc(size ? size : 1);
+    if (url == NULL || payload == NULL)
+        goto out;
+    for (size_t i = 0; i < size; i++)
+        payload[i] = (unsigned char)('a' + i % 26);
+    amqp_default_connection_info(&ci);
+    if (amqp_parse_url(url, &ci) != AMQP_STATUS_OK) {
+        fprintf(stderr, "amqp_probe: bad URL\n");
+        goto out;
+    }
+    conn = amqp_new_connection();
+    if (conn == NULL)
+        goto out;
+    sock = ci.ssl ? amqp_ssl_socket_new(conn) : amqp_tcp_socket_new(conn);
+    if (sock == NULL)
+        goto out;
+    if (amqp_set_rpc_timeout(conn, &tmo) != AMQP_STATUS_OK ||
+        amqp_socket_open_noblock(sock, ci.host, ci.port, &tmo) != AMQP_STATUS_OK) {
+        fprintf(stderr, "amqp_probe: cannot connect to %s:%d\n", ci.host, ci.port);
+        goto out;
+    }
+    if (!reply_ok(amqp_login(conn, ci.vhost, 0, 131072, 0, AMQP_SASL_METHOD_PLAIN, ci.user,
+                             ci.password), "login"))
+        goto out;
+    amqp_channel_open(conn, 1);
+    if (!reply_ok(amqp_get_rpc_reply(conn), "channel.open"))
+        goto out;
+    amqp_confirm_select(conn, 1);
+    if (!reply_ok(amqp_get_rpc_reply(conn), "confirm.select"))
+        goto out;
+
+    memset(&props, 0, sizeof props);
+    props._flags = AMQP_BASIC_DELIVERY_MODE_FLAG;
+    props.delivery_mode = AMQP_DELIVERY_PERSISTENT;
+    body.bytes = payload;
+    body.len = size;
+    queue = amqp_cstring_bytes(argv[2]);
+
+    t0 = now();
+    while (confirmed < count) {
+        amqp_frame_t f;
+        int          r;
+
+        while (published < count && published - confirmed < window) {
+            r = amqp_basic_publish(conn, 1, amqp_empty_bytes, queue, 1, 0, &props, body);
+            if (r != AMQP_STATUS_OK) {
+                fprintf(stderr, "amqp_probe: publish: %s\n", amqp_error_string2(r));
+                goto out;
+            }
+            published++;
+        }
+        r = amqp_simple_wait_frame_noblock(conn, &f, &tmo);
+        if (r != AMQP_STATUS_OK) {
+            fprintf(stderr, "amqp_probe: waiting for confirms: %s\n", amqp_error_string2(r));
+            goto out;
+        }
+        if (f.frame_type != AMQP_FRAME_METHOD)
+            continue;
+        if (f.payload.method.id == AMQP_BASIC_ACK_METHOD) {
+            const amqp_basic_ack_t *a = f.payload.method.decoded;
+
+            if (!a->multiple)
+                confirmed++;
+            else if ((long)a->delivery_tag > confirmed)
+                confirmed = (long)a->delivery_tag;
+        } else if (f.payload.method.id == AMQP_BASIC_NACK_METHOD) {
+            fprintf(stderr, "amqp_probe: basic.nack\n");
+            goto out;
+        } else if (f.payload.method.id == AMQP_BASIC_RETURN_METHOD) {
+            fprintf(stderr, "amqp_probe: basic.return: queue %s missing?\n", argv[2]);
+            goto out;
+        } else if (f.payload.method.id == AMQP_CHANNEL_CLOSE_METHOD ||
+                   f.payload.method.id == AMQP_CONNECTION_CLOSE_METHOD) {
+            fprintf(stderr, "amqp_probe: broker closed the channel/connection\n");
+            goto out;
+        }
+        amqp_maybe_release_buffers(conn);
+    }
+    secs = now() - t0;
+    printf("probe msgs=%ld secs=%.3f rate=%.0f\n", count, secs, secs > 0 ? (double)count / secs : 0.);
+    rc = 0;
+out:
+    if (conn != NULL) {
+        if (rc == 0)
+            (void)amqp_connection_close(conn, AMQP_REPLY_SUCCESS);
+        amqp_destroy_connection(conn);
+    }
+    free(payload);
+    free(url);
+    return rc;
+}

@@ -1,0 +1,526 @@
+/*
+ * sink_amqp_test.c — drives the RabbitMQ sink (amqpsink_ops) against a real
+ * broker; tests/test_sink_amqp.py runs it and inspects the broker with pika.
+ *
+ *   sink_amqp_test URL [options] GROUP...
+ *   sink_amqp_test json TEXT          parse TEXT as headers_json, print the table
+ *
+ * GROUP = EXCHANGE,ROUTING_KEY,COUNT[,FLAG...]; messages are numbered from 0 in
+ * group order. FLAGs: size=N (payload bytes, default 64), big (payload one byte
+ * over --max-size), hdr=K (headers_json = bad_headers[K]), nohdr (NULL headers,
+ * NULL correlation/type/content-type).
+ * Options: --window N, --max-size N, --confirm-timeout MS, --heartbeat MS,
+ *   --tag HEX8 (message-id prefix), --rate N (messages/s, 0 = unlimited),
+ *   --timeout S (give up: exit 2), --no-retry (LOST is final), --ticks (print
+ *   "tick T" every 100 ms: shows the loop never blocks), --destroy-after N
+ *   (destroy the sink inside the Nth on_result; any later callback is an error).
+ *
+ * Every message i: message_id TAG-0000-4000-8000-<i as 12 hex>, correlation_id
+ * corr-<i>, type type.<i%3>, content_type application/x-test, created_at
+ * (1700000000+i) s + 123456 us, headers GOOD_HEADERS with "idx":i, payload
+ * byte j = (i*7 + j*13) & 0xff (NULs included). A LOST result is retried (as
+ * the relay would) unless --no-retry. Output, one line each, flushed:
+ *   state UP|DOWN|BLOCKED <msg>
+ *   result <i> ACK|RETURNED|NACKED|REJECTED|LOST|EPERM <reason>
+ *   summary total=.. acked=.. returned=.. nacked=.. rejected=.. lost=.. eperm=..
+ *           max_in_flight=.. ups=.. downs=.. blocked=.. queued_while_blocked=.. secs=..
+ * Exit 0 when every message got a final result, 2 on timeout, 1 on usage errors.
+ */
+#include "relay/row.h"
+#include "relay/sink.h"
+#include "sinks/rabbitmq/json.h"
+
+#include <amqp.h>
+#include <ev.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define GOOD_HEADERS_FMT                                                                   \
+    "{ \"s\" : \"h\\u00e9llo \\ud83d\\ude00 \\\"q\\\" \\\\ \\/ \\n\", \"raw\":\"\xc3\xa9\", " \
+    "\"i\": -42, \"big\": 9007199254740993, \"d\": 1.5, \"e\": -2.5e-3, "                  \
+    "\"t\": true, \"f\": false, \"n\": null, \"empty\": \"\", \"idx\": %d }"
+
+static const char *const bad_headers[] = {
+    "{\"a\":{\"nested\":1}}",
+    "{\"a\":[1,2]}",
+    "[1,2]",
+    "{\"a\":1} x",
+    "{\"a\":\"\\ud800\"}",
+    "{\"a\":1,\"a\":2}",
+    "{\"a\":01}",
+    "{\"a\":\"\xff\"}",
+    "{\"a\":tru}",
+    "",
+};
+#define N_BAD (sizeof bad_headers / sizeof bad_headers[0])
+
+typedef struct msg {
+    int        idx;
+    row       *r;         /* owned */
+    int        state;     /* 0 pending, 1 in flight, 2 done */
+    char       hdr[512];
+} msg;
+
+typedef struct drv {
+    struct ev_loop *loop;
+    const sink_ops *ops;
+    sink           *s;
+    msg            *msgs;
+    int             n;
+    int            *pending;   /* FIFO of indexes to publish */
+    int             phead, ptail, pcap;
+    int             done;
+    int             retry_lost;
+    double          rate, tokens;
+    int             sink_state;
+    size_t          max_in_flight;
+    int             c_ack, c_ret, c_nack, c_rej, c_lost, c_eperm, ups, downs, blocks;
+    int             queued_while_blocked;
+    ev_timer        rate_t, timeout_t;
+    int             timed_out;
+    int             pumping;
+    int             destroy_after;   /* destroy the sink inside the Nth on_result */
+    int             n_results;
+    int             destroyed;
+    int             eagain;
+    ev_timer        tick_t;
+} drv;
+
+static const char *outcome_name(int o)
+{
+    switch (o) {
+    case SINK_ACK:      return "ACK";
+    case SINK_RETURNED: return "RETURNED";
+    case SINK_NACKED:   return "NACKED";
+    case SINK_REJECTED: return "REJECTED";
+    case SINK_LOST:     return "LOST";
+    default:            return "?";
+    }
+}
+
+static const char *state_name(int st)
+{
+    return st == SINK_UP ? "UP" : st == SINK_BLOCKED ? "BLOCKED" : "DOWN";
+}
+
+static void finish_check(drv *d)
+{
+    if (d->done == d->n)
+        ev_break(d->loop, EVBREAK_ALL);
+}
+
+static void pump(drv *d)
+{
+    if (d->pumping || d->destroyed)
+        return;
+    d->pumping = 1;
+    while (d->phead != d->ptail) {
+        msg  *m = &d->msgs[d->pending[d->phead % d->pcap]];
+        char  err[512];
+        int   rc;
+        size_t inf;
+
+        if (d->rate > 0 && d->tokens < 1)
+            break;
+        err[0] = '\0';
+        rc = d->ops->publish(d->s, m->r, m, err, sizeof err);
+        if (rc == SINK_EAGAIN) {
+            d->eagain++;
+            break;
+        }
+        d->phead++;
+        if (d->rate > 0)
+            d->tokens -= 1;
+        if (rc == SINK_EPERM) {
+            m->state = 2;
+            d->c_eperm++;
+            d->done++;
+            printf("result %d EPERM %s\n", m->idx, err);
+            continue;
+        }
+        m->state = 1;
+        if (d->sink_state == SINK_BLOCKED)
+            d->queued_while_blocked++;
+        inf = d->ops->in_flight(d->s);
+        if (inf > d->max_in_flight)
+            d->max_in_flight = inf;
+    }
+    d->pumping = 0;
+    finish_check(d);
+}
+
+static void on_state(void *ud, int st, const char *text)
+{
+    drv *d = ud;
+
+    if (d->destroyed) {
+        printf("error: on_state after destroy\n");
+        exit(3);
+    }
+    d->sink_state = st;
+    if (st == SINK_UP) d->ups++;
+    else if (st == SINK_DOWN) d->downs++;
+    else d->blocks++;
+    printf("state %s %s\n", state_name(st), text ? text : "");
+    if (st == SINK_UP)
+        pump(d);
+}
+
+static void on_result(void *ud, void *msg_ud, int outcome, const char *reason)
+{
+    drv *d = ud;
+    msg *m = msg_ud;
+
+    if (d->destroyed) {
+        printf("error: on_result after destroy\n");
+        exit(3);
+    }
+    if (m->state != 1) {
+        printf("error: result for message %d in state %d\n", m->idx, m->state);
+        exit(3);
+    }
+    if (outcome == SINK_ACK && reason != NULL) {
+        printf("error: ACK with a reason\n");
+        exit(3);
+    }
+    printf("result %d %s %s\n", m->idx, outcome_name(outcome), reason ? reason : "");
+    switch (outcome) {
+    case SINK_ACK:      d->c_ack++;  break;
+    case SINK_RETURNED: d->c_ret++;  break;
+    case SINK_NACKED:   d->c_nack++; break;
+    case SINK_REJECTED: d->c_rej++;  break;
+    case SINK_LOST:     d->c_lost++; break;
+    default: break;
+    }
+    if (outcome == SINK_LOST && d->retry_lost) {
+        m->state = 0;
+        d->pending[d->ptail++ % d->pcap] = m->idx;
+    } else {
+        m->state = 2;
+        d->done++;
+    }
+    if (++d->n_results == d->destroy_after) {
+        /* destroy from inside the callback: no further callbacks may follow */
+        printf("destroying in_flight=%zu\n", d->ops->in_flight(d->s));
+        d->ops->destroy(d->s);
+        d->s = NULL;
+        d->destroyed = 1;
+        ev_timer_stop(d->loop, &d->timeout_t);
+        ev_timer_set(&d->timeout_t, 0.5, 0.);   /* run on a little: nothing may arrive */
+        ev_timer_start(d->loop, &d->timeout_t);
+        return;
+    }
+    pump(d);
+}
+
+static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop;
+    (void)w;
+    (void)revents;
+    printf("tick %.3f\n", ev_time());
+}
+
+static void on_writable(void *ud)
+{
+    pump(ud);
+}
+
+static void rate_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    drv *d = w->data;
+
+    (void)loop;
+    (void)revents;
+    if (d->destroyed)
+        return;
+    d->tokens += d->rate / 100.;
+    if (d->tokens > d->rate / 10. + 1)
+        d->tokens = d->rate / 10. + 1;
+    pump(d);
+}
+
+static void timeout_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    drv *d = w->data;
+
+    (void)revents;
+    if (!d->destroyed)
+        d->timed_out = 1;
+    ev_break(loop, EVBREAK_ALL);
+}
+
+static row *make_row(int i, const char *tag, const char *ex, const char *rk, size_t size,
+                     const char *hdr, int nohdr)
+{
+    row_fields     f;
+    char           mid[40], corr[32], type[32];
+    unsigned char *pl;
+    row           *r;
+
+    memset(&f, 0, sizeof f);
+    snprintf(mid, sizeof mid, "%.8s-0000-4000-8000-%012x", tag, (unsigned)i);
+    snprintf(corr, sizeof corr, "corr-%d", i);
+    snprintf(type, sizeof type, "type.%d", i % 3);
+    pl = malloc(size ? size : 1);
+    if (pl == NULL)
+        return NULL;
+    for (size_t j = 0; j < size; j++)
+        pl[j] = (unsigned char)(((size_t)i * 7 + j * 13) & 0xff);
+    f.id = i;
+    f.lease_token = 1;
+    f.created_at_us = (int64_t)(1700000000 + i) * 1000000 + 123456;
+    f.message_id = (row_field){ mid, strlen(mid) };
+    f.exchange = (row_field){ ex, strlen(ex) };
+    f.routing_key = (row_field){ rk, strlen(rk) };
+    if (!nohdr) {
+        f.message_type = (row_field){ type, strlen(type) };
+        f.content_type = (row_field){ "application/x-test", 18 };
+        f.correlation_id = (row_field){ corr, strlen(corr) };
+        f.headers_json = (row_field){ hdr, strlen(hdr) };
+    }
+    f.payload = (row_field){ (const char *)pl, size };
+    r = row_new(&f);
+    free(pl);
+    return r;
+}
+
+static int json_mode(const char *text)
+{
+    amqp_table_t t;
+    void        *mem;
+    char         err[256];
+
+    if (amqpsink_json_headers(text, strlen(text), &t, &mem, err, sizeof err) < 0) {
+        printf("error %s\n", err);
+        return 0;
+    }
+    printf("ok %d\n", t.num_entries);
+    for (int i = 0; i < t.num_entries; i++) {
+        const amqp_field_value_t *v = &t.entries[i].value;
+
+        printf("key ");
+        for (size_t k = 0; k < t.entries[i].key.len; k++)
+            printf("%02x", ((unsigned char *)t.entries[i].key.bytes)[k]);
+        switch (v->kind) {
+        case AMQP_FIELD_KIND_UTF8:
+            printf(" S ");
+            for (size_t k = 0; k < v->value.bytes.len; k++)
+                printf("%02x", ((unsigned char *)v->value.bytes.bytes)[k]);
+            break;
+        case AMQP_FIELD_KIND_I64:     printf(" l %" PRId64, v->value.i64); break;
+        case AMQP_FIELD_KIND_F64:     printf(" d %.17g", v->value.f64); break;
+        case AMQP_FIELD_KIND_BOOLEAN: printf(" t %d", v->value.boolean); break;
+        case AMQP_FIELD_KIND_VOID:    printf(" V"); break;
+        default:                      printf(" ?"); break;
+        }
+        printf("\n");
+    }
+    free(mem);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    drv                         d;
+    cfg_sink                    c;
+    sink_cbs                    cbs;
+    struct amqp_connection_info ci;
+    char                       *urlcopy = NULL;
+    const char                 *tag = "0badc0de";
+    int                         ticks = 0;
+    double                      timeout = 60;
+    char                        err[512];
+    int                         ai, rc = 1, gstart;
+    ev_tstamp                   t0;
+
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    if (argc == 3 && strcmp(argv[1], "json") == 0)
+        return json_mode(argv[2]);
+    if (argc < 3) {
+        fprintf(stderr, "usage: %s URL [options] EXCHANGE,RK,COUNT[,FLAG...]...\n", argv[0]);
+        return 1;
+    }
+    memset(&d, 0, sizeof d);
+    memset(&c, 0, sizeof c);
+    d.retry_lost = 1;
+    c.name = (char *)"test";
+    c.type = CFG_SINK_RABBITMQ;
+    c.publish_window = 1000;
+    c.heartbeat_ms = 10000;
+    c.confirm_timeout_ms = 30000;
+    c.connect_timeout_ms = 5000;
+    c.reconnect_max_ms = 2000;
+    c.max_message_size = 128u << 20;
+    c.confirms = c.mandatory = true;
+    c.tls_verify = true;
+
+    urlcopy = strdup(argv[1]);   /* amqp_parse_url points into it */
+    if (urlcopy == NULL)
+        return 1;
+    amqp_default_connection_info(&ci);
+    if (amqp_parse_url(urlcopy, &ci) != AMQP_STATUS_OK) {
+        fprintf(stderr, "bad url\n");
+        goto out;
+    }
+    c.host = ci.host;
+    c.port = ci.port;
+    c.user = ci.user;
+    c.pass = ci.password;
+    c.vhost = ci.vhost;
+    c.tls = ci.ssl;
+
+    for (ai = 2; ai < argc && strncmp(argv[ai], "--", 2) == 0; ai++) {
+        const char *o = argv[ai], *v = ai + 1 < argc ? argv[ai + 1] : NULL;
+
+        if (strcmp(o, "--no-retry") == 0) {
+            d.retry_lost = 0;
+            continue;
+        }
+        if (strcmp(o, "--ticks") == 0) {
+            ticks = 1;
+            continue;
+        }
+        if (v == NULL) {
+            fprintf(stderr, "%s needs a value\n", o);
+            goto out;
+        }
+        ai++;
+        if (strcmp(o, "--window") == 0)               c.publish_window = atoi(v);
+        else if (strcmp(o, "--max-size") == 0)        c.max_message_size = strtoull(v, NULL, 10);
+        else if (strcmp(o, "--confirm-timeout") == 0) c.confirm_timeout_ms = atoll(v);
+        else if (strcmp(o, "--heartbeat") == 0)       c.heartbeat_ms = atoll(v);
+        else if (strcmp(o, "--tag") == 0)             tag = v;
+        else if (strcmp(o, "--rate") == 0)            d.rate = atof(v);
+        else if (strcmp(o, "--timeout") == 0)         timeout = atof(v);
+        else if (strcmp(o, "--destroy-after") == 0)   d.destroy_after = atoi(v);
+        else {
+            fprintf(stderr, "unknown option %s\n", o);
+            goto out;
+        }
+    }
+    gstart = ai;
+    /* count messages */
+    for (ai = gstart; ai < argc; ai++) {
+        char *g = strdup(argv[ai]), *sv = NULL, *ex, *rk, *cnt;
+
+        if (g == NULL) goto out;
+        ex = strtok_r(g, ",", &sv);
+        rk = strtok_r(NULL, ",", &sv);
+        cnt = strtok_r(NULL, ",", &sv);
+        if (ex == NULL || rk == NULL || cnt == NULL) {
+            fprintf(stderr, "bad group %s\n", argv[ai]);
+            free(g);
+            goto out;
+        }
+        d.n += atoi(cnt);
+        free(g);
+    }
+    d.msgs = calloc((size_t)d.n + 1, sizeof *d.msgs);
+    d.pcap = d.n * 64 + 16;
+    d.pending = calloc((size_t)d.pcap, sizeof *d.pending);
+    if (d.msgs == NULL || d.pending == NULL)
+        goto out;
+    {
+        int i = 0;
+
+        for (ai = gstart; ai < argc; ai++) {
+            char  *g = strdup(argv[ai]), *sv = NULL, *ex, *rk, *cnt, *fl;
+            size_t size = 64;
+            int    big = 0, hdr = -1, nohdr = 0, count;
+
+            if (g == NULL) goto out;
+            ex = strtok_r(g, ",", &sv);
+            rk = strtok_r(NULL, ",", &sv);
+            cnt = strtok_r(NULL, ",", &sv);
+            count = atoi(cnt);
+            if (strcmp(ex, "-") == 0) ex = (char *)"";   /* default exchange */
+            while ((fl = strtok_r(NULL, ",", &sv)) != NULL) {
+                if (strncmp(fl, "size=", 5) == 0) size = strtoull(fl + 5, NULL, 10);
+                else if (strcmp(fl, "big") == 0) big = 1;
+                else if (strncmp(fl, "hdr=", 4) == 0) hdr = atoi(fl + 4);
+                else if (strcmp(fl, "nohdr") == 0) nohdr = 1;
+            }
+            if (big)
+                size = c.max_message_size + 1;
+            for (int k = 0; k < count; k++, i++) {
+                msg *m = &d.msgs[i];
+
+                m->idx = i;
+                if (hdr >= 0 && (size_t)hdr < N_BAD)
+                    snprintf(m->hdr, sizeof m->hdr, "%s", bad_headers[hdr]);
+                else
+                    snprintf(m->hdr, sizeof m->hdr, GOOD_HEADERS_FMT, i);
+                m->r = make_row(i, tag, ex, rk, size, m->hdr, nohdr);
+                if (m->r == NULL) {
+                    fprintf(stderr, "row_new failed\n");
+                    free(g);
+                    goto out;
+                }
+                d.pending[d.ptail++] = i;
+            }
+            free(g);
+        }
+    }
+
+    d.loop = ev_loop_new(EVFLAG_AUTO);
+    if (d.loop == NULL)
+        goto out;
+    d.ops = sink_ops_for(&c);
+    if (d.ops == NULL || strcmp(d.ops->name, "rabbitmq") != 0) {
+        fprintf(stderr, "sink_ops_for failed\n");
+        goto out;
+    }
+    if (d.ops->check(&c, err, sizeof err) != 0) {
+        printf("check failed: %s\n", err);
+        goto out;
+    }
+    printf("check ok\n");
+    cbs.ud = &d;
+    cbs.on_state = on_state;
+    cbs.on_result = on_result;
+    cbs.on_writable = on_writable;
+    if (d.ops->create(d.loop, &c, "sink_amqp_test", &cbs, &d.s, err, sizeof err) != 0) {
+        printf("create failed: %s\n", err);
+        goto out;
+    }
+    d.sink_state = SINK_DOWN;
+    ev_timer_init(&d.rate_t, rate_cb, 0.01, 0.01);
+    d.rate_t.data = &d;
+    if (d.rate > 0)
+        ev_timer_start(d.loop, &d.rate_t);
+    ev_timer_init(&d.tick_t, tick_cb, 0.1, 0.1);
+    if (ticks)
+        ev_timer_start(d.loop, &d.tick_t);
+    ev_timer_init(&d.timeout_t, timeout_cb, timeout, 0.);
+    d.timeout_t.data = &d;
+    ev_timer_start(d.loop, &d.timeout_t);
+    t0 = ev_time();
+    d.ops->start(d.s);
+    if (d.n > 0)
+        ev_run(d.loop, 0);
+    printf("summary total=%d acked=%d returned=%d nacked=%d rejected=%d lost=%d eperm=%d "
+           "max_in_flight=%zu ups=%d downs=%d blocked=%d queued_while_blocked=%d in_flight=%zu "
+           "eagain=%d secs=%.3f\n",
+           d.n, d.c_ack, d.c_ret, d.c_nack, d.c_rej, d.c_lost, d.c_eperm, d.max_in_flight,
+           d.ups, d.downs, d.blocks, d.queued_while_blocked,
+           d.s ? d.ops->in_flight(d.s) : (size_t)0, d.eagain, ev_time() - t0);
+    rc = d.timed_out ? 2 : 0;
+    ev_timer_stop(d.loop, &d.rate_t);
+    ev_timer_stop(d.loop, &d.timeout_t);
+    ev_timer_stop(d.loop, &d.tick_t);
+out:
+    if (d.s != NULL)
+        d.ops->destroy(d.s);
+    if (d.loop != NULL)
+        ev_loop_destroy(d.loop);
+    if (d.msgs != NULL)
+        for (int i = 0; i < d.n; i++)
+            row_free(d.msgs[i].r);
+    free(d.msgs);
+    free(d.pending);
+    free(urlcopy);
+    return rc;
+}

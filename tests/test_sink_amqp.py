@@ -1,0 +1,734 @@
+"""The RabbitMQ sink (sinks/rabbitmq) against the private broker.
+
+tests/c/sink_amqp_test.c drives the sink (see its header comment for the message
+generator); pika inspects what reached the broker. pika's own decoding of 'l'
+(int64) and 'd' (double) table values is wrong (unsigned / truncated), so header
+tables are decoded here, with the AMQP type letter kept.
+"""
+import re
+import secrets
+import select
+import socket
+import struct
+import subprocess
+import threading
+import time
+
+import pika
+import pika.data
+import pytest
+
+from conftest import prog_argv, run_prog, wait_for
+
+GOOD_S = 'h\u00e9llo \U0001F600 "q" \\ / \n'
+
+
+# ---------------------------------------------------------------- helpers
+class Run:
+    """Parsed output of one sink_amqp_test run."""
+
+    def __init__(self, rc, out, err=""):
+        self.rc, self.out, self.err = rc, out, err
+        self.results = {}      # idx -> [(outcome, reason), ...] in order
+        self.states = []       # (state, text)
+        self.summary = {}
+        self.lines = out.splitlines()
+        for line in self.lines:
+            if line.startswith("result "):
+                _, idx, outcome, *rest = line.split(" ", 3)
+                self.results.setdefault(int(idx), []).append((outcome, rest[0] if rest else ""))
+            elif line.startswith("state "):
+                _, st, *rest = line.split(" ", 2)
+                self.states.append((st, rest[0] if rest else ""))
+            elif line.startswith("summary "):
+                for kv in line.split()[1:]:
+                    k, _, v = kv.partition("=")
+                    self.summary[k] = float(v) if "." in v else int(v)
+
+    def final(self, idx):
+        return self.results[idx][-1][0]
+
+    def __repr__(self):
+        return f"rc={self.rc}\nstdout:\n{self.out[-4000:]}\nstderr:\n{self.err[-4000:]}"
+
+
+def driver(build):
+    return build / "tests" / "sink_amqp_test"
+
+
+def drive(services, build, *args, timeout=120):
+    r = run_prog([driver(build), services.amqp_url, *args], timeout=timeout)
+    return Run(r.returncode, r.stdout, r.stderr)
+
+
+class Background:
+    """sink_amqp_test running in the background; lines collected by a thread."""
+
+    def __init__(self, services, build, *args):
+        self.p = subprocess.Popen(prog_argv([driver(build), services.amqp_url, *args]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  stdin=subprocess.DEVNULL)
+        self.lines = []
+        self.err = ""
+        self._t = threading.Thread(target=self._read, daemon=True)
+        self._t.start()
+        self._te = threading.Thread(target=self._read_err, daemon=True)
+        self._te.start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def _read_err(self):
+        self.err = self.p.stderr.read()
+
+    def count(self, pattern):
+        rx = re.compile(pattern)
+        return sum(1 for line in list(self.lines) if rx.search(line))
+
+    def finish(self, timeout):
+        try:
+            self.p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            self.p.wait()
+        self._t.join(10)
+        self._te.join(10)
+        return Run(self.p.returncode, "\n".join(self.lines) + "\n", self.err)
+
+    def kill(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
+def _decode_value(encoded, offset):
+    """Correct AMQP 0-9-1 (RabbitMQ) field decoding; returns ((kind, value), offset)."""
+    kind = encoded[offset:offset + 1].decode()
+    offset += 1
+    if kind == "S":
+        n = struct.unpack_from(">I", encoded, offset)[0]
+        offset += 4
+        return ("S", encoded[offset:offset + n].decode("utf-8")), offset + n
+    if kind == "l":
+        return ("l", struct.unpack_from(">q", encoded, offset)[0]), offset + 8
+    if kind == "d":
+        return ("d", struct.unpack_from(">d", encoded, offset)[0]), offset + 8
+    if kind == "t":
+        return ("t", encoded[offset] != 0), offset + 1
+    if kind == "V":
+        return ("V", None), offset
+    raise AssertionError(f"unexpected AMQP field type {kind!r}")
+
+
+class TypedHeaders:
+    """While active, pika decodes header tables into {key: (kind, value)}."""
+
+    def __enter__(self):
+        self._orig = pika.data.decode_value
+        pika.data.decode_value = _decode_value
+        return self
+
+    def __exit__(self, *exc):
+        pika.data.decode_value = self._orig
+
+
+def expected_headers(i):
+    return {"s": ("S", GOOD_S), "raw": ("S", "\u00e9"), "i": ("l", -42),
+            "big": ("l", 9007199254740993), "d": ("d", 1.5), "e": ("d", -2.5e-3),
+            "t": ("t", True), "f": ("t", False), "n": ("V", None), "empty": ("S", ""),
+            "idx": ("l", i)}
+
+
+def payload(i, size):
+    return bytes(((i * 7 + j * 13) & 0xFF) for j in range(size))
+
+
+def mid(tag, i):
+    return f"{tag}-0000-4000-8000-{i:012x}"
+
+
+@pytest.fixture
+def names(services):
+    """A direct exchange `ex` bound to a durable queue `q` with key `rk`, plus an
+    exchange `lonely` without bindings; all deleted afterwards."""
+    h = secrets.token_hex(4)
+    n = type("Names", (), {})()
+    n.tag = secrets.token_hex(4)
+    n.ex, n.q, n.rk, n.lonely = f"t.{h}.ex", f"t.{h}.q", "rk", f"t.{h}.lonely"
+    n.extra_queues = []
+    c = services.amqp_connect()
+    ch = c.channel()
+    ch.exchange_declare(n.ex, "direct", durable=True)
+    ch.exchange_declare(n.lonely, "direct", durable=True)
+    ch.queue_declare(n.q, durable=True)
+    ch.queue_bind(n.q, n.ex, n.rk)
+    c.close()
+    yield n
+    try:
+        c = services.amqp_connect()
+        ch = c.channel()
+        for q in [n.q, *n.extra_queues]:
+            ch.queue_delete(q)
+        ch.exchange_delete(n.ex)
+        ch.exchange_delete(n.lonely)
+        c.close()
+    except Exception:  # noqa: BLE001 - best effort cleanup
+        pass
+
+
+def get_all(services, queue, limit=100000):
+    """Every message in queue as (properties, body), acknowledged."""
+    out = []
+    c = services.amqp_connect()
+    try:
+        ch = c.channel()
+        with TypedHeaders():
+            while len(out) < limit:
+                method, props, body = ch.basic_get(queue, auto_ack=True)
+                if method is None:
+                    break
+                out.append((props, body))
+    finally:
+        c.close()
+    return out
+
+
+def queue_depth(services, queue):
+    c = services.amqp_connect()
+    try:
+        return c.channel().queue_declare(queue, passive=True).method.message_count
+    finally:
+        c.close()
+
+
+# ---------------------------------------------------------------- headers_json parser
+def parse_json(build, text):
+    r = run_prog([driver(build), "json", text], timeout=30)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    if lines[0].startswith("error "):
+        return lines[0][6:]
+    out = {}
+    for line in lines[1:]:
+        _, key, kind, *val = line.split(" ")
+        key = bytes.fromhex(key).decode("utf-8")
+        if kind == "S":
+            out[key] = ("S", bytes.fromhex(val[0]) if val else b"")
+        elif kind == "l":
+            out[key] = ("l", int(val[0]))
+        elif kind == "d":
+            out[key] = ("d", float(val[0]))
+        elif kind == "t":
+            out[key] = ("t", val[0] == "1")
+        else:
+            out[key] = (kind, None)
+    assert len(out) == int(lines[0].split()[1])
+    return out
+
+
+def test_json_headers_types_and_escapes(build):
+    got = parse_json(build, ' { "a" : "x\\u0000y\\t\\"\\\\\\/\\b\\f\\n\\r", "b":-0, "c":1e2,'
+                            '"d":-9223372036854775808, "e":9223372036854775808, "f":0.25,'
+                            '"g":true, "h":false, "i":null, "\\ud83d\\ude00":"\\u00e9\\u20ac",'
+                            ' "raw":"\u00e9\u20ac\U0001F600" } ')
+    assert got == {
+        "a": ("S", b'x\x00y\t"\\/\b\f\n\r'),
+        "b": ("l", 0),
+        "c": ("d", 100.0),
+        "d": ("l", -9223372036854775808),
+        "e": ("d", 9223372036854775808.0),
+        "f": ("d", 0.25),
+        "g": ("t", True),
+        "h": ("t", False),
+        "i": ("V", None),
+        "\U0001F600": ("S", "\u00e9\u20ac".encode()),
+        "raw": ("S", "\u00e9\u20ac\U0001F600".encode()),
+    }
+    assert parse_json(build, "{}") == {}
+    assert parse_json(build, " {\n}\t") == {}
+
+
+@pytest.mark.parametrize("text,why", [
+    ('{"a":{"b":1}}', "nested object"),
+    ('{"a":[1]}', "nested array"),
+    ('[1]', "expected a JSON object"),
+    ('"x"', "expected a JSON object"),
+    ('', "expected a JSON object"),
+    ('{"a":1} x', "trailing garbage"),
+    ('{"a":1}}', "trailing garbage"),
+    ('{"a":1,}', "expected a string key"),
+    ('{"a" 1}', "expected ':'"),
+    ('{"a":1 "b":2}', "expected ',' or '}'"),
+    ('{"a":"\\ud800"}', "surrogate"),
+    ('{"a":"\\udc00"}', "surrogate"),
+    ('{"a":"\\ud800\\u0041"}', "surrogate"),
+    ('{"a":"\\x"}', "bad escape"),
+    ('{"a":"\\u12g4"}', "bad hex"),
+    ('{"a":"x', "unterminated"),
+    ('{"a":"\t"}', "control character"),
+    ('{"a":01}', "expected ',' or '}'"),
+    ('{"a":1.}', "bad number"),
+    ('{"a":-}', "bad number"),
+    ('{"a":1e}', "bad number"),
+    ('{"a":1e999}', "out of range"),
+    ('{"a":tru}', "unexpected character"),
+    ('{"a":nul}', "unexpected character"),
+    ('{"a":1,"a":2}', "duplicate key"),
+    ('{' + '"' + "k" * 256 + '":1}', "longer than 255"),
+])
+def test_json_headers_rejects(build, text, why):
+    got = parse_json(build, text)
+    assert isinstance(got, str), got
+    assert why in got
+
+
+def test_json_headers_rejects_invalid_utf8(build):
+    # argv cannot carry arbitrary bytes through text=True; use the driver's bad_headers
+    # instead (hdr=7 is "\xff"), covered by test_permanent_failures_are_eperm.
+    got = parse_json(build, '{"a":"\u00e9"}')
+    assert got == {"a": ("S", "\u00e9".encode())}
+
+
+# ---------------------------------------------------------------- publishing
+def test_publish_properties_and_body(services, build, names):
+    r = drive(services, build, "--tag", names.tag,
+              f"{names.ex},{names.rk},20", f"{names.ex},{names.rk},3,nohdr,size=0",
+              f"{names.ex},{names.rk},2,size=300000", f"-,{names.q},2,size=5")
+    assert r.rc == 0, r
+    assert r.summary["acked"] == 27 and r.summary["total"] == 27, r
+    assert all(r.final(i) == "ACK" for i in range(27)), r
+    assert r.states[0][0] == "UP" and "vhost '/'" in r.states[0][1]
+    assert "guest:" not in r.out and "guest@" not in r.out
+
+    msgs = get_all(services, names.q)
+    assert len(msgs) == 27
+    by_id = {p.message_id: (p, b) for p, b in msgs}
+    for i in range(27):
+        p, body = by_id[mid(names.tag, i)]
+        size = 64 if i < 20 else 0 if i < 23 else 300000 if i < 25 else 5
+        assert body == payload(i, size), f"message {i}: body differs"
+        assert p.delivery_mode == 2
+        assert p.timestamp == 1700000000 + i
+        if 20 <= i < 23:
+            assert p.headers is None and p.correlation_id is None
+            assert p.type is None and p.content_type is None
+        else:
+            assert p.correlation_id == f"corr-{i}"
+            assert p.type == f"type.{i % 3}"
+            assert p.content_type == "application/x-test"
+            assert p.headers == expected_headers(i)
+    # body really carries NUL bytes
+    assert b"\x00" in by_id[mid(names.tag, 0)][1]
+
+
+def test_unroutable_is_returned(services, build, names):
+    r = drive(services, build, "--tag", names.tag, f"{names.ex},{names.rk},3",
+              f"{names.lonely},nowhere,2", f"{names.ex},nobody-binds-this,1",
+              f"{names.ex},{names.rk},3")
+    assert r.rc == 0, r
+    for i in (0, 1, 2, 6, 7, 8):
+        assert r.results[i] == [("ACK", "")], r
+    for i, (ex, rk) in {3: (names.lonely, "nowhere"), 4: (names.lonely, "nowhere"),
+                        5: (names.ex, "nobody-binds-this")}.items():
+        assert len(r.results[i]) == 1, r
+        outcome, reason = r.results[i][0]
+        assert outcome == "RETURNED", r
+        assert reason == f"unroutable: NO_ROUTE exchange={ex} routing_key={rk}", r
+    assert queue_depth(services, names.q) == 6
+
+
+def test_missing_exchange_rejects_only_the_culprit(services, build, names):
+    missing = f"{names.ex}.missing"
+    r = drive(services, build, "--tag", names.tag, f"{names.ex},{names.rk},5",
+              f"{missing},x,1", f"{names.ex},{names.rk},5", f"{missing},y,1",
+              f"{names.ex},{names.rk},2")
+    assert r.rc == 0, r
+    for culprit in (5, 11):
+        outcome, reason = r.results[culprit][-1]
+        assert outcome == "REJECTED", r
+        assert reason.startswith("404 NOT_FOUND") and f"'{missing}'" in reason, r
+        assert all(o in ("LOST", "REJECTED") for o, _ in r.results[culprit]), r
+        assert r.results[culprit].count(("REJECTED", reason)) == 1, r
+    others = [i for i in range(14) if i not in (5, 11)]
+    for i in others:
+        assert r.final(i) == "ACK", r
+        assert all(o in ("ACK", "LOST") for o, _ in r.results[i]), r
+    assert r.summary["rejected"] == 2 and r.summary["acked"] == 12, r
+    # the channel was reopened (channel 2, then 3) and reported UP again
+    ups = [t for s, t in r.states if s == "UP"]
+    assert any("channel 2 reopened" in t for t in ups), r
+    downs = [t for s, t in r.states if s == "DOWN"]
+    assert downs and all("404 NOT_FOUND" in t for t in downs), r
+    # LOST messages were republished: at-least-once, every id arrived
+    ids = {p.message_id for p, _ in get_all(services, names.q)}
+    assert ids == {mid(names.tag, i) for i in others}
+
+
+def test_nack_on_reject_publish_queue(services, build, names):
+    q = f"{names.q}.full"
+    names.extra_queues.append(q)
+    c = services.amqp_connect()
+    c.channel().queue_declare(q, durable=True,
+                              arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    c.close()
+    r = drive(services, build, "--tag", names.tag, "--window", "1", f"-,{q},4")
+    assert r.rc == 0, r
+    assert r.results[0] == [("ACK", "")], r
+    for i in (1, 2, 3):
+        assert r.results[i] == [("NACKED", "nacked by the broker (basic.nack)")], r
+    assert queue_depth(services, q) == 1
+
+
+def test_window_bounds_in_flight(services, build, names):
+    r = drive(services, build, "--tag", names.tag, "--window", "10",
+              f"{names.ex},{names.rk},1000")
+    assert r.rc == 0, r
+    assert r.summary["acked"] == 1000, r
+    assert r.summary["max_in_flight"] == 10, r
+    assert r.summary["in_flight"] == 0, r
+    assert queue_depth(services, names.q) == 1000
+
+
+def test_permanent_failures_are_eperm(services, build, names):
+    groups = [f"{names.ex},{names.rk},1"]
+    groups += [f"{names.ex},{names.rk},1,hdr={k}" for k in range(10)]
+    groups += [f"{names.ex},{names.rk},1,big", f"{names.ex},{names.rk},1,size=1000"]
+    r = drive(services, build, "--tag", names.tag, "--max-size", "1000", *groups)
+    assert r.rc == 0, r
+    assert r.results[0] == [("ACK", "")] and r.results[12] == [("ACK", "")], r
+    whys = ["nested object", "nested array", "expected a JSON object", "trailing garbage",
+            "surrogate", "duplicate key", "expected ',' or '}'", "invalid UTF-8",
+            "unexpected character", "expected a JSON object"]
+    for k, why in enumerate(whys):
+        (outcome, reason), = r.results[1 + k]
+        assert outcome == "EPERM" and reason.startswith("headers_json: ") and why in reason, r
+    (outcome, reason), = r.results[11]
+    assert outcome == "EPERM" and "1001 bytes" in reason and "max_message_size 1000" in reason
+    assert queue_depth(services, names.q) == 2
+
+
+# ---------------------------------------------------------------- failures
+class Proxy:
+    """A TCP proxy to the broker for fault injection (like PgBouncer's drop_traffic or
+    Odyssey's evil_proxy): hold() stops forwarding broker→client bytes (acks, heartbeats
+    pile up unread), cut() closes every proxied connection, refuse=True closes new
+    connections at once (broker "down")."""
+
+    def __init__(self, port):
+        self.upstream = ("127.0.0.1", port)
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(16)
+        self.port = self.lsock.getsockname()[1]
+        self.holding = False
+        self.stall = False      # stop reading what the client sends
+        self.refuse = False
+        self.accepted = 0
+        self._cut = False
+        self._stop = False
+        self._pairs = []
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def url(self):
+        return f"amqp://guest:guest@127.0.0.1:{self.port}/%2f"
+
+    def hold(self, on=True):
+        self.holding = on
+
+    def cut(self):
+        self._cut = True
+        wait_for(lambda: not self._cut, 10, desc="proxy cut")
+
+    def close(self):
+        self._stop = True
+        self._t.join(10)
+        self.lsock.close()
+
+    def _close_pair(self, pair):
+        for s in pair:
+            try:
+                s.close()
+            except OSError:
+                pass
+        if pair in self._pairs:
+            self._pairs.remove(pair)
+
+    def _run(self):
+        while not self._stop:
+            if self._cut:
+                for pair in list(self._pairs):
+                    self._close_pair(pair)
+                self._cut = False
+            rl = [self.lsock]
+            if not self.stall:
+                rl += [c for c, _ in self._pairs]
+            if not self.holding:
+                rl += [u for _, u in self._pairs]
+            try:
+                ready, _, _ = select.select(rl, [], [], 0.02)
+            except (OSError, ValueError):
+                continue
+            for s in ready:
+                if s is self.lsock:
+                    c, _ = self.lsock.accept()
+                    self.accepted += 1
+                    if self.refuse:
+                        c.close()
+                        continue
+                    try:
+                        u = socket.create_connection(self.upstream, timeout=5)
+                    except OSError:
+                        c.close()
+                        continue
+                    self._pairs.append((c, u))
+                    continue
+                pair = next((p for p in self._pairs if s in p), None)
+                if pair is None:
+                    continue
+                other = pair[1] if s is pair[0] else pair[0]
+                try:
+                    data = s.recv(262144)
+                    if not data:
+                        raise OSError("eof")
+                    other.sendall(data)
+                except OSError:
+                    self._close_pair(pair)
+
+
+@pytest.fixture
+def proxy(services):
+    p = Proxy(services.amqp_port)
+    yield p
+    p.close()
+
+
+def drive_bg(build, url, *args):
+    class _S:
+        amqp_url = url
+    return Background(_S, build, *args)
+
+
+def test_connection_killed_by_broker_reconnects(services, build, names):
+    bg = Background(services, build, "--tag", names.tag, "--window", "200", "--rate", "1500",
+                    f"{names.ex},{names.rk},4500,size=16384")
+    try:
+        wait_for(lambda: bg.count(r"^result \d+ ACK") >= 200 or bg.p.poll() is not None,
+                 60, desc="first acks")
+        assert bg.p.poll() is None, "driver finished before the kill"
+        k = services.rabbitmqctl("close_all_connections", "test kill")
+        assert k.returncode == 0, k.stderr
+        r = bg.finish(240)
+    finally:
+        bg.kill()
+    assert r.rc == 0, r
+    assert r.summary["acked"] == 4500, r
+    downs = [t for s, t in r.states if s == "DOWN"]
+    assert any("broker closed the connection: 320 CONNECTION_FORCED - test kill" in t
+               for t in downs), r
+    assert [s for s, _ in r.states].count("UP") >= 2, r
+    # whatever was in flight came back LOST (not the message's fault) and was retried
+    lost = [reason for res in r.results.values() for o, reason in res if o == "LOST"]
+    assert all("320 CONNECTION_FORCED" in x for x in lost), r
+    assert r.summary["lost"] == len(lost)
+    assert all(r.final(i) == "ACK" for i in range(4500))
+    assert queue_depth(services, names.q) >= 4500
+
+
+def test_connection_cut_in_flight_lost_then_reconnect(services, build, names, proxy):
+    bg = drive_bg(build, proxy.url(), "--tag", names.tag, "--window", "50", "--rate", "400",
+                  f"{names.ex},{names.rk},800")
+    try:
+        wait_for(lambda: bg.count(r"^result \d+ ACK") >= 50, 60, desc="first acks")
+        proxy.hold()
+        # the window fills up: 50 unconfirmed, nothing settles
+        time.sleep(1.0)
+        n = bg.count(r"^result ")
+        time.sleep(0.3)
+        assert bg.count(r"^result ") == n
+        proxy.cut()
+        proxy.hold(False)
+        r = bg.finish(120)
+    finally:
+        bg.kill()
+    assert r.rc == 0, r
+    assert r.summary["acked"] == 800, r
+    assert r.summary["lost"] == 50, r
+    assert r.summary["max_in_flight"] == 50, r
+    downs = [t for s, t in r.states if s == "DOWN"]
+    assert len(downs) == 1 and downs[0].startswith(f"127.0.0.1:{proxy.port} vhost '/': "), r
+    assert [s for s, _ in r.states] == ["UP", "DOWN", "UP"], r
+    assert all(r.final(i) == "ACK" for i in range(800))
+    ids = {p.message_id for p, _ in get_all(services, names.q)}
+    assert ids == {mid(names.tag, i) for i in range(800)}
+
+
+def test_confirm_timeout_gives_back_lost(services, build, names, proxy):
+    bg = drive_bg(build, proxy.url(), "--tag", names.tag, "--window", "20", "--rate", "200",
+                  "--confirm-timeout", "1000", f"{names.ex},{names.rk},300")
+    try:
+        wait_for(lambda: bg.count(r"^result \d+ ACK") >= 20, 60, desc="first acks")
+        proxy.hold()
+        wait_for(lambda: bg.count(r"^state DOWN") >= 1, 20, desc="confirm timeout")
+        proxy.hold(False)
+        r = bg.finish(120)
+    finally:
+        bg.kill()
+    assert r.rc == 0, r
+    assert r.summary["acked"] == 300, r
+    assert r.summary["lost"] == 20, r
+    downs = [t for s, t in r.states if s == "DOWN"]
+    assert len(downs) == 1 and "no publisher confirm for delivery tag" in downs[0], r
+    assert "within 1000 ms" in downs[0], r
+    assert [s for s, _ in r.states] == ["UP", "DOWN", "UP"], r
+
+
+def test_heartbeat_timeout_reconnects(services, build, names, proxy):
+    bg = drive_bg(build, proxy.url(), "--tag", names.tag, "--heartbeat", "1000",
+                  "--rate", "50", f"{names.ex},{names.rk},150")
+    try:
+        wait_for(lambda: bg.count(r"^result \d+ ACK") >= 10, 60, desc="first acks")
+        proxy.hold()
+        wait_for(lambda: bg.count(r"^state DOWN") >= 1, 20, desc="heartbeat timeout")
+        proxy.hold(False)
+        r = bg.finish(120)
+    finally:
+        bg.kill()
+    assert r.rc == 0, r
+    assert r.summary["acked"] == 150, r
+    downs = [t for s, t in r.states if s == "DOWN"]
+    assert len(downs) == 1 and "heartbeat timeout" in downs[0], r
+
+
+def test_broker_unreachable_backs_off_then_recovers(services, build, names, proxy):
+    bg = drive_bg(build, proxy.url(), "--tag", names.tag, "--rate", "100",
+                  f"{names.ex},{names.rk},300")
+    try:
+        wait_for(lambda: bg.count(r"^result \d+ ACK") >= 20, 60, desc="first acks")
+        proxy.refuse = True
+        proxy.cut()
+        t0, a0 = time.monotonic(), proxy.accepted
+        time.sleep(3.0)
+        attempts = proxy.accepted - a0
+        proxy.refuse = False
+        r = bg.finish(120)
+    finally:
+        bg.kill()
+    assert r.rc == 0, r
+    assert r.summary["acked"] == 300, r
+    # back-off 100 ms doubling (jittered): a handful of attempts in 3 s, not a spin
+    assert 2 <= attempts <= 8, attempts
+    downs = [t for s, t in r.states if s == "DOWN"]
+    assert len(downs) >= 3, r
+    assert [s for s, _ in r.states][-1] == "UP"
+
+
+def test_full_socket_buffer_never_blocks_the_loop(services, build, names, proxy):
+    """The broker stops reading (proxy stalls): publish() must answer SINK_EAGAIN instead of
+    blocking in rabbitmq-c's send, the loop keeps ticking, and on_writable resumes."""
+    bg = drive_bg(build, proxy.url(), "--tag", names.tag, "--ticks",
+                  f"{names.ex},{names.rk},160,size=262144")
+    try:
+        wait_for(lambda: bg.count(r"^state UP") >= 1, 60, desc="connected")
+        proxy.stall = True
+        time.sleep(0.5)
+        t0 = bg.count(r"^tick ")
+        time.sleep(2.0)
+        ticks = bg.count(r"^tick ") - t0
+        proxy.stall = False
+        r = bg.finish(180)
+    finally:
+        bg.kill()
+    assert ticks >= 5, f"event loop blocked: {ticks} ticks in 2 s"
+    assert r.rc == 0, r
+    assert r.summary["acked"] == 160, r
+    assert r.summary["eagain"] >= 1, r
+    assert r.summary["downs"] == 0, r
+
+
+def test_destroy_inside_callback(services, build, names):
+    r = drive(services, build, "--tag", names.tag, "--destroy-after", "5",
+              f"{names.ex},{names.rk},200")
+    # the driver exits 3 on any callback after destroy; sanitizers/valgrind catch the rest
+    assert r.rc == 0, r
+    assert r.summary["acked"] == 5, r
+    assert re.search(r"^destroying in_flight=\d+$", r.out, re.M), r
+
+
+def test_connection_blocked_pauses_publishing(services, build, names):
+    bg = Background(services, build, "--tag", names.tag, "--rate", "100",
+                    f"{names.ex},{names.rk},300")
+    try:
+        wait_for(lambda: bg.count(r"^result \d+ ACK") >= 20, 60, desc="first acks")
+        s = services.rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
+        assert s.returncode == 0, s.stderr
+        wait_for(lambda: bg.count(r"^state BLOCKED") >= 1, 60, desc="BLOCKED state")
+        n1 = bg.count(r"^result ")
+        time.sleep(1.5)
+        n2 = bg.count(r"^result ")
+        # only messages already on the wire may still be confirmed; nothing new is sent
+        assert n2 - n1 <= 10, (n1, n2)
+        assert bg.p.poll() is None
+    finally:
+        services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+    try:
+        r = bg.finish(120)
+    finally:
+        bg.kill()
+    assert r.rc == 0, r
+    assert r.summary["acked"] == 300, r
+    assert r.summary["queued_while_blocked"] == 0, r
+    seq = [s for s, _ in r.states]
+    b = seq.index("BLOCKED")
+    assert "UP" in seq[b + 1:], r
+    assert any("broker blocked publishing" in t for s, t in r.states if s == "BLOCKED"), r
+    # between BLOCKED and the following UP, at most a handful of late confirms
+    i_b = r.lines.index(next(line for line in r.lines if line.startswith("state BLOCKED")))
+    i_u = next(j for j in range(i_b + 1, len(r.lines)) if r.lines[j].startswith("state UP"))
+    assert sum(1 for line in r.lines[i_b:i_u] if line.startswith("result ")) <= 10, r
+
+
+def test_check_errors_name_host_vhost_not_password(services, build):
+    port = services.amqp_port
+    bad = f"amqp://guest:Sekr1tPw@127.0.0.1:{port}/%2f"
+    r = run_prog([driver(build), bad, "x,y,1"], timeout=60)
+    assert r.returncode == 1
+    assert f"check failed: rabbitmq 127.0.0.1:{port} vhost '/': login:" in r.stdout, r.stdout
+    assert "403" in r.stdout or "ACCESS_REFUSED" in r.stdout, r.stdout
+    assert "Sekr1tPw" not in r.stdout + r.stderr
+
+    r = run_prog([driver(build), f"amqp://guest:guest@127.0.0.1:{port}/no-such-vhost",
+                  "x,y,1"], timeout=60)
+    assert r.returncode == 1
+    assert f"rabbitmq 127.0.0.1:{port} vhost 'no-such-vhost': login:" in r.stdout, r.stdout
+
+    t0 = time.monotonic()
+    r = run_prog([driver(build), "amqp://guest:guest@127.0.0.1:1/%2f", "x,y,1"], timeout=60)
+    assert r.returncode == 1
+    assert "check failed: rabbitmq 127.0.0.1:1 vhost '/': connect:" in r.stdout, r.stdout
+    assert time.monotonic() - t0 < 30
+
+
+def test_amqp_probe(services, build):
+    q = "t." + secrets.token_hex(4) + ".probe"
+    c = services.amqp_connect()
+    c.channel().queue_declare(q, durable=True)
+    c.close()
+    try:
+        r = run_prog([build / "tests" / "amqp_probe", services.amqp_url, q, "2000", "200",
+                      "512"], timeout=120)
+        assert r.returncode == 0, r.stderr
+        m = re.fullmatch(r"probe msgs=2000 secs=([0-9.]+) rate=([0-9]+)\n", r.stdout)
+        assert m, r.stdout
+        assert float(m.group(2)) > 0
+        assert queue_depth(services, q) == 2000
+        # a missing queue is an error, not a fast number
+        r = run_prog([build / "tests" / "amqp_probe", services.amqp_url, q + ".nope", "10",
+                      "5", "10"], timeout=60)
+        assert r.returncode == 1 and "basic.return" in r.stderr
+    finally:
+        c = services.amqp_connect()
+        c.channel().queue_delete(q)
+        c.close()
