@@ -1,0 +1,606 @@
+/*
+ * odbc.c — liboutbox over ODBC. SQL Server gets T-SQL (INSERT ... SELECT
+ * FROM (VALUES ...) WHERE NOT EXISTS, with a doomed-transaction guard);
+ * PostgreSQL through psqlODBC gets INSERT ... ON CONFLICT DO NOTHING.
+ * The caller's transaction (autocommit off) is used as it is: this file
+ * never calls SQLEndTran and never changes connection attributes.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <sql.h>
+#include <sqlext.h>
+
+#include "outbox.h"
+#include "outbox_internal.h"
+#include "outbox_odbc.h"
+
+#define OD_TEXTS       7     /* exchange .. headers, bound as UTF-16 */
+#define PG_COLS        10
+/* psqlODBC numbers parameters with a signed short: at most 32767 */
+#define PG_CHUNK_ROWS  (32767 / PG_COLS)
+#define MS_COLS        11
+#define MS_MAX_PARAMS  2000  /* SQL Server allows 2100 per request; keep a margin */
+#define MS_CHUNK_ROWS  (MS_MAX_PARAMS / MS_COLS)
+#define MS_NVARCHAR_MAX_CHARS 4000
+#define MS_VARBINARY_MAX 8000
+#define SAVEPOINT      "outbox_send_batch"
+
+typedef struct od_row {
+    SQLWCHAR  *w[OD_TEXTS];   /* owned; NULL = SQL NULL */
+    SQLLEN     wind[OD_TEXTS];
+    SQLULEN    wchars[OD_TEXTS];
+    SQLLEN     id_ind;
+    SQLLEN     pay_ind;
+    SQLBIGINT  delay;         /* PostgreSQL: milliseconds */
+    SQLINTEGER dmin, dms;     /* SQL Server: DATEADD's int limit */
+    SQLLEN     num_ind;
+} od_row;
+
+typedef struct od_call {
+    SQLHDBC             c;
+    const outbox_queue *q;
+    int                 mssql;
+    outbox_error       *err;
+} od_call;
+
+static const unsigned char empty_byte[1] = { 0 };
+
+/* ---------------------------------------------------------- UTF-8/UTF-16 */
+
+/* s is valid UTF-8 (checked before). Returns malloc'd UTF-16 (NUL-terminated). */
+static SQLWCHAR *to_utf16(const char *s, SQLLEN *bytes, SQLULEN *units)
+{
+    size_t n = strlen(s);
+    SQLWCHAR *w = malloc((n + 1) * sizeof *w);
+    if (!w)
+        return NULL;
+    size_t k = 0;
+    const unsigned char *p = (const unsigned char *)s;
+    while (*p) {
+        uint32_t cp;
+        if (p[0] < 0x80) {
+            cp = p[0];
+            p += 1;
+        } else if (p[0] < 0xE0) {
+            cp = ((uint32_t)(p[0] & 0x1F) << 6) | (p[1] & 0x3Fu);
+            p += 2;
+        } else if (p[0] < 0xF0) {
+            cp = ((uint32_t)(p[0] & 0x0F) << 12) | ((uint32_t)(p[1] & 0x3F) << 6) |
+                 (p[2] & 0x3Fu);
+            p += 3;
+        } else {
+            cp = ((uint32_t)(p[0] & 0x07) << 18) | ((uint32_t)(p[1] & 0x3F) << 12) |
+                 ((uint32_t)(p[2] & 0x3F) << 6) | (p[3] & 0x3Fu);
+            p += 4;
+        }
+        if (cp >= 0x10000) {
+            cp -= 0x10000;
+            w[k++] = (SQLWCHAR)(0xD800 + (cp >> 10));
+            w[k++] = (SQLWCHAR)(0xDC00 + (cp & 0x3FF));
+        } else {
+            w[k++] = (SQLWCHAR)cp;
+        }
+    }
+    w[k] = 0;
+    *bytes = (SQLLEN)(k * sizeof *w);
+    *units = k;
+    return w; /* caller frees */
+}
+
+/* UTF-16 (n units) to UTF-8 into out; bad surrogates become U+FFFD. */
+static void from_utf16(const SQLWCHAR *w, size_t n, char *out, size_t outlen)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n && w[i]; i++) {
+        uint32_t cp = w[i];
+        if (cp >= 0xD800 && cp <= 0xDBFF && i + 1 < n && w[i + 1] >= 0xDC00 &&
+            w[i + 1] <= 0xDFFF) {
+            cp = 0x10000 + ((cp - 0xD800) << 10) + (w[i + 1] - 0xDC00u);
+            i++;
+        } else if (cp >= 0xD800 && cp <= 0xDFFF) {
+            cp = 0xFFFD;
+        }
+        unsigned char b[4];
+        size_t len;
+        if (cp < 0x80) {
+            b[0] = (unsigned char)cp; len = 1;
+        } else if (cp < 0x800) {
+            b[0] = (unsigned char)(0xC0 | (cp >> 6));
+            b[1] = (unsigned char)(0x80 | (cp & 0x3F)); len = 2;
+        } else if (cp < 0x10000) {
+            b[0] = (unsigned char)(0xE0 | (cp >> 12));
+            b[1] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
+            b[2] = (unsigned char)(0x80 | (cp & 0x3F)); len = 3;
+        } else {
+            b[0] = (unsigned char)(0xF0 | (cp >> 18));
+            b[1] = (unsigned char)(0x80 | ((cp >> 12) & 0x3F));
+            b[2] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
+            b[3] = (unsigned char)(0x80 | (cp & 0x3F)); len = 4;
+        }
+        if (k + len + 1 > outlen)
+            break;
+        memcpy(out + k, b, len);
+        k += len;
+    }
+    if (outlen)
+        out[k] = '\0';
+}
+
+/* ----------------------------------------------------------- diagnostics */
+
+/* Maps the diagnostics of handle h to a status code and message. */
+static int od_fail(const od_call *cl, SQLSMALLINT type, SQLHANDLE h, const char *what)
+{
+    SQLCHAR state[6] = "", first_state[6] = "";
+    SQLCHAR text[600], first_text[600] = "";
+    SQLINTEGER native = 0, first_native = 0;
+    SQLSMALLINT len;
+    int noschema = 0, notxn = 0;
+    for (SQLSMALLINT i = 1; i <= 20; i++) {
+        SQLRETURN r = SQLGetDiagRec(type, h, i, state, &native, text, sizeof text, &len);
+        if (!SQL_SUCCEEDED(r))
+            break;
+        if (i == 1) {
+            memcpy(first_state, state, sizeof state);
+            snprintf((char *)first_text, sizeof first_text, "%s", (char *)text);
+            first_native = native;
+        }
+        const char *s = (const char *)state;
+        if (strcmp(s, "42S02") == 0 || strcmp(s, "42P01") == 0 || strcmp(s, "3F000") == 0 ||
+            (cl->mssql && native == 208))
+            noschema = 1;
+        if (strcmp(s, "25P02") == 0 || (cl->mssql && (native == 51000 || native == 3930)))
+            notxn = 1;
+    }
+    const char *st = (const char *)first_state;
+    const char *tx = first_text[0] ? (const char *)first_text : "no diagnostic record";
+    const char *table = cl->mssql ? cl->q->ms_table : cl->q->pg_table;
+    if (notxn)
+        return outbox_i_err(cl->err, OUTBOX_ENOTXN, st,
+                            "the transaction is aborted or doomed: roll it back (server: %s)",
+                            tx);
+    if (noschema)
+        return outbox_i_err(cl->err, OUTBOX_ENOSCHEMA, st,
+                            "outbox table %s does not exist: run outbox-relay init "
+                            "(server: %s)", table, tx);
+    return outbox_i_err(cl->err, OUTBOX_EDB, st, "%s %s failed: SQLSTATE %s (native %ld): %s",
+                        what, table, st[0] ? st : "-----", (long)first_native, tx);
+}
+
+/* Runs one statement without parameters on a fresh handle. */
+static int od_exec(const od_call *cl, const char *sql, const char *what)
+{
+    SQLHSTMT st = SQL_NULL_HSTMT;
+    if (!SQL_SUCCEEDED(SQLAllocHandle(SQL_HANDLE_STMT, cl->c, &st)))
+        return od_fail(cl, SQL_HANDLE_DBC, cl->c, "allocating a statement for");
+    SQLRETURN r = SQLExecDirect(st, (SQLCHAR *)(uintptr_t)sql, SQL_NTS);
+    int rc = OUTBOX_OK;
+    if (!SQL_SUCCEEDED(r) && r != SQL_NO_DATA)
+        rc = od_fail(cl, SQL_HANDLE_STMT, st, what);
+    while (rc == OUTBOX_OK) {
+        r = SQLMoreResults(st);
+        if (r == SQL_NO_DATA)
+            break;
+        if (!SQL_SUCCEEDED(r))
+            rc = od_fail(cl, SQL_HANDLE_STMT, st, what);
+    }
+    SQLFreeHandle(SQL_HANDLE_STMT, st);
+    return rc;
+}
+
+/* ----------------------------------------------------------------- checks */
+
+static int od_dbname(const od_call *cl, char *out, size_t outlen)
+{
+    SQLWCHAR w[512];
+    char a[512];
+    SQLINTEGER len = 0;
+    out[0] = '\0';
+    /* The ANSI attribute is trusted only when it is plain ASCII: drivers differ in
+       how they encode it (psqlODBC's W variant returns bytes, not UTF-16). */
+    SQLRETURN r = SQLGetConnectAttr(cl->c, SQL_ATTR_CURRENT_CATALOG, a, (SQLINTEGER)sizeof a,
+                                    &len);
+    if (SQL_SUCCEEDED(r) && len > 0 && (size_t)len < sizeof a) {
+        int ascii = 1;
+        a[len] = '\0';
+        for (SQLINTEGER i = 0; i < len; i++)
+            if ((unsigned char)a[i] >= 0x80 || a[i] == '\0')
+                ascii = 0;
+        if (ascii && strlen(a) < outlen) {
+            memcpy(out, a, strlen(a) + 1);
+            return OUTBOX_OK;
+        }
+    }
+    /* fallback: ask the server */
+    SQLHSTMT st = SQL_NULL_HSTMT;
+    if (!SQL_SUCCEEDED(SQLAllocHandle(SQL_HANDLE_STMT, cl->c, &st)))
+        return od_fail(cl, SQL_HANDLE_DBC, cl->c, "allocating a statement for");
+    const char *sql = cl->mssql ? "SELECT DB_NAME()" : "SELECT current_database()";
+    SQLLEN ind = 0;
+    int rc = OUTBOX_OK;
+    r = SQLExecDirect(st, (SQLCHAR *)(uintptr_t)sql, SQL_NTS);
+    if (SQL_SUCCEEDED(r))
+        r = SQLFetch(st);
+    if (SQL_SUCCEEDED(r))
+        r = SQLGetData(st, 1, SQL_C_WCHAR, w, sizeof w - sizeof w[0], &ind);
+    if (!SQL_SUCCEEDED(r))
+        rc = od_fail(cl, SQL_HANDLE_STMT, st, "reading the database name of");
+    else if (ind > 0)
+        from_utf16(w, (size_t)ind / sizeof w[0], out, outlen);
+    SQLFreeHandle(SQL_HANDLE_STMT, st);
+    return rc;
+}
+
+/* ------------------------------------------------------------------ binds */
+
+static void rows_free(od_row *rows, size_t n)
+{
+    if (!rows)
+        return;
+    for (size_t i = 0; i < n; i++)
+        for (int k = 0; k < OD_TEXTS; k++)
+            free(rows[i].w[k]);
+    free(rows);
+}
+
+static od_row *rows_make(outbox_i_msg *const *u, size_t nu)
+{
+    od_row *rows = calloc(nu, sizeof *rows);
+    if (!rows)
+        return NULL;
+    for (size_t i = 0; i < nu; i++) {
+        const outbox_message *m = u[i]->m;
+        const char *t[OD_TEXTS] = { m->exchange ? m->exchange : "", m->routing_key,
+                                    m->partition_key, m->message_type, m->content_type,
+                                    m->correlation_id, u[i]->headers_json };
+        od_row *r = &rows[i];
+        for (int k = 0; k < OD_TEXTS; k++) {
+            if (!t[k]) {
+                r->wind[k] = SQL_NULL_DATA;
+                continue;
+            }
+            r->w[k] = to_utf16(t[k], &r->wind[k], &r->wchars[k]);
+            if (!r->w[k]) {
+                rows_free(rows, nu);
+                return NULL;
+            }
+        }
+        r->id_ind = 36;
+        r->pay_ind = (SQLLEN)m->payload_len;
+        r->delay = (SQLBIGINT)u[i]->delay_ms;
+        r->dmin = (SQLINTEGER)(u[i]->delay_ms / 60000u);
+        r->dms = (SQLINTEGER)(u[i]->delay_ms % 60000u);
+        r->num_ind = 0;
+    }
+    return rows; /* caller frees with rows_free */
+}
+
+static SQLRETURN bind_text(SQLHSTMT st, SQLUSMALLINT p, od_row *r, int k, int mssql)
+{
+    SQLULEN chars = r->wchars[k] ? r->wchars[k] : 1;
+    SQLSMALLINT type = (mssql && chars > MS_NVARCHAR_MAX_CHARS) ? SQL_WLONGVARCHAR
+                                                                : SQL_WVARCHAR;
+    if (!r->w[k])
+        return SQLBindParameter(st, p, SQL_PARAM_INPUT, SQL_C_WCHAR, SQL_WVARCHAR, 255, 0,
+                                NULL, 0, &r->wind[k]);
+    return SQLBindParameter(st, p, SQL_PARAM_INPUT, SQL_C_WCHAR, type, chars, 0, r->w[k],
+                            r->wind[k], &r->wind[k]);
+}
+
+/* Binds one row's parameters, numbered from p. */
+static SQLRETURN bind_row(SQLHSTMT st, SQLUSMALLINT p, od_row *r, const outbox_i_msg *v,
+                          int mssql)
+{
+    const outbox_message *m = v->m;
+    SQLRETURN rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_CHAR, SQL_CHAR, 36, 0,
+                                    (SQLPOINTER)(uintptr_t)v->message_id, 37, &r->id_ind);
+    for (int k = 0; k < OD_TEXTS && SQL_SUCCEEDED(rc); k++)
+        rc = bind_text(st, p++, r, k, mssql);
+    if (!SQL_SUCCEEDED(rc))
+        return rc;
+    SQLULEN plen = m->payload_len ? m->payload_len : 1;
+    SQLSMALLINT ptype = (mssql && m->payload_len > MS_VARBINARY_MAX) ? SQL_LONGVARBINARY
+                                                                     : SQL_VARBINARY;
+    const void *pay = m->payload_len ? m->payload : empty_byte;
+    rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_BINARY, ptype, plen, 0,
+                          (SQLPOINTER)(uintptr_t)pay, r->pay_ind, &r->pay_ind);
+    if (!SQL_SUCCEEDED(rc))
+        return rc;
+    if (mssql) {
+        rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_SLONG, SQL_INTEGER, 0, 0,
+                              &r->dmin, 0, &r->num_ind);
+        if (SQL_SUCCEEDED(rc))
+            rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_SLONG, SQL_INTEGER, 0, 0,
+                                  &r->dms, 0, &r->num_ind);
+        return rc;
+    }
+    return SQLBindParameter(st, p, SQL_PARAM_INPUT, SQL_C_SBIGINT, SQL_BIGINT, 0, 0,
+                            &r->delay, 0, &r->num_ind);
+}
+
+/* Binds rows [0, nrows) of rows/u as parameters 1.. of st. Last row first: drivers
+ * that grow their binding array to the highest number seen (psqlODBC) then allocate
+ * once instead of once per parameter. */
+static SQLRETURN bind_rows(SQLHSTMT st, od_row *rows, outbox_i_msg *const *u, size_t nrows,
+                           int mssql)
+{
+    size_t cols = mssql ? MS_COLS : PG_COLS;
+    for (size_t i = nrows; i-- > 0;) {
+        SQLRETURN rc = bind_row(st, (SQLUSMALLINT)(i * cols + 1), &rows[i], u[i], mssql);
+        if (!SQL_SUCCEEDED(rc))
+            return rc;
+    }
+    return SQL_SUCCESS;
+}
+
+/* ------------------------------------------------------------------- SQL */
+
+static const char *const columns =
+    "(message_id, exchange, routing_key, partition_key, message_type, content_type, "
+    "correlation_id, headers, payload, available_at)";
+
+static char *sql_pg(const outbox_queue *q, size_t rows)
+{
+    outbox_i_buf b = { 0 };
+    outbox_i_buf_printf(&b, "INSERT INTO %s %s VALUES ", q->pg_table, columns);
+    for (size_t r = 0; r < rows; r++)
+        outbox_i_buf_printf(&b, "%s(?::uuid, ?, ?, ?, ?, ?, ?, ?::jsonb, ?, now() + "
+                            "(?::bigint * interval '1 millisecond'))", r ? ", " : "");
+    outbox_i_buf_puts(&b, " ON CONFLICT (message_id) DO NOTHING");
+    if (b.failed) {
+        outbox_i_buf_free(&b);
+        return NULL;
+    }
+    return b.p; /* caller frees */
+}
+
+static char *sql_ms(const outbox_queue *q, size_t rows)
+{
+    outbox_i_buf b = { 0 };
+    outbox_i_buf_printf(&b,
+        "IF XACT_STATE() = -1 THROW 51000, N'outbox: the transaction is doomed: roll it "
+        "back', 1;\n"
+        "INSERT INTO %s %s\n"
+        "SELECT v.message_id, v.exchange, v.routing_key, v.partition_key, v.message_type, "
+        "v.content_type, v.correlation_id, v.headers, v.payload, "
+        "DATEADD(millisecond, v.delay_ms, DATEADD(minute, v.delay_min, SYSUTCDATETIME()))\n"
+        "FROM (VALUES ", q->ms_table, columns);
+    for (size_t r = 0; r < rows; r++)
+        outbox_i_buf_printf(&b, "%s(CONVERT(uniqueidentifier, ?), ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                            "?)", r ? ", " : "");
+    outbox_i_buf_printf(&b,
+        ") AS v(message_id, exchange, routing_key, partition_key, message_type, "
+        "content_type, correlation_id, headers, payload, delay_min, delay_ms)\n"
+        "WHERE NOT EXISTS (SELECT 1 FROM %s o WITH (UPDLOCK, HOLDLOCK) "
+        "WHERE o.message_id = v.message_id);\n"
+        "SELECT CAST(@@ROWCOUNT AS bigint) AS inserted;", q->ms_table);
+    if (b.failed) {
+        outbox_i_buf_free(&b);
+        return NULL;
+    }
+    return b.p; /* caller frees */
+}
+
+/* Executes one chunk; adds the inserted row count to *total. */
+static int od_chunk(const od_call *cl, od_row *rows, outbox_i_msg *const *u, size_t nrows,
+                    size_t *total)
+{
+    char *sql = cl->mssql ? sql_ms(cl->q, nrows) : sql_pg(cl->q, nrows);
+    if (!sql)
+        return outbox_i_err(cl->err, OUTBOX_ENOMEM, NULL, "out of memory building the INSERT");
+    SQLHSTMT st = SQL_NULL_HSTMT;
+    int rc = OUTBOX_OK;
+    if (!SQL_SUCCEEDED(SQLAllocHandle(SQL_HANDLE_STMT, cl->c, &st))) {
+        rc = od_fail(cl, SQL_HANDLE_DBC, cl->c, "allocating a statement for");
+        st = SQL_NULL_HSTMT;
+        goto out;
+    }
+    if (!SQL_SUCCEEDED(bind_rows(st, rows, u, nrows, cl->mssql))) {
+        rc = od_fail(cl, SQL_HANDLE_STMT, st, "binding parameters for INSERT into");
+        goto out;
+    }
+    SQLRETURN r = SQLExecDirect(st, (SQLCHAR *)sql, SQL_NTS);
+    if (!SQL_SUCCEEDED(r) && r != SQL_NO_DATA) {
+        rc = od_fail(cl, SQL_HANDLE_STMT, st, "INSERT into");
+        goto out;
+    }
+    if (!cl->mssql) {
+        SQLLEN count = 0;
+        if (!SQL_SUCCEEDED(SQLRowCount(st, &count))) {
+            rc = od_fail(cl, SQL_HANDLE_STMT, st, "reading the row count of INSERT into");
+            goto out;
+        }
+        *total += count > 0 ? (size_t)count : 0;
+        goto out;
+    }
+    /* T-SQL: skip row counts until the SELECT @@ROWCOUNT result set */
+    int got = 0;
+    for (;;) {
+        SQLSMALLINT cols = 0;
+        if (SQL_SUCCEEDED(SQLNumResultCols(st, &cols)) && cols > 0 && !got) {
+            SQLBIGINT v = 0;
+            SQLLEN ind = 0;
+            r = SQLFetch(st);
+            if (SQL_SUCCEEDED(r))
+                r = SQLGetData(st, 1, SQL_C_SBIGINT, &v, 0, &ind);
+            if (!SQL_SUCCEEDED(r)) {
+                rc = od_fail(cl, SQL_HANDLE_STMT, st, "reading the row count of INSERT into");
+                goto out;
+            }
+            *total += v > 0 ? (size_t)v : 0;
+            got = 1;
+        }
+        r = SQLMoreResults(st);
+        if (r == SQL_NO_DATA)
+            break;
+        if (!SQL_SUCCEEDED(r)) {
+            rc = od_fail(cl, SQL_HANDLE_STMT, st, "INSERT into");
+            goto out;
+        }
+    }
+    if (!got)
+        rc = outbox_i_err(cl->err, OUTBOX_EDB, NULL,
+                          "INSERT into %s returned no row count", cl->q->ms_table);
+out:
+    if (st != SQL_NULL_HSTMT)
+        SQLFreeHandle(SQL_HANDLE_STMT, st);
+    free(sql);
+    return rc;
+}
+
+/* Several chunks: wrapped in a savepoint so that a failure leaves nothing written. */
+static int od_chunks(const od_call *cl, od_row *rows, outbox_i_msg *const *u, size_t nu,
+                     size_t *total)
+{
+    size_t per = cl->mssql ? MS_CHUNK_ROWS : PG_CHUNK_ROWS;
+    char sql[512];
+    int rc;
+    if (nu <= per)
+        return od_chunk(cl, rows, u, nu, total);
+    if (cl->mssql)
+        snprintf(sql, sizeof sql,
+                 "IF XACT_STATE() = -1 THROW 51000, N'outbox: the transaction is doomed: "
+                 "roll it back', 1;\n"
+                 "IF @@TRANCOUNT = 0 BEGIN DECLARE @outbox_t int; "
+                 "SELECT TOP (0) @outbox_t = 1 FROM %s; END;\n"
+                 "SAVE TRANSACTION " SAVEPOINT ";", cl->q->ms_table);
+    else
+        snprintf(sql, sizeof sql, "SAVEPOINT " SAVEPOINT);
+    rc = od_exec(cl, sql, "starting a batch on");
+    if (rc != OUTBOX_OK)
+        return rc;
+    for (size_t from = 0; from < nu && rc == OUTBOX_OK; from += per) {
+        size_t n = nu - from < per ? nu - from : per;
+        rc = od_chunk(cl, rows + from, u + from, n, total);
+    }
+    /* on failure undo the earlier chunks; the first error (in cl->err) is what counts */
+    outbox_error ignored;
+    od_call quiet = *cl;
+    quiet.err = &ignored;
+    if (rc != OUTBOX_OK) {
+        *total = 0;
+        od_exec(&quiet, cl->mssql ? "IF XACT_STATE() = 1 ROLLBACK TRANSACTION " SAVEPOINT ";"
+                                  : "ROLLBACK TO SAVEPOINT " SAVEPOINT, "undoing a batch on");
+    }
+    if (!cl->mssql) {
+        int r2 = od_exec(rc == OUTBOX_OK ? cl : &quiet, "RELEASE SAVEPOINT " SAVEPOINT,
+                         "finishing a batch on");
+        if (rc == OUTBOX_OK)
+            rc = r2;
+    }
+    return rc;
+}
+
+/* ------------------------------------------------------------------- send */
+
+static int od_send(SQLHDBC c, const outbox_queue *q, const outbox_message *m, size_t n,
+                   int batch, size_t *inserted, outbox_error *err)
+{
+    outbox_i_msg *v = NULL;
+    outbox_i_msg **u = NULL;
+    od_row *rows = NULL;
+    size_t nu = 0, total = 0;
+    int rc;
+
+    outbox_i_err_clear(err);
+    if (inserted)
+        *inserted = 0;
+    if (c == SQL_NULL_HDBC)
+        return outbox_i_err(err, OUTBOX_EINVAL, NULL, "c: NULL connection handle");
+    rc = outbox_i_prepare(q, m, n, batch, &v, &nu, err);
+    if (rc != OUTBOX_OK)
+        return rc;
+
+    od_call cl = { c, q, 0, err };
+    char dbms[128] = "";
+    SQLSMALLINT dlen = 0;
+    if (!SQL_SUCCEEDED(SQLGetInfo(c, SQL_DBMS_NAME, dbms, sizeof dbms, &dlen))) {
+        rc = od_fail(&cl, SQL_HANDLE_DBC, c, "reading SQL_DBMS_NAME for");
+        goto fail;
+    }
+    if (strstr(dbms, "SQL Server")) {
+        cl.mssql = 1;
+    } else if (strcmp(dbms, "PostgreSQL") != 0) {
+        rc = outbox_i_err(err, OUTBOX_EINVAL, NULL,
+                          "c: unsupported DBMS \"%s\" (Microsoft SQL Server or PostgreSQL)",
+                          dbms);
+        goto fail;
+    }
+
+    SQLULEN ac = 0;
+    if (!SQL_SUCCEEDED(SQLGetConnectAttr(c, SQL_ATTR_AUTOCOMMIT, &ac, sizeof ac, NULL))) {
+        rc = od_fail(&cl, SQL_HANDLE_DBC, c, "reading SQL_ATTR_AUTOCOMMIT for");
+        goto fail;
+    }
+    if ((ac & 0xFFFFFFFFu) != SQL_AUTOCOMMIT_OFF) {
+        rc = outbox_i_err(err, OUTBOX_ENOTXN, NULL,
+                          "not inside a transaction: autocommit is on (set "
+                          "SQL_ATTR_AUTOCOMMIT to SQL_AUTOCOMMIT_OFF); nothing written");
+        goto fail;
+    }
+
+    char db[OUTBOX_MAX_DBNAME + 1];
+    rc = od_dbname(&cl, db, sizeof db);
+    if (rc != OUTBOX_OK)
+        goto fail;
+    if (strcmp(db, q->database) != 0) {
+        rc = outbox_i_err(err, OUTBOX_EDBNAME, NULL,
+                          "connected to database \"%s\" but the queue is for database \"%s\" "
+                          "(compared byte for byte); nothing written", db, q->database);
+        goto fail;
+    }
+    if (nu == 0)
+        goto done;
+
+    u = malloc(nu * sizeof *u);
+    if (!u) {
+        rc = outbox_i_err(err, OUTBOX_ENOMEM, NULL, "out of memory (%zu messages)", n);
+        goto fail;
+    }
+    for (size_t i = 0, k = 0; i < n; i++)
+        if (!v[i].dup)
+            u[k++] = &v[i];
+    rows = rows_make(u, nu);
+    if (!rows) {
+        rc = outbox_i_err(err, OUTBOX_ENOMEM, NULL, "out of memory (%zu messages)", n);
+        goto fail;
+    }
+    rc = od_chunks(&cl, rows, u, nu, &total);
+    if (rc != OUTBOX_OK)
+        goto fail;
+
+done:
+    if (inserted)
+        *inserted = total;
+    rc = total < n ? OUTBOX_DUPLICATE : OUTBOX_OK;
+    if (rc == OUTBOX_DUPLICATE) {
+        const char *table = cl.mssql ? q->ms_table : q->pg_table;
+        if (batch)
+            outbox_i_err(err, OUTBOX_DUPLICATE, NULL,
+                         "%zu of %zu messages had a message_id already in %s (or repeated "
+                         "in the batch); the others were written", n - total, n, table);
+        else
+            outbox_i_err(err, OUTBOX_DUPLICATE, NULL,
+                         "message_id %s is already in %s; nothing written, transaction intact",
+                         v[0].message_id, table);
+    }
+fail:
+    rows_free(rows, nu);
+    free(u);
+    outbox_i_msgs_free(v, n);
+    return rc;
+}
+
+int outbox_odbc_send(SQLHDBC c, const outbox_queue *q, const outbox_message *m,
+                     outbox_error *err)
+{
+    return od_send(c, q, m, 1, 0, NULL, err);
+}
+
+int outbox_odbc_send_batch(SQLHDBC c, const outbox_queue *q, const outbox_message *m,
+                           size_t n, size_t *inserted, outbox_error *err)
+{
+    return od_send(c, q, m, n, 1, inserted, err);
+}

@@ -1,0 +1,89 @@
+/*
+ * outbox_internal.h — helpers shared by lib/outbox.c, lib/pg.c and lib/odbc.c
+ * (not installed). Every symbol is prefixed outbox_i_ and hidden from the
+ * shared library's dynamic symbol table.
+ */
+#ifndef OUTBOX_INTERNAL_H
+#define OUTBOX_INTERNAL_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "outbox.h"
+#include "outbox_schema.h"
+
+#if defined(__GNUC__)
+#define OUTBOX_HIDDEN __attribute__((visibility("hidden")))
+#define OUTBOX_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#else
+#define OUTBOX_HIDDEN
+#define OUTBOX_PRINTF(a, b)
+#endif
+
+/* ~100 years: a larger delay is surely a unit mistake. */
+#define OUTBOX_MAX_DELAY_MS 3155760000000ULL
+/* Largest database name accepted by outbox_queue_new (bytes). */
+#define OUTBOX_MAX_DBNAME 1024
+/* Upper bound on messages in one batch call (keeps size arithmetic safe). */
+#define OUTBOX_MAX_BATCH 10000000u
+
+struct outbox_queue {
+    char             *database;      /* owned */
+    outbox_table_name name;
+    char              pg_table[160]; /* "schema"."table" */
+    char              ms_table[160]; /* [schema].[table] */
+    size_t            max_payload;
+};
+
+/* Growable byte buffer. After the first allocation failure `failed` stays set
+ * and every later append is a no-op; check it once at the end. */
+typedef struct outbox_i_buf {
+    char  *p;      /* owned; NUL-terminated when non-NULL */
+    size_t len;
+    size_t cap;
+    int    failed;
+} outbox_i_buf;
+
+OUTBOX_HIDDEN void outbox_i_buf_put(outbox_i_buf *b, const void *p, size_t n);
+OUTBOX_HIDDEN void outbox_i_buf_puts(outbox_i_buf *b, const char *s);
+OUTBOX_HIDDEN void outbox_i_buf_printf(outbox_i_buf *b, const char *fmt, ...) OUTBOX_PRINTF(2, 3);
+OUTBOX_HIDDEN void outbox_i_buf_free(outbox_i_buf *b);
+
+/* Sets *err (when err != NULL) and returns code. The message is made one
+ * line (control characters become spaces) and truncated to fit. */
+OUTBOX_HIDDEN int outbox_i_err(outbox_error *err, int code, const char *sqlstate,
+                               const char *fmt, ...) OUTBOX_PRINTF(4, 5);
+OUTBOX_HIDDEN void outbox_i_err_clear(outbox_error *err);
+
+/* Strict UTF-8 (RFC 3629): no overlongs, no surrogates, nothing above
+ * U+10FFFF. Returns -1 when valid, else the byte offset of the first bad
+ * sequence. */
+OUTBOX_HIDDEN long outbox_i_utf8_check(const char *s, size_t len);
+
+/* Appends s as a JSON string literal (with the quotes): ", \ and control
+ * characters are escaped (\n \r \t \b \f, the rest as \u00XX). */
+OUTBOX_HIDDEN void outbox_i_json_string(outbox_i_buf *b, const char *s);
+
+/* 1 if s is a UUID in 8-4-4-4-12 hex form (either case), else 0. */
+OUTBOX_HIDDEN int outbox_i_uuid_valid(const char *s);
+
+/* One validated message, ready to bind. */
+typedef struct outbox_i_msg {
+    const outbox_message *m;
+    char   message_id[37];   /* lower-case canonical */
+    char  *headers_json;     /* owned; NULL when the message has no headers */
+    int    dup;              /* repeats an earlier message_id of the same batch */
+    uint64_t delay_ms;
+} outbox_i_msg;
+
+/* Validates q, m[0..n) (n may be 0) and builds the bind-ready array
+ * (*out owned by the caller: release with outbox_i_msgs_free). *n_unique
+ * gets the number of messages that are not in-batch duplicates. Field names
+ * in messages are "routing_key" for a single send (batch == 0) and
+ * "messages[i].routing_key" for a batch. */
+OUTBOX_HIDDEN int outbox_i_prepare(const outbox_queue *q, const outbox_message *m, size_t n,
+                                   int batch, outbox_i_msg **out, size_t *n_unique,
+                                   outbox_error *err);
+OUTBOX_HIDDEN void outbox_i_msgs_free(outbox_i_msg *v, size_t n);
+
+#endif

@@ -1,0 +1,450 @@
+/*
+ * schema.c — identifier validation, table-name parsing and the outbox DDL
+ * for PostgreSQL and SQL Server (see outbox_schema.h for the table).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "outbox_internal.h"
+#include "outbox_schema.h"
+
+int outbox_ident_valid(const char *s)
+{
+    if (!s || !s[0])
+        return 0;
+    size_t i;
+    for (i = 0; s[i]; i++) {
+        char c = s[i];
+        int alpha = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || c == '_';
+        int digit = c >= '0' && c <= '9';
+        if (!(alpha || (digit && i > 0)))
+            return 0;
+        if (i >= OUTBOX_MAX_IDENT)
+            return 0;
+    }
+    return 1;
+}
+
+static void say(char *err, size_t errlen, const char *msg)
+{
+    if (err && errlen)
+        snprintf(err, errlen, "%s", msg);
+}
+
+/* Validates one part [p, p+len) named what ("schema"/"table"); 0 or -1 with err. */
+static int check_part(const char *spec, const char *p, size_t len, const char *what,
+                      char *err, size_t errlen)
+{
+    char msg[160];
+    if (len == 0) {
+        snprintf(msg, sizeof msg, "invalid outbox table name: empty %s part", what);
+        say(err, errlen, msg);
+        return -1;
+    }
+    if (len > OUTBOX_MAX_IDENT) {
+        snprintf(msg, sizeof msg,
+                 "invalid outbox table name: %s part is %zu bytes, at most %d", what, len,
+                 OUTBOX_MAX_IDENT);
+        say(err, errlen, msg);
+        return -1;
+    }
+    for (size_t i = 0; i < len; i++) {
+        unsigned char c = (unsigned char)p[i];
+        int alpha = (c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || c == '_';
+        int digit = c >= '0' && c <= '9';
+        if (alpha || (digit && i > 0))
+            continue;
+        if (digit)
+            snprintf(msg, sizeof msg,
+                     "invalid outbox table name: %s part starts with a digit", what);
+        else if (c >= 0x21 && c < 0x7f)
+            snprintf(msg, sizeof msg,
+                     "invalid outbox table name: character '%c' at byte %zu (allowed: "
+                     "[A-Za-z_][A-Za-z0-9_]*, schema.table)", c, (size_t)(p - spec) + i);
+        else
+            snprintf(msg, sizeof msg,
+                     "invalid outbox table name: byte 0x%02x at byte %zu (allowed: "
+                     "[A-Za-z_][A-Za-z0-9_]*, schema.table)", c, (size_t)(p - spec) + i);
+        say(err, errlen, msg);
+        return -1;
+    }
+    return 0;
+}
+
+int outbox_table_parse(const char *spec, outbox_table_name *out, char *err, size_t errlen)
+{
+    if (err && errlen)
+        err[0] = '\0';
+    if (!out) {
+        say(err, errlen, "outbox_table_parse: NULL output");
+        return -1;
+    }
+    memset(out, 0, sizeof *out);
+    if (!spec || !spec[0]) {
+        strcpy(out->schema, OUTBOX_DEFAULT_SCHEMA);
+        strcpy(out->table, OUTBOX_DEFAULT_TABLE);
+        outbox_derived_name(out->table, "dead", out->dead);
+        return 0;
+    }
+    size_t len = strlen(spec);
+    const char *dot = memchr(spec, '.', len);
+    if (dot && memchr(dot + 1, '.', len - (size_t)(dot + 1 - spec))) {
+        say(err, errlen,
+            "invalid outbox table name: more than two parts (expected schema.table or table)");
+        return -1;
+    }
+    const char *sp, *tp;
+    size_t sl, tl;
+    if (dot) {
+        sp = spec;
+        sl = (size_t)(dot - spec);
+        tp = dot + 1;
+        tl = len - sl - 1;
+        if (check_part(spec, sp, sl, "schema", err, errlen) != 0)
+            return -1;
+    } else {
+        sp = OUTBOX_DEFAULT_SCHEMA;
+        sl = strlen(sp);
+        tp = spec;
+        tl = len;
+    }
+    if (check_part(spec, tp, tl, "table", err, errlen) != 0)
+        return -1;
+    memcpy(out->schema, sp, sl);
+    out->schema[sl] = '\0';
+    memcpy(out->table, tp, tl);
+    out->table[tl] = '\0';
+    outbox_derived_name(out->table, "dead", out->dead);
+    return 0;
+}
+
+void outbox_qualified(outbox_dialect d, const outbox_table_name *t, int dead, char *out,
+                      size_t outlen)
+{
+    if (!out || !outlen)
+        return;
+    const char *tab = dead ? t->dead : t->table;
+    if (d == OUTBOX_DIALECT_SQLSERVER)
+        snprintf(out, outlen, "[%s].[%s]", t->schema, tab);
+    else
+        snprintf(out, outlen, "\"%s\".\"%s\"", t->schema, tab);
+}
+
+static uint32_t fnv1a(const char *a, const char *b)
+{
+    uint32_t h = 2166136261u;
+    for (const char *p = a; *p; p++)
+        h = (h ^ (unsigned char)*p) * 16777619u;
+    h = (h ^ (unsigned char)'_') * 16777619u;
+    for (const char *p = b; *p; p++)
+        h = (h ^ (unsigned char)*p) * 16777619u;
+    return h;
+}
+
+void outbox_derived_name(const char *table, const char *suffix, char out[64])
+{
+    size_t tl = strlen(table), sl = strlen(suffix);
+    if (tl + 1 + sl <= OUTBOX_MAX_IDENT) {
+        memcpy(out, table, tl);
+        out[tl] = '_';
+        memcpy(out + tl + 1, suffix, sl + 1);
+        return;
+    }
+    if (sl > 40)
+        sl = 40; /* our suffixes are short; never let one eat the whole name */
+    size_t keep = OUTBOX_MAX_IDENT - (1 + 8 + 1 + sl);
+    if (keep > tl)
+        keep = tl;
+    snprintf(out, 64, "%.*s_%08x_%.*s", (int)keep, table, (unsigned)fnv1a(table, suffix),
+             (int)sl, suffix);
+}
+
+/* ------------------------------------------------------------------- DDL */
+
+typedef struct names {
+    char tab[160], dead[160];     /* qualified */
+    char s[64], t[64];            /* raw */
+    char pkey[64], uniq[64], hdrchk[64], pending[64], failing[64], sent[64];
+    char fn[64], trg[64], dpkey[64], ddeadat[64];
+    char df_exch[64], df_created[64], df_avail[64], df_attempts[64];
+    char dd_exch[64], dd_created[64], dd_avail[64], dd_attempts[64], dd_deadat[64];
+} names;
+
+static void make_names(outbox_dialect d, const outbox_table_name *t, names *n)
+{
+    outbox_qualified(d, t, 0, n->tab, sizeof n->tab);
+    outbox_qualified(d, t, 1, n->dead, sizeof n->dead);
+    snprintf(n->s, sizeof n->s, "%s", t->schema);
+    snprintf(n->t, sizeof n->t, "%s", t->table);
+    outbox_derived_name(t->table, "pkey", n->pkey);
+    outbox_derived_name(t->table, "message_id_key", n->uniq);
+    outbox_derived_name(t->table, "headers_check", n->hdrchk);
+    outbox_derived_name(t->table, "pending_idx", n->pending);
+    outbox_derived_name(t->table, "failing_idx", n->failing);
+    outbox_derived_name(t->table, "sent_idx", n->sent);
+    outbox_derived_name(t->table, "notify", n->fn);
+    outbox_derived_name(t->table, "notify_trg", n->trg);
+    outbox_derived_name(t->dead, "pkey", n->dpkey);
+    outbox_derived_name(t->dead, "dead_at_idx", n->ddeadat);
+    outbox_derived_name(t->table, "exchange_df", n->df_exch);
+    outbox_derived_name(t->table, "created_at_df", n->df_created);
+    outbox_derived_name(t->table, "available_at_df", n->df_avail);
+    outbox_derived_name(t->table, "attempts_df", n->df_attempts);
+    outbox_derived_name(t->dead, "exchange_df", n->dd_exch);
+    outbox_derived_name(t->dead, "created_at_df", n->dd_created);
+    outbox_derived_name(t->dead, "available_at_df", n->dd_avail);
+    outbox_derived_name(t->dead, "attempts_df", n->dd_attempts);
+    outbox_derived_name(t->dead, "dead_at_df", n->dd_deadat);
+}
+
+typedef struct list {
+    char **v;
+    size_t n, cap;
+    int failed;
+} list;
+
+static void add(list *l, outbox_i_buf *b)
+{
+    if (b->failed || l->failed) {
+        l->failed = 1;
+        outbox_i_buf_free(b);
+        return;
+    }
+    if (l->n + 2 > l->cap) {
+        size_t cap = l->cap ? l->cap * 2 : 16;
+        char **v = realloc(l->v, cap * sizeof *v);
+        if (!v) {
+            l->failed = 1;
+            outbox_i_buf_free(b);
+            return;
+        }
+        l->v = v;
+        l->cap = cap;
+    }
+    l->v[l->n++] = b->p; /* ownership of the text passes to the list */
+    l->v[l->n] = NULL;
+    b->p = NULL;
+    b->len = b->cap = 0;
+}
+
+static void pg_ddl(list *l, const names *n)
+{
+    outbox_i_buf b = { 0 };
+
+    outbox_i_buf_printf(&b, "CREATE SCHEMA IF NOT EXISTS \"%s\"", n->s);
+    add(l, &b);
+
+    outbox_i_buf_printf(&b,
+        "CREATE TABLE IF NOT EXISTS %s (\n"
+        "    id             bigint GENERATED BY DEFAULT AS IDENTITY,\n"
+        "    message_id     uuid NOT NULL,\n"
+        "    exchange       text NOT NULL DEFAULT '',\n"
+        "    routing_key    text NOT NULL,\n"
+        "    partition_key  text NULL,\n"
+        "    message_type   text NULL,\n"
+        "    content_type   text NULL,\n"
+        "    correlation_id text NULL,\n"
+        "    headers        jsonb NULL,\n"
+        "    payload        bytea NOT NULL,\n"
+        "    created_at     timestamptz NOT NULL DEFAULT now(),\n"
+        "    available_at   timestamptz NOT NULL DEFAULT now(),\n"
+        "    attempts       integer NOT NULL DEFAULT 0,\n"
+        "    lease_owner    text NULL,\n"
+        "    lease_token    bigint NULL,\n"
+        "    lease_until    timestamptz NULL,\n"
+        "    last_error     text NULL,\n"
+        "    sent_at        timestamptz NULL,\n"
+        "    CONSTRAINT \"%s\" PRIMARY KEY (id),\n"
+        "    CONSTRAINT \"%s\" UNIQUE (message_id),\n"
+        "    CONSTRAINT \"%s\" CHECK (headers IS NULL OR jsonb_typeof(headers) = 'object')\n"
+        ")", n->tab, n->pkey, n->uniq, n->hdrchk);
+    add(l, &b);
+
+    outbox_i_buf_printf(&b,
+        "CREATE TABLE IF NOT EXISTS %s (\n"
+        "    id             bigint NOT NULL,\n"
+        "    message_id     uuid NOT NULL,\n"
+        "    exchange       text NOT NULL DEFAULT '',\n"
+        "    routing_key    text NOT NULL,\n"
+        "    partition_key  text NULL,\n"
+        "    message_type   text NULL,\n"
+        "    content_type   text NULL,\n"
+        "    correlation_id text NULL,\n"
+        "    headers        jsonb NULL,\n"
+        "    payload        bytea NOT NULL,\n"
+        "    created_at     timestamptz NOT NULL DEFAULT now(),\n"
+        "    available_at   timestamptz NOT NULL DEFAULT now(),\n"
+        "    attempts       integer NOT NULL DEFAULT 0,\n"
+        "    reason         text NOT NULL,\n"
+        "    dead_at        timestamptz NOT NULL DEFAULT now(),\n"
+        "    CONSTRAINT \"%s\" PRIMARY KEY (id)\n"
+        ")", n->dead, n->dpkey);
+    add(l, &b);
+
+    outbox_i_buf_printf(&b,
+        "CREATE INDEX IF NOT EXISTS \"%s\" ON %s (id) WHERE sent_at IS NULL",
+        n->pending, n->tab);
+    add(l, &b);
+    outbox_i_buf_printf(&b,
+        "CREATE INDEX IF NOT EXISTS \"%s\" ON %s (partition_key, id) "
+        "WHERE sent_at IS NULL AND attempts > 0", n->failing, n->tab);
+    add(l, &b);
+    outbox_i_buf_printf(&b,
+        "CREATE INDEX IF NOT EXISTS \"%s\" ON %s (sent_at) WHERE sent_at IS NOT NULL",
+        n->sent, n->tab);
+    add(l, &b);
+    outbox_i_buf_printf(&b,
+        "CREATE INDEX IF NOT EXISTS \"%s\" ON %s (dead_at)", n->ddeadat, n->dead);
+    add(l, &b);
+
+    outbox_i_buf_printf(&b,
+        "CREATE OR REPLACE FUNCTION \"%s\".\"%s\"() RETURNS trigger\n"
+        "LANGUAGE plpgsql AS $outbox$\n"
+        "BEGIN\n"
+        "    PERFORM pg_notify('%s', '%s.%s');\n"
+        "    RETURN NULL;\n"
+        "END\n"
+        "$outbox$", n->s, n->fn, OUTBOX_NOTIFY_CHANNEL, n->s, n->t);
+    add(l, &b);
+    outbox_i_buf_printf(&b, "DROP TRIGGER IF EXISTS \"%s\" ON %s", n->trg, n->tab);
+    add(l, &b);
+    outbox_i_buf_printf(&b,
+        "CREATE TRIGGER \"%s\" AFTER INSERT ON %s\n"
+        "    FOR EACH STATEMENT EXECUTE FUNCTION \"%s\".\"%s\"()",
+        n->trg, n->tab, n->s, n->fn);
+    add(l, &b);
+}
+
+static void ms_index(list *l, const names *n, const char *name, const char *on,
+                     const char *tail)
+{
+    outbox_i_buf b = { 0 };
+    outbox_i_buf_printf(&b,
+        "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'%s' "
+        "AND object_id = OBJECT_ID(N'%s'))\n"
+        "    CREATE INDEX [%s] ON %s %s", name, on, name, on, tail);
+    add(l, &b);
+    (void)n;
+}
+
+static void ms_ddl(list *l, const names *n)
+{
+    outbox_i_buf b = { 0 };
+
+    outbox_i_buf_printf(&b, "IF SCHEMA_ID(N'%s') IS NULL EXEC(N'CREATE SCHEMA [%s]')",
+                        n->s, n->s);
+    add(l, &b);
+
+    outbox_i_buf_printf(&b,
+        "IF OBJECT_ID(N'%s', N'U') IS NULL\n"
+        "CREATE TABLE %s (\n"
+        "    id             bigint IDENTITY(1,1) NOT NULL,\n"
+        "    message_id     uniqueidentifier NOT NULL,\n"
+        "    exchange       nvarchar(255) NOT NULL CONSTRAINT [%s] DEFAULT N'',\n"
+        "    routing_key    nvarchar(255) NOT NULL,\n"
+        "    partition_key  nvarchar(255) NULL,\n"
+        "    message_type   nvarchar(255) NULL,\n"
+        "    content_type   nvarchar(255) NULL,\n"
+        "    correlation_id nvarchar(255) NULL,\n"
+        "    headers        nvarchar(max) NULL,\n"
+        "    payload        varbinary(max) NOT NULL,\n"
+        "    created_at     datetime2 NOT NULL CONSTRAINT [%s] DEFAULT SYSUTCDATETIME(),\n"
+        "    available_at   datetime2 NOT NULL CONSTRAINT [%s] DEFAULT SYSUTCDATETIME(),\n"
+        "    attempts       int NOT NULL CONSTRAINT [%s] DEFAULT 0,\n"
+        "    lease_owner    nvarchar(255) NULL,\n"
+        "    lease_token    bigint NULL,\n"
+        "    lease_until    datetime2 NULL,\n"
+        "    last_error     nvarchar(max) NULL,\n"
+        "    sent_at        datetime2 NULL,\n"
+        "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (id),\n"
+        "    CONSTRAINT [%s] UNIQUE (message_id),\n"
+        "    CONSTRAINT [%s] CHECK (headers IS NULL OR ISJSON(headers) = 1)\n"
+        ")", n->tab, n->tab, n->df_exch, n->df_created, n->df_avail, n->df_attempts,
+        n->pkey, n->uniq, n->hdrchk);
+    add(l, &b);
+
+    outbox_i_buf_printf(&b,
+        "IF OBJECT_ID(N'%s', N'U') IS NULL\n"
+        "CREATE TABLE %s (\n"
+        "    id             bigint NOT NULL,\n"
+        "    message_id     uniqueidentifier NOT NULL,\n"
+        "    exchange       nvarchar(255) NOT NULL CONSTRAINT [%s] DEFAULT N'',\n"
+        "    routing_key    nvarchar(255) NOT NULL,\n"
+        "    partition_key  nvarchar(255) NULL,\n"
+        "    message_type   nvarchar(255) NULL,\n"
+        "    content_type   nvarchar(255) NULL,\n"
+        "    correlation_id nvarchar(255) NULL,\n"
+        "    headers        nvarchar(max) NULL,\n"
+        "    payload        varbinary(max) NOT NULL,\n"
+        "    created_at     datetime2 NOT NULL CONSTRAINT [%s] DEFAULT SYSUTCDATETIME(),\n"
+        "    available_at   datetime2 NOT NULL CONSTRAINT [%s] DEFAULT SYSUTCDATETIME(),\n"
+        "    attempts       int NOT NULL CONSTRAINT [%s] DEFAULT 0,\n"
+        "    reason         nvarchar(max) NOT NULL,\n"
+        "    dead_at        datetime2 NOT NULL CONSTRAINT [%s] DEFAULT SYSUTCDATETIME(),\n"
+        "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (id)\n"
+        ")", n->dead, n->dead, n->dd_exch, n->dd_created, n->dd_avail, n->dd_attempts,
+        n->dd_deadat, n->dpkey);
+    add(l, &b);
+
+    ms_index(l, n, n->pending, n->tab, "(id) WHERE sent_at IS NULL");
+    ms_index(l, n, n->failing, n->tab,
+             "(partition_key, id) WHERE sent_at IS NULL AND attempts > 0");
+    ms_index(l, n, n->sent, n->tab, "(sent_at) WHERE sent_at IS NOT NULL");
+    ms_index(l, n, n->ddeadat, n->dead, "(dead_at)");
+}
+
+char **outbox_ddl(outbox_dialect d, const outbox_table_name *t)
+{
+    if (!t)
+        return NULL;
+    names *n = malloc(sizeof *n);
+    if (!n)
+        return NULL;
+    make_names(d, t, n);
+    list l = { 0 };
+    if (d == OUTBOX_DIALECT_SQLSERVER)
+        ms_ddl(&l, n);
+    else
+        pg_ddl(&l, n);
+    free(n);
+    if (l.failed || !l.v) {
+        if (l.v)
+            outbox_ddl_free(l.v);
+        return NULL;
+    }
+    return l.v; /* ownership passes to the caller: outbox_ddl_free */
+}
+
+void outbox_ddl_free(char **stmts)
+{
+    if (!stmts)
+        return;
+    for (char **p = stmts; *p; p++)
+        free(*p);
+    free(stmts);
+}
+
+char *outbox_ddl_script(outbox_dialect d, const outbox_table_name *t)
+{
+    char **v = outbox_ddl(d, t);
+    if (!v)
+        return NULL;
+    outbox_i_buf b = { 0 };
+    if (d == OUTBOX_DIALECT_SQLSERVER)
+        outbox_i_buf_printf(&b, "-- outbox DDL for SQL Server: [%s].[%s]\n", t->schema,
+                            t->table);
+    else
+        outbox_i_buf_printf(&b, "-- outbox DDL for PostgreSQL: \"%s\".\"%s\"\n", t->schema,
+                            t->table);
+    for (char **p = v; *p; p++) {
+        outbox_i_buf_puts(&b, *p);
+        outbox_i_buf_puts(&b, d == OUTBOX_DIALECT_SQLSERVER ? "\nGO\n" : ";\n");
+    }
+    outbox_ddl_free(v);
+    if (b.failed) {
+        outbox_i_buf_free(&b);
+        return NULL;
+    }
+    return b.p; /* ownership passes to the caller: free() */
+}
