@@ -20,11 +20,9 @@
 -- What each needs and why:
 --   outbox_producer  INSERT on the outbox, USAGE on the schema (name lookup; the table-exists
 --                    check uses to_regclass()). Duplicate message_ids are detected with
---                    INSERT ... ON CONFLICT DO NOTHING and the row count: PostgreSQL requires
---                    SELECT on the arbiter columns when a conflict target is named
---                    (ON CONFLICT (message_id)), and SELECT for RETURNING; a producer that
---                    needs either must add: GRANT SELECT (message_id) ON outbox.messages TO
---                    outbox_producer;  — tests/test_grants.py checks the INSERT-only form. The
+--                    INSERT ... ON CONFLICT DO NOTHING (no conflict target, so no SELECT
+--                    privilege is needed) and the row count; tests/test_grants.py sends through
+--                    liboutbox as an INSERT-only role. The
 --                    identity column needs no sequence grant. The AFTER INSERT NOTIFY trigger
 --                    runs pg_notify(), which PUBLIC may execute.
 --   outbox_relay     SELECT/UPDATE/DELETE on the outbox (claim with FOR UPDATE SKIP LOCKED,

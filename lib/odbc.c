@@ -348,7 +348,7 @@ static char *sql_pg(const outbox_queue *q, size_t rows)
     for (size_t r = 0; r < rows; r++)
         outbox_i_buf_printf(&b, "%s(?::uuid, ?, ?, ?, ?, ?, ?, ?::jsonb, ?, now() + "
                             "(?::bigint * interval '1 millisecond'))", r ? ", " : "");
-    outbox_i_buf_puts(&b, " ON CONFLICT (message_id) DO NOTHING");
+    outbox_i_buf_puts(&b, " ON CONFLICT DO NOTHING"); /* no target: INSERT privilege suffices */
     if (b.failed) {
         outbox_i_buf_free(&b);
         return NULL;

@@ -80,7 +80,7 @@ static char *build_sql(const outbox_queue *q, size_t rows)
             r ? ", " : "", k + 1, k + 2, k + 3, k + 4, k + 5, k + 6, k + 7, k + 8, k + 9,
             k + 10);
     }
-    outbox_i_buf_puts(&b, " ON CONFLICT (message_id) DO NOTHING");
+    outbox_i_buf_puts(&b, " ON CONFLICT DO NOTHING"); /* no target: INSERT privilege suffices */
     if (b.failed) {
         outbox_i_buf_free(&b);
         return NULL;

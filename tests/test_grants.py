@@ -202,3 +202,12 @@ def test_relay_daemon_works_with_least_privilege(granted, services, pgdb, relay_
     assert res.returncode == 0, res.stderr
     with pgdb.connect() as su:
         assert su.execute(f"SELECT count(*) FROM {DEAD}").fetchone() == (0,)
+
+
+def test_liboutbox_sends_as_insert_only_role(granted, pgdb, build):
+    """liboutbox's duplicate detection must not need any read privilege."""
+    from relay_util import run_producer
+    user = granted.login("outbox_producer")
+    run_producer(build, granted.conninfo(user), pgdb.name, count=5, keys=2)
+    with pgdb.connect() as su:
+        assert su.execute(f"SELECT count(*) FROM {T}").fetchone() == (5,)
