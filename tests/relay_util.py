@@ -144,25 +144,124 @@ def declare(ch, exchange, queue, routing_key, bind=True, **qargs):
 
 def consume(ch, queue, count, timeout=60, idle=0.0):
     """Reads messages until `count` arrived (or `timeout`), then keeps listening `idle` more
-    seconds so that extra copies (duplicates) would be seen too. Returns [(props, body, t)]."""
+    seconds so that extra copies (duplicates) would be seen too. Returns [(props, body, t)].
+    Each message is acked as it is taken; deliveries prefetched but not taken are requeued
+    when the consumer is cancelled, so a later consume() sees them."""
     got = []
     deadline = time.monotonic() + timeout
     reached = None
     ch.basic_qos(prefetch_count=2000)
-    for method, props, body in ch.consume(queue, auto_ack=True, inactivity_timeout=0.1):
+    for method, props, body in ch.consume(queue, auto_ack=False, inactivity_timeout=0.1):
         now = time.monotonic()
         if method is not None:
             got.append((props, body, now))
+            ch.basic_ack(method.delivery_tag)
         if reached is None and len(got) >= count:
             reached = now
         if reached is not None and now - reached >= idle:
             break
         if now > deadline:
             break
-    ch.cancel()
+    ch.cancel()  # nacks (requeues) what was delivered but not taken
     return got
 
 
 def psql_rows(db, sql, params=()):
     with db.connect() as c:
         return c.execute(sql, params).fetchall()
+
+
+# ---------------------------------------------------------------------------- fault-test helpers
+# (added for tests/test_relay_faults.py)
+PG_BIN = "/usr/lib/postgresql/15/bin"
+
+
+def proc_cpu_seconds(pid):
+    """utime + stime of a process in seconds, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        data = f.read()
+    fields = data[data.rindex(")") + 2:].split()
+    # fields[0] is field 3 (state); utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def proc_status_kb(pid, key):
+    """A '<key>: N kB' line of /proc/PID/status (VmHWM, VmRSS, ...) in kB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise KeyError(key)
+
+
+def pg_ctl(services, *args, timeout=90):
+    """pg_ctl on the private cluster (as the postgres user when root, like services.sh)."""
+    argv = [f"{PG_BIN}/pg_ctl", "-D", str(services.dir / "pg"), *map(str, args)]
+    if os.geteuid() == 0:
+        argv = ["runuser", "-u", "postgres", "--"] + argv
+    return subprocess.run(argv, cwd=str(services.dir), capture_output=True, text=True,
+                          timeout=timeout, stdin=subprocess.DEVNULL)
+
+
+def services_start():
+    """scripts/services.sh start (idempotent): brings both servers back if a test stopped one."""
+    sh = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "services.sh")
+    return subprocess.run([sh, "start"], capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)
+
+
+def broker_connections(services, connection_name):
+    """Erlang pids of the broker connections whose client property connection_name matches."""
+    p = services.rabbitmqctl("list_connections", "-q", "--no-table-headers", "pid",
+                             "client_properties")
+    pids = []
+    for line in p.stdout.splitlines():
+        pid, _, props = line.partition("\t")
+        if f'{{"connection_name","{connection_name}"}}' in props:
+            pids.append(pid.strip())
+    return pids
+
+
+def close_broker_connections(services, connection_name, reason="test"):
+    """Closes the broker connections named connection_name; returns how many."""
+    pids = broker_connections(services, connection_name)
+    for pid in pids:
+        services.rabbitmqctl("close_connection", pid, reason)
+    return len(pids)
+
+
+def queue_depth(services, queue):
+    """Messages ready in a queue (passive declare on a short-lived connection)."""
+    conn = pika.BlockingConnection(pika.ConnectionParameters(
+        host="127.0.0.1", port=services.amqp_port, heartbeat=0, blocked_connection_timeout=30))
+    try:
+        return conn.channel().queue_declare(queue=queue, passive=True).method.message_count
+    finally:
+        conn.close()
+
+
+def delivery_report(got, count, keys, start=0):
+    """Checks deliveries of producer messages start..start+count-1: every one arrived, each
+    seq always carried the same message_id, first deliveries keep per-key (seq mod keys)
+    order. Returns (duplicates, {seq: n_copies})."""
+    ids = {}
+    copies = {}
+    last = {}
+    for props, body, _ in got:
+        seq = int(props.headers["seq"])
+        assert body.split(b"|", 2)[1] == str(seq).encode(), f"seq {seq}: body {body[:40]!r}"
+        ids.setdefault(seq, set()).add(props.message_id)
+        copies[seq] = copies.get(seq, 0) + 1
+        if copies[seq] > 1:
+            continue
+        if keys:
+            k = seq % keys
+            assert last.get(k, -1) < seq, f"key {k}: seq {seq} first arrived after {last[k]}"
+            last[k] = seq
+    missing = sorted(set(range(start, start + count)) - set(copies))
+    assert not missing, f"{len(missing)} messages lost, e.g. {missing[:10]}"
+    extra = sorted(set(copies) - set(range(start, start + count)))
+    assert not extra, f"unexpected seqs {extra[:10]}"
+    multi = {s: v for s, v in ids.items() if len(v) > 1}
+    assert not multi, f"duplicates with different message_ids: {list(multi.items())[:3]}"
+    return len(got) - len(copies), copies

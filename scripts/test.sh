@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# scripts/test.sh — every test, in one command, on a fresh Debian 12 machine (as root).
+#   1. install the Debian packages of scripts/packages.txt (apt-get update + install, only if missing)
+#   2. start the private PostgreSQL / RabbitMQ (scripts/services.sh start)
+#   3. make test; make SANITIZER=address test; make SANITIZER=undefined test
+#      (`scripts/test.sh quick`: the plain build only; `scripts/test.sh valgrind`: plain + valgrind)
+#   4. stop the services this run started; print "N passed, N failed" last; exit non-zero on failure
+# .ci/run calls this with CI=true (warnings become errors).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+ROOT=$PWD
+MODE=${1:-all}
+case $MODE in all|quick|valgrind) ;; *) echo "usage: $0 [all|quick|valgrind]" >&2; exit 2 ;; esac
+export DEBIAN_FRONTEND=noninteractive
+MAKEFLAGS="-j$(nproc 2>/dev/null || echo 2)"
+export MAKEFLAGS
+export PYTHON=/usr/bin/python3
+# sanitizer behaviour for every instrumented program the tests spawn
+export ASAN_OPTIONS="detect_leaks=1:abort_on_error=0:strict_string_checks=1:detect_stack_use_after_return=1:check_initialization_order=1"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+if [[ -f tests/lsan.supp ]]; then   # optional: leaks inside third-party libraries
+    export LSAN_OPTIONS="suppressions=$ROOT/tests/lsan.supp:print_suppressions=0"
+fi
+exec </dev/null
+
+STEP_TIMEOUT=${OUTBOX_CI_STEP_TIMEOUT:-900}   # per step; a hung test must not hang CI
+LOGDIR=$(mktemp -d /tmp/outbox-ci.XXXXXX)
+START=$SECONDS
+say() { printf '\n=== test.sh: %s (%ds)\n' "$*" $((SECONDS - START)); }
+
+# ------------------------------------------------------------------ packages
+mapfile -t PKGS < <(grep -v '^[[:space:]]*\(#\|$\)' scripts/packages.txt | awk '{print $1}')
+missing=()
+for p in "${PKGS[@]}"; do
+    [[ $(dpkg-query -W -f='${Status}' "$p" 2>/dev/null) == "install ok installed" ]] || missing+=("$p")
+done
+if ((${#missing[@]})); then
+    say "installing ${missing[*]}"
+    apt-get update -q || { echo "test.sh: apt-get update failed"; echo "0 passed, 1 failed"; exit 1; }
+    apt-get install -y -q --no-install-recommends "${PKGS[@]}" \
+        || { echo "test.sh: apt-get install failed"; echo "0 passed, 1 failed"; exit 1; }
+else
+    say "all ${#PKGS[@]} packages already installed"
+fi
+
+# ------------------------------------------------------------------ services
+started_here=0
+if ! scripts/services.sh status >/dev/null 2>&1; then started_here=1; fi
+stop_services() {
+    if ((started_here)); then scripts/services.sh stop >"$LOGDIR/stop.log" 2>&1 || cat "$LOGDIR/stop.log"; fi
+    started_here=0
+}
+trap stop_services EXIT
+say "starting services"
+if ! scripts/services.sh start; then
+    echo "test.sh: scripts/services.sh start failed"
+    stop_services
+    echo "0 passed, 1 failed"
+    exit 1
+fi
+
+# ------------------------------------------------------------------ test runs
+total_passed=0
+total_failed=0
+failed_steps=()
+
+# run_step NAME make-args...: runs make, sums the pytest summary line of its output
+run_step() {
+    local name=$1; shift
+    local log=$LOGDIR/$name.log
+    say "$name: make $*"
+    # a hung test must not hang CI: bound each step (the whole process group is killed)
+    timeout -k 15 "$STEP_TIMEOUT" make "$@" 2>&1 | tee "$log"
+    local rc=${PIPESTATUS[0]}
+    if ((rc == 124 || rc == 137)); then echo "test.sh: $name: timed out after ${STEP_TIMEOUT}s"; fi
+    local summary passed=0 failed=0 errors=0
+    summary=$(grep -E '([0-9]+ (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)|no tests ran).* in [0-9.]+s' "$log" | tail -n1 || true)
+    [[ $summary =~ ([0-9]+)\ passed ]] && passed=${BASH_REMATCH[1]}
+    [[ $summary =~ ([0-9]+)\ failed ]] && failed=${BASH_REMATCH[1]}
+    [[ $summary =~ ([0-9]+)\ error ]] && errors=${BASH_REMATCH[1]}
+    failed=$((failed + errors))
+    if ((rc != 0 && failed == 0)); then failed=1; fi   # build failure or crash before pytest's summary
+    total_passed=$((total_passed + passed))
+    total_failed=$((total_failed + failed))
+    if ((rc != 0)); then failed_steps+=("$name"); fi
+    say "$name: exit $rc, $passed passed, $failed failed"
+}
+
+run_step plain     test
+if [[ $MODE == all ]]; then
+    run_step asan      SANITIZER=address test
+    run_step ubsan     SANITIZER=undefined test
+fi
+if [[ $MODE == valgrind ]]; then
+    run_step valgrind  VALGRIND=1 test
+fi
+
+# ------------------------------------------------------------------ summary
+stop_services
+trap - EXIT
+echo
+echo "test.sh: logs in $LOGDIR; total time $((SECONDS - START))s"
+if ((${#failed_steps[@]})); then
+    echo "test.sh: FAILED steps: ${failed_steps[*]}"
+fi
+echo "$total_passed passed, $total_failed failed"
+((${#failed_steps[@]} == 0 && total_failed == 0))
