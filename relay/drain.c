@@ -5,7 +5,11 @@
  * publish when no earlier message of its partition key is in flight → the
  * sink's result → an outcome (SENT / RETRY / DEAD / UNCLAIM) queued in
  * `pending` → one SETTLE request applies all pending outcomes, fenced by token.
- * The source runs one request at a time; kick() picks the next one.
+ *
+ * Two database connections per outbox, each running one request at a time:
+ * `main` holds leadership and runs claims, retention and stats; `settler`
+ * applies outcomes. Claims and settles overlap, so the publish window stays
+ * full while the database commits. kick() starts whatever each can run next.
  */
 #include "relay/drain.h"
 
@@ -42,33 +46,42 @@ typedef struct outcome {
 
 typedef struct outcomes { outcome *v; size_t n, cap; } outcomes;
 
+/* One database connection (a source instance) and its request state. */
+typedef struct sconn {
+    struct drain *d;
+    const char   *role;          /* "main" or "settler", for logs */
+    source       *src;
+    bool          up;
+    bool          busy;          /* a request is outstanding */
+    int           busy_req;
+    ev_tstamp     req_started;
+    bool          holding;       /* no request until hold_timer fires */
+    double        fail_delay;    /* back-off after a failed request while the connection stays up */
+    ev_timer      hold_timer;
+    char          last_down[256];/* last reason given for being down */
+} sconn;
+
 struct drain {
     struct ev_loop   *loop;
     const cfg        *c;
     const cfg_outbox *ob;
     const source_ops *sops;
-    source           *src;
+    sconn             main;      /* leadership, claims, retention, stats */
+    sconn             settler;   /* settles */
     const sink_ops   *kops;
     sink             *snk;
     char              lock_name[200];
     char              conn_name[200];
 
-    bool      src_up;
     int       sink_state;
     bool      leader;
-    bool      busy;              /* a source request is outstanding */
-    int       busy_req;
-    ev_tstamp req_started;
     size_t    claim_asked;
-    int       last_req;
 
     bool      want_claim;        /* wake-up, poll tick or a full previous claim */
     bool      lead_due;
     bool      cleanup_due;
     bool      stats_due;
     double    poll_delay;        /* adaptive: grows while claims come back empty */
-    double    fail_delay;        /* back-off after a failed request while the source stays up */
-    bool      holding;           /* no request until hold_timer fires */
 
     bool      stopping;
     bool      stop_reported;
@@ -80,16 +93,15 @@ struct drain {
     size_t    n_old_inflight;
     keyset    busy_keys;         /* partition key -> id of its in-flight message */
     keyset    blocked;           /* partition key -> id of a failed row not yet settled */
+    keyset    unblock_later;     /* settled while a claim was running: unblock after it */
     outcomes  pending;           /* not yet sent to the source */
     outcomes  settling;          /* in the outstanding SETTLE request */
     bool      oom_warned;
-    char      last_down[256];    /* last reason the source gave for being down */
 
     ev_timer  poll_timer;
     ev_timer  lead_timer;
     ev_timer  cleanup_timer;
     ev_timer  stats_timer;
-    ev_timer  hold_timer;
     ev_idle   kick_idle;         /* runs kick() once the current callback chain is done */
 
     ob_metrics m;
@@ -373,36 +385,53 @@ static void pump(drain *d)
 
 /* ---------- source callbacks ---------- */
 
-static void src_on_state(void *ud, int state, const char *msg)
+/* Logs a connection state change; the source reports every failed reconnect,
+   so a repeated reason is logged once, then at debug level. */
+static void log_conn_state(sconn *c, int state, const char *msg)
 {
-    drain *d = ud;
+    drain *d = c->d;
     if (state == SRC_UP) {
-        d->src_up = true;
-        d->m.source_up = 1;
-        d->last_down[0] = '\0';
-        d->holding = false;
-        d->fail_delay = 0;
-        ev_timer_stop(d->loop, &d->hold_timer);
-        log_msg(LOG_INFO, "outbox=%s: database connected (database \"%s\", table %s)",
-                d->ob->name, d->ob->database, d->ob->table);
+        c->last_down[0] = '\0';
+        if (c == &d->main)
+            log_msg(LOG_INFO, "outbox=%s: database connected (database \"%s\", table %s)",
+                    d->ob->name, d->ob->database, d->ob->table);
+        return;
+    }
+    const char *why = msg ? msg : "?";
+    bool repeat = !c->up && strcmp(c->last_down, why) == 0;
+    log_msg(repeat ? LOG_DEBUG : c->up ? LOG_WARN : LOG_ERROR,
+            "outbox=%s: database unavailable (%s connection): %s", d->ob->name, c->role, why);
+    snprintf(c->last_down, sizeof c->last_down, "%s", why);
+}
+
+static void conn_up(sconn *c)
+{
+    c->up = true;
+    c->holding = false;
+    c->fail_delay = 0;
+    ev_timer_stop(c->d->loop, &c->hold_timer);
+}
+
+static void main_on_state(void *ud, int state, const char *msg)
+{
+    sconn *c = ud;
+    drain *d = c->d;
+    log_conn_state(c, state, msg);
+    if (state == SRC_UP) {
+        conn_up(c);
+        d->m.source_up = d->settler.up;
         d->want_claim = true;
         d->lead_due = true;
         d->stats_due = true;
     } else {
-        /* the source reports every failed reconnect: log a reason once, then quietly */
-        const char *why = msg ? msg : "?";
-        bool repeat = !d->src_up && strcmp(d->last_down, why) == 0;
-        log_msg(repeat ? LOG_DEBUG : d->src_up ? LOG_WARN : LOG_ERROR,
-                "outbox=%s: database unavailable: %s", d->ob->name, why);
-        snprintf(d->last_down, sizeof d->last_down, "%s", why);
-        d->src_up = false;
+        c->up = false;
         d->m.source_up = 0;
         if (d->leader)
             log_msg(LOG_WARN, "outbox=%s: leadership lost with the database session", d->ob->name);
         d->leader = false;
         d->m.leader = 0;
         /* Buffered rows cannot be given back now; their leases expire or a new
-           leader resets them. In-flight ones are settled after reconnecting
+           leader resets them. In-flight ones are settled by the other connection
            (the token fences them), and no new claim runs before they finish. */
         entry *e;
         while ((e = d->buffer.head) != NULL) {
@@ -418,9 +447,24 @@ static void src_on_state(void *ud, int state, const char *msg)
     schedule_kick(d);
 }
 
+static void settler_on_state(void *ud, int state, const char *msg)
+{
+    sconn *c = ud;
+    drain *d = c->d;
+    log_conn_state(c, state, msg);
+    if (state == SRC_UP) {
+        conn_up(c);
+        d->m.source_up = d->main.up;
+    } else {
+        c->up = false;
+        d->m.source_up = 0;
+    }
+    schedule_kick(d);
+}
+
 static void src_on_wake(void *ud)
 {
-    drain *d = ud;
+    drain *d = ((sconn *)ud)->d;
     d->want_claim = true;
     schedule_kick(d);
 }
@@ -432,13 +476,30 @@ static void arm_poll(drain *d)
     ev_timer_start(d->loop, &d->poll_timer);
 }
 
+/* Unblocks keys whose failed row was settled while a claim was running. */
+static void unblock_deferred(drain *d)
+{
+    keyset *u = &d->unblock_later;
+    for (size_t i = 0; i < u->cap; i++) {
+        const keyset_slot *sl = &u->slots[i];
+        int64_t v;
+        if (sl->key == NULL || sl->key == keyset_tomb ||
+            !keyset_get(&d->blocked, sl->key, &v) || v != sl->value)
+            continue;
+        keyset_del(&d->blocked, sl->key);
+    }
+    keyset_clear(u);
+}
+
 static void on_claimed(drain *d, const src_result *res)
 {
     double min_poll = d->ob->poll_interval_ms / 1000.0;
     if (min_poll > 0.05)
         min_poll = 0.05;
     d->m.claims++;
-    histogram_observe(&d->m.claim_latency, ev_now(d->loop) - d->req_started);
+    if (res->ok != 0)
+        unblock_deferred(d);
+    histogram_observe(&d->m.claim_latency, ev_now(d->loop) - d->main.req_started);
     if (res->ok != 0) {
         d->want_claim = true;
         return;
@@ -465,6 +526,7 @@ static void on_claimed(drain *d, const src_result *res)
         elist_push(&d->buffer, e);
     }
     free(res->rows);
+    unblock_deferred(d);
     if (res->n_rows >= d->claim_asked) {
         d->want_claim = true;
         d->poll_delay = min_poll;
@@ -508,14 +570,21 @@ static void on_settled(drain *d, const src_result *res)
         d->pending = merged;
         return;
     }
+    /* A claim running now may have read the table before this settle committed
+       (two connections): its rows of these keys are filtered first, then unblocked. */
+    bool claim_running = d->main.busy && d->main.busy_req == SRC_REQ_CLAIM;
     size_t n_sent = 0;
     for (size_t i = 0; i < s->n; i++) {
         if (s->v[i].o.kind == SRC_SENT)
             n_sent++;
         const char *k = s->v[i].block_key;
         int64_t v;
-        if (k != NULL && keyset_get(&d->blocked, k, &v) && v == s->v[i].o.id)
+        if (k == NULL || !keyset_get(&d->blocked, k, &v) || v != s->v[i].o.id)
+            continue;
+        if (!claim_running)
             keyset_del(&d->blocked, k);
+        else if (keyset_put(&d->unblock_later, k, v) != 0)
+            log_msg(LOG_ERROR, "outbox=%s: out of memory tracking key", d->ob->name);
     }
     d->m.relayed += n_sent;
     if (res->n_applied < s->n) {
@@ -528,27 +597,27 @@ static void on_settled(drain *d, const src_result *res)
 }
 
 /* A request failed but the connection may still be up (permissions, timeouts,
-   a dropped table): wait before the next one, 100 ms doubling to 5 s. */
-static void hold_after_failure(drain *d)
+   a dropped table): wait before its next one, 100 ms doubling to 5 s. */
+static void hold_after_failure(sconn *c)
 {
-    d->fail_delay = d->fail_delay > 0 ? d->fail_delay * 2 : 0.1;
-    if (d->fail_delay > 5.0)
-        d->fail_delay = 5.0;
-    d->holding = true;
-    ev_timer_stop(d->loop, &d->hold_timer);
-    ev_timer_set(&d->hold_timer, d->fail_delay, 0.);
-    ev_timer_start(d->loop, &d->hold_timer);
+    c->fail_delay = c->fail_delay > 0 ? c->fail_delay * 2 : 0.1;
+    if (c->fail_delay > 5.0)
+        c->fail_delay = 5.0;
+    c->holding = true;
+    ev_timer_stop(c->d->loop, &c->hold_timer);
+    ev_timer_set(&c->hold_timer, c->fail_delay, 0.);
+    ev_timer_start(c->d->loop, &c->hold_timer);
 }
 
 static void src_on_done(void *ud, const src_result *res)
 {
-    drain *d = ud;
-    d->busy = false;
-    d->last_req = res->req;
+    sconn *c = ud;
+    drain *d = c->d;
+    c->busy = false;
     if (res->ok != 0)
-        hold_after_failure(d);
+        hold_after_failure(c);
     else
-        d->fail_delay = 0;
+        c->fail_delay = 0;
     switch (res->req) {
     case SRC_REQ_LEAD:
         if (res->ok == 0) {
@@ -597,15 +666,17 @@ static bool may_drain(const drain *d)
     return d->ob->mode == CFG_MODE_COMPETING || d->leader;
 }
 
+/* Rows to claim now: enough to keep the window full with one batch ready
+   behind it (memory stays bounded by publish_window + batch_size). */
 static size_t claim_size(const drain *d)
 {
-    size_t window = (size_t)d->ob->sink->publish_window;
+    size_t limit = (size_t)d->ob->sink->publish_window + (size_t)d->ob->batch_size;
     size_t used = d->inflight.n + d->buffer.n;
-    if (used >= window)
+    if (used >= limit)
         return 0;
-    size_t room = window - used;
+    size_t room = limit - used;
     size_t n = room < (size_t)d->ob->batch_size ? room : (size_t)d->ob->batch_size;
-    size_t quantum = ((size_t)d->ob->batch_size < window ? (size_t)d->ob->batch_size : window) / 4;
+    size_t quantum = (size_t)d->ob->batch_size / 4;
     if (quantum == 0)
         quantum = 1;
     if (used > 0 && n < quantum)
@@ -623,13 +694,14 @@ static bool start_settle(drain *d)
         v[i] = d->pending.v[i].o;
     d->settling = d->pending;
     d->pending = (outcomes){ 0 };
-    d->busy = true;
-    d->busy_req = SRC_REQ_SETTLE;
-    d->req_started = ev_now(d->loop);
-    int rc = d->sops->settle(d->src, v, n);  /* copies v */
+    sconn *c = &d->settler;
+    c->busy = true;
+    c->busy_req = SRC_REQ_SETTLE;
+    c->req_started = ev_now(d->loop);
+    int rc = d->sops->settle(c->src, v, n);  /* copies v */
     free(v);
     if (rc != 0) {
-        d->busy = false;
+        c->busy = false;
         d->pending = d->settling;
         d->settling = (outcomes){ 0 };
         return false;
@@ -639,7 +711,7 @@ static bool start_settle(drain *d)
 
 static void check_stopped(drain *d)
 {
-    if (!d->stopping || d->stop_reported || d->busy)
+    if (!d->stopping || d->stop_reported || d->main.busy || d->settler.busy)
         return;
     if (d->inflight.n == 0 && d->buffer.n == 0 && d->pending.n == 0) {
         d->stop_reported = true;
@@ -649,31 +721,19 @@ static void check_stopped(drain *d)
     }
 }
 
-static void kick(drain *d)
+/* Starts a request on the main connection; false if it could not start. */
+static bool main_request(drain *d, int req)
 {
-    if (d->busy || !d->src_up || d->holding) {
-        check_stopped(d);
-        return;
-    }
-    bool claim_ok = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
-                    d->n_old_inflight == 0 && d->want_claim && claim_size(d) > 0;
-    /* Settle first, but alternate with claims so neither starves. */
-    if (d->pending.n > 0 && (d->last_req != SRC_REQ_SETTLE || !claim_ok)) {
-        if (start_settle(d))
-            return;
-    }
-    if (d->ob->mode == CFG_MODE_LEADER && !d->leader && !d->stopping) {
-        if (d->lead_due && d->n_old_inflight == 0 && d->pending.n == 0) {
-            d->lead_due = false;
-            d->busy = true;
-            d->busy_req = SRC_REQ_LEAD;
-            d->req_started = ev_now(d->loop);
-            if (d->sops->lead(d->src, d->lock_name) != 0)
-                d->busy = false;
-            else
-                return;
-        }
-    } else if (claim_ok) {
+    sconn *c = &d->main;
+    c->busy = true;
+    c->busy_req = req;
+    c->req_started = ev_now(d->loop);
+    int rc = -1;
+    switch (req) {
+    case SRC_REQ_LEAD:
+        rc = d->sops->lead(c->src, d->lock_name);
+        break;
+    case SRC_REQ_CLAIM: {
         src_claim_args a = {
             .max_rows = claim_size(d),
             .lease_ms = d->ob->lease_ms,
@@ -681,34 +741,50 @@ static void kick(drain *d)
             .owner = d->c->relay.name,
         };
         d->claim_asked = a.max_rows;
-        d->want_claim = false;
-        d->busy = true;
-        d->busy_req = SRC_REQ_CLAIM;
-        d->req_started = ev_now(d->loop);
-        if (d->sops->claim(d->src, &a) == 0)
-            return;
-        d->busy = false;
-        d->want_claim = true;
+        rc = d->sops->claim(c->src, &a);
+        break;
     }
-    if (d->pending.n > 0 && start_settle(d))
-        return;
-    if (d->cleanup_due && may_drain(d) && !d->stopping) {
-        d->cleanup_due = false;
-        d->busy = true;
-        d->busy_req = SRC_REQ_CLEANUP;
-        d->req_started = ev_now(d->loop);
-        if (d->sops->cleanup(d->src, d->ob->retention_ms, (size_t)d->ob->cleanup_batch) == 0)
-            return;
-        d->busy = false;
+    case SRC_REQ_CLEANUP:
+        rc = d->sops->cleanup(c->src, d->ob->retention_ms, (size_t)d->ob->cleanup_batch);
+        break;
+    case SRC_REQ_STATS:
+        rc = d->sops->stats(c->src);
+        break;
+    default:
+        break;
     }
-    if (d->stats_due && !d->stopping) {
-        d->stats_due = false;
-        d->busy = true;
-        d->busy_req = SRC_REQ_STATS;
-        d->req_started = ev_now(d->loop);
-        if (d->sops->stats(d->src) == 0)
-            return;
-        d->busy = false;
+    if (rc != 0)
+        c->busy = false;
+    return rc == 0;
+}
+
+static void kick(drain *d)
+{
+    sconn *st = &d->settler, *mc = &d->main;
+    if (d->pending.n > 0 && st->up && !st->busy && !st->holding)
+        start_settle(d);
+    if (mc->up && !mc->busy && !mc->holding) {
+        bool claim_ok = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
+                        d->n_old_inflight == 0 && d->want_claim && claim_size(d) > 0;
+        if (d->ob->mode == CFG_MODE_LEADER && !d->leader && !d->stopping) {
+            /* take over only once our own earlier work is settled */
+            if (d->lead_due && d->n_old_inflight == 0 && d->pending.n == 0 && !st->busy) {
+                d->lead_due = false;
+                (void)main_request(d, SRC_REQ_LEAD);
+            }
+        } else if (claim_ok) {
+            d->want_claim = false;
+            if (!main_request(d, SRC_REQ_CLAIM))
+                d->want_claim = true;
+        }
+        if (!mc->busy && d->cleanup_due && may_drain(d) && !d->stopping) {
+            d->cleanup_due = false;
+            (void)main_request(d, SRC_REQ_CLEANUP);
+        }
+        if (!mc->busy && d->stats_due && !d->stopping) {
+            d->stats_due = false;
+            (void)main_request(d, SRC_REQ_STATS);
+        }
     }
     check_stopped(d);
 }
@@ -726,9 +802,9 @@ static void kick_idle_cb(struct ev_loop *loop, ev_idle *w, int revents)
 static void hold_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
     (void)loop; (void)revents;
-    drain *d = w->data;
-    d->holding = false;
-    schedule_kick(d);
+    sconn *c = w->data;
+    c->holding = false;
+    schedule_kick(c->d);
 }
 
 static void poll_cb(struct ev_loop *loop, ev_timer *w, int revents)
@@ -777,7 +853,6 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
     d->c = c;
     d->ob = ob;
     d->sink_state = SINK_DOWN;
-    d->last_req = 0;
     d->poll_delay = ob->poll_interval_ms / 1000.0;
     d->m.outbox = ob->name;
     d->m.sink = ob->sink_name;
@@ -792,18 +867,30 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
         free(d);
         return NULL;
     }
-    src_cbs scb = { .ud = d, .on_state = src_on_state, .on_wake = src_on_wake, .on_done = src_on_done };
     char e2[512] = "";
-    if (d->sops->create(loop, ob, &scb, &d->src, e2, sizeof e2) != 0) {
-        snprintf(err, errlen, "outbox=%s: %s", ob->name, e2);
-        free(d);
-        return NULL;
+    sconn *conns[2] = { &d->main, &d->settler };
+    for (int i = 0; i < 2; i++) {
+        sconn *sc = conns[i];
+        sc->d = d;
+        sc->role = i == 0 ? "main" : "settler";
+        ev_timer_init(&sc->hold_timer, hold_cb, 0.1, 0.);
+        sc->hold_timer.data = sc;
+        src_cbs scb = { .ud = sc, .on_state = i == 0 ? main_on_state : settler_on_state,
+                        .on_wake = src_on_wake, .on_done = src_on_done };
+        if (d->sops->create(loop, ob, &scb, &sc->src, e2, sizeof e2) != 0) {
+            snprintf(err, errlen, "outbox=%s: %s", ob->name, e2);
+            if (i == 1)
+                d->sops->destroy(d->main.src);
+            free(d);
+            return NULL;
+        }
     }
     sink_cbs kcb = { .ud = d, .on_state = sink_on_state, .on_result = sink_on_result,
                      .on_writable = sink_on_writable };
     if (d->kops->create(loop, ob->sink, d->conn_name, &kcb, &d->snk, e2, sizeof e2) != 0) {
         snprintf(err, errlen, "outbox=%s sink=%s: %s", ob->name, ob->sink_name, e2);
-        d->sops->destroy(d->src);
+        d->sops->destroy(d->main.src);
+        d->sops->destroy(d->settler.src);
         free(d);
         return NULL;
     }
@@ -816,8 +903,6 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
     d->cleanup_timer.data = d;
     ev_timer_init(&d->stats_timer, stats_cb, 5., 5.);
     d->stats_timer.data = d;
-    ev_timer_init(&d->hold_timer, hold_cb, 0.1, 0.);
-    d->hold_timer.data = d;
     ev_idle_init(&d->kick_idle, kick_idle_cb);
     d->kick_idle.data = d;
     return d;
@@ -830,7 +915,8 @@ void drain_start(drain *d)
     ev_timer_start(d->loop, &d->cleanup_timer);
     ev_timer_start(d->loop, &d->stats_timer);
     arm_poll(d);
-    d->sops->start(d->src);
+    d->sops->start(d->main.src);
+    d->sops->start(d->settler.src);
     d->kops->start(d->snk);
 }
 
@@ -859,10 +945,12 @@ void drain_free(drain *d)
     ev_timer_stop(d->loop, &d->lead_timer);
     ev_timer_stop(d->loop, &d->cleanup_timer);
     ev_timer_stop(d->loop, &d->stats_timer);
-    ev_timer_stop(d->loop, &d->hold_timer);
+    ev_timer_stop(d->loop, &d->main.hold_timer);
+    ev_timer_stop(d->loop, &d->settler.hold_timer);
     ev_idle_stop(d->loop, &d->kick_idle);
     d->kops->destroy(d->snk);
-    d->sops->destroy(d->src);
+    d->sops->destroy(d->main.src);
+    d->sops->destroy(d->settler.src);
     entry *e;
     while ((e = d->buffer.head) != NULL) {
         elist_remove(&d->buffer, e);
@@ -876,12 +964,13 @@ void drain_free(drain *d)
     outcomes_free(&d->settling);
     keyset_clear(&d->busy_keys);
     keyset_clear(&d->blocked);
+    keyset_clear(&d->unblock_later);
     free(d);
 }
 
 bool drain_ready(const drain *d)
 {
-    return d->src_up && d->sink_state != SINK_DOWN;
+    return d->main.up && d->settler.up && d->sink_state != SINK_DOWN;
 }
 
 ob_metrics *drain_metrics(drain *d)

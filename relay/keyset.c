@@ -4,7 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-static char TOMB[1];
+char keyset_tomb[1];
+#define TOMB keyset_tomb
 
 static uint64_t ks_hash(const char *k)
 {

@@ -18,6 +18,9 @@ typedef struct keyset {
     size_t       tombs;  /* deleted slots */
 } keyset;
 
+/* Marks a deleted slot; iterate slots skipping NULL and keyset_tomb keys. */
+extern char keyset_tomb[1];
+
 /* 0 ok, -1 out of memory. Replaces the value if the key exists. */
 int   keyset_put(keyset *s, const char *key, int64_t value);
 /* true and *value (may be NULL) if present. */
