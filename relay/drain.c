@@ -623,7 +623,7 @@ static void src_on_done(void *ud, const src_result *res)
         if (res->ok == 0) {
             if (res->leader && !d->leader)
                 log_msg(LOG_INFO, "outbox=%s: became the active relay%s", d->ob->name,
-                        res->newly_leader ? " (stale leases reset)" : "");
+                        res->newly_leader ? "; leases left by a previous one released" : "");
             else if (!res->leader && d->m.leader == 0 && d->lead_due == false)
                 log_msg(LOG_DEBUG, "outbox=%s: standing by", d->ob->name);
             d->leader = res->leader;

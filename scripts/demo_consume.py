@@ -13,8 +13,7 @@ deadline = time.monotonic() + 20
 for method, props, body in ch.consume(queue, auto_ack=True, inactivity_timeout=0.2):
     if method is not None:
         got += 1
-        text = body.split(b"|")
-        print(f"  #{got}: message-id={props.message_id} key-order-seq={props.headers.get('seq')} "
+        print(f"  #{got}: message-id={props.message_id} seq={props.headers.get('seq')} "
               f"type={props.type} correlation-id={props.correlation_id} "
               f"headers={props.headers} body={body[:24]!r}... ({len(body)} bytes)")
     if got >= want or time.monotonic() > deadline:
