@@ -1120,6 +1120,37 @@ static void finish_sink(loader *L, const char *sec, cfg_sink *s)
     }
 }
 
+/* True if an ODBC connection string has KEY= as one of its attributes (case-insensitive). */
+static bool odbc_has_key(const char *cs, const char *key)
+{
+    size_t kl = strlen(key);
+    const char *p = cs;
+    while (*p) {
+        while (*p == ' ' || *p == ';')
+            p++;
+        if (strncasecmp(p, key, kl) == 0) {
+            const char *e = p + kl;
+            while (*e == ' ')
+                e++;
+            if (*e == '=')
+                return true;
+        }
+        /* skip to the next attribute; {...} values may contain ';' */
+        while (*p && *p != ';') {
+            if (*p == '{') {
+                p++;
+                while (*p && !(*p == '}' && p[1] != '}'))
+                    p += (*p == '}' ? 2 : 1);
+                if (*p)
+                    p++;
+            } else {
+                p++;
+            }
+        }
+    }
+    return false;
+}
+
 static void finish_outbox(loader *L, const char *sec, cfg_outbox *o)
 {
     char qb[300];
@@ -1149,6 +1180,10 @@ static void finish_outbox(loader *L, const char *sec, cfg_outbox *o)
         PQconninfoFree(opts);
         PQfreemem(perr);
     }
+    /* ODBC keeps the first PWD=: a password_file appended after one would be ignored */
+    if (o->conninfo && o->password && o->source == CFG_SOURCE_SQLSERVER &&
+        odbc_has_key(o->conninfo, "PWD"))
+        lerr(L, sec, "password_file", "expected either password_file or PWD= in conninfo, not both");
     if (o->retry_backoff_ms > o->retry_backoff_max_ms) {
         char a[32], b[32];
         fmt_dur(o->retry_backoff_ms, a, sizeof a);
