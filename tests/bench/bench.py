@@ -9,7 +9,7 @@ ratio are printed, with the relay's peak RSS and CPU time. PostgreSQL runs with 
 for the measurement (the test cluster normally runs with fsync off).
 
 Environment: BENCH_ROWS (100000), BENCH_WINDOW (1000), BENCH_BATCH (500), BENCH_ROUNDS (3),
-BENCH_KEYS (1000; 0 = no partition key), OUTBOX_BUILD (build dir).
+BENCH_KEYS (1000; 0 = no partition key), BENCH_ON_SENT (mark | delete), OUTBOX_BUILD.
 """
 import os
 import pathlib
@@ -31,6 +31,7 @@ WINDOW = int(os.environ.get("BENCH_WINDOW", 1000))
 BATCH = int(os.environ.get("BENCH_BATCH", 500))
 ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
 KEYS = int(os.environ.get("BENCH_KEYS", 1000))
+ON_SENT = os.environ.get("BENCH_ON_SENT", "mark")
 SIZE = 256
 QUEUE = "outbox-bench"
 DB = "outbox_bench"
@@ -177,6 +178,7 @@ conninfo = host=127.0.0.1 port={env['OUTBOX_PG_PORT']} dbname={DB} user=postgres
 database = {DB}
 batch_size = {BATCH}
 poll_interval = 1s
+on_sent = {ON_SENT}
 """)
     subprocess.run([str(BUILD / "outbox-relay"), "init", "-c", str(cfg)], check=True,
                    stdout=subprocess.DEVNULL)
@@ -184,7 +186,7 @@ poll_interval = 1s
     ac, ch = amqp(env)
     probes, relays = [], []
     print(f"bench: {N} rows x {SIZE} B, window {WINDOW}, batch {BATCH}, "
-          f"{KEYS or 'no'} partition keys, {ROUNDS} rounds (probe, relay alternating)")
+          f"{KEYS or 'no'} partition keys, on_sent = {ON_SENT}, {ROUNDS} rounds (probe, relay alternating)")
     try:
         for r in range(ROUNDS):
             reset_queue(ch)
