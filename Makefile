@@ -7,6 +7,7 @@
 #   make install PREFIX=/usr/local DESTDIR=
 VERSION    := 0.1.0
 SOMAJOR    := 1
+SOVERSION  := $(SOMAJOR).0.0
 PREFIX     ?= /usr/local
 DESTDIR    ?=
 CC         ?= cc
@@ -71,7 +72,7 @@ BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/tests/%)
 EXAMPLE_BIN := $(EXAMPLE_SRC:examples/%.c=$(BUILD)/examples/%)
 
 LIBA  := $(BUILD)/liboutbox.a
-LIBSO := $(BUILD)/liboutbox.so.$(VERSION)
+LIBSO := $(BUILD)/liboutbox.so.$(SOVERSION)
 RELAY := $(BUILD)/outbox-relay
 RELAYA := $(BUILD)/librelay.a
 
@@ -90,7 +91,7 @@ $(LIBA): $(LIB_OBJ)
 
 $(LIBSO): $(LIB_OBJ)
 	$(CC) -shared -Wl,-soname,liboutbox.so.$(SOMAJOR) $(ALL_LDFLAGS) -o $@ $^ $(LIB_LIBS)
-	ln -sf liboutbox.so.$(VERSION) $(BUILD)/liboutbox.so.$(SOMAJOR)
+	ln -sf liboutbox.so.$(SOVERSION) $(BUILD)/liboutbox.so.$(SOMAJOR)
 	ln -sf liboutbox.so.$(SOMAJOR) $(BUILD)/liboutbox.so
 
 $(RELAYA): $(RELAY_OBJ)
@@ -129,14 +130,16 @@ services-start:
 services-stop:
 	scripts/services.sh stop
 
-install: $(LIBA) $(LIBSO) $(RELAY) $(BUILD)/outbox.pc
+install: $(LIBA) $(LIBSO) $(RELAY)
 	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
 	install -m 644 lib/outbox.h lib/outbox_pg.h lib/outbox_odbc.h $(DESTDIR)$(PREFIX)/include/
 	install -m 644 $(LIBA) $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/
-	ln -sf liboutbox.so.$(VERSION) $(DESTDIR)$(PREFIX)/lib/liboutbox.so.$(SOMAJOR)
+	ln -sf liboutbox.so.$(SOVERSION) $(DESTDIR)$(PREFIX)/lib/liboutbox.so.$(SOMAJOR)
 	ln -sf liboutbox.so.$(SOMAJOR) $(DESTDIR)$(PREFIX)/lib/liboutbox.so
-	install -m 644 $(BUILD)/outbox.pc $(DESTDIR)$(PREFIX)/lib/pkgconfig/
+	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' lib/outbox.pc.in \
+		> $(DESTDIR)$(PREFIX)/lib/pkgconfig/outbox.pc
+	chmod 644 $(DESTDIR)$(PREFIX)/lib/pkgconfig/outbox.pc
 	install -m 755 $(RELAY) $(DESTDIR)$(PREFIX)/bin/
 
 clean:
