@@ -3,6 +3,7 @@
 #   make test                 start private PostgreSQL/RabbitMQ if needed and run every test
 #   make SANITIZER=address    (or undefined) instrumented build into build-address/
 #   make VALGRIND=1 test      run the daemon and C test programs under valgrind
+#   make test TESTS=tests/test_relay.py PYTEST_ARGS="-k leader"   a subset
 #   make bench                relay throughput vs. broker ceiling (not part of test)
 #   make install PREFIX=/usr/local DESTDIR=
 VERSION    := 0.1.0
@@ -119,8 +120,9 @@ $(BUILD)/outbox.pc: lib/outbox.pc.in Makefile
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
 
 # Tests: private services are started by the harness (tests/conftest.py) when not running.
+TESTS ?= tests
 test: all
-	OUTBOX_BUILD=$(abspath $(BUILD)) OUTBOX_VALGRIND=$(VALGRIND) $(PYTHON) -m pytest -ra tests $(PYTEST_ARGS)
+	OUTBOX_BUILD=$(abspath $(BUILD)) OUTBOX_VALGRIND=$(VALGRIND) $(PYTHON) -m pytest -ra $(TESTS) $(PYTEST_ARGS)
 
 bench: all
 	OUTBOX_BUILD=$(abspath $(BUILD)) $(PYTHON) tests/bench/bench.py
