@@ -223,11 +223,17 @@ def broker_connections(services, connection_name):
 
 
 def close_broker_connections(services, connection_name, reason="test"):
-    """Closes the broker connections named connection_name; returns how many."""
-    pids = broker_connections(services, connection_name)
-    for pid in pids:
-        services.rabbitmqctl("close_connection", pid, reason)
-    return len(pids)
+    """Closes the broker connections named connection_name in one rabbitmqctl call (about
+    0.4 s, half of list_connections + close_connection); returns how many."""
+    name = connection_name.replace("\\", "\\\\").replace('"', '\\"')
+    expr = ('N = <<"%s">>, length([rabbit_networking:close_connection(P, "%s") '
+            '|| P <- rabbit_networking:connections(), '
+            'case catch rabbit_networking:connection_info(P, [client_properties]) of '
+            '[{client_properties, CP}] -> lists:keyfind(<<"connection_name">>, 1, CP) =:= '
+            '{<<"connection_name">>, longstr, N}; _ -> false end]).' % (name, reason))
+    p = services.rabbitmqctl("eval", expr)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return int(p.stdout.strip())
 
 
 def queue_depth(services, queue):
@@ -265,3 +271,97 @@ def delivery_report(got, count, keys, start=0):
     multi = {s: v for s, v in ids.items() if len(v) > 1}
     assert not multi, f"duplicates with different message_ids: {list(multi.items())[:3]}"
     return len(got) - len(copies), copies
+
+
+class BlackholeProxy:
+    """A TCP proxy 127.0.0.1:port -> 127.0.0.1:target_port for simulating a silent network
+    partition: blackhole() makes every existing connection stop forwarding in both directions
+    while its sockets stay open (no FIN, no RST: the peers see silence); connections made
+    afterwards forward normally. close() ends everything."""
+
+    def __init__(self, target_port):
+        import threading
+        self._threading = threading
+        self.target_port = target_port
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(64)
+        self.port = self.lsock.getsockname()[1]
+        self.lock = threading.Lock()
+        self.conns = []          # [client, server, {"dead": bool}]
+        self.n_accepted = 0
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            try:
+                s = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
+                s.settimeout(None)
+            except OSError:
+                c.close()
+                continue
+            entry = [c, s, {"dead": False}]
+            with self.lock:
+                self.conns.append(entry)
+                self.n_accepted += 1
+            self._threading.Thread(target=self._pump, args=(entry,), daemon=True).start()
+
+    def _pump(self, entry):
+        import select
+        c, s, st = entry
+        peer = {c: s, s: c}
+        while not self.closed and not st["dead"]:
+            try:
+                r, _, _ = select.select([c, s], [], [], 0.05)
+            except (OSError, ValueError):
+                break
+            if st["dead"]:
+                break
+            for sk in r:
+                try:
+                    data = sk.recv(65536)
+                except OSError:
+                    data = b""
+                if not data:
+                    st["dead"] = True
+                    for x in (c, s):
+                        try:
+                            x.close()
+                        except OSError:
+                            pass
+                    return
+                try:
+                    peer[sk].sendall(data)
+                except OSError:
+                    st["dead"] = True
+                    return
+        # blackholed: keep both sockets open and silent until close()
+
+    def blackhole(self):
+        """Freezes every current connection; returns how many."""
+        with self.lock:
+            live = [e for e in self.conns if not e[2]["dead"]]
+            for e in live:
+                e[2]["dead"] = True
+            return len(live)
+
+    def close(self):
+        self.closed = True
+        try:
+            self.lsock.close()
+        except OSError:
+            pass
+        with self.lock:
+            for c, s, _ in self.conns:
+                for x in (c, s):
+                    try:
+                        x.close()
+                    except OSError:
+                        pass
+            self.conns.clear()
