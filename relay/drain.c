@@ -94,6 +94,9 @@ struct drain {
     keyset    busy_keys;         /* partition key -> id of its in-flight message */
     keyset    blocked;           /* partition key -> id of a failed row not yet settled */
     keyset    unblock_later;     /* settled while a claim was running: unblock after it */
+    keyset    held;              /* id -> entry (as intptr_t) of every buffered/in-flight row,
+                                    or HELD_OUTCOME until the row's outcome is settled */
+    outcomes  resettle;          /* outcomes re-issued under a newer token after the running settle */
     outcomes  pending;           /* not yet sent to the source */
     outcomes  settling;          /* in the outstanding SETTLE request */
     bool      oom_warned;
@@ -138,10 +141,23 @@ static void elist_remove(elist *l, entry *e)
     l->n--;
 }
 
+static void id_key(int64_t id, char out[24])
+{
+    snprintf(out, 24, "%" PRId64, id);
+}
+
+#define HELD_OUTCOME (-1)   /* `held` value: the row's outcome is pending or being settled */
+
+/* Frees an entry; its id is forgotten unless an outcome now stands for it. */
 static void entry_free(entry *e)
 {
     if (e == NULL)
         return;
+    char k[24];
+    int64_t v;
+    id_key(e->r->id, k);
+    if (keyset_get(&e->d->held, k, &v) && v == (int64_t)(intptr_t)e)
+        keyset_del(&e->d->held, k);
     row_free(e->r);
     free(e);
 }
@@ -192,6 +208,10 @@ static void add_outcome(drain *d, const row *r, int kind, int64_t backoff_ms,
         goto oom;
     }
     p->n++;
+    char k[24];
+    id_key(r->id, k);
+    if (keyset_put(&d->held, k, HELD_OUTCOME) != 0)
+        log_msg(LOG_ERROR, "outbox=%s: out of memory tracking id=%" PRId64, d->ob->name, r->id);
     return;
 oom:
     /* The row keeps its lease; it becomes claimable again when the lease expires. */
@@ -199,6 +219,50 @@ oom:
         log_msg(LOG_ERROR, "outbox=%s: out of memory recording the outcome of id=%" PRId64
                 "; its lease will expire instead", d->ob->name, r->id);
     d->oom_warned = true;
+}
+
+static outcome *find_outcome(outcomes *o, int64_t id)
+{
+    for (size_t i = 0; i < o->n; i++)
+        if (o->v[i].o.id == id)
+            return &o->v[i];
+    return NULL;
+}
+
+/* A claim leased again a row whose outcome is not settled yet (its lease had
+   expired): the outcome must apply under the new token; the row is not published
+   again. Returns false when out of memory. */
+static bool adopt_outcome_token(drain *d, const row *r)
+{
+    outcome *o = find_outcome(&d->pending, r->id);
+    if (o != NULL) {
+        o->o.lease_token = r->lease_token;
+        return true;
+    }
+    o = find_outcome(&d->settling, r->id);
+    if (o == NULL)
+        return false;
+    outcomes *rs = &d->resettle;
+    if (rs->n == rs->cap) {
+        size_t ncap = rs->cap ? rs->cap * 2 : 16;
+        outcome *nv = realloc(rs->v, ncap * sizeof *nv);
+        if (nv == NULL)
+            return false;
+        rs->v = nv;
+        rs->cap = ncap;
+    }
+    outcome *n = &rs->v[rs->n];
+    *n = (outcome){ .o = o->o };
+    n->o.lease_token = r->lease_token;
+    n->o.reason = NULL;
+    if (o->o.reason != NULL && (n->o.reason = strdup(o->o.reason)) == NULL)
+        return false;
+    if (o->block_key != NULL && (n->block_key = strdup(o->block_key)) == NULL) {
+        free((char *)n->o.reason);
+        return false;
+    }
+    rs->n++;
+    return true;
 }
 
 static void schedule_kick(drain *d)
@@ -507,6 +571,20 @@ static void on_claimed(drain *d, const src_result *res)
     d->m.claimed_rows += res->n_rows;
     for (size_t i = 0; i < res->n_rows; i++) {
         row *r = res->rows[i];
+        /* A row we still hold whose lease expired meanwhile (a long broker block, say)
+           was leased again by this claim: keep the one copy, under the new token. */
+        char k[24];
+        int64_t held;
+        id_key(r->id, k);
+        if (keyset_get(&d->held, k, &held)) {
+            if (held != HELD_OUTCOME)
+                ((entry *)(intptr_t)held)->r->lease_token = r->lease_token;
+            else if (!adopt_outcome_token(d, r))
+                log_msg(LOG_WARN, "outbox=%s id=%" PRId64 ": could not adopt a renewed lease; "
+                        "the row may be published again", d->ob->name, r->id);
+            row_free(r);
+            continue;
+        }
         int64_t fid;
         if (d->stopping || (r->partition_key != NULL &&
                             keyset_get(&d->blocked, r->partition_key, &fid) && fid < r->id)) {
@@ -515,7 +593,8 @@ static void on_claimed(drain *d, const src_result *res)
             continue;
         }
         entry *e = calloc(1, sizeof *e);
-        if (e == NULL) {
+        if (e == NULL || keyset_put(&d->held, k, (int64_t)(intptr_t)e) != 0) {
+            free(e);
             add_outcome(d, r, SRC_UNCLAIM, 0, NULL, NULL);
             row_free(r);
             continue;
@@ -568,6 +647,13 @@ static void on_settled(drain *d, const src_result *res)
         }
         free(d->pending.v);
         d->pending = merged;
+        /* outcomes re-leased meanwhile: retry them under their newer token */
+        for (size_t i = 0; i < d->resettle.n; i++) {
+            outcome *o = find_outcome(&d->pending, d->resettle.v[i].o.id);
+            if (o != NULL)
+                o->o.lease_token = d->resettle.v[i].o.lease_token;
+        }
+        outcomes_free(&d->resettle);
         return;
     }
     /* A claim running now may have read the table before this settle committed
@@ -575,8 +661,15 @@ static void on_settled(drain *d, const src_result *res)
     bool claim_running = d->main.busy && d->main.busy_req == SRC_REQ_CLAIM;
     size_t n_sent = 0;
     for (size_t i = 0; i < s->n; i++) {
+        char ik[24];
+        int64_t hv;
+        id_key(s->v[i].o.id, ik);
+        if (find_outcome(&d->resettle, s->v[i].o.id) != NULL)
+            continue;   /* goes again under its newer token (and is counted then) */
         if (s->v[i].o.kind == SRC_SENT)
             n_sent++;
+        if (keyset_get(&d->held, ik, &hv) && hv == HELD_OUTCOME)
+            keyset_del(&d->held, ik);
         const char *k = s->v[i].block_key;
         int64_t v;
         if (k == NULL || !keyset_get(&d->blocked, k, &v) || v != s->v[i].o.id)
@@ -587,13 +680,32 @@ static void on_settled(drain *d, const src_result *res)
             log_msg(LOG_ERROR, "outbox=%s: out of memory tracking key", d->ob->name);
     }
     d->m.relayed += n_sent;
-    if (res->n_applied < s->n) {
-        d->m.lease_lost += s->n - res->n_applied;
-        log_msg(LOG_WARN, "outbox=%s: %zu of %zu outcomes not applied: lease taken over "
-                "(those rows will be published again with the same message_id)",
-                d->ob->name, s->n - res->n_applied, s->n);
+    if (res->n_applied + d->resettle.n < s->n) {
+        size_t lost = s->n - res->n_applied - d->resettle.n;
+        d->m.lease_lost += lost;
+        log_msg(LOG_WARN, "outbox=%s: %zu of %zu outcomes not applied: the lease moved on "
+                "(another relay took the rows over, or a lost connection had already "
+                "applied them)", d->ob->name, lost, s->n);
     }
     outcomes_free(s);
+    /* outcomes whose rows were leased again while this settle ran go once more */
+    for (size_t i = 0; i < d->resettle.n; i++) {
+        outcomes *p = &d->pending;
+        if (p->n == p->cap) {
+            size_t ncap = p->cap ? p->cap * 2 : 64;
+            outcome *nv = realloc(p->v, ncap * sizeof *nv);
+            if (nv == NULL) {
+                free((char *)d->resettle.v[i].o.reason);
+                free(d->resettle.v[i].block_key);
+                continue;
+            }
+            p->v = nv;
+            p->cap = ncap;
+        }
+        p->v[p->n++] = d->resettle.v[i];
+    }
+    free(d->resettle.v);
+    d->resettle = (outcomes){ 0 };
 }
 
 /* A request failed but the connection may still be up (permissions, timeouts,
@@ -962,9 +1074,11 @@ void drain_free(drain *d)
     }
     outcomes_free(&d->pending);
     outcomes_free(&d->settling);
+    outcomes_free(&d->resettle);
     keyset_clear(&d->busy_keys);
     keyset_clear(&d->blocked);
     keyset_clear(&d->unblock_later);
+    keyset_clear(&d->held);
     free(d);
 }
 

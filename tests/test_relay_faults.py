@@ -480,10 +480,6 @@ def test_kill9_mid_drain_and_restart(services, pgdb, relay_bin, build, tmp_path)
 
 
 # ---------------------------------------------------------------------------- 5b
-@pytest.mark.xfail(strict=True, reason="sinks/rabbitmq/amqpsink.c tick_cb: the confirm_timeout "
-                   "check runs while the broker has the connection blocked, so a block longer "
-                   "than confirm_timeout tears the connection down every confirm_timeout and "
-                   "republishes (duplicates) instead of pausing")
 def test_blocked_longer_than_confirm_timeout(services, pgdb, relay_bin, build, tmp_path):
     """A block outlasting confirm_timeout: messages the broker took before blocking stay
     unconfirmed while blocked; the relay should wait (paused), not tear the connection down

@@ -75,6 +75,7 @@ struct sink {
     amqp_channel_t  ch;
     bool            chan_ok;
     bool            blocked;
+    ev_tstamp       unblocked_at;  /* confirms are not awaited while blocked: clock restarts here */
     bool            broken;       /* publish hit a socket error: failing soon */
     char            broken_why[200];
     int             reported;     /* last state given to on_state, -1 none */
@@ -582,11 +583,15 @@ static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
         goto out;
     }
     advance_tail(s);
-    if (s->cfg.confirm_timeout_ms > 0 && s->inflight > 0) {
+    /* While the broker blocks the connection (memory or disk alarm) it may hold
+     * confirms back for as long as the alarm lasts: that is flow control, not a
+     * dead connection, so the confirm clock only runs while unblocked. */
+    if (s->cfg.confirm_timeout_ms > 0 && s->inflight > 0 && !s->blocked) {
         entry *e = find_live(s, s->tail_tag);
+        ev_tstamp since = e == NULL ? 0 : e->published_at > s->unblocked_at ? e->published_at
+                                                                           : s->unblocked_at;
 
-        if (e != NULL &&
-            ev_now(loop) - e->published_at > (double)s->cfg.confirm_timeout_ms / 1000.) {
+        if (e != NULL && ev_now(loop) - since > (double)s->cfg.confirm_timeout_ms / 1000.) {
             char why[200];
 
             snprintf(why, sizeof why, "no publisher confirm for delivery tag %llu within %lld ms",
@@ -823,6 +828,7 @@ static bool handle_frame(sink *s, const amqp_frame_t *f)
             char why[400];
 
             s->blocked = false;
+            s->unblocked_at = ev_now(s->loop);
             snprintf(why, sizeof why, "%s: broker unblocked publishing", s->ident);
             return emit_state(s, why);
         }
