@@ -591,9 +591,6 @@ def test_broker_half_open_connection_mid_drain(services, pgdb, relay_bin, build,
 
 
 # ---------------------------------------------------------------------------- 2b
-@pytest.mark.xfail(strict=True, reason="relay/drain.c + sources/pg: after a silently dropped "
-                   "main connection the relay reconnects but stands by forever: its orphaned "
-                   "server session still holds the leader advisory lock and nothing ends it")
 def test_db_half_open_connections_mid_drain(services, pgdb, relay_bin, build, tmp_path):
     """The database connections go silent mid-drain (no FIN/RST): query_timeout must detect
     it, the relay reconnect and finish the drain."""

@@ -7,7 +7,10 @@
  *   IDLE → (start) → BACKOFF → CONNECTING → SETUP → UP
  * and back to BACKOFF on any failure (capped exponential back-off, jitter).
  * SETUP runs, in order: database-name check (PQdb, no round trip),
- * SET statement_timeout, schema check (to_regclass), LISTEN.
+ * session settings (statement_timeout, server-side TCP keepalives), fencing
+ * (our previous session, if the server still has it — a half-open connection
+ * can hold the leader lock for hours — is terminated), schema check
+ * (to_regclass), LISTEN.
  *
  * At most one query is in flight: either a SETUP step or the core's one
  * outstanding request. Every callback into the core may destroy the source;
@@ -30,7 +33,7 @@
 #define BACKOFF_MIN_MS 100
 
 enum phase { PH_IDLE = 0, PH_BACKOFF, PH_CONNECTING, PH_SETUP, PH_UP };
-enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ };
+enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ };
 
 struct source {
     struct ev_loop *loop;
@@ -62,6 +65,8 @@ struct source {
     int64_t   claim_token;    /* the outstanding claim's token, copied into its rows */
     char      derr[512];
 
+    char      prev_pid[16];   /* our previous session on the server: pid and backend_start */
+    char      prev_start[64];
     bool      leader;         /* this session holds the advisory lock */
     char     *lock_name;      /* the name it holds it under */
 
@@ -276,13 +281,31 @@ static void setup_fail(source *s, const char *msg)
 
 static void setup_step(source *s, int op)
 {
-    char sql[128];
+    char sql[512];
     const char *vals[2];
     int rc = 0;
     switch (op) {
     case Q_SET_TIMEOUT:
-        snprintf(sql, sizeof sql, "SET statement_timeout = %" PRId64, s->cfg.query_timeout_ms);
+        /* server-side keepalives: a vanished relay's session (and its leader lock) goes
+           away in about a minute instead of the kernel's two hours */
+        snprintf(sql, sizeof sql, "SELECT set_config('statement_timeout', '%" PRId64 "', false), "
+                 "set_config('tcp_keepalives_idle', '30', false), "
+                 "set_config('tcp_keepalives_interval', '10', false), "
+                 "set_config('tcp_keepalives_count', '3', false)", s->cfg.query_timeout_ms);
         rc = q_send(s, op, sql, 0, NULL, 0);
+        break;
+    case Q_FENCE:
+        /* Our previous session may still exist on the server (a connection that went
+           silent rather than closed): end it, identified by pid and start time so an
+           unrelated backend reusing the pid is never touched. Then remember this one. */
+        vals[0] = s->prev_pid[0] ? s->prev_pid : NULL;
+        vals[1] = s->prev_start[0] ? s->prev_start : NULL;
+        rc = q_send(s, op,
+                    "SELECT (SELECT count(pg_terminate_backend(a.pid)) FROM pg_stat_activity a "
+                    "WHERE a.pid = $1::int AND a.backend_start = $2::timestamptz "
+                    "AND a.pid <> pg_backend_pid()), pg_backend_pid(), "
+                    "(SELECT backend_start::text FROM pg_stat_activity WHERE pid = pg_backend_pid())",
+                    2, vals, 0);
         break;
     case Q_CHECK_SCHEMA:
         vals[0] = s->names.table;
@@ -502,6 +525,14 @@ static void q_done(source *s)
     }
     switch (op) {
     case Q_SET_TIMEOUT:
+        PQclear(r);
+        setup_step(s, Q_FENCE);
+        return;
+    case Q_FENCE:
+        if (PQntuples(r) == 1 && !PQgetisnull(r, 0, 2)) {
+            snprintf(s->prev_pid, sizeof s->prev_pid, "%s", PQgetvalue(r, 0, 1));
+            snprintf(s->prev_start, sizeof s->prev_start, "%s", PQgetvalue(r, 0, 2));
+        }
         PQclear(r);
         setup_step(s, Q_CHECK_SCHEMA);
         return;
