@@ -14,7 +14,6 @@
 #include "relay/drain.h"
 
 #include <ev.h>
-#include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -26,13 +25,10 @@
 #include "relay/sink.h"
 #include "relay/source.h"
 
-enum { E_BUFFERED = 1, E_INFLIGHT = 2 };
-
 typedef struct entry {
     struct entry *prev, *next;   /* buffer list or in-flight list */
     struct drain *d;
     row          *r;             /* owned */
-    int           state;
     bool          old;           /* published before the source last went down */
     ev_tstamp     published_at;
 } entry;
@@ -97,6 +93,7 @@ struct drain {
     keyset    held;              /* id -> entry (as intptr_t) of every buffered/in-flight row,
                                     or HELD_OUTCOME until the row's outcome is settled */
     outcomes  resettle;          /* outcomes re-issued under a newer token after the running settle */
+    outcomes  recent;            /* settled while a claim was running: kept until it returns */
     outcomes  pending;           /* not yet sent to the source */
     outcomes  settling;          /* in the outstanding SETTLE request */
     bool      oom_warned;
@@ -237,6 +234,26 @@ static bool adopt_outcome_token(drain *d, const row *r)
     outcome *o = find_outcome(&d->pending, r->id);
     if (o != NULL) {
         o->o.lease_token = r->lease_token;
+        return true;
+    }
+    /* Settled while this claim ran: the claim could only lease the row again if the
+       settle found the token already changed, i.e. did not apply. Issue it again. */
+    o = find_outcome(&d->recent, r->id);
+    if (o != NULL) {
+        outcomes *p = &d->pending;
+        if (p->n == p->cap) {
+            size_t ncap = p->cap ? p->cap * 2 : 64;
+            outcome *nv = realloc(p->v, ncap * sizeof *nv);
+            if (nv == NULL)
+                return false;
+            p->v = nv;
+            p->cap = ncap;
+        }
+        p->v[p->n] = (outcome){ .o = o->o };
+        p->v[p->n].o.lease_token = r->lease_token;
+        p->v[p->n].o.reason = o->o.reason;   /* moves */
+        o->o.reason = NULL;
+        p->n++;
         return true;
     }
     o = find_outcome(&d->settling, r->id);
@@ -425,7 +442,6 @@ static void pump(drain *d)
             break;
         elist_remove(&d->buffer, e);
         if (rc == SINK_QUEUED) {
-            e->state = E_INFLIGHT;
             e->published_at = ev_now(d->loop);
             elist_push(&d->inflight, e);
             d->m.in_flight = d->inflight.n;
@@ -555,14 +571,31 @@ static void unblock_deferred(drain *d)
     keyset_clear(u);
 }
 
+/* The claim that ran while `recent` outcomes were settled has returned (its rows
+   re-issued any of them that it leased again): forget the others' ids. */
+static void forget_recent(drain *d)
+{
+    for (size_t i = 0; i < d->recent.n; i++) {
+        int64_t id = d->recent.v[i].o.id, hv;
+        char k[24];
+        id_key(id, k);
+        if (find_outcome(&d->pending, id) == NULL && find_outcome(&d->settling, id) == NULL &&
+            keyset_get(&d->held, k, &hv) && hv == HELD_OUTCOME)
+            keyset_del(&d->held, k);
+    }
+    outcomes_free(&d->recent);
+}
+
 static void on_claimed(drain *d, const src_result *res)
 {
     double min_poll = d->ob->poll_interval_ms / 1000.0;
     if (min_poll > 0.05)
         min_poll = 0.05;
     d->m.claims++;
-    if (res->ok != 0)
+    if (res->ok != 0) {
         unblock_deferred(d);
+        forget_recent(d);
+    }
     histogram_observe(&d->m.claim_latency, ev_now(d->loop) - d->main.req_started);
     if (res->ok != 0) {
         d->want_claim = true;
@@ -601,11 +634,11 @@ static void on_claimed(drain *d, const src_result *res)
         }
         e->d = d;
         e->r = r;     /* takes ownership */
-        e->state = E_BUFFERED;
         elist_push(&d->buffer, e);
     }
     free(res->rows);
     unblock_deferred(d);
+    forget_recent(d);
     if (res->n_rows >= d->claim_asked) {
         d->want_claim = true;
         d->poll_delay = min_poll;
@@ -668,7 +701,8 @@ static void on_settled(drain *d, const src_result *res)
             continue;   /* goes again under its newer token (and is counted then) */
         if (s->v[i].o.kind == SRC_SENT)
             n_sent++;
-        if (keyset_get(&d->held, ik, &hv) && hv == HELD_OUTCOME)
+        /* with a claim running the id stays held until its rows were checked */
+        if (!claim_running && keyset_get(&d->held, ik, &hv) && hv == HELD_OUTCOME)
             keyset_del(&d->held, ik);
         const char *k = s->v[i].block_key;
         int64_t v;
@@ -686,6 +720,24 @@ static void on_settled(drain *d, const src_result *res)
         log_msg(LOG_WARN, "outbox=%s: %zu of %zu outcomes not applied: the lease moved on "
                 "(another relay took the rows over, or a lost connection had already "
                 "applied them)", d->ob->name, lost, s->n);
+    }
+    if (claim_running) {
+        /* keep them (ids still held) until the running claim returns */
+        for (size_t i = 0; i < s->n; i++) {
+            outcomes *rc = &d->recent;
+            if (find_outcome(&d->resettle, s->v[i].o.id) != NULL)
+                continue;
+            if (rc->n == rc->cap) {
+                size_t ncap = rc->cap ? rc->cap * 2 : 64;
+                outcome *nv = realloc(rc->v, ncap * sizeof *nv);
+                if (nv == NULL)
+                    break;
+                rc->v = nv;
+                rc->cap = ncap;
+            }
+            rc->v[rc->n++] = (outcome){ .o = s->v[i].o };   /* reason moves */
+            s->v[i].o.reason = NULL;
+        }
     }
     outcomes_free(s);
     /* outcomes whose rows were leased again while this settle ran go once more */
@@ -1075,6 +1127,7 @@ void drain_free(drain *d)
     outcomes_free(&d->pending);
     outcomes_free(&d->settling);
     outcomes_free(&d->resettle);
+    outcomes_free(&d->recent);
     keyset_clear(&d->busy_keys);
     keyset_clear(&d->blocked);
     keyset_clear(&d->unblock_later);
