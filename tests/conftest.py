@@ -26,7 +26,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SERVICES_SH = ROOT / "scripts" / "services.sh"
 
 VALGRIND_ARGS = ["valgrind", "-q", "--error-exitcode=99", "--leak-check=full",
-                 "--errors-for-leak-kinds=definite", "--track-fds=no"]
+                 "--errors-for-leak-kinds=definite", "--track-fds=no",
+                 f"--suppressions={ROOT / 'tests' / 'valgrind.supp'}"]
 
 # Sanitizer defaults for every program spawned by the tests (callers may override).
 os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0:strict_string_checks=1:"

@@ -64,8 +64,10 @@ class Relay:
         self.http_port = http_port
         argv = [str(relay_bin), "run", "-c", str(config)]
         if VALGRIND:
+            supp = os.path.join(os.path.dirname(os.path.abspath(__file__)), "valgrind.supp")
             argv = ["valgrind", "--error-exitcode=99", "--leak-check=full",
-                    "--errors-for-leak-kinds=definite", "--track-fds=no", "-q"] + argv
+                    "--errors-for-leak-kinds=definite", "--track-fds=no", "-q",
+                    f"--suppressions={supp}"] + argv
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
 

@@ -6,12 +6,9 @@ imports these tests and runs them again through ODBC/psqlODBC by overriding `bac
 """
 import datetime
 import os
-import pathlib
 import secrets
-import tempfile
 import uuid
 
-import psycopg
 import pytest
 
 from conftest import run_prog
@@ -101,31 +98,10 @@ class Result:
 
 # psqlODBC 13 reads uninitialised memory inside its own SQLDisconnect (seen under
 # valgrind on Debian 12); not ours, so it is suppressed for the ODBC runs only.
-PSQLODBC_SUPP = """
-{
-   psqlodbc_disconnect_cond
-   Memcheck:Cond
-   ...
-   fun:SQLDisconnect
-}
-{
-   psqlodbc_disconnect_value8
-   Memcheck:Value8
-   ...
-   fun:SQLDisconnect
-}
-"""
-
-
 def valgrind_env(env):
-    """env plus VALGRIND_OPTS naming the psqlODBC suppressions (written once)."""
-    supp = pathlib.Path(tempfile.gettempdir()) / f"outbox-psqlodbc-{os.getuid()}.supp"
-    if not supp.exists() or supp.read_text() != PSQLODBC_SUPP:
-        tmp = supp.with_suffix(f".{os.getpid()}")
-        tmp.write_text(PSQLODBC_SUPP)
-        tmp.replace(supp)
-    opts = env.get("VALGRIND_OPTS", "")
-    return dict(env, VALGRIND_OPTS=f"{opts} --suppressions={supp}".strip())
+    """The environment for an ODBC run (psqlODBC's own errors are suppressed by
+    tests/valgrind.supp, which the harness passes to every valgrind run)."""
+    return env
 
 
 def run_case(build, backend, conn, qdb, case, *args, table=None, expect_exit=0):

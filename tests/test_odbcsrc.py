@@ -11,7 +11,6 @@ import queue
 import re
 import secrets
 import subprocess
-import tempfile
 import threading
 import time
 import uuid
@@ -23,37 +22,9 @@ from conftest import prog_argv, valgrind_enabled
 SLOW = 4 if valgrind_enabled() else 1
 MSSQL = os.environ.get("OUTBOX_TEST_MSSQL", "")
 MSSQL_SKIP = "OUTBOX_TEST_MSSQL not set: SQL Server path untested here"
-# psqlODBC 13 reads uninitialised memory inside its own SQLDisconnect (after DDL);
-# nothing of ours is on those stacks (the driver never calls back into us).
-DRIVER_SUPPRESSIONS = """
-{
-   psqlodbc-internal-cond
-   Memcheck:Cond
-   ...
-   obj:*/psqlodbcw.so
-}
-{
-   psqlodbc-internal-value8
-   Memcheck:Value8
-   ...
-   obj:*/psqlodbcw.so
-}
-"""
-_SUPP = None
-
-
 def driver_argv(argv, valgrind):
-    """prog_argv() plus the driver suppressions when running under valgrind."""
-    global _SUPP
-    full = prog_argv(argv, valgrind)
-    if full and full[0] == "valgrind":
-        if _SUPP is None:
-            f = tempfile.NamedTemporaryFile("w", prefix="odbcsrc-", suffix=".supp", delete=False)
-            f.write(DRIVER_SUPPRESSIONS)
-            f.close()
-            _SUPP = f.name
-        full = [full[0], f"--suppressions={_SUPP}", *full[1:]]
-    return full
+    """prog_argv(); psqlODBC's own errors are suppressed by tests/valgrind.supp."""
+    return prog_argv(argv, valgrind)
 
 
 HEXKEYS = {"msg", "err", "mid", "ex", "rk", "pk", "type", "ct", "corr", "hdr", "payload", "c"}

@@ -1,6 +1,5 @@
 """Integration tests of `outbox-relay run` against the private PostgreSQL and RabbitMQ
 (issue: the relay). Each test gets a fresh database, its own queue names and its own relay."""
-import json
 import re
 import signal
 import subprocess
@@ -210,12 +209,11 @@ def _assert_failing_row_outcome(ch, q, pgdb, r, reason_rx):
 def test_unroutable_dead_letter_and_retry(services, pgdb, relay_bin, build, tmp_path):
     q = f"qunr-{uuid.uuid4().hex[:6]}"
     bad = f"unbound-{q}"
-    conn, ch, r, cfg = None, None, None, None
     c0, ch0 = amqp_channel(services)
     ch0.exchange_declare(exchange=bad, exchange_type="direct", durable=True)  # no binding
     c0.close()
     conn, ch, r, cfg = _failing_row_setup(services, pgdb, relay_bin, build, tmp_path, bad, q)
-    dead_id = _assert_failing_row_outcome(ch, q, pgdb, r, r"unroutable|NO_ROUTE")
+    _assert_failing_row_outcome(ch, q, pgdb, r, r"unroutable|NO_ROUTE")
     assert r.metric("outbox_relay_returned_total") >= 3
     # a binding appears; `dead retry` sends it once
     ch.queue_bind(queue=q, exchange=bad, routing_key="nowhere")
