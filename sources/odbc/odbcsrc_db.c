@@ -10,10 +10,18 @@
  * SQL_ATTR_LOGIN_TIMEOUT.
  */
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
 #include "sources/odbc/odbcsrc_int.h"
+
+/* Drivers may call setlocale() while connecting and disconnecting (psqlODBC does),
+ * which is not thread-safe: with two connections per outbox, each on its own worker
+ * thread, concurrent connects read freed locale strings (found by valgrind). Those
+ * calls are serialized across the process; a connect is bounded by the login timeout,
+ * so one dead server delays other outboxes' connects by at most that, never the loop. */
+static pthread_mutex_t driver_setup_lock = PTHREAD_MUTEX_INITIALIZER;
 
 _Static_assert(SRC_SENT == 0 && SRC_RETRY == 1 && SRC_DEAD == 2 && SRC_UNCLAIM == 3,
                "the settle SQL below spells the outcome kinds as numbers");
@@ -693,8 +701,10 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
         if (dbuf_str(&cs, "}") < 0)
             goto oom;
     }
+    pthread_mutex_lock(&driver_setup_lock);
     rc = SQLDriverConnect(db->dbc, NULL, (SQLCHAR *)cs.p, SQL_NTS, NULL, 0, NULL,
                           SQL_DRIVER_NOPROMPT);
+    pthread_mutex_unlock(&driver_setup_lock);
     explicit_bzero(cs.p, cs.cap);
     free(cs.p);
     cs.p = NULL;
@@ -744,7 +754,9 @@ void odbcsrc_db_close(odbcsrc_db *db)
     if (db->dbc != SQL_NULL_HDBC) {
         if (db->connected) {
             (void)SQLEndTran(SQL_HANDLE_DBC, db->dbc, SQL_ROLLBACK);
+            pthread_mutex_lock(&driver_setup_lock);
             (void)SQLDisconnect(db->dbc);
+            pthread_mutex_unlock(&driver_setup_lock);
         }
         SQLFreeHandle(SQL_HANDLE_DBC, db->dbc);
     }
