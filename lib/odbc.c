@@ -545,23 +545,14 @@ static int od_send(SQLHDBC c, const outbox_queue *q, const outbox_message *m, si
     rc = od_dbname(&cl, db, sizeof db);
     if (rc != OUTBOX_OK)
         goto fail;
-    if (strcmp(db, q->database) != 0) {
-        rc = outbox_i_err(err, OUTBOX_EDBNAME, NULL,
-                          "connected to database \"%s\" but the queue is for database \"%s\" "
-                          "(compared byte for byte); nothing written", db, q->database);
+    rc = outbox_i_check_dbname(q, db, err);
+    if (rc != OUTBOX_OK)
         goto fail;
-    }
     if (nu == 0)
         goto done;
-
-    u = malloc(nu * sizeof *u);
-    if (!u) {
-        rc = outbox_i_err(err, OUTBOX_ENOMEM, NULL, "out of memory (%zu messages)", n);
+    rc = outbox_i_unique(v, n, nu, &u, err);
+    if (rc != OUTBOX_OK)
         goto fail;
-    }
-    for (size_t i = 0, k = 0; i < n; i++)
-        if (!v[i].dup)
-            u[k++] = &v[i];
     rows = rows_make(u, nu);
     if (!rows) {
         rc = outbox_i_err(err, OUTBOX_ENOMEM, NULL, "out of memory (%zu messages)", n);

@@ -584,3 +584,25 @@ int outbox_i_prepare(const outbox_queue *q, const outbox_message *m, size_t n, i
     *n_unique = uniq;
     return OUTBOX_OK;
 }
+
+int outbox_i_check_dbname(const outbox_queue *q, const char *db, outbox_error *err)
+{
+    if (db != NULL && strcmp(db, q->database) == 0)
+        return OUTBOX_OK;
+    return outbox_i_err(err, OUTBOX_EDBNAME, NULL,
+                        "connected to database \"%s\" but the queue is for database \"%s\" "
+                        "(compared byte for byte); nothing written",
+                        db ? db : "(unknown)", q->database);
+}
+
+int outbox_i_unique(outbox_i_msg *v, size_t n, size_t nu, outbox_i_msg ***out, outbox_error *err)
+{
+    outbox_i_msg **u = malloc(nu * sizeof *u);
+    if (!u)
+        return outbox_i_err(err, OUTBOX_ENOMEM, NULL, "out of memory (%zu messages)", n);
+    for (size_t i = 0, k = 0; i < n; i++)
+        if (!v[i].dup)
+            u[k++] = &v[i];
+    *out = u;
+    return OUTBOX_OK;
+}

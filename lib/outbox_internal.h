@@ -86,4 +86,13 @@ OUTBOX_HIDDEN int outbox_i_prepare(const outbox_queue *q, const outbox_message *
                                    outbox_error *err);
 OUTBOX_HIDDEN void outbox_i_msgs_free(outbox_i_msg *v, size_t n);
 
+/* OUTBOX_OK when db (the connection's database; NULL if unknown) equals the
+ * queue's database byte for byte, else OUTBOX_EDBNAME naming both. */
+OUTBOX_HIDDEN int outbox_i_check_dbname(const outbox_queue *q, const char *db, outbox_error *err);
+
+/* The nu messages of v[0..n) that are not in-batch duplicates, in order, as a
+ * malloc'd array of pointers into v (*out owned by the caller). */
+OUTBOX_HIDDEN int outbox_i_unique(outbox_i_msg *v, size_t n, size_t nu, outbox_i_msg ***out,
+                                  outbox_error *err);
+
 #endif
