@@ -736,6 +736,8 @@ static const char *const on_sent_names[] = { "mark", "delete", NULL };
 static const int on_sent_vals[] = { CFG_ON_SENT_MARK, CFG_ON_SENT_DELETE };
 static const char *const mode_names[] = { "leader", "competing", NULL };
 static const int mode_vals[] = { CFG_MODE_LEADER, CFG_MODE_COMPETING };
+static const char *const ordering_names[] = { "pipelined", "strict", NULL };
+static const int ordering_vals[] = { CFG_ORDER_PIPELINED, CFG_ORDER_STRICT };
 
 #define DUR_MAX   (3650LL * MS_D)
 #define ENUM(n)   n##_names, n##_vals
@@ -798,6 +800,7 @@ static const keydef outbox_keys[] = {
     { "cleanup_batch",     KT_INT,  0, "1000", 1, 100000, NULL, NULL, O(cleanup_batch), NULL },
     { "cleanup_interval",  KT_DUR,  0, "10s", 10, MS_D, NULL, NULL, O(cleanup_interval_ms), NULL },
     { "mode",              KT_ENUM, 0, "leader", 0, 0, ENUM(mode), O(mode), NULL },
+    { "ordering",          KT_ENUM, 0, "pipelined", 0, 0, ENUM(ordering), O(ordering), NULL },
     { "query_timeout",     KT_DUR,  0, "30s", 10, 24 * MS_H, NULL, NULL, O(query_timeout_ms), NULL },
     { "connect_timeout",   KT_DUR,  0, "5s", 100, MS_H, NULL, NULL, O(connect_timeout_ms), NULL },
     { "reconnect_max",     KT_DUR,  0, "30s", 10, MS_D, NULL, NULL, O(reconnect_max_ms), NULL },

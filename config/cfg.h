@@ -20,6 +20,7 @@ enum cfg_log_format { CFG_LOG_TEXT = 0, CFG_LOG_JSON };
 enum cfg_source     { CFG_SOURCE_POSTGRES = 0, CFG_SOURCE_SQLSERVER };
 enum cfg_on_sent    { CFG_ON_SENT_MARK = 0, CFG_ON_SENT_DELETE };
 enum cfg_mode       { CFG_MODE_LEADER = 0, CFG_MODE_COMPETING };
+enum cfg_ordering   { CFG_ORDER_PIPELINED = 0, CFG_ORDER_STRICT };
 enum cfg_sink_type  { CFG_SINK_RABBITMQ = 0 };
 
 typedef struct cfg_relay {
@@ -78,6 +79,7 @@ typedef struct cfg_outbox {
     int     cleanup_batch;      /* rows deleted per retention statement, default 1000 */
     int64_t cleanup_interval_ms;/* default 10s */
     int     mode;               /* enum cfg_mode, default leader */
+    int     ordering;           /* enum cfg_ordering, default pipelined */
     int64_t query_timeout_ms;   /* statement timeout for the relay's queries, default 30s */
     int64_t connect_timeout_ms; /* default 5s */
     int64_t reconnect_max_ms;   /* default 30s */

@@ -51,6 +51,12 @@ typedef struct sink_cbs {
                                on_writable / on_state(SINK_UP); nothing was sent */
 #define SINK_EPERM    (-1)  /* this row can never be published (malformed headers, too large);
                                reason in err: dead-letter it. Nothing was sent. */
+#define SINK_EWAIT     2    /* this row's destination is being checked (e.g. whether its
+                               exchange exists); nothing was sent. Other rows may be
+                               published now; retry this one after on_writable. */
+#define SINK_EREFUSED (-2)  /* the broker would refuse this row now (e.g. its exchange does
+                               not exist): a failed attempt, reason in err. Nothing was
+                               sent, and no other message was disturbed. */
 
 typedef struct sink_ops {
     const char *name;   /* "rabbitmq" */
