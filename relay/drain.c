@@ -1,15 +1,17 @@
 /*
- * drain.c — the per-outbox relay core. See drain.h for the rules it keeps.
- *
- * Life of a row: CLAIM (leased with a random token) → buffer (id order) →
- * publish when no earlier message of its partition key is in flight → the
- * sink's result → an outcome (SENT / RETRY / DEAD / UNCLAIM) queued in
- * `pending` → one SETTLE request applies all pending outcomes, fenced by token.
+ * drain.c — the per-outbox relay core: the wiring between a source (two
+ * database connections), a sink (one broker connection), timers and the
+ * ledger (relay/ledger.c), which owns every row's life and its invariants.
  *
  * Two database connections per outbox, each running one request at a time:
  * `main` holds leadership and runs claims, retention and stats; `settler`
  * applies outcomes. Claims and settles overlap, so the publish window stays
- * full while the database commits. kick() starts whatever each can run next.
+ * full while the database commits. kick() starts whatever each can run next;
+ * pump() publishes what the ledger allows while the sink takes it.
+ *
+ * Time: lease deadlines and confirm latencies use the monotonic clock. A row
+ * is never published past its claim's deadline: the time the claim was sent,
+ * plus the lease, minus a safety margin (lease / 5, at most 10 s).
  */
 #include "relay/drain.h"
 
@@ -19,28 +21,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <time.h>
 
-#include "relay/keyset.h"
+#include "relay/ledger.h"
 #include "relay/log.h"
 #include "relay/sink.h"
 #include "relay/source.h"
 
-typedef struct entry {
-    struct entry *prev, *next;   /* buffer list or in-flight list */
-    struct drain *d;
-    row          *r;             /* owned */
-    bool          old;           /* published before the source last went down */
-    ev_tstamp     published_at;
-} entry;
-
-typedef struct elist { entry *head, *tail; size_t n; } elist;
-
-typedef struct outcome {
-    src_outcome o;               /* o.reason owned (malloc'd) or NULL */
-    char       *block_key;       /* owned: key blocked by this outcome until it is settled */
-} outcome;
-
-typedef struct outcomes { outcome *v; size_t n, cap; } outcomes;
+#define DRAIN_MARGIN_MAX 10.0   /* seconds kept between a lease deadline and its expiry */
 
 /* One database connection (a source instance) and its request state. */
 typedef struct sconn {
@@ -66,12 +54,14 @@ struct drain {
     sconn             settler;   /* settles */
     const sink_ops   *kops;
     sink             *snk;
+    ledger           *led;       /* every row held, from claim to settled */
     char              lock_name[200];
     char              conn_name[200];
 
     int       sink_state;
     bool      leader;
     size_t    claim_asked;
+    double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
 
     bool      want_claim;        /* wake-up, poll tick or a full previous claim */
     bool      lead_due;
@@ -84,20 +74,6 @@ struct drain {
     void    (*on_stopped)(void *ud);
     void     *stop_ud;
 
-    elist     buffer;            /* claimed, not yet published, id order */
-    elist     inflight;          /* published, awaiting the sink's result */
-    size_t    n_old_inflight;
-    keyset    busy_keys;         /* partition key -> id of its in-flight message */
-    keyset    blocked;           /* partition key -> id of a failed row not yet settled */
-    keyset    unblock_later;     /* settled while a claim was running: unblock after it */
-    keyset    held;              /* id -> entry (as intptr_t) of every buffered/in-flight row,
-                                    or HELD_OUTCOME until the row's outcome is settled */
-    outcomes  resettle;          /* outcomes re-issued under a newer token after the running settle */
-    outcomes  recent;            /* settled while a claim was running: kept until it returns */
-    outcomes  pending;           /* not yet sent to the source */
-    outcomes  settling;          /* in the outstanding SETTLE request */
-    bool      oom_warned;
-
     ev_timer  poll_timer;
     ev_timer  lead_timer;
     ev_timer  cleanup_timer;
@@ -109,54 +85,15 @@ struct drain {
 
 static void kick(drain *d);
 static void pump(drain *d);
+static void arm_poll(drain *d);
 
 /* ---------- small helpers ---------- */
 
-static void elist_push(elist *l, entry *e)
+static double mono_now(void)
 {
-    e->prev = l->tail;
-    e->next = NULL;
-    if (l->tail)
-        l->tail->next = e;
-    else
-        l->head = e;
-    l->tail = e;
-    l->n++;
-}
-
-static void elist_remove(elist *l, entry *e)
-{
-    if (e->prev)
-        e->prev->next = e->next;
-    else
-        l->head = e->next;
-    if (e->next)
-        e->next->prev = e->prev;
-    else
-        l->tail = e->prev;
-    e->prev = e->next = NULL;
-    l->n--;
-}
-
-static void id_key(int64_t id, char out[24])
-{
-    snprintf(out, 24, "%" PRId64, id);
-}
-
-#define HELD_OUTCOME (-1)   /* `held` value: the row's outcome is pending or being settled */
-
-/* Frees an entry; its id is forgotten unless an outcome now stands for it. */
-static void entry_free(entry *e)
-{
-    if (e == NULL)
-        return;
-    char k[24];
-    int64_t v;
-    id_key(e->r->id, k);
-    if (keyset_get(&e->d->held, k, &v) && v == (int64_t)(intptr_t)e)
-        keyset_del(&e->d->held, k);
-    row_free(e->r);
-    free(e);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
 static int64_t new_token(void)
@@ -165,121 +102,11 @@ static int64_t new_token(void)
     while (t == 0) {
         if (getrandom(&t, sizeof t, 0) != (ssize_t)sizeof t) {
             /* getrandom on Linux ≥ 3.17 does not fail for 8 bytes; fall back anyway */
-            t = (uint64_t)ev_time() * 1000003u ^ (uint64_t)(uintptr_t)&t;
+            t = (uint64_t)(mono_now() * 1e9) * 1000003u ^ (uint64_t)(uintptr_t)&t;
         }
         t &= INT64_MAX;
     }
     return (int64_t)t;
-}
-
-static void outcomes_free(outcomes *o)
-{
-    for (size_t i = 0; i < o->n; i++) {
-        free((char *)o->v[i].o.reason);
-        free(o->v[i].block_key);
-    }
-    free(o->v);
-    *o = (outcomes){ 0 };
-}
-
-/* Queues an outcome for r. reason is copied. block_key (may be NULL) is copied. */
-static void add_outcome(drain *d, const row *r, int kind, int64_t backoff_ms,
-                        const char *reason, const char *block_key)
-{
-    outcomes *p = &d->pending;
-    if (p->n == p->cap) {
-        size_t ncap = p->cap ? p->cap * 2 : 64;
-        outcome *nv = realloc(p->v, ncap * sizeof *nv);
-        if (nv == NULL)
-            goto oom;
-        p->v = nv;
-        p->cap = ncap;
-    }
-    outcome *o = &p->v[p->n];
-    *o = (outcome){ .o = { .id = r->id, .lease_token = r->lease_token, .kind = kind,
-                           .backoff_ms = backoff_ms } };
-    if (reason != NULL && (o->o.reason = strdup(reason)) == NULL)
-        goto oom;
-    if (block_key != NULL && (o->block_key = strdup(block_key)) == NULL) {
-        free((char *)o->o.reason);
-        goto oom;
-    }
-    p->n++;
-    char k[24];
-    id_key(r->id, k);
-    if (keyset_put(&d->held, k, HELD_OUTCOME) != 0)
-        log_msg(LOG_ERROR, "outbox=%s: out of memory tracking id=%" PRId64, d->ob->name, r->id);
-    return;
-oom:
-    /* The row keeps its lease; it becomes claimable again when the lease expires. */
-    if (!d->oom_warned)
-        log_msg(LOG_ERROR, "outbox=%s: out of memory recording the outcome of id=%" PRId64
-                "; its lease will expire instead", d->ob->name, r->id);
-    d->oom_warned = true;
-}
-
-static outcome *find_outcome(outcomes *o, int64_t id)
-{
-    for (size_t i = 0; i < o->n; i++)
-        if (o->v[i].o.id == id)
-            return &o->v[i];
-    return NULL;
-}
-
-/* A claim leased again a row whose outcome is not settled yet (its lease had
-   expired): the outcome must apply under the new token; the row is not published
-   again. Returns false when out of memory. */
-static bool adopt_outcome_token(drain *d, const row *r)
-{
-    outcome *o = find_outcome(&d->pending, r->id);
-    if (o != NULL) {
-        o->o.lease_token = r->lease_token;
-        return true;
-    }
-    /* Settled while this claim ran: the claim could only lease the row again if the
-       settle found the token already changed, i.e. did not apply. Issue it again. */
-    o = find_outcome(&d->recent, r->id);
-    if (o != NULL) {
-        outcomes *p = &d->pending;
-        if (p->n == p->cap) {
-            size_t ncap = p->cap ? p->cap * 2 : 64;
-            outcome *nv = realloc(p->v, ncap * sizeof *nv);
-            if (nv == NULL)
-                return false;
-            p->v = nv;
-            p->cap = ncap;
-        }
-        p->v[p->n] = (outcome){ .o = o->o };
-        p->v[p->n].o.lease_token = r->lease_token;
-        p->v[p->n].o.reason = o->o.reason;   /* moves */
-        o->o.reason = NULL;
-        p->n++;
-        return true;
-    }
-    o = find_outcome(&d->settling, r->id);
-    if (o == NULL)
-        return false;
-    outcomes *rs = &d->resettle;
-    if (rs->n == rs->cap) {
-        size_t ncap = rs->cap ? rs->cap * 2 : 16;
-        outcome *nv = realloc(rs->v, ncap * sizeof *nv);
-        if (nv == NULL)
-            return false;
-        rs->v = nv;
-        rs->cap = ncap;
-    }
-    outcome *n = &rs->v[rs->n];
-    *n = (outcome){ .o = o->o };
-    n->o.lease_token = r->lease_token;
-    n->o.reason = NULL;
-    if (o->o.reason != NULL && (n->o.reason = strdup(o->o.reason)) == NULL)
-        return false;
-    if (o->block_key != NULL && (n->block_key = strdup(o->block_key)) == NULL) {
-        free((char *)n->o.reason);
-        return false;
-    }
-    rs->n++;
-    return true;
 }
 
 static void schedule_kick(drain *d)
@@ -288,62 +115,23 @@ static void schedule_kick(drain *d)
         ev_idle_start(d->loop, &d->kick_idle);
 }
 
-/* Blocks key until the outcome that failed row id is settled, and gives back
-   every buffered later row of the same key so nothing overtakes it. */
-static void block_key(drain *d, const char *key, int64_t id)
+/* Copies the ledger's counters into the metrics the HTTP endpoint renders. */
+static void sync_metrics(drain *d)
 {
-    if (key == NULL)
-        return;
-    if (keyset_put(&d->blocked, key, id) != 0)
-        log_msg(LOG_ERROR, "outbox=%s: out of memory blocking key", d->ob->name);
-    for (entry *e = d->buffer.head, *next; e != NULL; e = next) {
-        next = e->next;
-        if (e->r->partition_key != NULL && strcmp(e->r->partition_key, key) == 0) {
-            elist_remove(&d->buffer, e);
-            add_outcome(d, e->r, SRC_UNCLAIM, 0, NULL, NULL);
-            entry_free(e);
-        }
-    }
-}
-
-/* Gives every buffered row back to the table. */
-static void unclaim_buffer(drain *d)
-{
-    entry *e;
-    while ((e = d->buffer.head) != NULL) {
-        elist_remove(&d->buffer, e);
-        add_outcome(d, e->r, SRC_UNCLAIM, 0, NULL, NULL);
-        entry_free(e);
-    }
-}
-
-static int64_t backoff_for(const cfg_outbox *ob, int attempts)
-{
-    int64_t b = ob->retry_backoff_ms;
-    for (int i = 1; i < attempts && b < ob->retry_backoff_max_ms; i++)
-        b *= 2;
-    return b > ob->retry_backoff_max_ms ? ob->retry_backoff_max_ms : b;
-}
-
-/* A failed attempt of r: retry with back-off, or dead-letter after max_attempts. */
-static void row_failed(drain *d, const row *r, const char *reason)
-{
-    int attempts = r->attempts + 1;
-    char why[600];
-    if (attempts >= d->ob->max_attempts) {
-        snprintf(why, sizeof why, "%s (after %d attempts)", reason, attempts);
-        log_msg(LOG_ERROR, "outbox=%s id=%" PRId64 " message_id=%s: dead-lettered: %s",
-                d->ob->name, r->id, r->message_id, why);
-        add_outcome(d, r, SRC_DEAD, 0, why, r->partition_key);
-        d->m.dead++;
-    } else {
-        int64_t b = backoff_for(d->ob, attempts);
-        log_msg(LOG_WARN, "outbox=%s id=%" PRId64 " message_id=%s: attempt %d/%d failed: %s; "
-                "retry in %" PRId64 " ms", d->ob->name, r->id, r->message_id, attempts,
-                d->ob->max_attempts, reason, b);
-        add_outcome(d, r, SRC_RETRY, b, reason, r->partition_key);
-    }
-    block_key(d, r->partition_key, r->id);
+    const ledger_stats *st = ledger_get_stats(d->led);
+    d->m.relayed = st->relayed;
+    d->m.failed = st->failed;
+    d->m.returned = st->returned;
+    d->m.nacked = st->nacked;
+    d->m.rejected = st->rejected;
+    d->m.refused = st->refused;
+    d->m.dead = st->dead;
+    d->m.retried_unconfirmed = st->given_back;
+    d->m.overtaken = st->overtaken;
+    d->m.expired = st->expired;
+    d->m.lease_lost = st->lease_lost;
+    d->m.in_flight = ledger_n_inflight(d->led);
+    d->m.buffered = ledger_n_buffered(d->led);
 }
 
 /* ---------- sink callbacks ---------- */
@@ -367,54 +155,23 @@ static void sink_on_state(void *ud, int state, const char *msg)
         log_msg(LOG_WARN, "outbox=%s sink=%s: broker blocked the connection (%s); publishing paused",
                 d->ob->name, d->ob->sink_name, msg ? msg : "resource alarm");
     } else {
+        /* Buffered rows stay held (their leases run on; rows past their deadline are
+           given back at the next pump). Unconfirmed ones come back as SINK_LOST and
+           are published again, in id order per key, once the sink is up. */
         log_msg(was == SINK_DOWN ? LOG_DEBUG : LOG_WARN, "outbox=%s sink=%s: down: %s",
                 d->ob->name, d->ob->sink_name, msg ? msg : "?");
-        unclaim_buffer(d);
     }
     schedule_kick(d);
 }
 
-static void sink_on_result(void *ud, void *msg_ud, int outcome_kind, const char *reason)
+static void sink_on_result(void *ud, void *msg_ud, int outcome, const char *reason)
 {
     drain *d = ud;
-    entry *e = msg_ud;
-    row *r = e->r;
-    elist_remove(&d->inflight, e);
-    d->m.in_flight = d->inflight.n;
-    if (e->old && d->n_old_inflight > 0)
-        d->n_old_inflight--;
-    if (r->partition_key != NULL) {
-        int64_t v;
-        if (keyset_get(&d->busy_keys, r->partition_key, &v) && v == r->id)
-            keyset_del(&d->busy_keys, r->partition_key);
-    }
-    switch (outcome_kind) {
-    case SINK_ACK:
-        histogram_observe(&d->m.confirm_latency, ev_now(d->loop) - e->published_at);
-        add_outcome(d, r, SRC_SENT, 0, NULL, NULL);
-        break;
-    case SINK_RETURNED:
-        d->m.returned++;
-        d->m.failed++;
-        row_failed(d, r, reason ? reason : "returned by the broker (unroutable)");
-        break;
-    case SINK_NACKED:
-        d->m.nacked++;
-        d->m.failed++;
-        row_failed(d, r, reason ? reason : "nacked by the broker");
-        break;
-    case SINK_REJECTED:
-        d->m.rejected++;
-        d->m.failed++;
-        row_failed(d, r, reason ? reason : "rejected by the broker");
-        break;
-    default: /* SINK_LOST: not the message's fault */
-        d->m.lost++;
-        add_outcome(d, r, SRC_UNCLAIM, 0, NULL, r->partition_key);
-        block_key(d, r->partition_key, r->id);
-        break;
-    }
-    entry_free(e);
+    led_entry *e = msg_ud;
+    double now = mono_now();
+    if (outcome == SINK_ACK)
+        histogram_observe(&d->m.confirm_latency, now - ledger_published_at(e));
+    ledger_result(d->led, e, outcome, reason, now);
     pump(d);
     schedule_kick(d);
 }
@@ -422,45 +179,35 @@ static void sink_on_result(void *ud, void *msg_ud, int outcome_kind, const char 
 static void sink_on_writable(void *ud)
 {
     drain *d = ud;
+    ledger_unpark(d->led);   /* a destination check may have finished */
     pump(d);
     schedule_kick(d);
 }
 
-/* Publishes buffered rows while the sink accepts them, one in flight per key. */
+/* Publishes what the ledger allows while the sink accepts it. */
 static void pump(drain *d)
 {
-    if (d->sink_state != SINK_UP || d->stopping)
+    if (d->sink_state != SINK_UP || d->stopping) {
+        sync_metrics(d);
         return;
-    for (entry *e = d->buffer.head, *next; e != NULL; e = next) {
-        next = e->next;
-        const char *key = e->r->partition_key;
-        if (key != NULL && keyset_get(&d->busy_keys, key, NULL))
-            continue;
-        char err[300] = "";
-        int rc = d->kops->publish(d->snk, e->r, e, err, sizeof err);
+    }
+    double now = mono_now();
+    led_entry *e;
+    while ((e = ledger_next(d->led, now)) != NULL) {
+        char err[400] = "";
+        int rc = d->kops->publish(d->snk, ledger_row(e), e, err, sizeof err);
         if (rc == SINK_EAGAIN)
             break;
-        elist_remove(&d->buffer, e);
-        if (rc == SINK_QUEUED) {
-            e->published_at = ev_now(d->loop);
-            elist_push(&d->inflight, e);
-            d->m.in_flight = d->inflight.n;
-            if (key != NULL && keyset_put(&d->busy_keys, key, e->r->id) != 0)
-                log_msg(LOG_ERROR, "outbox=%s: out of memory tracking key", d->ob->name);
-        } else {
-            /* can never be published: dead-letter now, later rows of its key go on */
-            char why[400];
-            snprintf(why, sizeof why, "unpublishable: %s", err[0] ? err : "rejected by the sink");
-            log_msg(LOG_ERROR, "outbox=%s id=%" PRId64 " message_id=%s: dead-lettered: %s",
-                    d->ob->name, e->r->id, e->r->message_id, why);
-            add_outcome(d, e->r, SRC_DEAD, 0, why, key);
-            d->m.dead++;
-            d->m.failed++;
-            if (key != NULL && keyset_put(&d->blocked, key, e->r->id) != 0)
-                log_msg(LOG_ERROR, "outbox=%s: out of memory blocking key", d->ob->name);
-            entry_free(e);
-        }
+        if (rc == SINK_QUEUED)
+            ledger_published(d->led, e, now);
+        else if (rc == SINK_EWAIT)
+            ledger_wait(d->led, e);
+        else if (rc == SINK_EREFUSED)
+            ledger_refused(d->led, e, LED_REFUSED, err, now);
+        else
+            ledger_refused(d->led, e, LED_UNPUBLISHABLE, err, now);
     }
+    sync_metrics(d);
 }
 
 /* ---------- source callbacks ---------- */
@@ -513,16 +260,8 @@ static void main_on_state(void *ud, int state, const char *msg)
         /* Buffered rows cannot be given back now; their leases expire or a new
            leader resets them. In-flight ones are settled by the other connection
            (the token fences them), and no new claim runs before they finish. */
-        entry *e;
-        while ((e = d->buffer.head) != NULL) {
-            elist_remove(&d->buffer, e);
-            entry_free(e);
-        }
-        for (e = d->inflight.head; e != NULL; e = e->next)
-            if (!e->old) {
-                e->old = true;
-                d->n_old_inflight++;
-            }
+        ledger_drop_buffered(d->led);
+        sync_metrics(d);
     }
     schedule_kick(d);
 }
@@ -556,89 +295,23 @@ static void arm_poll(drain *d)
     ev_timer_start(d->loop, &d->poll_timer);
 }
 
-/* Unblocks keys whose failed row was settled while a claim was running. */
-static void unblock_deferred(drain *d)
-{
-    keyset *u = &d->unblock_later;
-    for (size_t i = 0; i < u->cap; i++) {
-        const keyset_slot *sl = &u->slots[i];
-        int64_t v;
-        if (sl->key == NULL || sl->key == keyset_tomb ||
-            !keyset_get(&d->blocked, sl->key, &v) || v != sl->value)
-            continue;
-        keyset_del(&d->blocked, sl->key);
-    }
-    keyset_clear(u);
-}
-
-/* The claim that ran while `recent` outcomes were settled has returned (its rows
-   re-issued any of them that it leased again): forget the others' ids. */
-static void forget_recent(drain *d)
-{
-    for (size_t i = 0; i < d->recent.n; i++) {
-        int64_t id = d->recent.v[i].o.id, hv;
-        char k[24];
-        id_key(id, k);
-        if (find_outcome(&d->pending, id) == NULL && find_outcome(&d->settling, id) == NULL &&
-            keyset_get(&d->held, k, &hv) && hv == HELD_OUTCOME)
-            keyset_del(&d->held, k);
-    }
-    outcomes_free(&d->recent);
-}
-
 static void on_claimed(drain *d, const src_result *res)
 {
     double min_poll = d->ob->poll_interval_ms / 1000.0;
     if (min_poll > 0.05)
         min_poll = 0.05;
     d->m.claims++;
-    if (res->ok != 0) {
-        unblock_deferred(d);
-        forget_recent(d);
-    }
     histogram_observe(&d->m.claim_latency, ev_now(d->loop) - d->main.req_started);
     if (res->ok != 0) {
+        ledger_claim_failed(d->led);
         d->want_claim = true;
         return;
     }
     d->m.claimed_rows += res->n_rows;
-    for (size_t i = 0; i < res->n_rows; i++) {
-        row *r = res->rows[i];
-        /* A row we still hold whose lease expired meanwhile (a long broker block, say)
-           was leased again by this claim: keep the one copy, under the new token. */
-        char k[24];
-        int64_t held;
-        id_key(r->id, k);
-        if (keyset_get(&d->held, k, &held)) {
-            if (held != HELD_OUTCOME)
-                ((entry *)(intptr_t)held)->r->lease_token = r->lease_token;
-            else if (!adopt_outcome_token(d, r))
-                log_msg(LOG_WARN, "outbox=%s id=%" PRId64 ": could not adopt a renewed lease; "
-                        "the row may be published again", d->ob->name, r->id);
-            row_free(r);
-            continue;
-        }
-        int64_t fid;
-        if (d->stopping || (r->partition_key != NULL &&
-                            keyset_get(&d->blocked, r->partition_key, &fid) && fid < r->id)) {
-            add_outcome(d, r, SRC_UNCLAIM, 0, NULL, NULL);
-            row_free(r);
-            continue;
-        }
-        entry *e = calloc(1, sizeof *e);
-        if (e == NULL || keyset_put(&d->held, k, (int64_t)(intptr_t)e) != 0) {
-            free(e);
-            add_outcome(d, r, SRC_UNCLAIM, 0, NULL, NULL);
-            row_free(r);
-            continue;
-        }
-        e->d = d;
-        e->r = r;     /* takes ownership */
-        elist_push(&d->buffer, e);
-    }
+    ledger_claimed(d->led, res->rows, res->n_rows, d->claim_deadline);   /* takes the rows */
     free(res->rows);
-    unblock_deferred(d);
-    forget_recent(d);
+    if (d->stopping)
+        ledger_giveback_buffered(d->led);
     if (res->n_rows >= d->claim_asked) {
         d->want_claim = true;
         d->poll_delay = min_poll;
@@ -656,108 +329,8 @@ static void on_claimed(drain *d, const src_result *res)
 
 static void on_settled(drain *d, const src_result *res)
 {
-    outcomes *s = &d->settling;
-    if (res->ok != 0) {
-        /* put them back in front of anything newer and try again later */
-        outcomes merged = *s;
-        *s = (outcomes){ 0 };
-        for (size_t i = 0; i < d->pending.n; i++) {
-            if (merged.n == merged.cap) {
-                size_t ncap = merged.cap ? merged.cap * 2 : 64;
-                outcome *nv = realloc(merged.v, ncap * sizeof *nv);
-                if (nv == NULL) {
-                    /* give up on the older ones: their leases expire */
-                    for (size_t k = i; k < d->pending.n; k++) {
-                        free((char *)d->pending.v[k].o.reason);
-                        free(d->pending.v[k].block_key);
-                    }
-                    break;
-                }
-                merged.v = nv;
-                merged.cap = ncap;
-            }
-            merged.v[merged.n++] = d->pending.v[i];
-        }
-        free(d->pending.v);
-        d->pending = merged;
-        /* outcomes re-leased meanwhile: retry them under their newer token */
-        for (size_t i = 0; i < d->resettle.n; i++) {
-            outcome *o = find_outcome(&d->pending, d->resettle.v[i].o.id);
-            if (o != NULL)
-                o->o.lease_token = d->resettle.v[i].o.lease_token;
-        }
-        outcomes_free(&d->resettle);
-        return;
-    }
-    /* A claim running now may have read the table before this settle committed
-       (two connections): its rows of these keys are filtered first, then unblocked. */
-    bool claim_running = d->main.busy && d->main.busy_req == SRC_REQ_CLAIM;
-    size_t n_sent = 0;
-    for (size_t i = 0; i < s->n; i++) {
-        char ik[24];
-        int64_t hv;
-        id_key(s->v[i].o.id, ik);
-        if (find_outcome(&d->resettle, s->v[i].o.id) != NULL)
-            continue;   /* goes again under its newer token (and is counted then) */
-        if (s->v[i].o.kind == SRC_SENT)
-            n_sent++;
-        /* with a claim running the id stays held until its rows were checked */
-        if (!claim_running && keyset_get(&d->held, ik, &hv) && hv == HELD_OUTCOME)
-            keyset_del(&d->held, ik);
-        const char *k = s->v[i].block_key;
-        int64_t v;
-        if (k == NULL || !keyset_get(&d->blocked, k, &v) || v != s->v[i].o.id)
-            continue;
-        if (!claim_running)
-            keyset_del(&d->blocked, k);
-        else if (keyset_put(&d->unblock_later, k, v) != 0)
-            log_msg(LOG_ERROR, "outbox=%s: out of memory tracking key", d->ob->name);
-    }
-    d->m.relayed += n_sent;
-    if (res->n_applied + d->resettle.n < s->n) {
-        size_t lost = s->n - res->n_applied - d->resettle.n;
-        d->m.lease_lost += lost;
-        log_msg(LOG_WARN, "outbox=%s: %zu of %zu outcomes not applied: the lease moved on "
-                "(another relay took the rows over, or a lost connection had already "
-                "applied them)", d->ob->name, lost, s->n);
-    }
-    if (claim_running) {
-        /* keep them (ids still held) until the running claim returns */
-        for (size_t i = 0; i < s->n; i++) {
-            outcomes *rc = &d->recent;
-            if (find_outcome(&d->resettle, s->v[i].o.id) != NULL)
-                continue;
-            if (rc->n == rc->cap) {
-                size_t ncap = rc->cap ? rc->cap * 2 : 64;
-                outcome *nv = realloc(rc->v, ncap * sizeof *nv);
-                if (nv == NULL)
-                    break;
-                rc->v = nv;
-                rc->cap = ncap;
-            }
-            rc->v[rc->n++] = (outcome){ .o = s->v[i].o };   /* reason moves */
-            s->v[i].o.reason = NULL;
-        }
-    }
-    outcomes_free(s);
-    /* outcomes whose rows were leased again while this settle ran go once more */
-    for (size_t i = 0; i < d->resettle.n; i++) {
-        outcomes *p = &d->pending;
-        if (p->n == p->cap) {
-            size_t ncap = p->cap ? p->cap * 2 : 64;
-            outcome *nv = realloc(p->v, ncap * sizeof *nv);
-            if (nv == NULL) {
-                free((char *)d->resettle.v[i].o.reason);
-                free(d->resettle.v[i].block_key);
-                continue;
-            }
-            p->v = nv;
-            p->cap = ncap;
-        }
-        p->v[p->n++] = d->resettle.v[i];
-    }
-    free(d->resettle.v);
-    d->resettle = (outcomes){ 0 };
+    ledger_settle_done(d->led, res->ok == 0, res->n_applied);
+    sync_metrics(d);
 }
 
 /* A request failed but the connection may still be up (permissions, timeouts,
@@ -838,9 +411,9 @@ static size_t claim_size(const drain *d)
 {
     size_t batch = (size_t)d->ob->batch_size;
     size_t limit = (size_t)d->ob->sink->publish_window + 2 * batch;
-    size_t used = d->inflight.n + d->buffer.n;
-    if (used >= limit)
-        return 0;
+    size_t used = ledger_n_inflight(d->led) + ledger_n_buffered(d->led);
+    if (used >= limit || ledger_n_outcomes(d->led) >= limit)
+        return 0;    /* outcomes waiting for the database count too: memory stays bounded */
     size_t room = limit - used;
     if (used > 0 && room < batch)
         return 0;    /* wait for a whole batch */
@@ -849,24 +422,17 @@ static size_t claim_size(const drain *d)
 
 static bool start_settle(drain *d)
 {
-    size_t n = d->pending.n;
-    src_outcome *v = malloc(n * sizeof *v);
-    if (v == NULL)
+    const src_outcome *v;
+    size_t n = ledger_settle_begin(d->led, &v);
+    if (n == 0)
         return false;
-    for (size_t i = 0; i < n; i++)
-        v[i] = d->pending.v[i].o;
-    d->settling = d->pending;
-    d->pending = (outcomes){ 0 };
     sconn *c = &d->settler;
     c->busy = true;
     c->busy_req = SRC_REQ_SETTLE;
     c->req_started = ev_now(d->loop);
-    int rc = d->sops->settle(c->src, v, n);  /* copies v */
-    free(v);
-    if (rc != 0) {
+    if (d->sops->settle(c->src, v, n) != 0) {   /* copies v */
         c->busy = false;
-        d->pending = d->settling;
-        d->settling = (outcomes){ 0 };
+        ledger_settle_done(d->led, false, 0);
         return false;
     }
     return true;
@@ -876,7 +442,8 @@ static void check_stopped(drain *d)
 {
     if (!d->stopping || d->stop_reported || d->main.busy || d->settler.busy)
         return;
-    if (d->inflight.n == 0 && d->buffer.n == 0 && d->pending.n == 0) {
+    if (ledger_n_inflight(d->led) == 0 && ledger_n_buffered(d->led) == 0 &&
+        ledger_n_pending(d->led) == 0) {
         d->stop_reported = true;
         log_msg(LOG_INFO, "outbox=%s: drained and settled", d->ob->name);
         if (d->on_stopped)
@@ -897,6 +464,10 @@ static bool main_request(drain *d, int req)
         rc = d->sops->lead(c->src, d->lock_name);
         break;
     case SRC_REQ_CLAIM: {
+        double lease = d->ob->lease_ms / 1000.0, margin = lease / 5;
+        if (margin > DRAIN_MARGIN_MAX)
+            margin = DRAIN_MARGIN_MAX;
+        d->claim_deadline = mono_now() + lease - margin;
         src_claim_args a = {
             .max_rows = claim_size(d),
             .lease_ms = d->ob->lease_ms,
@@ -904,7 +475,10 @@ static bool main_request(drain *d, int req)
             .owner = d->c->relay.name,
         };
         d->claim_asked = a.max_rows;
+        ledger_claim_started(d->led);
         rc = d->sops->claim(c->src, &a);
+        if (rc != 0)
+            ledger_claim_failed(d->led);
         break;
     }
     case SRC_REQ_CLEANUP:
@@ -924,14 +498,15 @@ static bool main_request(drain *d, int req)
 static void kick(drain *d)
 {
     sconn *st = &d->settler, *mc = &d->main;
-    if (d->pending.n > 0 && st->up && !st->busy && !st->holding)
+    if (ledger_n_pending(d->led) > 0 && st->up && !st->busy && !st->holding)
         start_settle(d);
     if (mc->up && !mc->busy && !mc->holding) {
         bool claim_ok = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
-                        d->n_old_inflight == 0 && d->want_claim && claim_size(d) > 0;
+                        ledger_n_old(d->led) == 0 && d->want_claim && claim_size(d) > 0;
         if (d->ob->mode == CFG_MODE_LEADER && !d->leader && !d->stopping) {
             /* take over only once our own earlier work is settled */
-            if (d->lead_due && d->n_old_inflight == 0 && d->pending.n == 0 && !st->busy) {
+            if (d->lead_due && ledger_n_old(d->led) == 0 && ledger_n_pending(d->led) == 0 &&
+                !st->busy) {
                 d->lead_due = false;
                 (void)main_request(d, SRC_REQ_LEAD);
             }
@@ -1023,10 +598,21 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
     snprintf(d->lock_name, sizeof d->lock_name, "outbox-relay:%s.%s", ob->schema_part, ob->table_part);
     snprintf(d->conn_name, sizeof d->conn_name, "outbox-relay %s/%s", c->relay.name, ob->name);
 
+    ledger_cfg lc = { .outbox = ob->name, .max_attempts = ob->max_attempts,
+                      .backoff_ms = ob->retry_backoff_ms,
+                      .backoff_max_ms = ob->retry_backoff_max_ms,
+                      .strict = ob->ordering == CFG_ORDER_STRICT };
+    d->led = ledger_new(&lc);
+    if (d->led == NULL) {
+        snprintf(err, errlen, "outbox=%s: out of memory", ob->name);
+        free(d);
+        return NULL;
+    }
     d->sops = source_ops_for(ob);
     d->kops = sink_ops_for(ob->sink);
     if (d->sops == NULL || d->kops == NULL) {
         snprintf(err, errlen, "outbox=%s: no source or sink implementation", ob->name);
+        ledger_free(d->led);
         free(d);
         return NULL;
     }
@@ -1044,6 +630,7 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
             snprintf(err, errlen, "outbox=%s: %s", ob->name, e2);
             if (i == 1)
                 d->sops->destroy(d->main.src);
+            ledger_free(d->led);
             free(d);
             return NULL;
         }
@@ -1054,6 +641,7 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
         snprintf(err, errlen, "outbox=%s sink=%s: %s", ob->name, ob->sink_name, e2);
         d->sops->destroy(d->main.src);
         d->sops->destroy(d->settler.src);
+        ledger_free(d->led);
         free(d);
         return NULL;
     }
@@ -1091,8 +679,9 @@ void drain_stop(drain *d, void (*on_stopped)(void *ud), void *ud)
         return;
     d->stopping = true;
     log_msg(LOG_INFO, "outbox=%s: stopping: %zu in flight, %zu buffered rows given back",
-            d->ob->name, d->inflight.n, d->buffer.n);
-    unclaim_buffer(d);
+            d->ob->name, ledger_n_inflight(d->led), ledger_n_buffered(d->led));
+    ledger_giveback_buffered(d->led);
+    sync_metrics(d);
     ev_timer_stop(d->loop, &d->poll_timer);
     ev_timer_stop(d->loop, &d->lead_timer);
     ev_timer_stop(d->loop, &d->cleanup_timer);
@@ -1114,23 +703,7 @@ void drain_free(drain *d)
     d->kops->destroy(d->snk);
     d->sops->destroy(d->main.src);
     d->sops->destroy(d->settler.src);
-    entry *e;
-    while ((e = d->buffer.head) != NULL) {
-        elist_remove(&d->buffer, e);
-        entry_free(e);
-    }
-    while ((e = d->inflight.head) != NULL) {
-        elist_remove(&d->inflight, e);
-        entry_free(e);
-    }
-    outcomes_free(&d->pending);
-    outcomes_free(&d->settling);
-    outcomes_free(&d->resettle);
-    outcomes_free(&d->recent);
-    keyset_clear(&d->busy_keys);
-    keyset_clear(&d->blocked);
-    keyset_clear(&d->unblock_later);
-    keyset_clear(&d->held);
+    ledger_free(d->led);
     free(d);
 }
 

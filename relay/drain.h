@@ -3,12 +3,15 @@
  * rows from its source to its own sink connection. It never names a database
  * or a broker; it drives source_ops and sink_ops on the shared libev loop.
  *
- * Rules it keeps (SPEC §4):
+ * Rules it keeps (SPEC §4), through the ledger (relay/ledger.c, where the
+ * invariants are written down and checked):
  *  - a row is settled SENT only after the sink's ACK, by id and lease token;
- *  - at most one message per partition key is in flight; a failed row blocks
- *    the later rows of its key (given back to the table) until it succeeds or
- *    is dead-lettered; other keys keep flowing;
- *  - memory is bounded by publish_window (+ batch_size), not by the backlog.
+ *  - rows of one partition key reach the broker in id order; several may be in
+ *    flight at once towards one destination (ordering = strict: one); a failed
+ *    row holds back the later rows of its key until its outcome has committed;
+ *    other keys keep flowing;
+ *  - no row is published past its lease deadline;
+ *  - memory is bounded by publish_window + 2 x batch_size rows, not by the backlog.
  */
 #ifndef RELAY_DRAIN_H
 #define RELAY_DRAIN_H

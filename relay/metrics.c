@@ -117,7 +117,10 @@ char *metrics_render(ob_metrics *const *m, size_t n, size_t *len)
     counter(&b, m, n, "nacked_total", "Messages nacked by the broker.", OFF(nacked));
     counter(&b, m, n, "rejected_total", "Messages that made the broker close the channel.", OFF(rejected));
     counter(&b, m, n, "dead_total", "Rows moved to the dead-letter table by this process.", OFF(dead));
-    counter(&b, m, n, "lost_total", "In-flight messages given back after a connection loss.", OFF(lost));
+    counter(&b, m, n, "refused_total", "Rows refused before publishing (their exchange does not exist).", OFF(refused));
+    counter(&b, m, n, "retried_unconfirmed_total", "In-flight messages whose confirm was lost with a connection or channel: published again, not lost.", OFF(retried_unconfirmed));
+    counter(&b, m, n, "overtaken_total", "Later messages of a partition key accepted while an earlier one was refused (per-key order broken; ordering = strict rules it out).", OFF(overtaken));
+    counter(&b, m, n, "expired_total", "Buffered rows given back unpublished because their lease deadline passed.", OFF(expired));
     counter(&b, m, n, "claims_total", "Claim queries run.", OFF(claims));
     counter(&b, m, n, "claimed_rows_total", "Rows leased by claims.", OFF(claimed_rows));
     counter(&b, m, n, "lease_lost_total", "Outcomes not applied because the lease had moved on.", OFF(lease_lost));
@@ -137,6 +140,11 @@ char *metrics_render(ob_metrics *const *m, size_t n, size_t *len)
     for (size_t i = 0; i < n; i++)
         bprintf(&b, "outbox_relay_in_flight{outbox=\"%s\"} %llu\n", m[i]->outbox,
                 (unsigned long long)m[i]->in_flight);
+    bprintf(&b, "# HELP outbox_relay_buffered Claimed rows waiting to be published.\n"
+                "# TYPE outbox_relay_buffered gauge\n");
+    for (size_t i = 0; i < n; i++)
+        bprintf(&b, "outbox_relay_buffered{outbox=\"%s\"} %llu\n", m[i]->outbox,
+                (unsigned long long)m[i]->buffered);
     hist(&b, m, n, "confirm_latency_seconds", "Publish to broker confirm.", OFF(confirm_latency));
     hist(&b, m, n, "claim_latency_seconds", "Claim query round trip.", OFF(claim_latency));
     if (b.oom) {

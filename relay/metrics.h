@@ -26,7 +26,10 @@ typedef struct ob_metrics {
     uint64_t nacked;
     uint64_t rejected;       /* channel closed because of the message */
     uint64_t dead;           /* moved to the dead-letter table by this process */
-    uint64_t lost;           /* in flight when a connection dropped: given back */
+    uint64_t refused;        /* refused before publishing (exchange missing): failed attempts */
+    uint64_t retried_unconfirmed; /* in flight when a connection or channel was lost: sent again */
+    uint64_t overtaken;      /* later rows of a key accepted while an earlier one was refused */
+    uint64_t expired;        /* buffered rows given back unpublished: lease deadline passed */
     uint64_t claims;
     uint64_t claimed_rows;
     uint64_t lease_lost;     /* settles whose token no longer matched */
@@ -35,6 +38,7 @@ typedef struct ob_metrics {
     int64_t  dead_rows;
     int      source_up, sink_up, sink_blocked, leader;
     uint64_t in_flight;
+    uint64_t buffered;
     histogram confirm_latency;
     histogram claim_latency;
 } ob_metrics;

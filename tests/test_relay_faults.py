@@ -149,7 +149,7 @@ def test_db_backends_terminated_mid_drain(services, pgdb, relay_bin, build, tmp_
         text = r.text()
         n_lost_logs = len(re.findall(r"database unavailable \((?:main|settler) connection\)", text))
         n_conn = len(re.findall(r"database connected", text))
-        lost = r.metric("outbox_relay_lost_total")
+        lost = r.metric("outbox_relay_retried_unconfirmed_total")
         lease_lost = r.metric("outbox_relay_lease_lost_total")
     finally:
         stop_clean(r)
@@ -222,7 +222,7 @@ def test_broker_connections_closed_mid_drain(services, pgdb, relay_bin, build, t
         took = c.wait_all_sent(n)
         t_all = time.monotonic() - t0
         text = r.text()
-        lost = r.metric("outbox_relay_lost_total")
+        lost = r.metric("outbox_relay_retried_unconfirmed_total")
     finally:
         stop_clean(r)
     got = c.collect()
@@ -258,7 +258,7 @@ def test_broker_restart_mid_drain(services, pgdb, relay_bin, build, tmp_path):
         outage = time.monotonic() - t_stop
         took = c.wait_all_sent(n)
         text = r.text()
-        lost = r.metric("outbox_relay_lost_total")
+        lost = r.metric("outbox_relay_retried_unconfirmed_total")
     finally:
         try:
             if app_stopped:
@@ -507,7 +507,7 @@ def test_blocked_longer_than_confirm_timeout(services, pgdb, relay_bin, build, t
         alarm = False
         took = c.wait_all_sent(n, timeout=30)
         text = r.text()
-        lost = r.metric("outbox_relay_lost_total")
+        lost = r.metric("outbox_relay_retried_unconfirmed_total")
     finally:
         try:
             if alarm:
