@@ -5,9 +5,18 @@
  *
  * Publishes COUNT persistent messages of SIZE bytes to QUEUE (through the
  * default exchange; the caller declares the queue durable) on one channel in
- * confirm mode, keeping at most WINDOW unconfirmed, with plain blocking
- * rabbitmq-c. Prints `probe msgs=N secs=S rate=R`. Exit 1 on any failure
- * (nack, return, broker error, 30 s without a confirm).
+ * confirm mode, `mandatory`, keeping at most WINDOW unconfirmed, with plain
+ * blocking rabbitmq-c. Each message carries what the relay's carry: a 36-byte
+ * message-id and a timestamp. Prints
+ *   probe msgs=N secs=S rate=R t0=T0 t1=T1 blocked=B
+ * where S and R run from the first publish to the last confirm and T0, T1 are
+ * those instants on CLOCK_MONOTONIC (the bench times the probe and the relay
+ * alike from the broker's queue with queue_watch; R is the probe's own view).
+ * B is the seconds the broker held the connection blocked (a memory or disk
+ * alarm; the probe declares the connection.blocked capability like the relay,
+ * stops publishing meanwhile and says so on stderr): a figure with B > 0 is
+ * disturbed. Exit 1 on any failure (nack, return, broker error, 30 s without
+ * a confirm while not blocked).
  */
 #include <amqp.h>
 #include <amqp_tcp_socket.h>
@@ -24,6 +33,30 @@ static double now(void)
 
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* Client properties declaring the capabilities the relay declares (rabbitmq-c's defaults
+ * leave out connection.blocked, so a blocked probe would only see a timeout). */
+static amqp_table_entry_t caps_entries[3];
+static amqp_table_entry_t prop_entries[1];
+
+static amqp_table_t client_properties(void)
+{
+    amqp_table_t t;
+    const char *const names[3] = { "connection.blocked", "publisher_confirms", "basic.nack" };
+
+    for (int i = 0; i < 3; i++) {
+        caps_entries[i].key = amqp_cstring_bytes(names[i]);
+        caps_entries[i].value.kind = AMQP_FIELD_KIND_BOOLEAN;
+        caps_entries[i].value.value.boolean = 1;
+    }
+    prop_entries[0].key = amqp_cstring_bytes("capabilities");
+    prop_entries[0].value.kind = AMQP_FIELD_KIND_TABLE;
+    prop_entries[0].value.value.table.num_entries = 3;
+    prop_entries[0].value.value.table.entries = caps_entries;
+    t.num_entries = 1;
+    t.entries = prop_entries;
+    return t;
 }
 
 static int reply_ok(amqp_rpc_reply_t r, const char *what)
@@ -51,7 +84,10 @@ int main(int argc, char **argv)
     long                        count, window;
     size_t                      size;
     long                        published = 0, confirmed = 0;
-    double                      t0, secs;
+    amqp_table_t                cprops;
+    double                      t0, secs, blocked_at = 0, blocked_secs = 0;
+    int                         blocked = 0;
+    char                        msgid[48];
     int                         rc = 1;
 
     if (argc != 6) {
@@ -87,8 +123,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "amqp_probe: cannot connect to %s:%d\n", ci.host, ci.port);
         goto out;
     }
-    if (!reply_ok(amqp_login(conn, ci.vhost, 0, 131072, 0, AMQP_SASL_METHOD_PLAIN, ci.user,
-                             ci.password), "login"))
+    cprops = client_properties();
+    if (!reply_ok(amqp_login_with_properties(conn, ci.vhost, 0, 131072, 0, &cprops,
+                                             AMQP_SASL_METHOD_PLAIN, ci.user, ci.password),
+                  "login"))
         goto out;
     amqp_channel_open(conn, 1);
     if (!reply_ok(amqp_get_rpc_reply(conn), "channel.open"))
@@ -98,8 +136,10 @@ int main(int argc, char **argv)
         goto out;
 
     memset(&props, 0, sizeof props);
-    props._flags = AMQP_BASIC_DELIVERY_MODE_FLAG;
+    props._flags = AMQP_BASIC_DELIVERY_MODE_FLAG | AMQP_BASIC_MESSAGE_ID_FLAG |
+                   AMQP_BASIC_TIMESTAMP_FLAG;
     props.delivery_mode = AMQP_DELIVERY_PERSISTENT;
+    props.timestamp = (uint64_t)time(NULL);
     body.bytes = payload;
     body.len = size;
     queue = amqp_cstring_bytes(argv[2]);
@@ -109,7 +149,9 @@ int main(int argc, char **argv)
         amqp_frame_t f;
         int          r;
 
-        while (published < count && published - confirmed < window) {
+        while (!blocked && published < count && published - confirmed < window) {
+            snprintf(msgid, sizeof msgid, "00000000-0000-4000-8000-%012ld", published + 1);
+            props.message_id = amqp_cstring_bytes(msgid);
             r = amqp_basic_publish(conn, 1, amqp_empty_bytes, queue, 1, 0, &props, body);
             if (r != AMQP_STATUS_OK) {
                 fprintf(stderr, "amqp_probe: publish: %s\n", amqp_error_string2(r));
@@ -118,6 +160,8 @@ int main(int argc, char **argv)
             published++;
         }
         r = amqp_simple_wait_frame_noblock(conn, &f, &tmo);
+        if (r == AMQP_STATUS_TIMEOUT && blocked)
+            continue;   /* the alarm may last; the caller bounds the whole run */
         if (r != AMQP_STATUS_OK) {
             fprintf(stderr, "amqp_probe: waiting for confirms: %s\n", amqp_error_string2(r));
             goto out;
@@ -137,6 +181,21 @@ int main(int argc, char **argv)
         } else if (f.payload.method.id == AMQP_BASIC_RETURN_METHOD) {
             fprintf(stderr, "amqp_probe: basic.return: queue %s missing?\n", argv[2]);
             goto out;
+        } else if (f.payload.method.id == AMQP_CONNECTION_BLOCKED_METHOD) {
+            const amqp_connection_blocked_t *b = f.payload.method.decoded;
+
+            if (!blocked) {
+                blocked = 1;
+                blocked_at = now();
+                fprintf(stderr, "amqp_probe: the broker blocked the connection (%.*s)\n",
+                        (int)b->reason.len, (const char *)b->reason.bytes);
+            }
+        } else if (f.payload.method.id == AMQP_CONNECTION_UNBLOCKED_METHOD) {
+            if (blocked) {
+                blocked = 0;
+                blocked_secs += now() - blocked_at;
+                fprintf(stderr, "amqp_probe: the broker unblocked the connection\n");
+            }
         } else if (f.payload.method.id == AMQP_CHANNEL_CLOSE_METHOD ||
                    f.payload.method.id == AMQP_CONNECTION_CLOSE_METHOD) {
             fprintf(stderr, "amqp_probe: broker closed the channel/connection\n");
@@ -145,7 +204,8 @@ int main(int argc, char **argv)
         amqp_maybe_release_buffers(conn);
     }
     secs = now() - t0;
-    printf("probe msgs=%ld secs=%.3f rate=%.0f\n", count, secs, secs > 0 ? (double)count / secs : 0.);
+    printf("probe msgs=%ld secs=%.3f rate=%.0f t0=%.6f t1=%.6f blocked=%.3f\n", count, secs,
+           secs > 0 ? (double)count / secs : 0., t0, t0 + secs, blocked_secs);
     rc = 0;
 out:
     if (conn != NULL) {

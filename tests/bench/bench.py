@@ -1,82 +1,179 @@
 #!/usr/bin/python3
 """make bench — the relay's throughput beside the broker's own ceiling, measured in one run.
 
-For each round: the C probe (tests/bench/amqp_probe.c) publishes N persistent 256-byte
-messages with confirms over the same window to the same kind of queue (classic, durable);
-then N committed 256-byte rows (1000 partition keys) are drained by `outbox-relay run` and
-timed until every row is marked sent. Rounds alternate probe and relay; medians and their
-ratio are printed, with the relay's peak RSS and CPU time. PostgreSQL runs with fsync on
-for the measurement (the test cluster normally runs with fsync off).
+What it measures (every figure printed is a median over BENCH_ROUNDS rounds, min-max beside):
 
-Environment: BENCH_ROWS (100000), BENCH_WINDOW (1000), BENCH_BATCH (500), BENCH_ROUNDS (3),
-BENCH_KEYS (1000; 0 = no partition key), BENCH_ON_SENT (mark | delete), OUTBOX_BUILD.
+1. Key skew. For each partition-key count in BENCH_KEYS and each round: N committed 256-byte
+   rows are written (server-side generate_series), then the broker ceiling is measured with
+   amqp_probe (plain rabbitmq-c: persistent, mandatory, message-id + timestamp, confirms, the
+   same window, the same classic durable queue), then the relay drains the rows. Probe and
+   relay alternate (probe, relay, probe, relay, ...), scenarios interleave within a round.
+   Both sides are timed the same way, by queue_watch on its own connection: a passive
+   queue.declare every BENCH_POLL_MS ms gives the queue depth; the rate is the messages
+   enqueued between the first poll that saw a message and the first poll that saw all N,
+   divided by the time between those polls. Publisher start-up and the final confirms are
+   outside that window on both sides alike. Separately, the relay's end-to-end figure runs
+   from the relay process's start to the last row marked sent (max(sent_at), database clock;
+   with on_sent = delete, to when the bench saw the table empty).
+   The relay/ceiling ratio is printed against its target (PASS/BELOW — a verdict only; the
+   exit status is never affected by it).
+2. What bounds each relay run: CPU seconds (user+sys from /proc) of the broker (the process
+   tree of the private RabbitMQ node), PostgreSQL (the postmaster's tree, including exited
+   backends) and the relay, the rest of the machine (other load), the relay's confirm latency
+   (median and mean from its outbox_relay_confirm_latency_seconds histogram) and window fill
+   (outbox_relay_in_flight sampled every 100 ms from /metrics while the queue fills), peak RSS
+   (VmHWM just before SIGTERM) and duplicates (queue depth after the relay exited minus rows).
+3. A backlog of BENCH_BACKLOG_ROWS rows drained by a relay with default settings (only
+   conninfo, database, sink url and http_listen set): drain time, rows/s, peak RSS vs 16 MiB.
+4. Competing: BENCH_ROWS rows drained by one relay and by two relays (mode = competing, both
+   sides), alternating per round; the two/one ratio against the target >= 1.
+
+Before each timed run the bench waits (at most 3 s) until the broker and PostgreSQL are idle,
+so a checkpoint or a purge does not land in the next measurement. A run is flagged
+"disturbed" in the summary when the relay lost a connection, the broker blocked it (memory or
+disk alarm), the queue stopwatch failed or the run hit its timeout; the summary also notes
+when other processes loaded the machine or the shared PostgreSQL during the runs.
+
+PostgreSQL runs with fsync and full_page_writes on for the measurement (the test cluster
+normally runs with them off) and is restored afterwards. Nothing is left running.
+
+Environment (defaults in brackets):
+  BENCH_ROWS [100000]          rows per key-skew and competing run
+  BENCH_ROUNDS [3]             rounds (each: probe + relay per scenario, one + two competing)
+  BENCH_KEYS [1,4,100,1000]    partition-key counts; 0 = rows without a key; empty skips
+  BENCH_WINDOW [1000]          publish_window of probe and relay (key-skew and competing runs)
+  BENCH_BATCH [500]            relay batch_size (key-skew and competing runs)
+  BENCH_ON_SENT [mark]         mark | delete
+  BENCH_ORDERING []            relay `ordering` key if set (pipelined | strict); else default
+  BENCH_BACKLOG_ROWS [1000000] backlog size; 0 skips the backlog
+  BENCH_BACKLOG_KEYS [1000]    partition keys of the backlog rows
+  BENCH_COMPETING_KEYS [100]   partition keys of the competing runs; -1 skips them
+  BENCH_POLL_MS [5]            queue-depth poll interval
+  BENCH_TIMEOUT [600]          seconds a key-skew/competing relay run may take; a run cut
+                               short is reported as partial (rows sent / elapsed)
+  BENCH_BACKLOG_TIMEOUT [1800] the same for the backlog
+  OUTBOX_BUILD [build]         where outbox-relay and tests/amqp_probe, tests/queue_watch are
+Quick check while developing: BENCH_ROWS=5000 BENCH_ROUNDS=1 BENCH_BACKLOG_ROWS=20000.
 """
 import os
 import pathlib
 import re
+import resource
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 
 import pika
 import psycopg
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BUILD = pathlib.Path(os.environ.get("OUTBOX_BUILD", ROOT / "build"))
-N = int(os.environ.get("BENCH_ROWS", 100000))
-WINDOW = int(os.environ.get("BENCH_WINDOW", 1000))
-BATCH = int(os.environ.get("BENCH_BATCH", 500))
-ROUNDS = int(os.environ.get("BENCH_ROUNDS", 3))
-KEYS = int(os.environ.get("BENCH_KEYS", 1000))
+
+
+def env_int(name, default):
+    v = os.environ.get(name, "").strip()
+    try:
+        return int(v) if v else default
+    except ValueError:
+        sys.exit(f"bench: {name} must be an integer, got {v!r}")
+
+
+N = env_int("BENCH_ROWS", 100000)
+ROUNDS = env_int("BENCH_ROUNDS", 3)
+KEYS = [int(k) for k in os.environ.get("BENCH_KEYS", "1,4,100,1000").replace(" ", "").split(",")
+        if k != ""]
+WINDOW = env_int("BENCH_WINDOW", 1000)
+BATCH = env_int("BENCH_BATCH", 500)
 ON_SENT = os.environ.get("BENCH_ON_SENT", "mark")
+ORDERING = os.environ.get("BENCH_ORDERING", "").strip()
+BACKLOG = env_int("BENCH_BACKLOG_ROWS", 1000000)
+BACKLOG_KEYS = env_int("BENCH_BACKLOG_KEYS", 1000)
+COMPETING_KEYS = env_int("BENCH_COMPETING_KEYS", 100)
+POLL_MS = env_int("BENCH_POLL_MS", 5)
+TIMEOUT = env_int("BENCH_TIMEOUT", 600)
+BACKLOG_TIMEOUT = env_int("BENCH_BACKLOG_TIMEOUT", 1800)
 SIZE = 256
 QUEUE = "outbox-bench"
 DB = "outbox_bench"
+NCPU = os.cpu_count() or 1
+TICK = os.sysconf("SC_CLK_TCK")
+RSS_TARGET_KIB = 16 * 1024
+# relay/ceiling targets per partition-key count (issue 7); a count between two entries gets
+# the lower entry's target, 0 (no key) the many-keys one
+TARGETS = {1: 0.5, 4: 0.7, 100: 0.85, 1000: 0.85}
+
+CHILDREN = []   # every process we start, for the last-resort cleanup
 
 
-def services():
-    subprocess.run([str(ROOT / "scripts/services.sh"), "start"], check=True)
-    out = subprocess.run([str(ROOT / "scripts/services.sh"), "env"], check=True,
-                         capture_output=True, text=True).stdout
-    env = dict(re.findall(r"^export (\w+)=['\"]?([^'\"\n]*)['\"]?$", out, re.M))
-    return env
+class BenchError(Exception):
+    pass
 
 
-def pg(env, db):
-    return psycopg.connect(host="127.0.0.1", port=int(env["OUTBOX_PG_PORT"]), user="postgres",
-                           dbname=db, autocommit=True)
+# ------------------------------------------------------------------ small helpers
+def target_for(keys):
+    if keys == 0:
+        return TARGETS[max(TARGETS)]
+    below = [k for k in TARGETS if k <= keys]
+    return TARGETS[max(below)] if below else None
 
 
-def amqp(env):
-    c = pika.BlockingConnection(pika.ConnectionParameters("127.0.0.1", int(env["OUTBOX_AMQP_PORT"])))
-    return c, c.channel()
+def med(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 
-def reset_queue(ch):
-    ch.queue_declare(QUEUE, durable=True)
-    ch.queue_purge(QUEUE)
+def rng(xs, fmt="{:.0f}"):
+    xs = [x for x in xs if x is not None]
+    if len(xs) < 2:
+        return ""
+    return "[" + fmt.format(min(xs)) + "-" + fmt.format(max(xs)) + "]"
 
 
-def proc_stats(pid):
-    rss = 0
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                rss = int(line.split()[1])
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    cpu = (int(fields[11]) + int(fields[12])) / tick
-    return rss, cpu
+def f0(x):
+    return "-" if x is None else f"{x:.0f}"
 
 
-def cpu_of(names):
-    """Total CPU seconds (user+sys, incl. reaped children) of processes whose comm is in names."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+def ms(x):
+    return "-" if x is None else f"{x * 1000:.0f} ms"
+
+
+def free_port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def stop(p, grace=30):
+    """SIGTERM, wait, SIGKILL: the process is gone when this returns."""
+    if p is None or p.poll() is not None:
+        return
+    try:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def spawn(args, **kw):
+    p = subprocess.Popen(args, **kw)
+    CHILDREN.append(p)
+    return p
+
+
+# ------------------------------------------------------------------ CPU accounting
+def scan_proc():
+    """pid -> (ppid, own user+sys ticks, reaped children's user+sys ticks)."""
+    out = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -85,142 +182,843 @@ def cpu_of(names):
                 data = f.read()
         except OSError:
             continue
-        comm = data[data.index("(") + 1:data.rindex(")")]
-        if comm in names:
-            fields = data.rsplit(")", 1)[1].split()
-            total += sum(int(x) for x in fields[11:15]) / tick
+        fields = data.rsplit(")", 1)[1].split()
+        out[int(pid)] = (int(fields[1]), int(fields[11]) + int(fields[12]),
+                         int(fields[13]) + int(fields[14]))
+    return out
+
+
+def tree_ticks(procs, root):
+    """CPU ticks of root and its descendants, including the ones they reaped (a PostgreSQL
+    backend that exited during the run is in the postmaster's cutime)."""
+    if root is None or root not in procs:
+        return 0
+    kids = {}
+    for pid, (ppid, _, _) in procs.items():
+        kids.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        total += procs[pid][1] + procs[pid][2]
+        todo.extend(kids.get(pid, ()))
     return total
 
 
-BROKER = {"beam.smp", "erl_child_setup", "inet_gethost"}
-DATABASE = {"postgres"}
+def machine_ticks():
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal (guest is already in user)
+    return sum(v[:8]) - v[3] - v[4]
 
 
-class CpuMeter:
-    def __enter__(self):
-        self.t0 = time.monotonic()
-        self.b0, self.d0 = cpu_of(BROKER), cpu_of(DATABASE)
-        return self
-
-    def __exit__(self, *exc):
-        secs = time.monotonic() - self.t0
-        self.broker = (cpu_of(BROKER) - self.b0) / secs
-        self.db = (cpu_of(DATABASE) - self.d0) / secs
-        return False
+def pid_ticks(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except OSError:
+        return 0
 
 
-def probe(env):
-    p = subprocess.run([str(BUILD / "tests/amqp_probe"), env["OUTBOX_AMQP_URL"], QUEUE, str(N),
-                        str(WINDOW), str(SIZE)], capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
-        sys.exit(f"probe failed: {p.stderr}")
-    return float(re.search(r"rate=([\d.]+)", p.stdout).group(1))
+def vm_hwm_kib(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
 
 
-def fill(conn):
-    conn.execute("truncate outbox.messages")
-    key = f"'k' || (g %% {KEYS})" if KEYS else "NULL"  # %% : psycopg placeholder escape
+class Snapshot:
+    """CPU seconds so far of the broker, PostgreSQL, the bench's own tree and the machine."""
+
+    def __init__(self, svc, relay_pids=()):
+        procs = scan_proc()
+        self.t = time.monotonic()
+        self.broker = tree_ticks(procs, svc.rabbit_pid()) / TICK
+        self.pg = tree_ticks(procs, svc.postmaster_pid()) / TICK
+        self.mine = tree_ticks(procs, os.getpid()) / TICK
+        self.machine = machine_ticks() / TICK
+        self.relays = sum(pid_ticks(p) for p in relay_pids) / TICK
+
+
+def usage(a, b, relay_secs=0.0, side_secs=0.0):
+    """Cores used between snapshots a and b. relay_secs: CPU of the measured relay(s);
+    side_secs: CPU of the probe (reaped, so already inside b.mine)."""
+    secs = max(b.t - a.t, 1e-9)
+    mine = b.mine - a.mine
+    tools = max(mine - relay_secs - side_secs, 0.0)
+    other = (b.machine - a.machine) - (b.broker - a.broker) - (b.pg - a.pg) - mine
+    return {
+        "secs": secs,
+        "broker": (b.broker - a.broker) / secs,
+        "pg": (b.pg - a.pg) / secs,
+        "relay": relay_secs / secs,
+        "probe": side_secs / secs,
+        "tools": tools / secs,
+        "other": max(other, 0.0) / secs,
+        "machine": (b.machine - a.machine) / secs,
+        "broker_s": b.broker - a.broker,
+        "pg_s": b.pg - a.pg,
+        "relay_s": relay_secs,
+    }
+
+
+# ------------------------------------------------------------------ services
+class Services:
+    def __init__(self):
+        subprocess.run([str(ROOT / "scripts/services.sh"), "start"], check=True,
+                       stdout=subprocess.DEVNULL)
+        out = subprocess.run([str(ROOT / "scripts/services.sh"), "env"], check=True,
+                             capture_output=True, text=True).stdout
+        self.env = dict(re.findall(r"^export (\w+)=['\"]?([^'\"\n]*)['\"]?$", out, re.M))
+        self.dir = pathlib.Path(self.env.get("OUTBOX_SERVICES_DIR", ROOT / ".services"))
+        self.pg_port = int(self.env["OUTBOX_PG_PORT"])
+        self.amqp_port = int(self.env["OUTBOX_AMQP_PORT"])
+        self.amqp_url = self.env["OUTBOX_AMQP_URL"]
+
+    @staticmethod
+    def _first_int(path):
+        try:
+            m = re.match(r"\s*(\d+)", path.read_text())
+            return int(m.group(1)) if m else None
+        except OSError:
+            return None
+
+    def postmaster_pid(self):
+        return self._first_int(self.dir / "pg/postmaster.pid")
+
+    def rabbit_pid(self):
+        return self._first_int(self.dir / "rabbitmq/rabbitmq.pid")
+
+    def pg(self, db):
+        return psycopg.connect(host="127.0.0.1", port=self.pg_port, user="postgres",
+                               dbname=db, autocommit=True)
+
+    def conninfo(self):
+        return f"host=127.0.0.1 port={self.pg_port} dbname={DB} user=postgres"
+
+
+class Broker:
+    """The bench's own AMQP connection: declare, purge, depth."""
+
+    def __init__(self, svc):
+        self.svc = svc
+        self._open()
+
+    def _open(self):
+        self.conn = pika.BlockingConnection(pika.ConnectionParameters(
+            "127.0.0.1", self.svc.amqp_port, heartbeat=0, blocked_connection_timeout=None))
+        self.ch = self.conn.channel()
+
+    def _call(self, fn):
+        try:
+            return fn()
+        except (pika.exceptions.AMQPError, OSError):
+            self._open()   # idle for minutes while a backlog drains: reconnect once
+            return fn()
+
+    def reset(self):
+        def go():
+            self.ch.queue_declare(QUEUE, durable=True)
+            self.ch.queue_purge(QUEUE)
+        self._call(go)
+
+    def depth(self):
+        return self._call(lambda: self.ch.queue_declare(
+            QUEUE, durable=True, passive=True).method.message_count)
+
+    def delete(self):
+        self._call(lambda: self.ch.queue_delete(QUEUE))
+
+    def close(self):
+        try:
+            self.conn.close()
+        except Exception:
+            pass
+
+
+def other_xacts(conn):
+    """Transactions PostgreSQL has counted for other databases (a noise indicator: the test
+    cluster may be shared; pg_stat_database lags by up to about a second)."""
+    n = conn.execute("select coalesce(sum(xact_commit + xact_rollback), 0) from "
+                     "pg_stat_database where datname is distinct from %s", (DB,)).fetchone()[0]
+    return int(n)
+
+
+def settle(svc, quiet=0.25, longest=3.0):
+    """Wait (at most `longest` s) until broker + PostgreSQL use under `quiet` cores over 250 ms:
+    a checkpoint, a purge or the last run's fsyncs should not land in the next measurement."""
+    end = time.monotonic() + longest
+    while True:
+        a = Snapshot(svc)
+        time.sleep(0.25)
+        b = Snapshot(svc)
+        if ((b.broker - a.broker) + (b.pg - a.pg)) / (b.t - a.t) < quiet or \
+                time.monotonic() > end:
+            return
+
+
+# ------------------------------------------------------------------ the queue stopwatch
+class Watcher:
+    """queue_watch in the background; see tests/bench/queue_watch.c."""
+
+    def __init__(self, svc, target):
+        self.target = target
+        self.lines = {}
+        self.error = None
+        self.p = spawn([str(BUILD / "tests/queue_watch"), svc.amqp_url, QUEUE, str(target),
+                        str(POLL_MS)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = self.p.stdout.readline().split()
+        if not first or first[0] != "ready":
+            err = self.p.stderr.read()
+            stop(self.p)
+            raise BenchError(f"queue_watch did not start: {err.strip()}")
+        self.lines["ready"] = first
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            parts = line.split()
+            if parts:
+                self.lines[parts[0]] = parts
+        self.done.set()
+
+    def result(self, wait, fallback_depth=None):
+        """(rate, t_first, t_last, full): the queue-timed rate. If the target was not reached
+        within `wait` s, the rate up to now from `fallback_depth` (a partial figure)."""
+        self.done.wait(wait)
+        t_now = time.monotonic()
+        exited = self.p.poll()
+        stop(self.p, grace=2)
+        first, last = self.lines.get("first"), self.lines.get("last")
+        if exited not in (None, 0):
+            self.error = (f"queue_watch failed (status {exited}): "
+                          f"{self.p.stderr.read().strip()}")
+        if first is None:
+            return None, None, None, False
+        t1, d1 = float(first[1]), int(first[2])
+        if last is not None:
+            t2, d2 = float(last[1]), int(last[2])
+            full = True
+        else:
+            t2, d2, full = t_now, fallback_depth, False
+            if d2 is None:
+                return None, t1, None, False
+        if t2 - t1 < 0.001:
+            return None, t1, t2, full
+        return (d2 - d1) / (t2 - t1), t1, t2, full
+
+
+# ------------------------------------------------------------------ relay metrics
+METRIC_RE = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)\s*$')
+LABEL_RE = re.compile(r'(\w+)="([^"]*)"')
+
+
+def scrape(port):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as r:
+            text = r.read().decode()
+    except (OSError, ValueError):
+        return None
+    out = {}
+    for line in text.splitlines():
+        m = METRIC_RE.match(line)
+        if not m:
+            continue
+        labels = dict(LABEL_RE.findall(m.group(2) or ""))
+        try:
+            v = float(m.group(3))
+        except ValueError:
+            continue
+        out.setdefault(m.group(1), []).append((labels, v))
+    return out
+
+
+def msum(metrics, name):
+    return sum(v for _, v in metrics.get(name, ())) if metrics else 0.0
+
+
+def hist_buckets(metrics, name):
+    """{le: cumulative count} summed over label sets."""
+    b = {}
+    for labels, v in (metrics or {}).get(name + "_bucket", ()):
+        le = float("inf") if labels.get("le") == "+Inf" else float(labels.get("le", "nan"))
+        b[le] = b.get(le, 0) + v
+    return b
+
+
+def hist_quantile(buckets, q):
+    """Linear interpolation inside the bucket (Prometheus histogram_quantile)."""
+    if not buckets:
+        return None
+    les = sorted(buckets)
+    total = buckets[les[-1]]
+    if total <= 0:
+        return None
+    rank, prev_le, prev_c = q * total, 0.0, 0.0
+    for le in les:
+        c = buckets[le]
+        if c >= rank:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_c) / (c - prev_c) if c > prev_c else 1)
+        prev_le, prev_c = le, c
+    return None
+
+
+class Sampler(threading.Thread):
+    """Scrapes a relay's /metrics every 100 ms: in-flight, blocked, relayed."""
+
+    def __init__(self, port):
+        super().__init__(daemon=True)
+        self.port = port
+        self.samples = []   # (t, in_flight, blocked, relayed, buffered or None)
+        self.halt = threading.Event()
+        self.relayed = 0.0
+
+    def run(self):
+        while not self.halt.wait(0.1):
+            m = scrape(self.port)
+            if m is None:
+                continue
+            self.relayed = msum(m, "outbox_relay_relayed_total")
+            self.samples.append((time.monotonic(), msum(m, "outbox_relay_in_flight"),
+                                 msum(m, "outbox_relay_sink_blocked"), self.relayed,
+                                 msum(m, "outbox_relay_buffered")
+                                 if "outbox_relay_buffered" in m else None))
+
+    def mean_of(self, col, t1, t2):
+        """Mean of a sampled gauge while the queue filled (t1..t2); None if never sampled."""
+        xs = [s[col] for s in self.samples if t1 is None or t2 is None or t1 <= s[0] <= t2]
+        if not xs:
+            xs = [s[col] for s in self.samples]
+        xs = [x for x in xs if x is not None]
+        return statistics.mean(xs) if xs else None
+
+    def mean_in_flight(self, t1, t2):
+        return self.mean_of(1, t1, t2)
+
+    def mean_buffered(self, t1, t2):
+        return self.mean_of(4, t1, t2)
+
+    def blocked_seen(self):
+        return any(s[2] > 0 for s in self.samples)
+
+
+# ------------------------------------------------------------------ rows and configs
+def fill(conn, n, keys):
+    t0 = time.monotonic()
+    conn.execute("truncate outbox.messages, outbox.messages_dead")
+    key = f"'k' || (g %% {keys})" if keys else "NULL"   # %% : psycopg placeholder escape
     conn.execute(f"""insert into outbox.messages (message_id, routing_key, partition_key, payload)
                     select gen_random_uuid(), %s, {key},
                            convert_to(rpad(g::text || '|', {SIZE}, 'x'), 'UTF8')
-                    from generate_series(1, {N}) g""", (QUEUE,))
+                    from generate_series(1, {n}) g""", (QUEUE,))
     conn.execute("vacuum analyze outbox.messages")
+    conn.execute("checkpoint")
+    return time.monotonic() - t0
 
 
-def relay_round(env, cfg, conn):
-    t0 = time.monotonic()
-    log = open(cfg.with_suffix(".log"), "w")
-    p = subprocess.Popen([str(BUILD / "outbox-relay"), "run", "-c", str(cfg)], stderr=log)
+def write_cfg(path, svc, port, name=None, mode=None, defaults=False):
+    lines = ["[relay]", f"http_listen = 127.0.0.1:{port}"]
+    if not defaults:
+        lines += [f"name = {name}", "log_level = warn"]
+    lines += ["[sink.main]", f"url = {svc.amqp_url}"]
+    if not defaults:
+        lines += [f"publish_window = {WINDOW}"]
+    lines += ["[outbox.bench]", f"conninfo = {svc.conninfo()}", f"database = {DB}"]
+    if not defaults:
+        lines += [f"batch_size = {BATCH}", "poll_interval = 1s", f"on_sent = {ON_SENT}"]
+        if mode:
+            lines.append(f"mode = {mode}")
+        if ORDERING:
+            lines.append(f"ordering = {ORDERING}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------ one probe run
+def probe_run(svc, broker, conn, n):
+    broker.reset()
+    settle(svc)
+    w = Watcher(svc, n)
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    x0 = other_xacts(conn)
+    a = Snapshot(svc)
     try:
+        p = subprocess.run([str(BUILD / "tests/amqp_probe"), svc.amqp_url, QUEUE, str(n),
+                            str(WINDOW), str(SIZE)], capture_output=True, text=True,
+                           timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        stop(w.p)
+        raise BenchError(f"amqp_probe did not finish within {TIMEOUT} s")
+    b = Snapshot(svc)
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    x1 = other_xacts(conn)
+    if p.returncode != 0:
+        stop(w.p)
+        raise BenchError(f"amqp_probe failed: {p.stderr.strip()}")
+    rate, t1, t2, full = w.result(10)
+    if not full:
+        raise BenchError(f"probe: {w.error or 'the queue never held every message'}")
+    probe_cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+    own = float(re.search(r"rate=([\d.]+)", p.stdout).group(1))
+    m = re.search(r"blocked=([\d.]+)", p.stdout)
+    blocked = float(m.group(1)) if m else 0.0
+    u = usage(a, b, side_secs=probe_cpu)
+    u["pg_other_tps"] = (x1 - x0) / u["secs"]
+    return {"rate": rate, "own": own, "cpu": u, "blocked": blocked > 0, "blocked_s": blocked}
+
+
+# ------------------------------------------------------------------ one relay run
+def relay_run(svc, broker, conn, n, cfgs, timeout, windows):
+    """Start one relay per config at once; wait until every row is marked sent."""
+    broker.reset()
+    settle(svc)
+    w = Watcher(svc, n)
+    relays, samplers, logs = [], [], []
+    x0 = other_xacts(conn)
+    a = Snapshot(svc)
+    t_wall0, t0 = time.time(), time.monotonic()
+    done_at, partial = None, False
+    try:
+        for cfg, port in cfgs:
+            log = open(cfg.with_suffix(".log"), "w")
+            logs.append(log)
+            relays.append(spawn([str(BUILD / "outbox-relay"), "run", "-c", str(cfg)],
+                                stdout=subprocess.DEVNULL, stderr=log))
+            s = Sampler(port)
+            s.start()
+            samplers.append(s)
+        last_db = 0.0
+        pending_sql = ("select exists (select 1 from outbox.messages where sent_at is null)"
+                       if ON_SENT == "mark" else "select exists (select 1 from outbox.messages)")
         while True:
-            time.sleep(0.05)
-            if p.poll() is not None:
-                sys.exit(f"relay exited early; see {cfg.with_suffix('.log')}")
-            # cheap (pending index) so the measurement does not load the database
-            left = conn.execute("select exists (select 1 from outbox.messages "
-                                "where sent_at is null)").fetchone()[0]
-            if not left:
+            time.sleep(0.02)
+            for p, (cfg, _) in zip(relays, cfgs):
+                if p.poll() is not None:
+                    tail = cfg.with_suffix(".log").read_text()[-2000:]
+                    raise BenchError(f"relay exited early (status {p.returncode}); "
+                                     f"log {cfg.with_suffix('.log')}:\n{tail}")
+            now = time.monotonic()
+            # the metrics say when to ask; the database has the last word (cheap: pending index)
+            if sum(s.relayed for s in samplers) >= n or now - last_db > 0.5:
+                last_db = now
+                if not conn.execute(pending_sql).fetchone()[0]:
+                    done_at = time.monotonic()
+                    break
+            if now - t0 > timeout:
+                partial = True
+                done_at = now
                 break
-            if time.monotonic() - t0 > 600:
-                sys.exit("relay did not drain within 600 s")
-        secs = time.monotonic() - t0
-        rss, cpu = proc_stats(p.pid)
+        pids = [p.pid for p in relays]
+        b = Snapshot(svc, pids)
+        relay_cpu = sum(pid_ticks(pid) for pid in pids) / TICK
+        # the relay's own database sessions (all opened after snapshot a): what its SQL costs
+        sessions = conn.execute("select pid from pg_stat_activity where datname = %s and "
+                                "backend_type = 'client backend' and pid <> pg_backend_pid()",
+                                (DB,)).fetchall()
+        session_cpu = sum(pid_ticks(pid) for (pid,) in sessions) / TICK
+        rss = [vm_hwm_kib(pid) for pid in pids]
+        finals = [scrape(port) for _, port in cfgs]
     finally:
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=30)
-        log.close()
-    return N / secs, secs, rss, cpu
+        for s in samplers:
+            s.halt.set()
+        for p in relays:
+            stop(p)
+        for log in logs:
+            log.close()
+    u = usage(a, b, relay_secs=relay_cpu)
+    u["sessions"] = session_cpu / u["secs"]
+    u["pg_other_tps"] = (other_xacts(conn) - x0) / (time.monotonic() - t0)
+
+    if ON_SENT == "mark":
+        sent, last_sent = conn.execute(
+            "select count(*), extract(epoch from max(sent_at)) from outbox.messages "
+            "where sent_at is not null").fetchone()
+        e2e = (float(last_sent) - t_wall0) if last_sent is not None and not partial else None
+    else:
+        sent = n - conn.execute("select count(*) from outbox.messages").fetchone()[0]
+        e2e = None
+    if e2e is None:
+        e2e = done_at - t0
+    depth = broker.depth()
+    rate, t1, t2, full = w.result(5 if not partial else 0, fallback_depth=depth)
+
+    buckets = {}
+    for m in finals:
+        for le, c in hist_buckets(m, "outbox_relay_confirm_latency_seconds").items():
+            buckets[le] = buckets.get(le, 0) + c
+    lat_sum = sum(msum(m, "outbox_relay_confirm_latency_seconds_sum") for m in finals)
+    lat_cnt = sum(msum(m, "outbox_relay_confirm_latency_seconds_count") for m in finals)
+    claims = sum(msum(m, "outbox_relay_claims_total") for m in finals)
+    claim_sum = sum(msum(m, "outbox_relay_claim_latency_seconds_sum") for m in finals)
+    failed = sum(msum(m, "outbox_relay_failed_total") for m in finals)
+    # a lost connection's in-flight messages (lost_total, later retried_unconfirmed_total)
+    lost = sum(msum(m, "outbox_relay_lost_total") +
+               msum(m, "outbox_relay_retried_unconfirmed_total") for m in finals)
+    expired = sum(msum(m, "outbox_relay_expired_total") for m in finals)
+    overtaken = sum(msum(m, "outbox_relay_overtaken_total") for m in finals)
+    buffered = [s.mean_buffered(t1, t2) for s in samplers]
+    buffered = sum(buffered) if buffered and all(x is not None for x in buffered) else None
+    in_flight = [s.mean_in_flight(t1, t2) for s in samplers]
+    fill_frac = (sum(x for x in in_flight if x is not None) / sum(windows)
+                 if all(x is not None for x in in_flight) and in_flight else None)
+    lat_mean = lat_sum / lat_cnt if lat_cnt else None
+    return {
+        "rate": rate,                        # queue-timed, like the probe
+        "e2e": e2e, "e2e_rate": (sent / e2e) if e2e else None,
+        "startup": (t1 - t0) if t1 else None,
+        "sent": sent, "partial": partial,
+        "unclocked": None if full else (w.error or "the queue never held every row"),
+        "depth": depth, "dups": depth - sent,
+        "cpu": u, "rss": max((r for r in rss if r is not None), default=None),
+        "lat_med": hist_quantile(buckets, 0.5), "lat_mean": lat_mean,
+        "in_flight": sum(x for x in in_flight if x is not None) if in_flight else None,
+        "fill": fill_frac,
+        "little": (sum(x for x in in_flight if x is not None) / lat_mean)
+                  if lat_mean and in_flight else None,
+        "claims": claims, "claim_mean": claim_sum / claims if claims else None,
+        "failed": failed, "lost": lost, "blocked": any(s.blocked_seen() for s in samplers),
+        "expired": expired, "overtaken": overtaken, "buffered": buffered,
+    }
 
 
+# ------------------------------------------------------------------ reporting
+def cores_line(u, who="relay"):
+    parts = [f"broker {u['broker']:.2f}", f"PostgreSQL {u['pg']:.2f}"]
+    if who == "relay":
+        parts[-1] += f" (the relay's sessions {u['sessions']:.2f})"
+        parts.append(f"relay {u['relay']:.2f}")
+    else:
+        parts.append(f"probe {u['probe']:.2f}")
+    parts.append(f"bench tools {u['tools']:.2f}")
+    parts.append(f"other load {u['other']:.2f}")
+    s = ", ".join(parts) + f" of {NCPU} cores"
+    if u.get("pg_other_tps", 0) >= 5:
+        s += f"; PostgreSQL also served {u['pg_other_tps']:.0f} tx/s for other databases"
+    return s
+
+
+def relay_detail(r):
+    fill_ = "-" if r["fill"] is None else f"{r['fill']:.0%}"
+    rss = f"{r['rss'] / 1024:.1f} MiB" if r["rss"] else "-"
+    buf = "" if r["buffered"] is None else f", {r['buffered']:.0f} claimed rows buffered"
+    s = (f"      e2e {r['e2e']:.2f} s ({f0(r['e2e_rate'])} msg/s, {r['startup'] or 0:.2f} s to "
+         f"first enqueue) | cores: {cores_line(r['cpu'])}\n"
+         f"      confirm latency median ~{ms(r['lat_med'])} mean {ms(r['lat_mean'])}; in flight "
+         f"{f0(r['in_flight'])} ({fill_} of window){buf} -> in-flight/latency "
+         f"{f0(r['little'])} msg/s; claims {r['claims']:.0f} (mean {ms(r['claim_mean'])}); "
+         f"peak RSS {rss}; duplicates {r['dups']}")
+    if r["failed"]:
+        s += f"; failed attempts {r['failed']:.0f}"
+    if r["expired"]:
+        s += f"; {r['expired']:.0f} buffered rows expired unpublished"
+    if r["overtaken"]:
+        s += f"; {r['overtaken']:.0f} overtaken"
+    if r["lost"]:
+        s += f"; {r['lost']:.0f} in-flight messages given back after a lost connection"
+    if r["blocked"]:
+        s += "; broker BLOCKED the connection (memory/disk alarm)"
+    if r["partial"]:
+        s += f"\n      PARTIAL: stopped after {r['e2e']:.0f} s with {r['sent']} of the rows sent"
+    if r["unclocked"]:
+        s += f"\n      queue stopwatch: {r['unclocked']}"
+    return s
+
+
+def bound(runs, keys=None, window=WINDOW, ratio=None):
+    """One line: what bounds the relay's figure, from the medians of its runs' figures."""
+    if not runs:
+        return "-"
+    b = med(r["cpu"]["broker"] for r in runs)
+    p = med(r["cpu"]["pg"] for r in runs)
+    ps = med(r["cpu"]["sessions"] for r in runs)
+    rl = med(r["cpu"]["relay"] for r in runs)
+    o = med(r["cpu"]["other"] + r["cpu"]["tools"] for r in runs)
+    mach = med(r["cpu"]["machine"] for r in runs)
+    fill_ = med(r["fill"] for r in runs)
+    inf = med(r["in_flight"] for r in runs)
+    buf = med(r["buffered"] for r in runs)
+    lat = med(r["lat_med"] for r in runs)
+    head = (f"broker CPU {b:.2f}, PostgreSQL {p:.2f} (relay's sessions {ps:.2f}), relay {rl:.2f}, "
+            f"rest {o:.2f} = {mach:.2f} of {NCPU} cores; window "
+            f"{'-' if fill_ is None else f'{fill_:.0%}'} full, confirm median {ms(lat)}")
+    top = max((("the broker", b), ("PostgreSQL", p), ("the relay", rl), ("other load", o)),
+              key=lambda x: x[1])[0]
+    if top == "PostgreSQL" and ps is not None and ps < 0.5 * p:
+        top = f"PostgreSQL, of which the relay's sessions only {ps:.2f}"
+    saturated = mach >= 0.9 * NCPU
+    if ratio is not None and ratio >= 0.95:
+        why = f"the broker: the relay runs at its ceiling (ratio {ratio:.2f})"
+        if saturated:
+            why += f", on a saturated machine (mostly {top})"
+    elif rl >= 0.85:
+        why = "the relay's own CPU (one event loop, near a full core)"
+    elif fill_ is not None and fill_ >= 0.85:
+        why = "the window: full, so rate = window / confirm latency"
+        why += (f", and a saturated machine (mostly {top}) stretches that latency" if saturated
+                else ", the broker's confirm latency")
+    elif fill_ is not None:
+        if keys and inf is not None and keys < window and inf <= keys * 1.05:
+            why = (f"the relay: about one message in flight per key ({inf:.0f} in flight for "
+                   f"{keys} key{'s' if keys != 1 else ''}), so rate = keys / confirm latency")
+        elif buf is not None and buf < 0.1 * window:
+            why = (f"the relay's claims: the window is only {fill_:.0%} full and the claim "
+                   f"buffer nearly empty ({buf:.0f} rows): claiming does not keep up")
+        elif buf is not None:
+            why = (f"the relay: the window is only {fill_:.0%} full although {buf:.0f} claimed "
+                   "rows wait (held back by per-key or publish gating)")
+        else:
+            why = (f"the relay: it keeps the window only {fill_:.0%} full (claim or settle "
+                   "gaps, per-key limits)")
+        if saturated:
+            why += f"; the machine is saturated too (mostly {top})"
+    elif saturated:
+        why = f"CPU: the machine is saturated (mostly {top})"
+    else:
+        why = "unknown (no metrics)"
+    return f"{head} -> bound by {why}"
+
+
+def disturbed(runs):
+    """Runs whose figure something outside the relay's normal path may have bent."""
+    n = sum(1 for r in runs if r.get("partial") or r.get("unclocked") or r.get("lost") or
+            r.get("blocked"))
+    return f" ({n} run{'s' if n != 1 else ''} disturbed: see above)" if n else ""
+
+
+def verdict(ratio, tgt):
+    if ratio is None or tgt is None:
+        return "-"
+    return "PASS" if ratio >= tgt else "BELOW"
+
+
+def version_line():
+    try:
+        v = subprocess.run([str(BUILD / "outbox-relay"), "--version"], capture_output=True,
+                           text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        v = "outbox-relay ?"
+    try:
+        e = dict(os.environ, GIT_OPTIONAL_LOCKS="0")
+        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, env=e).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain",
+                                "--untracked-files=no"], capture_output=True, text=True,
+                               env=e).stdout.strip()
+        v += f", commit {head}{' + local changes' if dirty else ''}"
+    except OSError:
+        pass
+    return v
+
+
+# ------------------------------------------------------------------ main
 def main():
-    for f in ("outbox-relay", "tests/amqp_probe"):
+    for f in ("outbox-relay", "tests/amqp_probe", "tests/queue_watch"):
         if not (BUILD / f).exists():
             sys.exit(f"{BUILD / f} missing: run make first")
-    env = services()
-    with pg(env, "postgres") as c:
-        c.execute(f"drop database if exists {DB}")
+    if ON_SENT not in ("mark", "delete"):
+        sys.exit("BENCH_ON_SENT must be mark or delete")
+    svc = Services()
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="outbox-bench-"))
+    started = time.monotonic()
+    with svc.pg("postgres") as c:
+        c.execute(f"drop database if exists {DB} with (force)")
         c.execute(f"create database {DB}")
         c.execute("alter system set fsync = on")
         c.execute("alter system set full_page_writes = on")
         c.execute("select pg_reload_conf()")
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix="outbox-bench-"))
-    cfg = tmp / "bench.ini"
-    cfg.write_text(f"""[relay]
-name = bench
-log_level = warn
-http_listen =
-[sink.main]
-url = {env['OUTBOX_AMQP_URL']}
-publish_window = {WINDOW}
-[outbox.bench]
-source = postgres
-conninfo = host=127.0.0.1 port={env['OUTBOX_PG_PORT']} dbname={DB} user=postgres
-database = {DB}
-batch_size = {BATCH}
-poll_interval = 1s
-on_sent = {ON_SENT}
-""")
-    subprocess.run([str(BUILD / "outbox-relay"), "init", "-c", str(cfg)], check=True,
-                   stdout=subprocess.DEVNULL)
-    conn = pg(env, DB)
-    ac, ch = amqp(env)
-    probes, relays = [], []
-    print(f"bench: {N} rows x {SIZE} B, window {WINDOW}, batch {BATCH}, "
-          f"{KEYS or 'no'} partition keys, on_sent = {ON_SENT}, {ROUNDS} rounds (probe, relay alternating)")
+    conn = broker = None
+    ok = False
+    results = {k: {"probe": [], "relay": []} for k in KEYS}
+    backlog = None
+    competing = {"one": [], "two": []}
     try:
-        for r in range(ROUNDS):
-            reset_queue(ch)
-            with CpuMeter() as pm:
-                pr = probe(env)
-            probes.append(pr)
-            reset_queue(ch)
-            fill(conn)
-            with CpuMeter() as rm:
-                rate, secs, rss, cpu = relay_round(env, cfg, conn)
-            relays.append((rate, secs, rss, cpu))
-            depth = ch.queue_declare(QUEUE, durable=True, passive=True).method.message_count
-            print(f"  round {r + 1}: broker ceiling {pr:8.0f} msg/s (broker {pm.broker:.2f} cores) | "
-                  f"relay {rate:8.0f} msg/s ({secs:.2f} s, {depth} in queue; cores used: "
-                  f"broker {rm.broker:.2f}, PostgreSQL {rm.db:.2f}, relay {cpu / secs:.2f}; "
-                  f"relay peak RSS {rss / 1024:.1f} MiB)")
-            if depth < N:
-                sys.exit(f"only {depth} of {N} messages reached the queue")
-        reset_queue(ch)
+        init_cfg = write_cfg(tmp / "init.ini", svc, free_port(), name="bench-init")
+        subprocess.run([str(BUILD / "outbox-relay"), "init", "-c", str(init_cfg)], check=True,
+                       stdout=subprocess.DEVNULL)
+        conn = svc.pg(DB)
+        broker = Broker(svc)
+        print(f"bench: {version_line()}")
+        print(f"bench: {N} rows x {SIZE} B per run, window {WINDOW}, batch {BATCH}, "
+              f"on_sent = {ON_SENT}{', ordering = ' + ORDERING if ORDERING else ''}, "
+              f"keys {','.join(map(str, KEYS)) or 'none'}, {ROUNDS} rounds; "
+              f"backlog {BACKLOG} rows; "
+              f"competing {'off' if COMPETING_KEYS < 0 else f'{COMPETING_KEYS} keys'}; "
+              f"queue polled every {POLL_MS} ms; {NCPU} cores; PostgreSQL fsync on")
+        a = Snapshot(svc)
+        time.sleep(1)
+        b = Snapshot(svc)
+        secs = b.t - a.t
+        print(f"bench: before start, the machine was busy {(b.machine - a.machine) / secs:.2f} "
+              f"of {NCPU} cores (broker {(b.broker - a.broker) / secs:.2f}, PostgreSQL "
+              f"{(b.pg - a.pg) / secs:.2f})")
+        print("bench: rates are queue-timed (first to last message enqueued, same stopwatch for "
+              "probe and relay); e2e = relay start to last row marked sent")
+        sys.stdout.flush()
+
+        # ---- key skew: per round, per scenario: fill, probe, relay
+        for rnd in range(ROUNDS):
+            for keys in KEYS:
+                port = free_port()
+                cfg = write_cfg(tmp / f"k{keys}.ini", svc, port, name="bench")
+                fill(conn, N, keys)
+                pr = probe_run(svc, broker, conn, N)
+                results[keys]["probe"].append(pr)
+                rr = relay_run(svc, broker, conn, N, [(cfg, port)], TIMEOUT, [WINDOW])
+                results[keys]["relay"].append(rr)
+                ratio = rr["rate"] / pr["rate"] if rr["rate"] and pr["rate"] else None
+                print(f"  round {rnd + 1}, {keys or 'no'} key{'s' if keys != 1 else ''}: "
+                      f"ceiling {f0(pr['rate'])} msg/s (probe's own {pr['own']:.0f}; "
+                      f"{cores_line(pr['cpu'], 'probe')}"
+                      f"{'; broker BLOCKED it %.1f s' % pr['blocked_s'] if pr['blocked'] else ''}"
+                      f") | relay {f0(rr['rate'])} msg/s"
+                      f"{' PARTIAL' if rr['partial'] else ''} | ratio "
+                      f"{'-' if ratio is None else f'{ratio:.2f}'}")
+                print(relay_detail(rr))
+                sys.stdout.flush()
+
+        # ---- competing: one relay vs two, alternating
+        if COMPETING_KEYS >= 0:
+            for rnd in range(ROUNDS):
+                for label, count in (("one", 1), ("two", 2)):
+                    fill(conn, N, COMPETING_KEYS)
+                    cfgs = []
+                    for i in range(count):
+                        port = free_port()
+                        cfgs.append((write_cfg(tmp / f"comp{i}.ini", svc, port,
+                                               name=f"bench-{'ab'[i]}", mode="competing"), port))
+                    r = relay_run(svc, broker, conn, N, cfgs, TIMEOUT, [WINDOW] * count)
+                    competing[label].append(r)
+                    print(f"  round {rnd + 1}, competing, {label} relay{'s' if count > 1 else ''}"
+                          f" ({COMPETING_KEYS} keys): {f0(r['rate'])} msg/s"
+                          f"{' PARTIAL' if r['partial'] else ''}")
+                    print(relay_detail(r))
+                    sys.stdout.flush()
+
+        # ---- backlog with default settings
+        if BACKLOG > 0:
+            secs = fill(conn, BACKLOG, BACKLOG_KEYS)
+            print(f"  backlog: {BACKLOG} rows ({BACKLOG_KEYS} keys) written in {secs:.1f} s "
+                  "(generate_series, vacuum analyze, checkpoint)")
+            port = free_port()
+            cfg = write_cfg(tmp / "backlog.ini", svc, port, defaults=True)
+            backlog = relay_run(svc, broker, conn, BACKLOG, [(cfg, port)],
+                                BACKLOG_TIMEOUT, [1000])
+            print(f"  backlog, default settings: {f0(backlog['rate'])} msg/s queue-timed")
+            print(relay_detail(backlog))
+            broker.reset()
+            conn.execute("truncate outbox.messages, outbox.messages_dead")
+            sys.stdout.flush()
+        ok = True
     finally:
-        ac.close()
-        conn.close()
-        with pg(env, "postgres") as c:
-            c.execute(f"drop database if exists {DB}")
+        for p in CHILDREN:
+            stop(p, grace=10)
+        if broker is not None:
+            try:
+                broker.delete()
+            except Exception:
+                pass
+            broker.close()
+        if conn is not None:
+            conn.close()
+        with svc.pg("postgres") as c:
+            c.execute(f"drop database if exists {DB} with (force)")
             c.execute("alter system reset fsync")
             c.execute("alter system reset full_page_writes")
             c.execute("select pg_reload_conf()")
-    mp = statistics.median(probes)
-    mr = statistics.median(r[0] for r in relays)
-    rss = max(r[2] for r in relays)
-    print(f"median: broker ceiling {mp:.0f} msg/s, relay {mr:.0f} msg/s, "
-          f"ratio {mr / mp:.2f}, relay peak RSS {rss / 1024:.1f} MiB "
-          f"({os.cpu_count()} cores shared by broker, PostgreSQL and relay)")
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"bench: configs and relay logs kept in {tmp}", file=sys.stderr)
+
+    # ---- summary
+    print()
+    print(f"summary: medians over {ROUNDS} round{'s' if ROUNDS != 1 else ''} [min-max]; "
+          f"{N} rows per run, window {WINDOW}; {NCPU} cores shared by broker, PostgreSQL and relay;"
+          f" took {time.monotonic() - started:.0f} s")
+    hdr = (f"  {'keys':>5}  {'relay msg/s':>20}  {'ceiling msg/s':>20}  {'ratio':>5}  "
+           f"{'target':>6}  {'verdict':>7}  {'relay e2e msg/s':>20}  {'dups':>4}")
+    if KEYS:
+        print(hdr)
+    for keys in KEYS:
+        rl, pr = results[keys]["relay"], results[keys]["probe"]
+        mr, mp = med(r["rate"] for r in rl), med(p["rate"] for p in pr)
+        ratio = mr / mp if mr and mp else None
+        tgt = target_for(keys)
+        part = disturbed(rl + pr)
+        print(f"  {keys or 'none':>5}  {f0(mr) + ' ' + rng([r['rate'] for r in rl]):>20}  "
+              f"{f0(mp) + ' ' + rng([p['rate'] for p in pr]):>20}  "
+              f"{'-' if ratio is None else f'{ratio:.2f}':>5}  "
+              f"{'-' if tgt is None else f'>={tgt:.2f}':>6}  {verdict(ratio, tgt):>7}  "
+              f"{f0(med(r['e2e_rate'] for r in rl)) + ' ' + rng([r['e2e_rate'] for r in rl]):>20}"
+              f"  {sum(r['dups'] for r in rl):>4}{part}")
+    if KEYS:
+        print("  what bounds it:")
+    for keys in KEYS:
+        pcpu = med(p["cpu"]["broker"] for p in results[keys]["probe"])
+        mr = med(r["rate"] for r in results[keys]["relay"])
+        mp = med(p["rate"] for p in results[keys]["probe"])
+        ratio = mr / mp if mr and mp else None
+        print(f"    {keys or 'no'} key{'s' if keys != 1 else ''}: "
+              f"{bound(results[keys]['relay'], keys, ratio=ratio)}; ceiling run: broker CPU "
+              f"{'-' if pcpu is None else f'{pcpu:.2f}'} of {NCPU} cores")
+    if COMPETING_KEYS >= 0:
+        one = med(r["rate"] for r in competing["one"])
+        two = med(r["rate"] for r in competing["two"])
+        ratio = two / one if one and two else None
+        print(f"  competing ({COMPETING_KEYS} keys, mode = competing): one relay "
+              f"{(f0(one) + ' ' + rng([r['rate'] for r in competing['one']])).strip()} msg/s, "
+              f"two relays {(f0(two) + ' ' + rng([r['rate'] for r in competing['two']])).strip()}"
+              f" msg/s, ratio two/one "
+              f"{'-' if ratio is None else f'{ratio:.2f}'} (target >= 1.00: "
+              f"{verdict(ratio, 1.0)}); e2e one {f0(med(r['e2e_rate'] for r in competing['one']))}"
+              f", two {f0(med(r['e2e_rate'] for r in competing['two']))} msg/s; duplicates "
+              f"{sum(r['dups'] for r in competing['one'] + competing['two'])}"
+              f"{disturbed(competing['one'] + competing['two'])}")
+        print(f"    one: {bound(competing['one'], COMPETING_KEYS)}")
+        print(f"    two: {bound(competing['two'], COMPETING_KEYS, 2 * WINDOW)}")
+    if backlog is not None:
+        rss = backlog["rss"]
+        print(f"  backlog {BACKLOG} rows ({BACKLOG_KEYS} keys), default settings: drained in "
+              f"{backlog['e2e']:.1f} s = {f0(backlog['e2e_rate'])} rows/s end to end "
+              f"({f0(backlog['rate'])} msg/s queue-timed)"
+              f"{' PARTIAL' if backlog['partial'] else ''}; relay peak RSS "
+              f"{rss / 1024 if rss else 0:.1f} MiB (target <= {RSS_TARGET_KIB // 1024} MiB: "
+              f"{'PASS' if rss and rss <= RSS_TARGET_KIB else 'ABOVE'}); duplicates "
+              f"{backlog['dups']}{disturbed([backlog])}")
+        print(f"    {bound([backlog], BACKLOG_KEYS, 1000)}")
+    runs = [r for k in KEYS for r in results[k]["relay"] + results[k]["probe"]]
+    runs += competing["one"] + competing["two"] + ([backlog] if backlog else [])
+    noise = med(r["cpu"]["other"] for r in runs)
+    pg_noise = med(r["cpu"].get("pg_other_tps", 0) for r in runs)
+    if (noise is not None and noise > 0.2) or (pg_noise is not None and pg_noise >= 5):
+        pg_part = (f" and PostgreSQL served {pg_noise:.0f} tx/s for other databases"
+                   if pg_noise and pg_noise >= 5 else "")
+        print(f"  NOTE: other processes used a median {noise or 0:.2f} cores during the runs"
+              f"{pg_part}: these figures are noisy; rerun on a quiet machine")
+    print("  (targets are verdicts to read, not failures: the exit status only reports errors)")
+
+
+def on_signal(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 if __name__ == "__main__":
-    main()
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGHUP, on_signal)
+    try:
+        main()
+    except BenchError as e:
+        sys.exit(f"bench: {e}")
+    except KeyboardInterrupt:
+        sys.exit("bench: interrupted")
+    finally:
+        for child in CHILDREN:
+            stop(child, grace=5)
