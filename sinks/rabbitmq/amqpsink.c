@@ -13,14 +13,28 @@
  *    buffer is full, so publish() first checks the free space in the socket
  *    send buffer (SIOCOUTQ vs SO_SNDBUF) and says SINK_EAGAIN when the encoded
  *    message might not fit. A message larger than the whole buffer is only
- *    written into an empty buffer; TCP_USER_TIMEOUT (= confirm_timeout) bounds
- *    how long the kernel keeps unacknowledged data before the socket errors.
+ *    written into an empty buffer; TCP_USER_TIMEOUT (= confirm_timeout, lifted
+ *    while the broker blocks the connection) bounds how long the kernel keeps
+ *    unacknowledged data before the socket errors.
  *  - destroy: connection.close with a short rpc timeout.
  *
  * Every in-flight message lives in a ring indexed by delivery tag. Results
  * are delivered only from loop callbacks, never from inside publish(). A
  * callback may call publish() or destroy(): every path re-checks s->dying
  * after a callback and the outermost loop callback frees a destroyed sink.
+ *
+ * Destination checks: a publish to an exchange that does not exist makes the
+ * broker close the publishing channel (404), and every unconfirmed message on
+ * it is lost with it. So before the first publish to a named exchange (not ""
+ * and not amq.*, which the broker itself defines), publish() answers
+ * SINK_EWAIT and asks the broker with a passive exchange.declare on a second
+ * channel of the same connection (the "check channel", the highest channel
+ * number), without waiting: the replies arrive through handle_frame like
+ * acks. The answers are cached per connection (AMQPSINK_XOK_TTL,
+ * AMQPSINK_XMISSING_TTL); a row to a missing exchange then gets SINK_EREFUSED
+ * and nothing else is disturbed. A 404 closes the check channel instead; it
+ * is reopened asynchronously before the next check. One check is in flight at
+ * a time; names wait in a bounded FIFO.
  */
 #include "relay/sink.h"
 #include "sinks/rabbitmq/json.h"
@@ -53,6 +67,45 @@
 #define AMQPSINK_DRAIN_MAX     4096   /* frames per readable event before yielding */
 #define AMQPSINK_CLOSE_TIMEOUT 2000   /* ms, destroy()'s connection.close */
 #define AMQPSINK_SYS_CA        "/etc/ssl/certs/ca-certificates.crt"
+
+/* Exchange checks. An exchange seen to exist is trusted for AMQPSINK_XOK_TTL
+ * seconds: should it be deleted meanwhile, the publishing channel's 404 still
+ * settles the culprit (REJECTED) and the rest (LOST), and marks it missing
+ * here. A missing (or refused) one is remembered only briefly, so a retried row
+ * learns soon that someone created it, while a burst of rows to it costs one
+ * round trip, not one each. */
+#define AMQPSINK_XOK_TTL       30.0   /* s */
+#define AMQPSINK_XMISSING_TTL  1.0    /* s */
+#define AMQPSINK_XQUEUE_MAX    1024   /* names waiting for a check; past it SINK_EAGAIN */
+#define AMQPSINK_XCACHE_MAX    2048   /* cached names (memory bound: names are <= 255 bytes) */
+#define AMQPSINK_XBUCKETS      256    /* hash buckets of the cache */
+#define AMQPSINK_CHECK_BYTES   512    /* socket room wanted for one check's frame */
+
+/* What the cache knows about one exchange. */
+enum xstate {
+    X_QUEUED = 0,   /* waiting in the check FIFO */
+    X_CHECKING,     /* its passive exchange.declare is in flight */
+    X_EXISTS,       /* declare-ok: publish */
+    X_MISSING,      /* 404: SINK_EREFUSED until expires */
+    X_REFUSED       /* another channel error (e.g. 403): SINK_EREFUSED until expires */
+};
+
+typedef struct xent {
+    struct xent *next;       /* hash chain */
+    struct xent *qnext;      /* check FIFO (X_QUEUED only) */
+    ev_tstamp    expires;    /* X_EXISTS / X_MISSING / X_REFUSED */
+    int          state;      /* enum xstate */
+    char        *why;        /* owned; the refusal for X_MISSING / X_REFUSED */
+    char         name[];
+} xent;
+
+/* The check channel, one per connection. */
+enum ckstate {
+    CK_CLOSED = 0,  /* not open (never, or closed by the broker's 404) */
+    CK_OPENING,     /* channel.open sent */
+    CK_IDLE,        /* open, nothing in flight */
+    CK_BUSY         /* exchange.declare (passive) of ck_cur in flight */
+};
 
 typedef struct entry {
     const row    *r;           /* borrowed: the caller keeps it valid until on_result */
@@ -100,6 +153,18 @@ struct sink {
     ev_timer        tick, retry, wretry, failt;
     double          backoff;
     uint64_t        rnd;
+
+    /* Exchange checks (see the top of the file). All of it belongs to the
+     * connection: conn_fail() forgets it. */
+    xent           *xb[AMQPSINK_XBUCKETS];  /* the cache, chained */
+    size_t          xcount;
+    xent           *xq_head, *xq_tail;      /* names waiting for a check */
+    size_t          xq_len;
+    amqp_channel_t  ck_ch;        /* the check channel; 0: none (channel_max < 2) */
+    int             ck_state;     /* enum ckstate */
+    xent           *ck_cur;       /* the exchange being checked (CK_BUSY) */
+    ev_tstamp       ck_sent_at;   /* when the pending channel.open / declare was sent */
+    bool            ck_resolved;  /* a check answered: on_writable is due */
 
     int             depth;        /* nesting of loop callbacks into this sink */
     bool            dying;        /* destroy() called inside a callback */
@@ -347,6 +412,109 @@ static int cur_state(const sink *s)
     return s->blocked ? SINK_BLOCKED : SINK_UP;
 }
 
+/* ------------------------------------------------------------ exchange cache */
+
+static bool x_is_pending(const xent *x)
+{
+    return x->state == X_QUEUED || x->state == X_CHECKING;
+}
+
+static size_t x_bucket(const char *name)
+{
+    uint32_t h = 2166136261u;   /* FNV-1a */
+
+    for (const unsigned char *p = (const unsigned char *)name; *p != '\0'; p++) {
+        h ^= *p;
+        h *= 16777619u;
+    }
+    return h % AMQPSINK_XBUCKETS;
+}
+
+static xent *x_find(sink *s, const char *name)
+{
+    for (xent *x = s->xb[x_bucket(name)]; x != NULL; x = x->next) {
+        if (strcmp(x->name, name) == 0)
+            return x;
+    }
+    return NULL;
+}
+
+/* Drops cached answers (never a pending name: a row waits for it): the
+ * expired ones, or every one when all is true. */
+static void x_sweep(sink *s, bool all)
+{
+    ev_tstamp now = ev_now(s->loop);
+
+    for (size_t b = 0; b < AMQPSINK_XBUCKETS; b++) {
+        xent **pp = &s->xb[b];
+
+        while (*pp != NULL) {
+            xent *x = *pp;
+
+            if (!x_is_pending(x) && (all || now >= x->expires)) {
+                *pp = x->next;
+                free(x->why);
+                free(x);
+                s->xcount--;
+            } else {
+                pp = &x->next;
+            }
+        }
+    }
+}
+
+/* A new entry for name, X_QUEUED but not yet in the FIFO; NULL when out of
+ * memory. The cache is only an optimisation: when full it forgets answers. */
+static xent *x_add(sink *s, const char *name)
+{
+    size_t len = strlen(name), b;
+    xent  *x;
+
+    if (s->xcount >= AMQPSINK_XCACHE_MAX)
+        x_sweep(s, false);
+    if (s->xcount >= AMQPSINK_XCACHE_MAX)
+        x_sweep(s, true);   /* pending names are at most AMQPSINK_XQUEUE_MAX + 1 */
+    x = malloc(sizeof *x + len + 1);
+    if (x == NULL)
+        return NULL;
+    memset(x, 0, sizeof *x);
+    memcpy(x->name, name, len + 1);
+    x->state = X_QUEUED;
+    b = x_bucket(name);
+    x->next = s->xb[b];
+    s->xb[b] = x;
+    s->xcount++;
+    return x;
+}
+
+static void x_set(sink *s, xent *x, int state, const char *why)
+{
+    x->state = state;
+    x->expires = ev_now(s->loop) + (state == X_EXISTS ? AMQPSINK_XOK_TTL : AMQPSINK_XMISSING_TTL);
+    free(x->why);
+    x->why = why != NULL ? strdup(why) : NULL;   /* NULL: a generic reason later */
+}
+
+/* Forgets every answer and every pending check (the connection is gone). */
+static void x_clear(sink *s)
+{
+    for (size_t b = 0; b < AMQPSINK_XBUCKETS; b++) {
+        while (s->xb[b] != NULL) {
+            xent *x = s->xb[b];
+
+            s->xb[b] = x->next;
+            free(x->why);
+            free(x);
+        }
+    }
+    s->xcount = 0;
+    s->xq_head = s->xq_tail = NULL;
+    s->xq_len = 0;
+    s->ck_cur = NULL;
+    s->ck_state = CK_CLOSED;
+    s->ck_ch = 0;
+}
+
 /* Each helper that calls back returns false when destroy() was called from
  * the callback: the caller must then return at once without touching s. */
 static bool emit_state(sink *s, const char *msg)
@@ -406,6 +574,15 @@ static bool broker_silent(const sink *s)
 
 static bool maybe_writable(sink *s)
 {
+    if (s->ck_resolved && cur_state(s) != SINK_DOWN) {
+        /* Exchange checks answered: rows held back with SINK_EWAIT may go now
+         * (or be refused). One call for every answer read since the last one.
+         * want_writable stays: a row waiting for window room still hears of
+         * it (a second call at worst, which is harmless). */
+        s->ck_resolved = false;
+        s->cbs.on_writable(s->cbs.ud);
+        return !s->dying;
+    }
     if (!s->want_writable || cur_state(s) == SINK_DOWN || broker_silent(s))
         return true;
     if (s->inflight >= (size_t)s->cfg.publish_window ||
@@ -456,12 +633,34 @@ static bool conn_fail(sink *s, const char *why)
     s->blocked = false;
     s->broken = false;
     s->ret_stage = 0;
+    /* The exchange cache belongs to the connection. Rows held back with
+     * SINK_EWAIT hear on_writable once connected again (want_writable). */
+    if (s->xq_len > 0 || s->ck_cur != NULL || s->ck_resolved)
+        s->want_writable = true;
+    s->ck_resolved = false;
+    x_clear(s);
     if (!emit_state(s, reason))
         return false;
     if (!fail_all(s, SINK_LOST, reason))
         return false;
     schedule_reconnect(s);
     return true;
+}
+
+/* TCP_USER_TIMEOUT (= confirm_timeout) bounds how long the kernel keeps unacknowledged
+ * data, zero-window probes included. While the broker blocks the connection it stops
+ * reading from the socket on purpose, so a full pipeline legitimately sits in a zero
+ * window: the bound is lifted then (on = false) and restored when unblocked. */
+static void set_user_timeout(sink *s, bool on)
+{
+    int      fd = s->conn ? amqp_get_sockfd(s->conn) : -1;
+    unsigned ut = 0;
+
+    if (fd < 0 || s->cfg.confirm_timeout_ms <= 0)
+        return;
+    if (on)
+        ut = s->cfg.confirm_timeout_ms > 3600000 ? 3600000u : (unsigned)s->cfg.confirm_timeout_ms;
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ut, sizeof ut);
 }
 
 static void set_sock_opts(sink *s)
@@ -475,17 +674,16 @@ static void set_sock_opts(sink *s)
         return;
     /* Best effort: a smaller buffer only means more SINK_EAGAIN. */
     (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof v);
-    if (s->cfg.confirm_timeout_ms > 0) {
-        unsigned ut = s->cfg.confirm_timeout_ms > 3600000 ? 3600000u
-                                                         : (unsigned)s->cfg.confirm_timeout_ms;
-        (void)setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ut, sizeof ut);
-    }
+    set_user_timeout(s, true);
     v = 0;
     if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &sl) == 0 && v > 0)
         s->sndcap = (size_t)v / 2;   /* the kernel doubles the value for bookkeeping */
 }
 
 static bool drain(sink *s);
+static void ck_kick(sink *s);
+static bool check_timeout(sink *s);
+static amqp_channel_t check_channel(amqp_connection_state_t conn);
 
 static void sink_free(sink *s);
 
@@ -523,6 +721,8 @@ static void retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
     s->broken = false;
     s->next_tag = s->tail_tag = 1;
     s->ret_stage = 0;
+    x_clear(s);
+    s->ck_ch = check_channel(s->conn);
     set_sock_opts(s);
     ev_now_update(s->loop);   /* the handshake blocked for a while */
     s->hb = amqp_get_heartbeat(s->conn);
@@ -600,6 +800,9 @@ static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
             goto out;
         }
     }
+    if (!check_timeout(s) || s->conn == NULL)
+        goto out;
+    ck_kick(s);   /* a check held back for socket room */
     (void)maybe_writable(s);
 out:
     LEAVE(s);
@@ -656,6 +859,240 @@ static void wretry_cb(struct ev_loop *loop, ev_timer *w, int revents)
     (void)revents;
     if (s->conn != NULL)
         ev_io_start(loop, &s->wio);
+}
+
+/* ------------------------------------------------------------ exchange checks */
+
+/* A send failed: the connection may be mid-frame. Fail it from the loop (the
+ * caller may be publish(), which must not call back). */
+static void mark_broken(sink *s, const char *what, int rc)
+{
+    if (s->broken)
+        return;
+    s->broken = true;
+    snprintf(s->broken_why, sizeof s->broken_why, "%s: %s", what, amqp_error_string2(rc));
+    ev_timer_set(&s->failt, 0., 0.);
+    ev_timer_start(s->loop, &s->failt);
+}
+
+/* The default exchange and amq.* are the broker's own (a client cannot declare
+ * amq.* names): they are published without a check. */
+static bool x_unchecked(const sink *s, const char *ex)
+{
+    return ex[0] == '\0' || strncmp(ex, "amq.", 4) == 0 || s->ck_ch == 0;
+}
+
+/* The check channel is the highest channel number the connection allows; the
+ * publishing channel cycles below it. 0 (no checks: a row goes straight out,
+ * and a 404 only costs a channel) when the broker allows a single channel. */
+static amqp_channel_t check_channel(amqp_connection_state_t conn)
+{
+    int max = amqp_get_channel_max(conn);
+
+    if (max <= 0 || max > 65535)
+        max = 65535;
+    return max < 2 ? 0 : (amqp_channel_t)max;
+}
+
+/* Sends the check channel's next step, if it has one and the socket has room
+ * for it (else the tick tries again; rabbitmq-c's send would wait without a
+ * deadline): channel.open while closed, else the passive exchange.declare of
+ * the first waiting name. Never waits for the answer and never calls back. */
+static void ck_kick(sink *s)
+{
+    int rc;
+
+    if (s->conn == NULL || s->broken || s->ck_ch == 0 || s->xq_head == NULL ||
+        s->ck_state == CK_OPENING || s->ck_state == CK_BUSY)
+        return;
+    if (!sock_room(s, AMQPSINK_CHECK_BYTES))
+        return;
+    if (s->ck_state == CK_CLOSED) {
+        amqp_channel_open_t m;
+
+        memset(&m, 0, sizeof m);
+        m.out_of_band = amqp_empty_bytes;
+        rc = amqp_send_method(s->conn, s->ck_ch, AMQP_CHANNEL_OPEN_METHOD, &m);
+        s->ck_state = CK_OPENING;
+    } else {
+        amqp_exchange_declare_t m;
+        xent                   *x = s->xq_head;
+
+        s->xq_head = x->qnext;
+        if (s->xq_head == NULL)
+            s->xq_tail = NULL;
+        s->xq_len--;
+        x->qnext = NULL;
+        x->state = X_CHECKING;
+        s->ck_cur = x;
+        memset(&m, 0, sizeof m);
+        m.exchange = cbytes(x->name);
+        m.type = amqp_empty_bytes;
+        m.passive = 1;       /* only asks; never creates or changes anything */
+        m.arguments = amqp_empty_table;
+        rc = amqp_send_method(s->conn, s->ck_ch, AMQP_EXCHANGE_DECLARE_METHOD, &m);
+        s->ck_state = CK_BUSY;
+    }
+    s->ck_sent_at = ev_now(s->loop);
+    if (rc != AMQP_STATUS_OK) {
+        mark_broken(s, "exchange check", rc);
+        return;
+    }
+    /* a send may read from the socket (heartbeat check): frames it queued
+     * would never wake the read watcher */
+    if (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn))
+        ev_feed_event(s->loop, &s->rio, EV_READ);
+}
+
+/* A check (or the check channel's open) without an answer within
+ * confirm_timeout: the connection is dead or the broker stuck, as with a
+ * missing confirm. The clock stops while the broker blocks the connection (it
+ * may stop reading from it). Returns false when the sink was destroyed. */
+static bool check_timeout(sink *s)
+{
+    ev_tstamp since;
+    char      why[500];
+
+    if (s->conn == NULL || s->cfg.confirm_timeout_ms <= 0 || s->blocked ||
+        (s->ck_state != CK_OPENING && s->ck_state != CK_BUSY))
+        return true;
+    since = s->ck_sent_at > s->unblocked_at ? s->ck_sent_at : s->unblocked_at;
+    if (ev_now(s->loop) - since <= (double)s->cfg.confirm_timeout_ms / 1000.)
+        return true;
+    if (s->ck_state == CK_BUSY && s->ck_cur != NULL)
+        snprintf(why, sizeof why, "no answer to the passive exchange.declare of exchange '%s' "
+                 "(checking channel %u) within %lld ms", s->ck_cur->name, (unsigned)s->ck_ch,
+                 (long long)s->cfg.confirm_timeout_ms);
+    else
+        snprintf(why, sizeof why, "no answer to channel.open of the exchange checking channel %u "
+                 "within %lld ms", (unsigned)s->ck_ch, (long long)s->cfg.confirm_timeout_ms);
+    return conn_fail(s, why);
+}
+
+/* Whether a row to exchange ex may be published now: SINK_QUEUED (go on),
+ * SINK_EWAIT (its check is pending), SINK_EREFUSED (err says why) or
+ * SINK_EAGAIN (too many names waiting: a pending check answers, then
+ * on_writable). Never calls back. */
+static int dest_check(sink *s, const char *ex, char *err, size_t errlen)
+{
+    xent *x;
+
+    if (x_unchecked(s, ex))
+        return SINK_QUEUED;
+    x = x_find(s, ex);
+    if (x != NULL) {
+        if (x_is_pending(x))
+            return SINK_EWAIT;
+        if (ev_now(s->loop) < x->expires) {
+            if (x->state == X_EXISTS)
+                return SINK_QUEUED;
+            if (x->why != NULL)
+                snprintf(err, errlen, "%s", x->why);
+            else
+                snprintf(err, errlen, "exchange '%s' refused in vhost '%s'", ex, s->cfg.vhost);
+            return SINK_EREFUSED;
+        }
+        /* expired: ask again */
+    }
+    if (s->xq_len >= AMQPSINK_XQUEUE_MAX)
+        return SINK_EAGAIN;
+    if (x == NULL && (x = x_add(s, ex)) == NULL)
+        return SINK_QUEUED;   /* out of memory: unchecked; a 404 still costs only a channel */
+    x->state = X_QUEUED;
+    free(x->why);
+    x->why = NULL;
+    x->qnext = NULL;
+    if (s->xq_tail != NULL)
+        s->xq_tail->qnext = x;
+    else
+        s->xq_head = x;
+    s->xq_tail = x;
+    s->xq_len++;
+    ck_kick(s);
+    return SINK_EWAIT;
+}
+
+/* The publishing channel was closed by a 404 naming ex (deleted after its
+ * check said it exists): remember it missing, so the rows given back LOST are
+ * refused when retried instead of closing the channel again. */
+static void x_mark_missing(sink *s, const char *ex, const char *text)
+{
+    xent *x;
+    char  why[1100];
+
+    if (x_unchecked(s, ex))
+        return;
+    x = x_find(s, ex);
+    if (x != NULL && x_is_pending(x))
+        return;   /* its check answers soon */
+    if (x == NULL && (x = x_add(s, ex)) == NULL)
+        return;
+    snprintf(why, sizeof why, "exchange '%s' not found in vhost '%s' (404, the broker closed "
+             "the publishing channel: %s)", ex, s->cfg.vhost, text);
+    x_set(s, x, X_MISSING, why);
+}
+
+/* A frame on the check channel: the answer to channel.open or to a check. */
+static bool on_check_frame(sink *s, const amqp_frame_t *f)
+{
+    if (f->frame_type != AMQP_FRAME_METHOD)
+        return true;
+    switch (f->payload.method.id) {
+    case AMQP_CHANNEL_OPEN_OK_METHOD:
+        if (s->ck_state == CK_OPENING) {
+            s->ck_state = CK_IDLE;
+            ck_kick(s);
+        }
+        return true;
+    case AMQP_EXCHANGE_DECLARE_OK_METHOD:
+        if (s->ck_state == CK_BUSY && s->ck_cur != NULL) {
+            x_set(s, s->ck_cur, X_EXISTS, NULL);
+            s->ck_cur = NULL;
+            s->ck_state = CK_IDLE;
+            s->ck_resolved = true;
+            ck_kick(s);
+        }
+        return true;
+    case AMQP_CHANNEL_CLOSE_METHOD: {
+        const amqp_channel_close_t *m = f->payload.method.decoded;
+        amqp_channel_close_ok_t     ok;
+        char                        text[512], why[1100];
+        int                         rc;
+
+        snprintf(text, sizeof text, "%.*s", (int)m->reply_text.len,
+                 (const char *)m->reply_text.bytes);
+        memset(&ok, 0, sizeof ok);
+        rc = amqp_send_method(s->conn, s->ck_ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
+        if (rc != AMQP_STATUS_OK) {
+            snprintf(why, sizeof why, "exchange checking channel %u closed by the broker: %u %s; "
+                     "channel.close-ok: %s", (unsigned)s->ck_ch, (unsigned)m->reply_code, text,
+                     amqp_error_string2(rc));
+            return conn_fail(s, why);
+        }
+        if (s->ck_state != CK_BUSY || s->ck_cur == NULL) {
+            /* Not the answer to a check (channel.open refused?): nothing to
+             * learn, and reopening could repeat it forever. */
+            snprintf(why, sizeof why, "exchange checking channel %u closed by the broker: %u %s",
+                     (unsigned)s->ck_ch, (unsigned)m->reply_code, text);
+            return conn_fail(s, why);
+        }
+        if (m->reply_code == AMQP_NOT_FOUND)
+            snprintf(why, sizeof why, "exchange '%s' not found in vhost '%s' (404, checked with "
+                     "a passive exchange.declare)", s->ck_cur->name, s->cfg.vhost);
+        else
+            snprintf(why, sizeof why, "exchange '%s' in vhost '%s' refused by the broker: %u %s "
+                     "(checked with a passive exchange.declare)", s->ck_cur->name, s->cfg.vhost,
+                     (unsigned)m->reply_code, text);
+        x_set(s, s->ck_cur, m->reply_code == AMQP_NOT_FOUND ? X_MISSING : X_REFUSED, why);
+        s->ck_cur = NULL;
+        s->ck_state = CK_CLOSED;   /* close-ok sent: ck_kick reopens it for the next check */
+        s->ck_resolved = true;
+        ck_kick(s);
+        return true;
+    }
+    default:
+        return true;
+    }
 }
 
 /* ------------------------------------------------------------ frame handling */
@@ -748,9 +1185,13 @@ static bool on_channel_close(sink *s, unsigned code, const char *text)
     for (uint64_t t = s->tail_tag; t < s->next_tag && culprit == 0; t++) {
         entry *e = find_live(s, t);
 
-        if (e != NULL && (names_exchange(e, text) ||
-                          (sz != NULL && e->r->payload_len == size)))
+        if (e != NULL && names_exchange(e, text)) {
             culprit = t;
+            if (code == AMQP_NOT_FOUND)
+                x_mark_missing(s, e->r->exchange, text);
+        } else if (e != NULL && sz != NULL && e->r->payload_len == size) {
+            culprit = t;
+        }
     }
     advance_tail(s);
     if (culprit == 0 && find_live(s, s->tail_tag))
@@ -772,6 +1213,8 @@ static bool on_channel_close(sink *s, unsigned code, const char *text)
 
         if (max <= 0 || max > 65535)
             max = 65535;
+        if (s->ck_ch != 0)
+            max = s->ck_ch - 1;   /* the check channel is the highest */
         s->ch = (amqp_channel_t)(s->ch >= max ? 1 : s->ch + 1);
     }
     amqp_channel_open(s->conn, s->ch);
@@ -820,6 +1263,7 @@ static bool handle_frame(sink *s, const amqp_frame_t *f)
             char                             why[400];
 
             s->blocked = true;
+            set_user_timeout(s, false);
             snprintf(why, sizeof why, "%s: broker blocked publishing: %.*s", s->ident,
                      (int)m->reason.len, (const char *)m->reason.bytes);
             return emit_state(s, why);
@@ -828,6 +1272,7 @@ static bool handle_frame(sink *s, const amqp_frame_t *f)
             char why[400];
 
             s->blocked = false;
+            set_user_timeout(s, true);
             s->unblocked_at = ev_now(s->loop);
             snprintf(why, sizeof why, "%s: broker unblocked publishing", s->ident);
             return emit_state(s, why);
@@ -836,6 +1281,8 @@ static bool handle_frame(sink *s, const amqp_frame_t *f)
             return true;
         }
     }
+    if (s->ck_ch != 0 && f->channel == s->ck_ch)
+        return on_check_frame(s, f);
     if (f->channel != s->ch || !s->chan_ok)
         return true;   /* leftovers of a closed channel */
     switch (f->frame_type) {
@@ -933,6 +1380,7 @@ static void sink_free(sink *s)
     ev_timer_stop(s->loop, &s->failt);
     conn_close(s->conn, !s->broken);
     s->conn = NULL;
+    x_clear(s);
     if (s->ring != NULL) {
         for (uint64_t i = 0; i <= s->ring_mask; i++)
             free(s->ring[i].ret_reason);
@@ -1111,6 +1559,13 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
         free(hmem);
         return SINK_EAGAIN;   /* on_state(SINK_UP) follows */
     }
+    /* Does the exchange exist? Asked before the window: a refusal or a wait
+     * needs no room, and the check starts early. */
+    rc = dest_check(s, r->exchange, err, errlen);
+    if (rc != SINK_QUEUED) {
+        free(hmem);
+        return rc;
+    }
     advance_tail(s);
     if (s->inflight >= (size_t)s->cfg.publish_window ||
         s->next_tag - s->tail_tag > s->ring_mask || broker_silent(s)) {
@@ -1161,10 +1616,7 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
             return SINK_EPERM;
         }
         /* The connection is broken (maybe mid-message): fail it from the loop. */
-        s->broken = true;
-        snprintf(s->broken_why, sizeof s->broken_why, "publish: %s", amqp_error_string2(rc));
-        ev_timer_set(&s->failt, 0., 0.);
-        ev_timer_start(s->loop, &s->failt);
+        mark_broken(s, "publish", rc);
         return SINK_EAGAIN;
     }
     e = slot(s, s->next_tag);

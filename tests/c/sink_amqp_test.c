@@ -13,17 +13,23 @@
  *   --tag HEX8 (message-id prefix), --rate N (messages/s, 0 = unlimited),
  *   --timeout S (give up: exit 2), --no-retry (LOST is final), --ticks (print
  *   "tick T" every 100 ms: shows the loop never blocks), --destroy-after N
- *   (destroy the sink inside the Nth on_result; any later callback is an error).
+ *   (destroy the sink inside the Nth on_result; any later callback is an error),
+ *   --retry-refused MS (a REFUSED row is published again MS ms later, as the relay
+ *   retries a failed attempt; default: REFUSED is final).
  *
  * Every message i: message_id TAG-0000-4000-8000-<i as 12 hex>, correlation_id
  * corr-<i>, type type.<i%3>, content_type application/x-test, created_at
  * (1700000000+i) s + 123456 us, headers GOOD_HEADERS with "idx":i, payload
  * byte j = (i*7 + j*13) & 0xff (NULs included). A LOST result is retried (as
- * the relay would) unless --no-retry. Output, one line each, flushed:
+ * the relay would) unless --no-retry. A SINK_EWAIT row (its exchange is being
+ * checked) is set aside and put back at the front of the queue by the next
+ * on_writable; the rows behind it go on meanwhile. Output, one line each, flushed:
  *   state UP|DOWN|BLOCKED <msg>
- *   result <i> ACK|RETURNED|NACKED|REJECTED|LOST|EPERM <reason>
+ *   result <i> ACK|RETURNED|NACKED|REJECTED|LOST|EPERM|REFUSED <reason>
+ *   ewait <i>                     (publish said SINK_EWAIT; the row waits)
  *   summary total=.. acked=.. returned=.. nacked=.. rejected=.. lost=.. eperm=..
- *           max_in_flight=.. ups=.. downs=.. blocked=.. queued_while_blocked=.. secs=..
+ *           refused=.. ewait=.. max_in_flight=.. ups=.. downs=.. blocked=..
+ *           queued_while_blocked=.. secs=..
  * Exit 0 when every message got a final result, 2 on timeout, 1 on usage errors.
  */
 #include "relay/row.h"
@@ -59,7 +65,9 @@ static const char *const bad_headers[] = {
 typedef struct msg {
     int        idx;
     row       *r;         /* owned */
-    int        state;     /* 0 pending, 1 in flight, 2 done */
+    int        state;     /* 0 pending, 1 in flight, 2 done, 3 waiting (EWAIT),
+                             4 refused, published again at retry_at */
+    double     retry_at;
     char       hdr[512];
 } msg;
 
@@ -86,6 +94,12 @@ typedef struct drv {
     int             destroyed;
     int             eagain;
     ev_timer        tick_t;
+    int            *waiting;         /* rows set aside by SINK_EWAIT, until on_writable */
+    int            *scratch;         /* n + 1: rebuilding pending */
+    int             n_waiting;
+    int             c_refused, c_ewait;
+    double          retry_refused;   /* s; 0: REFUSED is final */
+    ev_timer        refused_t;
 } drv;
 
 static const char *outcome_name(int o)
@@ -139,6 +153,30 @@ static void pump(drv *d)
             d->done++;
             printf("result %d EPERM %s\n", m->idx, err);
             continue;
+        }
+        if (rc == SINK_EWAIT) {
+            /* its exchange is being checked: the next rows go on */
+            m->state = 3;
+            d->c_ewait++;
+            d->waiting[d->n_waiting++] = m->idx;
+            printf("ewait %d\n", m->idx);
+            continue;
+        }
+        if (rc == SINK_EREFUSED) {
+            d->c_refused++;
+            printf("result %d REFUSED %s\n", m->idx, err);
+            if (d->retry_refused > 0) {
+                m->state = 4;
+                m->retry_at = ev_now(d->loop) + d->retry_refused;
+            } else {
+                m->state = 2;
+                d->done++;
+            }
+            continue;
+        }
+        if (rc != SINK_QUEUED) {
+            printf("error: publish returned %d\n", rc);
+            exit(3);
         }
         m->state = 1;
         if (d->sink_state == SINK_BLOCKED)
@@ -225,7 +263,47 @@ static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
 
 static void on_writable(void *ud)
 {
-    pump(ud);
+    drv *d = ud;
+
+    if (d->destroyed) {
+        printf("error: on_writable after destroy\n");
+        exit(3);
+    }
+    /* rows held back by SINK_EWAIT go back to the front of the queue, in
+     * order (older rows first, as the relay retries them) */
+    if (d->n_waiting > 0) {
+        int k = 0;
+
+        for (int w = 0; w < d->n_waiting; w++) {
+            d->msgs[d->waiting[w]].state = 0;
+            d->scratch[k++] = d->waiting[w];
+        }
+        for (int p = d->phead; p != d->ptail; p++)
+            d->scratch[k++] = d->pending[p % d->pcap];
+        memcpy(d->pending, d->scratch, (size_t)k * sizeof *d->pending);
+        d->phead = 0;
+        d->ptail = k;
+        d->n_waiting = 0;
+    }
+    pump(d);
+}
+
+static void refused_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    drv *d = w->data;
+
+    (void)revents;
+    if (d->destroyed)
+        return;
+    for (int i = 0; i < d->n; i++) {
+        msg *m = &d->msgs[i];
+
+        if (m->state == 4 && ev_now(loop) >= m->retry_at) {
+            m->state = 0;
+            d->pending[d->ptail++ % d->pcap] = i;
+        }
+    }
+    pump(d);
 }
 
 static void rate_cb(struct ev_loop *loop, ev_timer *w, int revents)
@@ -396,6 +474,7 @@ int main(int argc, char **argv)
         else if (strcmp(o, "--rate") == 0)            d.rate = atof(v);
         else if (strcmp(o, "--timeout") == 0)         timeout = atof(v);
         else if (strcmp(o, "--destroy-after") == 0)   d.destroy_after = atoi(v);
+        else if (strcmp(o, "--retry-refused") == 0)   d.retry_refused = atof(v) / 1000.;
         else {
             fprintf(stderr, "unknown option %s\n", o);
             goto out;
@@ -421,7 +500,9 @@ int main(int argc, char **argv)
     d.msgs = calloc((size_t)d.n + 1, sizeof *d.msgs);
     d.pcap = d.n * 64 + 16;
     d.pending = calloc((size_t)d.pcap, sizeof *d.pending);
-    if (d.msgs == NULL || d.pending == NULL)
+    d.waiting = calloc((size_t)d.n + 1, sizeof *d.waiting);
+    d.scratch = calloc((size_t)d.n + 1, sizeof *d.scratch);
+    if (d.msgs == NULL || d.pending == NULL || d.waiting == NULL || d.scratch == NULL)
         goto out;
     {
         int i = 0;
@@ -491,6 +572,10 @@ int main(int argc, char **argv)
     d.rate_t.data = &d;
     if (d.rate > 0)
         ev_timer_start(d.loop, &d.rate_t);
+    ev_timer_init(&d.refused_t, refused_cb, 0.05, 0.05);
+    d.refused_t.data = &d;
+    if (d.retry_refused > 0)
+        ev_timer_start(d.loop, &d.refused_t);
     ev_timer_init(&d.tick_t, tick_cb, 0.1, 0.1);
     if (ticks)
         ev_timer_start(d.loop, &d.tick_t);
@@ -502,15 +587,18 @@ int main(int argc, char **argv)
     if (d.n > 0)
         ev_run(d.loop, 0);
     printf("summary total=%d acked=%d returned=%d nacked=%d rejected=%d lost=%d eperm=%d "
+           "refused=%d ewait=%d "
            "max_in_flight=%zu ups=%d downs=%d blocked=%d queued_while_blocked=%d in_flight=%zu "
            "eagain=%d secs=%.3f\n",
-           d.n, d.c_ack, d.c_ret, d.c_nack, d.c_rej, d.c_lost, d.c_eperm, d.max_in_flight,
+           d.n, d.c_ack, d.c_ret, d.c_nack, d.c_rej, d.c_lost, d.c_eperm, d.c_refused,
+           d.c_ewait, d.max_in_flight,
            d.ups, d.downs, d.blocks, d.queued_while_blocked,
            d.s ? d.ops->in_flight(d.s) : (size_t)0, d.eagain, ev_time() - t0);
     rc = d.timed_out ? 2 : 0;
     ev_timer_stop(d.loop, &d.rate_t);
     ev_timer_stop(d.loop, &d.timeout_t);
     ev_timer_stop(d.loop, &d.tick_t);
+    ev_timer_stop(d.loop, &d.refused_t);
 out:
     if (d.s != NULL)
         d.ops->destroy(d.s);
@@ -521,6 +609,8 @@ out:
             row_free(d.msgs[i].r);
     free(d.msgs);
     free(d.pending);
+    free(d.waiting);
+    free(d.scratch);
     free(urlcopy);
     return rc;
 }
