@@ -367,3 +367,223 @@ class BlackholeProxy:
                     except OSError:
                         pass
             self.conns.clear()
+
+
+# ---------------------------------------------------------------------------- drain-order helpers
+# (added for tests/test_drain_order.py; nothing above changed)
+def insert_rows(db, count, keys, *, start=0, exchange="", routing_key="q", size=64, prefix="msg",
+                bad=(), bad_exchange=None, bad_routing_key=None, bad_size=None,
+                table="outbox.messages"):
+    """Inserts rows seq start..start+count-1 server-side in ONE statement (INSERT ... SELECT
+    generate_series, ids in seq order), shaped like examples/producer.c's messages: partition
+    key "key-<seq mod keys>" (none when keys == 0), correlation_id "corr-<seq>", headers
+    {"seq": "<seq>", "origin": "sql"}, payload "<prefix>|<seq>|" padded with 'x' to `size`.
+    Rows whose seq is in `bad` go to bad_exchange / bad_routing_key (default: the good ones)
+    with payload prefix "bad", padded to bad_size (default: size). Returns the number of rows
+    inserted."""
+    bad = sorted(set(int(s) for s in bad))
+    bx = exchange if bad_exchange is None else bad_exchange
+    brk = routing_key if bad_routing_key is None else bad_routing_key
+    key_sql = "'key-' || (g %% %(keys)s::bigint)" if keys else "NULL"
+    sql = f"""
+        INSERT INTO {table} (message_id, exchange, routing_key, partition_key, message_type,
+                             content_type, correlation_id, headers, payload)
+        SELECT gen_random_uuid(),
+               CASE WHEN b THEN %(bx)s::text ELSE %(ex)s::text END,
+               CASE WHEN b THEN %(brk)s::text ELSE %(rk)s::text END,
+               {key_sql}, 'test.event', 'application/octet-stream', 'corr-' || g,
+               jsonb_build_object('seq', g::text, 'origin', 'sql'),
+               convert_to(rpad(head, greatest(CASE WHEN b THEN %(bsize)s::int
+                                                   ELSE %(size)s::int END, length(head)), 'x'),
+                          'UTF8')
+        FROM (SELECT g, b, CASE WHEN b THEN 'bad' ELSE %(prefix)s::text END || '|' || g || '|'
+                              AS head
+              FROM (SELECT g, g = ANY(%(bad)s::bigint[]) AS b
+                    FROM generate_series(%(start)s::bigint, %(end)s::bigint) AS g) s0) s
+        ORDER BY g"""
+    params = {"keys": keys, "bx": bx, "ex": exchange, "brk": brk, "rk": routing_key,
+              "prefix": prefix, "size": size, "bsize": size if bad_size is None else bad_size,
+              "bad": bad, "start": start,
+              "end": start + count - 1}
+    with db.connect() as c:
+        return c.execute(sql, params).rowcount
+
+
+def order_report(got, expected, key_of):
+    """The consumer-side oracle for rows with arbitrary expected seqs (e.g. some rows were
+    dead-lettered and never arrive). got: [(props, body, t)] in queue order; expected: the
+    seqs that must arrive; key_of(seq): their partition key (None: no order constraint).
+    Asserts: first occurrences keep id (= seq) order within EVERY key; every expected seq
+    arrived (lost 0); nothing unexpected arrived; each seq always carried one message_id.
+    Returns (duplicates, {seq: copies})."""
+    expected = set(expected)
+    ids, copies, last, inversions = {}, {}, {}, []
+    for props, body, _ in got:
+        seq = int(props.headers["seq"])
+        assert body.split(b"|", 2)[1] == str(seq).encode(), f"seq {seq}: body {body[:40]!r}"
+        ids.setdefault(seq, set()).add(props.message_id)
+        copies[seq] = copies.get(seq, 0) + 1
+        if copies[seq] > 1:
+            continue
+        k = key_of(seq)
+        if k is None:
+            continue
+        if last.get(k, -1) > seq:
+            inversions.append((k, seq, last[k]))
+        last[k] = max(seq, last.get(k, -1))
+    assert not inversions, (f"{len(inversions)} per-key order inversions (key, seq, first "
+                            f"arrived after seq): {inversions[:8]}")
+    missing = sorted(expected - set(copies))
+    assert not missing, f"{len(missing)} messages lost, e.g. {missing[:10]}"
+    extra = sorted(set(copies) - expected)
+    assert not extra, (f"{len(extra)} unexpected seqs arrived (dead-lettered rows?), "
+                       f"e.g. {extra[:10]}")
+    multi = {s: v for s, v in ids.items() if len(v) > 1}
+    assert not multi, f"duplicates with different message_ids: {list(multi.items())[:3]}"
+    return len(got) - len(copies), copies
+
+
+class LiveConsumer:
+    """Consumes a queue on its own connection in a background thread while the relay drains,
+    so the list is in queue order and `on_first(seq)` runs when a seq FIRST arrives (before
+    the next delivery is taken). Exceptions in on_first are collected in .errors."""
+
+    def __init__(self, services, queue, on_first=None, prefetch=500):
+        import threading
+        self.services, self.queue = services, queue
+        self.on_first, self.prefetch = on_first, prefetch
+        self.got = []
+        self.seen = set()
+        self.errors = []
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        if not self._ready.wait(20):
+            raise AssertionError(f"consumer on {queue} did not start: {self.errors}")
+
+    def _run(self):
+        try:
+            conn, ch = amqp_channel(self.services)
+        except Exception as e:  # noqa: BLE001 - reported through .errors
+            self.errors.append(e)
+            self._ready.set()
+            return
+        try:
+            ch.basic_qos(prefetch_count=self.prefetch)
+            gen = ch.consume(self.queue, auto_ack=False, inactivity_timeout=0.05)
+            self._ready.set()
+            for method, props, body in gen:
+                if method is not None:
+                    seq = int(props.headers["seq"])
+                    if seq not in self.seen:
+                        self.seen.add(seq)
+                        if self.on_first is not None:
+                            try:
+                                self.on_first(seq)
+                            except Exception as e:  # noqa: BLE001
+                                self.errors.append(e)
+                    with self._lock:
+                        self.got.append((props, body, time.monotonic()))
+                    ch.basic_ack(method.delivery_tag)
+                if self._stop.is_set():
+                    break
+            ch.cancel()
+        except Exception as e:  # noqa: BLE001
+            self.errors.append(e)
+        finally:
+            self._ready.set()
+            try:
+                conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def count(self):
+        with self._lock:
+            return len(self.got)
+
+    def wait_distinct(self, n, timeout):
+        """Waits until n distinct seqs arrived; returns whether they did."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self._thread.is_alive():
+            if len(self.seen) >= n:
+                return True
+            time.sleep(0.05)
+        return len(self.seen) >= n
+
+    def stop(self, idle=0.5):
+        """Keeps listening `idle` more seconds (to see late duplicates), then stops; returns
+        the deliveries [(props, body, t)] in arrival order."""
+        time.sleep(idle)
+        self._stop.set()
+        self._thread.join(30)
+        with self._lock:
+            return list(self.got)
+
+
+class MetricSampler:
+    """Samples one per-outbox metric of a Relay's /metrics in a background thread every
+    `interval` seconds until stop(); .samples holds the values read."""
+
+    def __init__(self, relay, name, interval=0.005, outbox="main"):
+        import threading
+        self.relay, self.name, self.interval, self.outbox = relay, name, interval, outbox
+        self.samples = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                v = self.relay.metric(self.name, self.outbox)
+                if v is not None:
+                    self.samples.append(v)
+            except OSError:
+                self.errors += 1
+            self._stop.wait(self.interval)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(30)
+        return self.samples
+
+
+def broker_publish_channel_errors(services, exchange):
+    """How many times the broker closed a channel because a basic.publish named the missing
+    `exchange` (counted in the broker's own log; passive exchange.declare checks are not
+    counted), or None when the broker's log cannot be read. Use a unique exchange name."""
+    needle = ("operation basic.publish caused a channel exception not_found: "
+              f"no exchange '{exchange}'")
+    try:
+        with open(services.rabbit_log, errors="replace") as f:
+            return sum(1 for line in f if needle in line)
+    except OSError:
+        return None
+
+
+def relay_sink_reconnects(text, sink="main"):
+    """How often a relay log says its sink connected, minus the first time: broker connection
+    losses (and, in some versions, channel reopens). A test that expects no duplicates allows
+    window x this many, so a connection closed from outside (another test on the shared
+    broker closing every connection) does not fail it spuriously."""
+    return max(0, len(re.findall(rf"sink={re.escape(sink)}: connected", text)) - 1)
+
+
+def relay_channel_closes(text):
+    """Lines of a relay log that report a channel closed by the broker."""
+    return len(re.findall(r"closed by the broker", text))
+
+
+def memory_unmeasurable(relay_bin):
+    """Why the relay's own RSS cannot be measured in this run (sanitizer or valgrind build),
+    or None for a plain build."""
+    if VALGRIND or os.environ.get("OUTBOX_VALGRIND", "") not in ("", "0"):
+        return "valgrind run: RSS is valgrind's, not the relay's"
+    p = subprocess.run(["ldd", str(relay_bin)], capture_output=True, text=True, timeout=30)
+    for lib in ("libasan", "libubsan", "libtsan"):
+        if lib in p.stdout:
+            return f"{lib} build: RSS includes the sanitizer's shadow memory"
+    return None

@@ -228,13 +228,18 @@ def test_unroutable_dead_letter_and_retry(services, pgdb, relay_bin, build, tmp_
     conn.close()
 
 
-def test_missing_exchange_channel_reopened(services, pgdb, relay_bin, build, tmp_path):
+def test_missing_exchange_refused_without_closing_the_channel(services, pgdb, relay_bin, build,
+                                                             tmp_path):
     q = f"qmis-{uuid.uuid4().hex[:6]}"
     conn, ch, r, cfg = _failing_row_setup(services, pgdb, relay_bin, build, tmp_path,
                                           f"missing-{q}", q)
-    _assert_failing_row_outcome(ch, q, pgdb, r, r"404|NOT_FOUND|no exchange")
-    assert r.metric("outbox_relay_rejected_total") >= 3
-    # and the relay goes on publishing on a reopened channel
+    _assert_failing_row_outcome(ch, q, pgdb, r, r"404|NOT_FOUND|not found")
+    # learned with a passive exchange.declare on a separate channel: each attempt is refused
+    # before publishing, and the publishing channel is never closed under the other rows
+    assert r.metric("outbox_relay_refused_total") >= 3
+    assert r.metric("outbox_relay_rejected_total") == 0
+    assert "channel" not in "".join(l for l in r.text().splitlines() if "sink=main: down" in l)
+    # and the relay goes on publishing
     run_producer(build, pgdb.dsn, pgdb.name, count=50, keys=5, routing_key=q, start=1000,
                  prefix="after")
     got = consume(ch, q, 50, timeout=20)
