@@ -1,8 +1,10 @@
 -- Least-privilege roles for outbox-relay on SQL Server (SPEC §7).
 --
 -- Run as db_owner in the application database, AFTER the tables exist
--- (`outbox-relay schema --dialect sqlserver` | sqlcmd, or `outbox-relay init -c relay.ini`):
---     sqlcmd -C -b -S host -d app -U sa -i grants-sqlserver.sql
+-- (`outbox-relay schema --dialect sqlserver` | sqlcmd -I, or `outbox-relay init -c relay.ini`):
+--     sqlcmd -C -I -b -S host -d app -U sa -i grants-sqlserver.sql
+-- (-I: QUOTED_IDENTIFIER ON; sqlcmd runs with it OFF by default, and the schema's filtered
+-- indexes cannot be created, or its table written, without it: Msg 1934.)
 -- Idempotent (GRANT is; roles are created only when missing).
 --
 -- Names used: [outbox].[messages] and [outbox].[messages_dead] (the defaults). For another
@@ -17,16 +19,19 @@
 --
 -- What each needs and why:
 --   outbox_producer  INSERT on the outbox. liboutbox also reads message_id (and only that
---                    column) to report a duplicate without raising a unique violation
---                    (INSERT ... WHERE NOT EXISTS (SELECT 1 ... WITH (UPDLOCK, HOLDLOCK) WHERE
---                    message_id = ...)), and its table-exists check selects no column
---                    (SELECT TOP (0) ...), so it gets column-level SELECT on message_id: it
---                    still cannot read payloads, routing keys or headers, update or delete.
+--                    column): its INSERT skips ids already there (INSERT ... WHERE NOT EXISTS
+--                    (SELECT 1 ... WITH (READCOMMITTEDLOCK) WHERE message_id = ...), a plain
+--                    read: no range or update locks, concurrent producers never wait for
+--                    each other) and a batch over SQL Server's parameter limit opens its
+--                    transaction with SELECT TOP (0) ... WHERE message_id IS NULL before its
+--                    savepoint. So it gets column-level SELECT on message_id: it still cannot
+--                    read payloads, routing keys or headers, update or delete.
 --   outbox_relay     SELECT/UPDATE/DELETE on the outbox (claim with UPDATE ... READPAST,
 --                    UPDLOCK, ROWLOCK ... OUTPUT, mark sent, retention cleanup), INSERT on the
---                    outbox, SELECT/INSERT/DELETE on the dead-letter table (DELETE ... OUTPUT
---                    INTO the dead table; `dead list|purge`). Leader election uses
---                    sp_getapplock with a session owner: no grant needed.
+--                    outbox, SELECT/INSERT/DELETE on the dead-letter table (the dead-letter
+--                    move deletes a row already there under the same id, then inserts;
+--                    `dead list|purge`). Leader election uses sp_getapplock with a session
+--                    owner: no grant needed.
 --   outbox_admin     optional, for `outbox-relay dead retry` only: it re-inserts dead rows
 --                    with their original id (SET IDENTITY_INSERT), which SQL Server allows
 --                    only with ALTER on the table. Keep it out of the always-running relay:

@@ -1,9 +1,38 @@
 /*
- * odbc.c — liboutbox over ODBC. SQL Server gets T-SQL (INSERT ... SELECT
- * FROM (VALUES ...) WHERE NOT EXISTS, with a doomed-transaction guard);
- * PostgreSQL through psqlODBC gets INSERT ... ON CONFLICT DO NOTHING.
- * The caller's transaction (autocommit off) is used as it is: this file
- * never calls SQLEndTran and never changes connection attributes.
+ * odbc.c — liboutbox over ODBC. SQL Server gets T-SQL; PostgreSQL through
+ * psqlODBC gets INSERT ... ON CONFLICT DO NOTHING. The caller's transaction
+ * (autocommit off) is used as it is: this file never calls SQLEndTran and
+ * never changes connection attributes or the session's SET options.
+ *
+ * Duplicates on SQL Server. A duplicate message_id must come back as
+ * OUTBOX_DUPLICATE with the caller's transaction intact, and concurrent
+ * producers must never wait for each other's transactions unless they write
+ * the same message_id. Two ways were weighed:
+ *   - a unique index WITH (IGNORE_DUP_KEY = ON) and @@ROWCOUNT: rejected.
+ *     To ignore duplicates SQL Server takes RangeS-U key-range locks on that
+ *     index for every INSERT, at any isolation level (also READ COMMITTED
+ *     SNAPSHOT), so producers inserting neighbouring (random) UUIDs block and
+ *     deadlock each other: the serialization this code must not cause. It would
+ *     also turn every other writer's duplicate into a silent warning.
+ *   - TRY/CATCH on 2601/2627: chosen. The INSERT skips ids already committed
+ *     (NOT EXISTS, a plain READCOMMITTEDLOCK probe: a shared key lock held for
+ *     the duration of the read only, no range locks; it waits only for an
+ *     uncommitted row with the same message_id, which the INSERT would wait for
+ *     anyway) and a unique violation of the message_id constraint that races
+ *     past the probe is caught and the INSERT re-run (each re-run sees the row
+ *     that caused it). Under XACT_ABORT ON a caught error would still doom the
+ *     caller's transaction, so the batch runs inside sp_executesql with
+ *     SET XACT_ABORT OFF: SQL Server restores every SET option changed in a
+ *     dynamic batch when it returns, so the caller's settings are untouched.
+ *     The same dynamic batch sets the options DML on a table with filtered
+ *     indexes needs (QUOTED_IDENTIFIER, ANSI_NULLS, ...), restored likewise.
+ * No UPDLOCK, HOLDLOCK or SERIALIZABLE read is ever issued on this path
+ * (tests/test_tsql_capture.py checks every statement).
+ *
+ * Parameters are bound with sizes that depend only on the column, never on the
+ * data (nvarchar(255) for the short texts, nvarchar(max) for the headers,
+ * varbinary(max) for the payload, char(36) for the UUID): one plan per batch
+ * size, not one per length mix.
  */
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,8 +52,9 @@
 #define MS_COLS        11
 #define MS_MAX_PARAMS  2000  /* SQL Server allows 2100 per request; keep a margin */
 #define MS_CHUNK_ROWS  (MS_MAX_PARAMS / MS_COLS)
-#define MS_NVARCHAR_MAX_CHARS 4000
-#define MS_VARBINARY_MAX 8000
+#define SHORT_CHARS    255   /* nvarchar(255): exchange .. correlation_id */
+#define LEN_MAX        0     /* column size 0: nvarchar(max) / varbinary(max)
+                                (SQL_SS_LENGTH_UNLIMITED of msodbcsql) */
 #define SAVEPOINT      "outbox_send_batch"
 
 typedef struct od_row {
@@ -277,16 +307,13 @@ static od_row *rows_make(outbox_i_msg *const *u, size_t nu)
     return rows; /* caller frees with rows_free */
 }
 
-static SQLRETURN bind_text(SQLHSTMT st, SQLUSMALLINT p, od_row *r, int k, int mssql)
+/* Text k of a row: nvarchar(255), or nvarchar(max) for the headers (k == 6),
+ * whatever the data's length (SQL_NULL_DATA binds the same type). */
+static SQLRETURN bind_text(SQLHSTMT st, SQLUSMALLINT p, od_row *r, int k)
 {
-    SQLULEN chars = r->wchars[k] ? r->wchars[k] : 1;
-    SQLSMALLINT type = (mssql && chars > MS_NVARCHAR_MAX_CHARS) ? SQL_WLONGVARCHAR
-                                                                : SQL_WVARCHAR;
-    if (!r->w[k])
-        return SQLBindParameter(st, p, SQL_PARAM_INPUT, SQL_C_WCHAR, SQL_WVARCHAR, 255, 0,
-                                NULL, 0, &r->wind[k]);
-    return SQLBindParameter(st, p, SQL_PARAM_INPUT, SQL_C_WCHAR, type, chars, 0, r->w[k],
-                            r->wind[k], &r->wind[k]);
+    SQLULEN size = k == OD_TEXTS - 1 ? LEN_MAX : SHORT_CHARS;
+    return SQLBindParameter(st, p, SQL_PARAM_INPUT, SQL_C_WCHAR, SQL_WVARCHAR, size, 0,
+                            r->w[k], r->w[k] ? r->wind[k] : 0, &r->wind[k]);
 }
 
 /* Binds one row's parameters, numbered from p. */
@@ -297,14 +324,12 @@ static SQLRETURN bind_row(SQLHSTMT st, SQLUSMALLINT p, od_row *r, const outbox_i
     SQLRETURN rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_CHAR, SQL_CHAR, 36, 0,
                                     (SQLPOINTER)(uintptr_t)v->message_id, 37, &r->id_ind);
     for (int k = 0; k < OD_TEXTS && SQL_SUCCEEDED(rc); k++)
-        rc = bind_text(st, p++, r, k, mssql);
+        rc = bind_text(st, p++, r, k);
     if (!SQL_SUCCEEDED(rc))
         return rc;
-    SQLULEN plen = m->payload_len ? m->payload_len : 1;
-    SQLSMALLINT ptype = (mssql && m->payload_len > MS_VARBINARY_MAX) ? SQL_LONGVARBINARY
-                                                                     : SQL_VARBINARY;
+    /* varbinary(max): SQL_VARBINARY with column size 0, never SQL_LONGVARBINARY (image) */
     const void *pay = m->payload_len ? m->payload : empty_byte;
-    rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_BINARY, ptype, plen, 0,
+    rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_BINARY, SQL_VARBINARY, LEN_MAX, 0,
                           (SQLPOINTER)(uintptr_t)pay, r->pay_ind, &r->pay_ind);
     if (!SQL_SUCCEEDED(rc))
         return rc;
@@ -356,27 +381,82 @@ static char *sql_pg(const outbox_queue *q, size_t rows)
     return b.p; /* caller frees */
 }
 
+/* Appends s as the body of a T-SQL N'...' literal (quotes doubled). */
+static void put_nliteral(outbox_i_buf *b, const char *s)
+{
+    for (const char *q; (q = strchr(s, '\'')) != NULL; s = q + 1) {
+        outbox_i_buf_put(b, s, (size_t)(q - s + 1));
+        outbox_i_buf_put(b, "'", 1);
+    }
+    outbox_i_buf_puts(b, s);
+}
+
+/* The T-SQL of one chunk of `rows` messages: EXEC sp_executesql of the batch
+ * below (see the top of this file for why), with the ODBC parameters passed on
+ * as @m1, @x1, ... of the declared, fixed types. */
 static char *sql_ms(const outbox_queue *q, size_t rows)
 {
-    outbox_i_buf b = { 0 };
-    outbox_i_buf_printf(&b,
-        "IF XACT_STATE() = -1 THROW 51000, N'outbox: the transaction is doomed: roll it "
-        "back', 1;\n"
-        "INSERT INTO %s %s\n"
-        "SELECT v.message_id, v.exchange, v.routing_key, v.partition_key, v.message_type, "
-        "v.content_type, v.correlation_id, v.headers, v.payload, "
-        "DATEADD(millisecond, v.delay_ms, DATEADD(minute, v.delay_min, SYSUTCDATETIME()))\n"
-        "FROM (VALUES ", q->ms_table, columns);
-    for (size_t r = 0; r < rows; r++)
-        outbox_i_buf_printf(&b, "%s(CONVERT(uniqueidentifier, ?), ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-                            "?)", r ? ", " : "");
-    outbox_i_buf_printf(&b,
-        ") AS v(message_id, exchange, routing_key, partition_key, message_type, "
-        "content_type, correlation_id, headers, payload, delay_min, delay_ms)\n"
-        "WHERE NOT EXISTS (SELECT 1 FROM %s o WITH (UPDLOCK, HOLDLOCK) "
-        "WHERE o.message_id = v.message_id);\n"
-        "SELECT CAST(@@ROWCOUNT AS bigint) AS inserted;", q->ms_table);
-    if (b.failed) {
+    char uniq[64];
+    outbox_i_buf in = { 0 }, b = { 0 };
+    outbox_derived_name(q->name.table, "message_id_key", uniq);
+
+    outbox_i_buf_printf(&in,
+        "SET NOCOUNT ON;\n"
+        "SET XACT_ABORT OFF;\n"
+        "SET QUOTED_IDENTIFIER ON;\n"
+        "SET ANSI_NULLS ON;\n"
+        "SET ANSI_PADDING ON;\n"
+        "SET ANSI_WARNINGS ON;\n"
+        "SET ARITHABORT ON;\n"
+        "SET CONCAT_NULL_YIELDS_NULL ON;\n"
+        "SET NUMERIC_ROUNDABORT OFF;\n"
+        "IF XACT_STATE() = -1 THROW 51000, N'outbox: the transaction is doomed: roll it back', "
+        "1;\n"
+        "DECLARE @n bigint = -1;\n"
+        "DECLARE @tries int = 0;\n"
+        "WHILE @n < 0\n"
+        "BEGIN\n"
+        "    BEGIN TRY\n"
+        "        INSERT INTO %s %s\n"
+        "        SELECT v.m, v.x, v.r, v.k, v.t, v.c, v.o, v.h, v.b, "
+        "DATEADD(millisecond, v.ds, DATEADD(minute, v.dm, SYSUTCDATETIME()))\n"
+        "        FROM (VALUES ", q->ms_table, columns);
+    for (size_t r = 1; r <= rows; r++)
+        outbox_i_buf_printf(&in, "%s(%zu, @m%zu, @x%zu, @r%zu, @k%zu, @t%zu, @c%zu, @o%zu, "
+                            "@h%zu, @b%zu, @dm%zu, @ds%zu)", r > 1 ? ", " : "", r, r, r, r, r,
+                            r, r, r, r, r, r, r);
+    outbox_i_buf_printf(&in,
+        ") AS v(rn, m, x, r, k, t, c, o, h, b, dm, ds)\n"
+        "        WHERE NOT EXISTS (SELECT 1 FROM %s AS e WITH (READCOMMITTEDLOCK) "
+        "WHERE e.message_id = v.m)\n"
+        "        ORDER BY v.rn;\n"
+        "        SET @n = @@ROWCOUNT;\n"
+        "    END TRY\n"
+        "    BEGIN CATCH\n"
+        "        SET @tries = @tries + 1;\n"
+        "        IF ERROR_NUMBER() NOT IN (2601, 2627) OR CHARINDEX(N'%s', ERROR_MESSAGE()) = 0 "
+        "OR XACT_STATE() = -1 OR @tries > %zu THROW;\n"
+        "    END CATCH;\n"
+        "END;\n"
+        "SELECT @n AS inserted;", q->ms_table, uniq, rows);
+
+    outbox_i_buf_puts(&b, "EXEC sp_executesql N'");
+    if (!in.failed)
+        put_nliteral(&b, in.p);
+    outbox_i_buf_puts(&b, "', N'");
+    for (size_t r = 1; r <= rows; r++)
+        outbox_i_buf_printf(&b, "%s@m%zu uniqueidentifier, @x%zu nvarchar(255), "
+                            "@r%zu nvarchar(255), @k%zu nvarchar(255), @t%zu nvarchar(255), "
+                            "@c%zu nvarchar(255), @o%zu nvarchar(255), @h%zu nvarchar(max), "
+                            "@b%zu varbinary(max), @dm%zu int, @ds%zu int", r > 1 ? ", " : "",
+                            r, r, r, r, r, r, r, r, r, r, r);
+    outbox_i_buf_puts(&b, "'");
+    for (size_t i = 0; i < rows * MS_COLS; i++)
+        outbox_i_buf_puts(&b, i % MS_COLS ? ", ?" : ",\n    ?");
+    outbox_i_buf_puts(&b, ";");
+    int failed = in.failed;
+    outbox_i_buf_free(&in);
+    if (failed || b.failed) {
         outbox_i_buf_free(&b);
         return NULL;
     }
@@ -459,12 +539,17 @@ static int od_chunks(const od_call *cl, od_row *rows, outbox_i_msg *const *u, si
     int rc;
     if (nu <= per)
         return od_chunk(cl, rows, u, nu, total);
+    /* T-SQL: with autocommit off the driver runs IMPLICIT_TRANSACTIONS ON, so no
+       transaction exists before the first statement that reads or writes a table,
+       and SAVE TRANSACTION needs one. The TOP (0) read opens it without reading a
+       row or taking a lock worth the name; it names message_id, the one column the
+       producer role may SELECT (deploy/grants-sqlserver.sql). */
     if (cl->mssql)
         snprintf(sql, sizeof sql,
                  "IF XACT_STATE() = -1 THROW 51000, N'outbox: the transaction is doomed: "
                  "roll it back', 1;\n"
                  "IF @@TRANCOUNT = 0 BEGIN DECLARE @outbox_t int; "
-                 "SELECT TOP (0) @outbox_t = 1 FROM %s; END;\n"
+                 "SELECT TOP (0) @outbox_t = 1 FROM %s WHERE message_id IS NULL; END;\n"
                  "SAVE TRANSACTION " SAVEPOINT ";", cl->q->ms_table);
     else
         snprintf(sql, sizeof sql, "SAVEPOINT " SAVEPOINT);

@@ -5,6 +5,7 @@
  * The outbox table (PostgreSQL types; SQL Server in brackets):
  *   id             bigint identity PK            [bigint IDENTITY(1,1)]
  *   message_id     uuid NOT NULL UNIQUE          [uniqueidentifier]
+ *                  DEFAULT gen_random_uuid()     [DEFAULT NEWID()]
  *   exchange       text NOT NULL DEFAULT ''      [nvarchar(255)]
  *   routing_key    text NOT NULL                 [nvarchar(255)]
  *   partition_key  text NULL                     [nvarchar(255)]
@@ -61,6 +62,11 @@ void outbox_qualified(outbox_dialect d, const outbox_table_name *t, int dead,
 /* Derived object names (indexes, trigger, function, constraints): <table>_<suffix>,
  * shortened deterministically (prefix + 8 hex digits of a hash) to stay within 63 bytes. */
 void outbox_derived_name(const char *table, const char *suffix, char out[64]);
+
+/* The T-SQL SET options the outbox's objects need (QUOTED_IDENTIFIER, ANSI_NULLS,
+ * ... for the filtered indexes), as one batch of one SET statement per option. The
+ * SQL Server DDL starts with it; the relay's ODBC sessions run it on connect. */
+extern const char *const outbox_tsql_session_options;
 
 /* The DDL as a NULL-terminated, malloc'd array of malloc'd statements (no
  * trailing separator), each idempotent. Returns NULL on out-of-memory. */

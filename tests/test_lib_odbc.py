@@ -16,12 +16,36 @@ import pytest
 
 from conftest import run_prog
 from test_lib_pg import *  # noqa: F401,F403 - the same cases, re-run through ODBC
-from test_lib_pg import Result, send_bin, valgrind_env
+from test_lib_pg import T, Result, conn_str, rows, run_case, send_bin, valgrind_env
 
 
 @pytest.fixture
 def backend():
     return "odbc"
+
+
+# ---------------------------------------------------------------------------- ODBC only
+def test_parameter_sizes_do_not_follow_the_data(odb, build, backend):
+    """Parameters are bound with fixed sizes (nvarchar(255), nvarchar(max), varbinary(max))
+    whatever the data: a small and a large message (255-byte texts, 9,000-character
+    headers, 100 kB payload) in one transaction both arrive intact."""
+    small, large = str(uuid.uuid4()), str(uuid.uuid4())
+    r = run_case(build, backend, conn_str(backend, odb), odb.name, "send_sizes", small, large)
+    assert [c["rc"] for c in r.calls] == [0, 0], r
+    got = {str(m): (rk, len(hv or ""), len(bytes(p)))
+           for m, rk, hv, p in rows(odb, f"SELECT message_id, routing_key, headers->>'big', "
+                                         f"payload FROM {T}")}
+    assert got[small] == ("rk", 0, 1), got
+    assert got[large] == ("k" * 255, 9000, 100000), got
+
+
+def test_plain_sql_producer_gets_a_message_id(odb):
+    """Producers writing plain SQL need not invent a message_id: the column defaults to a
+    random UUID."""
+    with odb.connect() as c:
+        (mid,) = c.execute(f"INSERT INTO {T} (routing_key, payload) VALUES ('rk', 'x') "
+                           "RETURNING message_id").fetchone()
+    assert uuid.UUID(str(mid)).version == 4
 
 
 # ---------------------------------------------------------------------------- SQL Server
@@ -157,3 +181,33 @@ def test_mssql_missing_table_is_enoschema(mssql):
     r = mssql.run("noschema", table="dbo.outbox_missing_" + secrets.token_hex(3))
     assert r.calls[0]["rc"] == -4, r
     assert "outbox-relay init" in r.calls[0]["message"]
+
+
+def test_mssql_duplicate_under_xact_abort_keeps_the_transaction(mssql):
+    """The caller runs SET XACT_ABORT ON: a duplicate (single and in a batch) is still
+    reported as OUTBOX_DUPLICATE, the transaction stays committable and the caller's
+    XACT_ABORT setting is unchanged."""
+    mid = str(uuid.uuid4())
+    r = mssql.run("duplicate_xact_abort", mid)
+    assert [c["rc"] for c in r.calls] == [0, 1, 1], r
+    assert r.calls[2]["inserted"] == 1, r
+    assert ms_count(mssql) == 2
+    assert mssql.value("SELECT COUNT(*) FROM dbo.side_work WHERE x IN (5, 6)") == "2"
+
+
+def test_mssql_parameter_sizes_do_not_follow_the_data(mssql):
+    small, large = str(uuid.uuid4()), str(uuid.uuid4())
+    r = mssql.run("send_sizes", small, large)
+    assert [c["rc"] for c in r.calls] == [0, 0], r
+    assert mssql.value(f"SELECT LEN(routing_key) FROM {mssql.qt} WHERE message_id = '{large}'") \
+        == "255"
+    assert mssql.value(f"SELECT DATALENGTH(payload) FROM {mssql.qt} "
+                       f"WHERE message_id = '{large}'") == "100000"
+    assert mssql.value(f"SELECT LEN(JSON_VALUE(headers, '$.big')) FROM {mssql.qt} "
+                       f"WHERE message_id = '{large}'") is not None
+
+
+def test_mssql_plain_sql_producer_gets_a_message_id(mssql):
+    mid = mssql.value(f"SET NOCOUNT ON; INSERT INTO {mssql.qt} (routing_key, payload) "
+                      f"OUTPUT CONVERT(varchar(36), inserted.message_id) VALUES (N'rk', 0x00)")
+    assert uuid.UUID(mid)

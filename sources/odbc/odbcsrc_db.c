@@ -7,7 +7,33 @@
  * UTF-16 (SQL_C_WCHAR) both ways and is converted to/from UTF-8 here, which is
  * lossless with msodbcsql, FreeTDS and the psqlODBC Unicode driver alike.
  * Every statement carries SQL_ATTR_QUERY_TIMEOUT; the login carries
- * SQL_ATTR_LOGIN_TIMEOUT.
+ * SQL_ATTR_LOGIN_TIMEOUT. Text parameters are bound with sizes that depend on
+ * the column only (nvarchar(255) or nvarchar(max)), never on the data, so SQL
+ * Server caches one plan per statement.
+ *
+ * T-SQL reads and locks, also under READ_COMMITTED_SNAPSHOT (Azure SQL's
+ * default, where a plain read returns the last committed version and never
+ * waits for a lock):
+ *   - claim: the rows to lease are read WITH (ROWLOCK, READPAST, UPDLOCK): a
+ *     locking read (UPDLOCK) that skips rows another transaction holds (a
+ *     producer's uncommitted insert, another relay's claim). UPDLOCK makes it
+ *     respect locks under row versioning too; READPAST is legal there because
+ *     it comes with a lock-taking hint.
+ *   - statistics (stats) must never wait for producers: every table is read
+ *     WITH (READPAST, READCOMMITTEDLOCK): a locking read that skips locked rows
+ *     (READPAST alone is refused under READ_COMMITTED_SNAPSHOT; with
+ *     READCOMMITTEDLOCK it is the same on both settings). The counts skip
+ *     rows locked at that instant (uncommitted inserts, rows in a claim or a
+ *     settle being written): a statistic, not an invariant.
+ *   - the lease reset on taking leadership and the retention cleanup update /
+ *     delete WITH (READPAST, READCOMMITTEDLOCK): rows a producer has not
+ *     committed carry no lease and are never sent, so skipping them is exact.
+ *   - settle and the dead-letter moves write by primary key (update locks).
+ *   - the claim's hold-back probe of failed earlier rows of a key and `dead
+ *     list` are plain reads: neither needs to see uncommitted changes (the
+ *     relay itself holds back a key whose settle is still in flight).
+ * Every session starts with the SET options the tables need (see
+ * odbcsrc_db_open).
  */
 #include <inttypes.h>
 #include <pthread.h>
@@ -303,7 +329,11 @@ static void p_i32(params *ps, int64_t v)
     p->i32 = (SQLINTEGER)(v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : v);
 }
 
-static void p_text(params *ps, const char *s)
+#define P_SHORT 255   /* nvarchar(255): names, owners */
+#define P_MAX   0     /* nvarchar(max) (column size 0: SQL_SS_LENGTH_UNLIMITED) */
+
+/* A text parameter of the declared size class (never the data's length). */
+static void p_text(params *ps, const char *s, SQLULEN size)
 {
     param *p = &ps->p[ps->n++];
     size_t units = 0;
@@ -316,8 +346,7 @@ static void p_text(params *ps, const char *s)
         return;
     }
     p->ind = (SQLLEN)(units * sizeof(SQLWCHAR));
-    /* 0 = nvarchar(max) for SQL Server drivers beyond 4000 characters */
-    p->colsize = units > 4000 ? 0 : (units ? units : 1);
+    p->colsize = size;
 }
 
 static void p_free(params *ps)
@@ -646,6 +675,33 @@ static bool is_tsql(const odbcsrc_db *db)
     return db->dialect == OUTBOX_DIALECT_SQLSERVER;
 }
 
+/* T-SQL: the session options every relay connection sets itself, whatever the
+ * driver's defaults (msodbcsql and FreeTDS differ; sqlcmd-like defaults would
+ * break DML on the filtered indexes with Msg 1934):
+ *   - outbox_tsql_session_options: QUOTED_IDENTIFIER, ANSI_NULLS and the other
+ *     options tables with filtered indexes need;
+ *   - XACT_ABORT ON: any error (also a query timeout) rolls the request's whole
+ *     transaction back, never half of a settle;
+ *   - READ COMMITTED: the level READPAST needs and every statement here assumes. */
+static int session_tsql(odbcsrc_db *db)
+{
+    dbuf b = {0};
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    int rc = -1;
+    if (dbuf_str(&b, outbox_tsql_session_options) < 0 ||
+        dbuf_str(&b, ";\nSET XACT_ABORT ON;\nSET TRANSACTION ISOLATION LEVEL READ COMMITTED;") < 0) {
+        set_err(db, "session options: out of memory");
+        goto done;
+    }
+    if (st_run(db, "setting the session options", b.p, NULL, &h) < 0)
+        goto done;
+    rc = st_drain(db, h, "setting the session options");
+done:
+    st_free(db, h);
+    free(b.p);
+    return rc;
+}
+
 int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
 {
     SQLRETURN rc;
@@ -737,6 +793,8 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
     }
     outbox_qualified((outbox_dialect)db->dialect, &conf->tn, 0, db->qt, sizeof db->qt);
     outbox_qualified((outbox_dialect)db->dialect, &conf->tn, 1, db->qd, sizeof db->qd);
+    if (is_tsql(db) && session_tsql(db) < 0)
+        goto fail;
     return 0;
 oom:
     set_err(db, "connect: out of memory");
@@ -832,8 +890,8 @@ int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
     }
     params ps = {0};
     int64_t v[2] = {0, 0};
-    p_text(&ps, db->qt);
-    p_text(&ps, db->qd);
+    p_text(&ps, db->qt, P_SHORT);
+    p_text(&ps, db->qd, P_SHORT);
     int r = one_row_ints(db, "checking the outbox tables",
                          is_tsql(db)
                          ? "SELECT CASE WHEN OBJECT_ID(?, N'U') IS NULL THEN 0 ELSE 1 END, "
@@ -864,7 +922,7 @@ int odbcsrc_db_try_lock(odbcsrc_db *db, const char *lock_name, bool *got)
 {
     params ps = {0};
     int64_t v = 0;
-    p_text(&ps, lock_name);
+    p_text(&ps, lock_name, P_SHORT);
     int rc = one_row_ints(db, "lead",
                           is_tsql(db)
                           ? "SET NOCOUNT ON; DECLARE @r int; "
@@ -887,8 +945,12 @@ int odbcsrc_db_ping(odbcsrc_db *db)
 int odbcsrc_db_reset_leases(odbcsrc_db *db)
 {
     return exec_count(db, "resetting stale leases",
-                      "UPDATE {T} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
-                      "WHERE sent_at IS NULL AND lease_token IS NOT NULL",
+                      is_tsql(db)
+                      ? "UPDATE {T} WITH (READPAST, READCOMMITTEDLOCK) SET lease_owner = NULL, "
+                        "lease_token = NULL, lease_until = NULL "
+                        "WHERE sent_at IS NULL AND lease_token IS NOT NULL"
+                      : "UPDATE {T} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+                        "WHERE sent_at IS NULL AND lease_token IS NOT NULL",
                       NULL, NULL);
 }
 
@@ -953,12 +1015,12 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
     *n_out = 0;
     if (is_tsql(db)) {
         p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
-        p_text(&ps, owner ? owner : "");
+        p_text(&ps, owner ? owner : "", P_SHORT);
         p_i64(&ps, token);
         p_i32(&ps, lease_ms);
     } else {
         p_i64(&ps, (int64_t)max_rows);
-        p_text(&ps, owner ? owner : "");
+        p_text(&ps, owner ? owner : "", P_SHORT);
         p_i64(&ps, token);
         p_i64(&ps, lease_ms);
     }
@@ -1047,10 +1109,12 @@ static const char SETTLE_TSQL_HEAD[] =
     "SET NOCOUNT ON; SET XACT_ABORT ON; "
     "DECLARE @o TABLE (id bigint NOT NULL PRIMARY KEY, token bigint NOT NULL, kind int NOT NULL, "
     "backoff_ms bigint NULL, reason nvarchar(max) NULL); "
+    /* reasons are cut to REASON_MAX (2000) bytes: within JSON_VALUE's 4000 characters */
     "INSERT INTO @o (id, token, kind, backoff_ms, reason) "
-    "SELECT id, token, kind, backoff_ms, reason FROM OPENJSON(?) WITH (id bigint '$.id', "
-    "token bigint '$.token', kind int '$.kind', backoff_ms bigint '$.backoff_ms', "
-    "reason nvarchar(max) '$.reason'); "
+    "SELECT CAST(JSON_VALUE(j.value, '$.id') AS bigint), "
+    "CAST(JSON_VALUE(j.value, '$.token') AS bigint), CAST(JSON_VALUE(j.value, '$.kind') AS int), "
+    "CAST(JSON_VALUE(j.value, '$.backoff_ms') AS bigint), JSON_VALUE(j.value, '$.reason') "
+    "FROM OPENJSON(?) AS j; "
     "DECLARE @n bigint = 0; ";
 static const char SETTLE_TSQL_MARK[] =
     "UPDATE m SET sent_at = SYSUTCDATETIME(), lease_owner = NULL, lease_token = NULL, "
@@ -1068,13 +1132,26 @@ static const char SETTLE_TSQL_TAIL[] =
     "UPDATE m SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
     "FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token WHERE o.kind = 3; "
     "SET @n = @n + @@ROWCOUNT; "
+    /* The dead-letter move, idempotent: a row already in the dead table under this
+       id (a move retried after its commit acknowledgement was lost, a row put back
+       by hand) is replaced, as ON CONFLICT DO UPDATE does on PostgreSQL, instead of
+       failing the whole settle with a primary-key violation forever. */
+    "DECLARE @d TABLE (id bigint NOT NULL PRIMARY KEY, message_id uniqueidentifier NOT NULL, "
+    "exchange nvarchar(255) NOT NULL, routing_key nvarchar(255) NOT NULL, "
+    "partition_key nvarchar(255) NULL, message_type nvarchar(255) NULL, "
+    "content_type nvarchar(255) NULL, correlation_id nvarchar(255) NULL, "
+    "headers nvarchar(max) NULL, payload varbinary(max) NOT NULL, created_at datetime2 NOT NULL, "
+    "attempts int NOT NULL, reason nvarchar(max) NOT NULL); "
     "DELETE m OUTPUT deleted.id, deleted.message_id, deleted.exchange, deleted.routing_key, "
     "deleted.partition_key, deleted.message_type, deleted.content_type, deleted.correlation_id, "
     "deleted.headers, deleted.payload, deleted.created_at, deleted.attempts + 1, "
     "COALESCE(o.reason, N'dead-lettered') "
-    "INTO {D} (id, " PRODUCER_COLS ", attempts, reason) "
+    "INTO @d (id, " PRODUCER_COLS ", attempts, reason) "
     "FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token WHERE o.kind = 2; "
     "SET @n = @n + @@ROWCOUNT; "
+    "DELETE x FROM {D} x JOIN @d d ON d.id = x.id; "
+    "INSERT INTO {D} (id, " PRODUCER_COLS ", attempts, reason) "
+    "SELECT id, " PRODUCER_COLS ", attempts, reason FROM @d; "
     "SELECT @n";
 
 static const char SETTLE_PG_HEAD[] =
@@ -1131,7 +1208,7 @@ int odbcsrc_db_settle(odbcsrc_db *db, const char *json, size_t *applied)
             dbuf_str(&t, SETTLE_PG_TAIL) < 0)
             goto oom;
     }
-    p_text(&ps, json);
+    p_text(&ps, json, P_MAX);
     rc = one_row_ints(db, "settle", t.p, &ps, &v, 1);
     if (rc == 0)
         *applied = v > 0 ? (size_t)v : 0;
@@ -1155,7 +1232,8 @@ int odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, size_
         p_i32(&ps, retention_ms % 1000);
         p_i32(&ps, retention_ms / 1000);
         rc = exec_count(db, "cleanup",
-                        "DELETE TOP (?) FROM {T} WHERE sent_at IS NOT NULL AND sent_at < "
+                        "DELETE TOP (?) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
+                        "WHERE sent_at IS NOT NULL AND sent_at < "
                         "DATEADD(millisecond, -?, DATEADD(second, -?, SYSUTCDATETIME()))",
                         &ps, deleted);
     } else {
@@ -1173,12 +1251,15 @@ int odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, size_
 
 int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out)
 {
+    /* T-SQL: never waits for producers (READPAST; see the top of this file) */
     static const char tsql[] =
-        "SELECT (SELECT COUNT_BIG(*) FROM {T} WHERE sent_at IS NULL), "
+        "SELECT (SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
+        "WHERE sent_at IS NULL), "
         "CAST(COALESCE((SELECT DATEDIFF_BIG(microsecond, MIN(created_at), SYSUTCDATETIME()) "
-        "FROM {T} WHERE sent_at IS NULL), 0) AS float) / 1e6, "
-        "(SELECT COUNT_BIG(*) FROM {D}), "
-        "(SELECT COUNT_BIG(*) FROM {T} WHERE sent_at IS NOT NULL)";
+        "FROM {T} WITH (READPAST, READCOMMITTEDLOCK) WHERE sent_at IS NULL), 0) AS float) / 1e6, "
+        "(SELECT COUNT_BIG(*) FROM {D} WITH (READPAST, READCOMMITTEDLOCK)), "
+        "(SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
+        "WHERE sent_at IS NOT NULL)";
     static const char pg[] =
         "SELECT (SELECT count(*) FROM {T} WHERE sent_at IS NULL), "
         "greatest(coalesce((SELECT extract(epoch from now() - min(created_at)) FROM {T} "
@@ -1305,28 +1386,35 @@ done:
 int odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t n_ids,
                          size_t *affected)
 {
+    /* T-SQL: idempotent and never fails forever. Rows already back in the outbox
+       under their id (a retry repeated after a lost commit acknowledgement) are not
+       inserted again; a dead row whose message_id is pending again under another id
+       (the producer re-sent it) stays dead rather than breaking the unique key. A
+       dead row is removed only once its id is in the outbox; the count says how many
+       were moved. */
     static const char retry_tsql[] =
         "SET NOCOUNT ON; SET XACT_ABORT ON; "
         "DECLARE @all int = ?; "
         "DECLARE @ids TABLE (id bigint NOT NULL PRIMARY KEY); "
-        "INSERT INTO @ids (id) SELECT d.id FROM {D} d WITH (UPDLOCK, HOLDLOCK) "
-        "WHERE @all = 1 OR d.id IN (SELECT CAST(value AS bigint) FROM OPENJSON(?)); "
+        "INSERT INTO @ids (id) SELECT d.id FROM {D} d WITH (UPDLOCK, ROWLOCK) "
+        "WHERE @all = 1 OR d.id IN (SELECT CAST(j.value AS bigint) FROM OPENJSON(?) AS j); "
         "SET IDENTITY_INSERT {T} ON; "
         "INSERT INTO {T} (id, " PRODUCER_COLS ", available_at, attempts) "
         "SELECT d.id, d.message_id, d.exchange, d.routing_key, d.partition_key, d.message_type, "
         "d.content_type, d.correlation_id, d.headers, d.payload, d.created_at, SYSUTCDATETIME(), 0 "
-        "FROM {D} d JOIN @ids i ON i.id = d.id; "
-        "DECLARE @n bigint = @@ROWCOUNT; "
+        "FROM {D} d JOIN @ids i ON i.id = d.id "
+        "WHERE NOT EXISTS (SELECT 1 FROM {T} o WHERE o.id = d.id OR o.message_id = d.message_id); "
         "SET IDENTITY_INSERT {T} OFF; "
-        "DELETE d FROM {D} d JOIN @ids i ON i.id = d.id; "
-        "SELECT @n";
+        "DELETE d FROM {D} d JOIN @ids i ON i.id = d.id "
+        "WHERE EXISTS (SELECT 1 FROM {T} o WHERE o.id = d.id AND o.message_id = d.message_id); "
+        "SELECT CAST(@@ROWCOUNT AS bigint)";
     static const char retry_pg[] =
         "WITH d AS (DELETE FROM {D} WHERE ?::int = 1 OR id = ANY(?::bigint[]) "
         "RETURNING id, " PRODUCER_COLS ") "
         "INSERT INTO {T} (id, " PRODUCER_COLS ", available_at, attempts) "
         "OVERRIDING SYSTEM VALUE SELECT id, " PRODUCER_COLS ", now(), 0 FROM d";
     static const char purge_tsql[] =
-        "DELETE FROM {D} WHERE ? = 1 OR id IN (SELECT CAST(value AS bigint) FROM OPENJSON(?))";
+        "DELETE FROM {D} WHERE ? = 1 OR id IN (SELECT CAST(j.value AS bigint) FROM OPENJSON(?) AS j)";
     static const char purge_pg[] =
         "DELETE FROM {D} WHERE ?::int = 1 OR id = ANY(?::bigint[])";
     dbuf list = {0};
@@ -1342,7 +1430,7 @@ int odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t 
     if (dbuf_str(&list, is_tsql(db) ? "]" : "}") < 0)
         goto oom;
     p_i32(&ps, all ? 1 : 0);
-    p_text(&ps, list.p);
+    p_text(&ps, list.p, P_MAX);
     if (retry && is_tsql(db)) {
         int64_t v = 0;
         rc = one_row_ints(db, "dead retry", retry_tsql, &ps, &v, 1);

@@ -382,6 +382,67 @@ static int run_case(be *b, const outbox_queue *q, const char *name, int argc, ch
             return 2;
         return fails ? 1 : 0;
     }
+    if (strcmp(name, "send_sizes") == 0) {
+        /* argv: ID1 ID2 — a small and a large message in one transaction: the same
+           statement must be sent with the same parameter types and sizes (the
+           large one has 255-byte texts, headers over 4000 characters and a
+           payload over 8000 bytes) */
+        if (argc < 2)
+            return 2;
+        static char big_text[256], big_value[9001];
+        static unsigned char big_payload[100000];
+        memset(big_text, 'k', sizeof big_text - 1);
+        memset(big_value, 'v', sizeof big_value - 1);
+        for (size_t i = 0; i < sizeof big_payload; i++)
+            big_payload[i] = (unsigned char)(i * 7);
+        outbox_header big_headers[] = { { "big", big_value } };
+        outbox_message small = simple_message(argv[0]);
+        outbox_message big = simple_message(argv[1]);
+        big.exchange = big.routing_key = big.partition_key = big_text;
+        big.message_type = big.content_type = big.correlation_id = big_text;
+        big.headers = big_headers;
+        big.n_headers = 1;
+        big.payload = big_payload;
+        big.payload_len = sizeof big_payload;
+        if (be_begin(b) != 0)
+            return 2;
+        fails += expect(be_send(b, q, &small), OUTBOX_OK, "small send");
+        fails += expect(be_send(b, q, &big), OUTBOX_OK, "large send");
+        if (be_end(b, 1) != 0)
+            return 2;
+        return fails ? 1 : 0;
+    }
+    if (strcmp(name, "duplicate_xact_abort") == 0) {
+        /* argv: ID — SQL Server: a duplicate under the caller's SET XACT_ABORT ON is
+           reported and leaves the transaction committable (and XACT_ABORT still on) */
+        outbox_message m = simple_message(arg);
+        if (!b->mssql) {
+            fprintf(stderr, "duplicate_xact_abort: SQL Server only\n");
+            return 2;
+        }
+        if (be_begin(b) != 0 || be_exec(b, "SET XACT_ABORT ON") != 0 ||
+            be_exec(b, "INSERT INTO side_work VALUES (5)") != 0)
+            return 2;
+        fails += expect(be_send(b, q, &m), OUTBOX_OK, "first send");
+        fails += expect(be_send(b, q, &m), OUTBOX_DUPLICATE, "second send");
+        size_t ins = 0;
+        outbox_message v[2] = { simple_message(NULL), m };
+        fails += expect(be_batch(b, q, v, 2, &ins), OUTBOX_DUPLICATE, "batch with a duplicate");
+        if (ins != 1) {
+            fprintf(stderr, "FAIL: batch inserted %zu, want 1\n", ins);
+            fails++;
+        }
+        /* the session's XACT_ABORT must still be on: a failing statement now dooms */
+        if (be_exec(b, "IF (@@OPTIONS & 16384) = 0 THROW 50001, N'XACT_ABORT was turned off', 1;"
+                       " INSERT INTO side_work VALUES (6)") != 0) {
+            fprintf(stderr, "FAIL: the transaction is unusable, or XACT_ABORT was changed\n");
+            fails++;
+        }
+        be_exec(b, "SET XACT_ABORT OFF");
+        if (be_end(b, 1) != 0)
+            return 1;
+        return fails ? 1 : 0;
+    }
     if (strcmp(name, "no_txn") == 0) {
         outbox_message m = simple_message(arg);
         if (b->odbc && be_autocommit(b, 1) != 0)
