@@ -33,8 +33,8 @@
 --                    and PostgreSQL checks UPDATE for that clause on every execution, so the
 --                    relay also has UPDATE on the dead table (drop it if that clause goes).
 --                    `dead retry` re-inserts with OVERRIDING SYSTEM VALUE: INSERT is enough.
---                    Leader election uses pg_try_advisory_lock() and wake-ups use LISTEN:
---                    neither needs a grant.
+--                    Leadership is a lease row in outbox.messages_lease (SELECT, INSERT,
+--                    UPDATE: take and renew it); wake-ups use LISTEN, which needs no grant.
 --   Neither role may create, alter, drop or truncate anything. `outbox-relay init` (DDL) is
 --   run by the table owner / migration role, not by these roles.
 
@@ -51,8 +51,9 @@ $$;
 
 -- Start from nothing on these objects (PUBLIC has no table rights by default; be explicit).
 REVOKE ALL ON SCHEMA outbox FROM PUBLIC;
-REVOKE ALL ON TABLE outbox.messages, outbox.messages_dead FROM PUBLIC;
-REVOKE ALL ON TABLE outbox.messages, outbox.messages_dead FROM outbox_producer, outbox_relay;
+REVOKE ALL ON TABLE outbox.messages, outbox.messages_dead, outbox.messages_lease FROM PUBLIC;
+REVOKE ALL ON TABLE outbox.messages, outbox.messages_dead, outbox.messages_lease
+    FROM outbox_producer, outbox_relay;
 
 GRANT USAGE ON SCHEMA outbox TO outbox_producer, outbox_relay;
 
@@ -62,6 +63,7 @@ GRANT INSERT ON TABLE outbox.messages TO outbox_producer;
 -- relay: drain, settle, clean up, retry
 GRANT SELECT, UPDATE, DELETE, INSERT ON TABLE outbox.messages TO outbox_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE outbox.messages_dead TO outbox_relay;
+GRANT SELECT, INSERT, UPDATE ON TABLE outbox.messages_lease TO outbox_relay;
 
 -- Optional, for `outbox-relay stats` run as the relay role: reading pg_stat_user_tables
 -- needs no grant; nothing else is required.

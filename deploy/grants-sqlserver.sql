@@ -51,6 +51,7 @@ GO
 -- relay: drain, settle, clean up, dead-letter
 GRANT SELECT, INSERT, UPDATE, DELETE ON OBJECT::[outbox].[messages] TO [outbox_relay];
 GRANT SELECT, INSERT, DELETE ON OBJECT::[outbox].[messages_dead] TO [outbox_relay];
+GRANT SELECT, INSERT, UPDATE ON OBJECT::[outbox].[messages_lease] TO [outbox_relay];
 GO
 
 -- admin (optional): `outbox-relay dead retry` needs IDENTITY_INSERT, i.e. ALTER on the outbox

@@ -167,6 +167,7 @@ typedef struct names {
     char s[64], t[64];            /* raw */
     char pkey[64], uniq[64], hdrchk[64], pending[64], failing[64], sent[64], df_mid[64];
     char fn[64], trg[64], dpkey[64], ddeadat[64];
+    char lease[160], lease_raw[64], lpkey[64], keyidx[64];
     char df_exch[64], df_created[64], df_avail[64], df_attempts[64];
     char dd_exch[64], dd_created[64], dd_avail[64], dd_attempts[64], dd_deadat[64];
 } names;
@@ -187,6 +188,14 @@ static void make_names(outbox_dialect d, const outbox_table_name *t, names *n)
     outbox_derived_name(t->table, "notify", n->fn);
     outbox_derived_name(t->table, "notify_trg", n->trg);
     outbox_derived_name(t->dead, "pkey", n->dpkey);
+    /* leadership lease row(s): <table>_lease */
+    outbox_derived_name(t->table, "lease", n->lease_raw);
+    if (d == OUTBOX_DIALECT_SQLSERVER)
+        snprintf(n->lease, sizeof n->lease, "[%s].[%s]", t->schema, n->lease_raw);
+    else
+        snprintf(n->lease, sizeof n->lease, "\"%s\".\"%s\"", t->schema, n->lease_raw);
+    outbox_derived_name(n->lease_raw, "pkey", n->lpkey);
+    outbox_derived_name(t->table, "key_idx", n->keyidx);
     outbox_derived_name(t->dead, "dead_at_idx", n->ddeadat);
     outbox_derived_name(t->table, "exchange_df", n->df_exch);
     outbox_derived_name(t->table, "created_at_df", n->df_created);
@@ -325,6 +334,21 @@ static void pg_ddl(list *l, const names *n)
         "END\n"
         "$outbox$", n->s, n->fn, OUTBOX_NOTIFY_CHANNEL, n->s, n->t);
     add(l, &b);
+    /* competing claims find a key's first pending row through this index */
+    outbox_i_buf_printf(&b,
+        "CREATE INDEX IF NOT EXISTS \"%s\" ON %s (partition_key, id) WHERE sent_at IS NULL",
+        n->keyidx, n->tab);
+    add(l, &b);
+    /* leadership: a lease row (owner, epoch = fencing token, expiry in database time) */
+    outbox_i_buf_printf(&b,
+        "CREATE TABLE IF NOT EXISTS %s (\n"
+        "    name       text NOT NULL,\n"
+        "    owner      text NOT NULL,\n"
+        "    epoch      bigint NOT NULL,\n"
+        "    expires_at timestamptz NOT NULL,\n"
+        "    CONSTRAINT \"%s\" PRIMARY KEY (name)\n"
+        ")", n->lease, n->lpkey);
+    add(l, &b);
     outbox_i_buf_printf(&b, "DROP TRIGGER IF EXISTS \"%s\" ON %s", n->trg, n->tab);
     add(l, &b);
     outbox_i_buf_printf(&b,
@@ -439,6 +463,18 @@ static void ms_ddl(list *l, const names *n)
              "(partition_key, id) WHERE sent_at IS NULL AND attempts > 0");
     ms_index(l, n, n->sent, n->tab, "(sent_at) WHERE sent_at IS NOT NULL");
     ms_index(l, n, n->ddeadat, n->dead, "(dead_at)");
+    ms_index(l, n, n->keyidx, n->tab, "(partition_key, id) WHERE sent_at IS NULL");
+    outbox_i_buf b2 = { 0 };
+    outbox_i_buf_printf(&b2,
+        "IF OBJECT_ID(N'%s', N'U') IS NULL\n"
+        "CREATE TABLE %s (\n"
+        "    name       nvarchar(255) NOT NULL,\n"
+        "    owner      nvarchar(255) NOT NULL,\n"
+        "    epoch      bigint NOT NULL,\n"
+        "    expires_at datetime2 NOT NULL,\n"
+        "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (name)\n"
+        ")", n->lease, n->lease, n->lpkey);
+    add(l, &b2);
 }
 
 char **outbox_ddl(outbox_dialect d, const outbox_table_name *t)

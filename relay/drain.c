@@ -55,11 +55,14 @@ struct drain {
     const sink_ops   *kops;
     sink             *snk;
     ledger           *led;       /* every row held, from claim to settled */
-    char              lock_name[200];
+    char              owner[200];    /* this instance: "<relay name>/<random hex>" */
     char              conn_name[200];
 
     int       sink_state;
-    bool      leader;
+    bool      leader;            /* we hold the leadership lease (leader mode) */
+    int64_t   epoch;             /* its epoch (fencing token), 0 when not leader */
+    double    leader_until;      /* monotonic: we may act as leader until then */
+    double    lead_sent;         /* monotonic time the outstanding lead request was sent */
     size_t    claim_asked;
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
 
@@ -70,6 +73,7 @@ struct drain {
     double    poll_delay;        /* adaptive: grows while claims come back empty */
 
     bool      stopping;
+    bool      resigned;          /* stopping: leadership handed over (lease set to expire now) */
     bool      stop_reported;
     void    (*on_stopped)(void *ud);
     void     *stop_ud;
@@ -86,6 +90,7 @@ struct drain {
 static void kick(drain *d);
 static void pump(drain *d);
 static void arm_poll(drain *d);
+static bool lead_valid(drain *d);
 
 /* ---------- small helpers ---------- */
 
@@ -132,6 +137,7 @@ static void sync_metrics(drain *d)
     d->m.lease_lost = st->lease_lost;
     d->m.in_flight = ledger_n_inflight(d->led);
     d->m.buffered = ledger_n_buffered(d->led);
+    d->m.unmarked = ledger_n_unsettled_sent(d->led);
 }
 
 /* ---------- sink callbacks ---------- */
@@ -187,13 +193,18 @@ static void sink_on_writable(void *ud)
 /* Publishes what the ledger allows while the sink accepts it. */
 static void pump(drain *d)
 {
-    if (d->sink_state != SINK_UP || d->stopping) {
+    if (d->sink_state != SINK_UP || d->stopping ||
+        (d->ob->mode == CFG_MODE_LEADER && !lead_valid(d))) {
         sync_metrics(d);
         return;
     }
     double now = mono_now();
+    size_t window = (size_t)d->ob->sink->publish_window;
     led_entry *e;
-    while ((e = ledger_next(d->led, now)) != NULL) {
+    /* published but not yet marked (in flight, or confirmed and waiting for the mark) stays
+       within publish_window: whatever a fault makes the next relay republish is bounded by it */
+    while (ledger_n_inflight(d->led) + ledger_n_unsettled_sent(d->led) < window &&
+           (e = ledger_next(d->led, now)) != NULL) {
         char err[400] = "";
         int rc = d->kops->publish(d->snk, ledger_row(e), e, err, sizeof err);
         if (rc == SINK_EAGAIN)
@@ -251,17 +262,11 @@ static void main_on_state(void *ud, int state, const char *msg)
         d->lead_due = true;
         d->stats_due = true;
     } else {
+        /* Leadership is a lease row, not this session: it stays ours until its
+           deadline unless a renewal says otherwise. Buffered rows keep their own
+           lease deadlines; in-flight ones are settled by the other connection. */
         c->up = false;
         d->m.source_up = 0;
-        if (d->leader)
-            log_msg(LOG_WARN, "outbox=%s: leadership lost with the database session", d->ob->name);
-        d->leader = false;
-        d->m.leader = 0;
-        /* Buffered rows cannot be given back now; their leases expire or a new
-           leader resets them. In-flight ones are settled by the other connection
-           (the token fences them), and no new claim runs before they finish. */
-        ledger_drop_buffered(d->led);
-        sync_metrics(d);
     }
     schedule_kick(d);
 }
@@ -330,7 +335,83 @@ static void on_claimed(drain *d, const src_result *res)
 static void on_settled(drain *d, const src_result *res)
 {
     ledger_settle_done(d->led, res->ok == 0, res->n_applied);
+    pump(d);     /* marks committed: the window has room again */
+}
+
+/* Time kept between a lease's deadline and its expiry: lease / 5, at most 10 s. */
+static double lease_margin(const drain *d)
+{
+    double lease = d->ob->lease_ms / 1000.0, margin = lease / 5;
+    return margin > DRAIN_MARGIN_MAX ? DRAIN_MARGIN_MAX : margin;
+}
+
+/* We are not the leader any more (fenced by a newer epoch, or our lease ran out
+   before it was renewed): publish nothing more, forget buffered rows (their
+   leases were or will be reset by the new leader), stand by. */
+static void lose_leadership(drain *d, const char *why)
+{
+    log_msg(LOG_WARN, "outbox=%s: lost leadership (epoch %" PRId64 "): %s; publishing stopped, "
+            "standing by", d->ob->name, d->epoch, why);
+    d->leader = false;
+    d->epoch = 0;
+    d->m.leader = 0;
+    d->m.epoch = 0;
+    d->m.fenced++;
+    d->lead_due = true;
+    ledger_drop_buffered(d->led);
     sync_metrics(d);
+}
+
+/* Leader mode: may we act as the leader right now (our lease's local deadline)? */
+static bool lead_valid(drain *d)
+{
+    if (!d->leader)
+        return false;
+    if (mono_now() < d->leader_until)
+        return true;
+    lose_leadership(d, "its lease ran out before a renewal succeeded (database unreachable "
+                    "or slow, or this process was paused)");
+    return false;
+}
+
+static void on_lead(drain *d, const src_result *res)
+{
+    if (d->resigned) {
+        if (res->leader)
+            log_msg(LOG_INFO, "outbox=%s: leadership handed over (epoch %" PRId64 ")",
+                    d->ob->name, res->epoch);
+        d->leader = false;
+        d->m.leader = 0;
+        return;
+    }
+    if (res->leader) {
+        d->leader_until = d->lead_sent + d->ob->lease_ms / 1000.0 - lease_margin(d);
+        if (!d->leader) {
+            bool other = res->holder != NULL && strcmp(res->holder, d->owner) != 0;
+            log_msg(LOG_INFO, "outbox=%s: became the active relay (epoch %" PRId64 "%s%s)%s",
+                    d->ob->name, res->epoch, other ? ", taking over from " : "",
+                    other ? res->holder : "",
+                    res->n_reset > 0 ? "; leases left by a previous one released" : "");
+            d->m.takeovers++;
+            d->want_claim = true;
+        }
+        d->leader = true;
+        d->epoch = res->epoch;
+        d->m.leader = 1;
+        d->m.epoch = res->epoch;
+        return;
+    }
+    if (d->leader) {
+        char why[400];
+        snprintf(why, sizeof why, "now epoch %" PRId64 " held by %s", res->holder_epoch,
+                 res->holder ? res->holder : "?");
+        lose_leadership(d, why);
+    } else if (!d->stopping) {
+        log_msg(d->m.standby_logged ? LOG_DEBUG : LOG_INFO,
+                "outbox=%s: standing by: epoch %" PRId64 " held by %s", d->ob->name,
+                res->holder_epoch, res->holder ? res->holder : "?");
+        d->m.standby_logged = 1;
+    }
 }
 
 /* A request failed but the connection may still be up (permissions, timeouts,
@@ -357,17 +438,8 @@ static void src_on_done(void *ud, const src_result *res)
         c->fail_delay = 0;
     switch (res->req) {
     case SRC_REQ_LEAD:
-        if (res->ok == 0) {
-            if (res->leader && !d->leader)
-                log_msg(LOG_INFO, "outbox=%s: became the active relay%s", d->ob->name,
-                        res->newly_leader ? "; leases left by a previous one released" : "");
-            else if (!res->leader && d->m.leader == 0 && d->lead_due == false)
-                log_msg(LOG_DEBUG, "outbox=%s: standing by", d->ob->name);
-            d->leader = res->leader;
-            d->m.leader = res->leader;
-            if (d->leader)
-                d->want_claim = true;
-        }
+        if (res->ok == 0)
+            on_lead(d, res);
         break;
     case SRC_REQ_CLAIM:
         on_claimed(d, res);
@@ -398,9 +470,9 @@ static void src_on_done(void *ud, const src_result *res)
 
 /* ---------- scheduling ---------- */
 
-static bool may_drain(const drain *d)
+static bool may_drain(drain *d)
 {
-    return d->ob->mode == CFG_MODE_COMPETING || d->leader;
+    return d->ob->mode == CFG_MODE_COMPETING || lead_valid(d);
 }
 
 /* Rows to claim now. A claim costs about the same round trip for 100 rows as for
@@ -438,12 +510,21 @@ static bool start_settle(drain *d)
     return true;
 }
 
+static bool main_request(drain *d, int req);
+
 static void check_stopped(drain *d)
 {
     if (!d->stopping || d->stop_reported || d->main.busy || d->settler.busy)
         return;
     if (ledger_n_inflight(d->led) == 0 && ledger_n_buffered(d->led) == 0 &&
         ledger_n_pending(d->led) == 0) {
+        /* hand leadership over at once: renew it with a lease of 0 (expired now), so a
+           standby takes over at its next try instead of waiting for the lease to run out */
+        if (d->leader && !d->resigned && d->main.up && !d->main.holding) {
+            d->resigned = true;
+            if (main_request(d, SRC_REQ_LEAD))
+                return;
+        }
         d->stop_reported = true;
         log_msg(LOG_INFO, "outbox=%s: drained and settled", d->ob->name);
         if (d->on_stopped)
@@ -460,9 +541,13 @@ static bool main_request(drain *d, int req)
     c->req_started = ev_now(d->loop);
     int rc = -1;
     switch (req) {
-    case SRC_REQ_LEAD:
-        rc = d->sops->lead(c->src, d->lock_name);
+    case SRC_REQ_LEAD: {
+        src_lead_args a = { .owner = d->owner, .epoch = d->epoch,
+                            .lease_ms = d->resigned ? 0 : d->ob->lease_ms };
+        d->lead_sent = mono_now();
+        rc = d->sops->lead(c->src, &a);
         break;
+    }
     case SRC_REQ_CLAIM: {
         double lease = d->ob->lease_ms / 1000.0, margin = lease / 5;
         if (margin > DRAIN_MARGIN_MAX)
@@ -472,7 +557,9 @@ static bool main_request(drain *d, int req)
             .max_rows = claim_size(d),
             .lease_ms = d->ob->lease_ms,
             .lease_token = new_token(),
-            .owner = d->c->relay.name,
+            .owner = d->owner,
+            .epoch = d->ob->mode == CFG_MODE_LEADER ? d->epoch : 0,
+            .competing = d->ob->mode == CFG_MODE_COMPETING,
         };
         d->claim_asked = a.max_rows;
         ledger_claim_started(d->led);
@@ -482,7 +569,12 @@ static bool main_request(drain *d, int req)
         break;
     }
     case SRC_REQ_CLEANUP:
-        rc = d->sops->cleanup(c->src, d->ob->retention_ms, (size_t)d->ob->cleanup_batch);
+    {
+        src_cleanup_args a = { .retention_ms = d->ob->retention_ms,
+                               .limit = (size_t)d->ob->cleanup_batch, .owner = d->owner,
+                               .epoch = d->ob->mode == CFG_MODE_LEADER ? d->epoch : 0 };
+        rc = d->sops->cleanup(c->src, &a);
+    }
         break;
     case SRC_REQ_STATS:
         rc = d->sops->stats(c->src);
@@ -503,13 +595,12 @@ static void kick(drain *d)
     if (mc->up && !mc->busy && !mc->holding) {
         bool claim_ok = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
                         ledger_n_old(d->led) == 0 && d->want_claim && claim_size(d) > 0;
-        if (d->ob->mode == CFG_MODE_LEADER && !d->leader && !d->stopping) {
-            /* take over only once our own earlier work is settled */
-            if (d->lead_due && ledger_n_old(d->led) == 0 && ledger_n_pending(d->led) == 0 &&
-                !st->busy) {
-                d->lead_due = false;
-                (void)main_request(d, SRC_REQ_LEAD);
-            }
+        if (d->ob->mode == CFG_MODE_LEADER && !d->stopping && d->lead_due &&
+            (d->leader || (ledger_n_old(d->led) == 0 && ledger_n_pending(d->led) == 0 &&
+                           !st->busy))) {
+            /* renew first; take over only once our own earlier work is settled */
+            d->lead_due = false;
+            (void)main_request(d, SRC_REQ_LEAD);
         } else if (claim_ok) {
             d->want_claim = false;
             if (!main_request(d, SRC_REQ_CLAIM))
@@ -557,7 +648,9 @@ static void lead_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
     (void)loop; (void)revents;
     drain *d = w->data;
-    if (!d->leader)
+    /* a standby tries every tick (a cheap statement); the leader renews at lease / 3 */
+    double renew = d->ob->lease_ms / 3000.0;
+    if (!d->leader || !lead_valid(d) || mono_now() - d->lead_sent >= renew * 0.95)
         d->lead_due = true;
     schedule_kick(d);
 }
@@ -595,7 +688,8 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
     d->m.outbox = ob->name;
     d->m.sink = ob->sink_name;
     d->m.backlog = -1;
-    snprintf(d->lock_name, sizeof d->lock_name, "outbox-relay:%s.%s", ob->schema_part, ob->table_part);
+    snprintf(d->owner, sizeof d->owner, "%s/%08x", c->relay.name,
+             (unsigned)((uint64_t)new_token() >> 20));
     snprintf(d->conn_name, sizeof d->conn_name, "outbox-relay %s/%s", c->relay.name, ob->name);
 
     ledger_cfg lc = { .outbox = ob->name, .max_attempts = ob->max_attempts,
@@ -647,7 +741,12 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
     }
     ev_timer_init(&d->poll_timer, poll_cb, d->poll_delay, 0.);
     d->poll_timer.data = d;
-    ev_timer_init(&d->lead_timer, lead_cb, 1., 1.);
+    /* ticks at a third of the lease, at most 1 s: the leader renews at lease / 3, a
+       standby tries every tick, so a frozen leader is replaced within about lease + 1 s
+       and a stopping one (which expires its own lease) within about a second */
+    double li = ob->lease_ms / 3000.0;
+    li = li < 0.1 ? 0.1 : li > 1 ? 1 : li;
+    ev_timer_init(&d->lead_timer, lead_cb, li, li);
     d->lead_timer.data = d;
     double ci = ob->cleanup_interval_ms / 1000.0;
     ev_timer_init(&d->cleanup_timer, cleanup_cb, ci, ci);

@@ -110,6 +110,7 @@ struct ledger {
     size_t        sv_cap;
     bool          claim_running;
     size_t        n_old;
+    size_t        n_unsettled_sent;   /* SENT outcomes not yet committed (OUTCOME, SETTLING) */
     uint64_t      order_violations;   /* I5 broken at publish time: must stay 0 */
     struct { uint64_t dest; double until; } cautious[LED_NCAUTIOUS];
     ledger_stats  st;
@@ -486,6 +487,12 @@ static void refresh(ledger *l, led_entry *e)
 
 /* ------------------------------------------------------------ entries */
 
+static bool unsettled_sent(const led_entry *e)
+{
+    return e->kind == SRC_SENT && e->acked &&
+           (e->state == LED_OUTCOME || e->state == LED_SETTLING);
+}
+
 static void entry_free(ledger *l, led_entry *e)
 {
     keyq *k = e->k;
@@ -495,6 +502,8 @@ static void entry_free(ledger *l, led_entry *e)
     if (k != NULL && e->klist != KL_NONE)
         lremove(klist_of(k, e->klist), e, 0);
     ptab_del(&l->ids, mix64((uint64_t)e->id), e);
+    if (unsettled_sent(e))
+        l->n_unsettled_sent--;
     if (e->state == LED_INFLIGHT) {
         if (k != NULL)
             k->n_inflight--;
@@ -513,8 +522,13 @@ static void entry_free(ledger *l, led_entry *e)
 
 static void set_state(ledger *l, led_entry *e, int state, int glist)
 {
+    bool was = unsettled_sent(e);
     gmove(l, e, glist);
     e->state = (uint8_t)state;
+    if (unsettled_sent(e) && !was)
+        l->n_unsettled_sent++;
+    else if (was && !unsettled_sent(e))
+        l->n_unsettled_sent--;
 }
 
 /* Decides e's outcome (e is new, BUFFERED, or INFLIGHT with its counters
@@ -970,6 +984,7 @@ size_t ledger_n_inflight(const ledger *l) { return l->gl[GL_INFLIGHT].n; }
 size_t ledger_n_old(const ledger *l) { return l->n_old; }
 size_t ledger_n_pending(const ledger *l) { return l->gl[GL_PENDING].n; }
 size_t ledger_n_keys(const ledger *l) { return l->keys.used; }
+size_t ledger_n_unsettled_sent(const ledger *l) { return l->n_unsettled_sent; }
 const ledger_stats *ledger_get_stats(const ledger *l) { return &l->st; }
 
 size_t ledger_n_outcomes(const ledger *l)
@@ -1039,7 +1054,7 @@ static int check_key(const ledger *l, const keyq *k, char *err, size_t errlen)
 
 int ledger_check(const ledger *l, char *err, size_t errlen)
 {
-    size_t total = 0, old = 0;
+    size_t total = 0, old = 0, unsettled = 0;
     if (l->order_violations)
         FAIL("I5: %" PRIu64 " rows were published out of turn", l->order_violations);
     for (int g = 0; g < GL_N; g++) {
@@ -1064,6 +1079,7 @@ int ledger_check(const ledger *l, char *err, size_t errlen)
             }
             if (e->state == LED_INFLIGHT && e->old)
                 old++;
+            unsettled += unsettled_sent(e);
         }
         if (n != l->gl[g].n)
             FAIL("I1: list %d counts %zu, holds %zu", g, l->gl[g].n, n);
@@ -1073,6 +1089,8 @@ int ledger_check(const ledger *l, char *err, size_t errlen)
         FAIL("I1: id table holds %zu, lists %zu", l->ids.used, total);
     if (old != l->n_old)
         FAIL("I1: %zu old rows in flight, counted %zu", old, l->n_old);
+    if (unsettled != l->n_unsettled_sent)
+        FAIL("I1: %zu confirmed rows unsettled, counted %zu", unsettled, l->n_unsettled_sent);
     size_t nkeys = 0;
     for (size_t i = 0; i < l->keys.cap; i++) {
         const keyq *k = l->keys.s[i].p;

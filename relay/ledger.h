@@ -123,6 +123,8 @@ size_t  ledger_n_pending(const ledger *l);    /* outcomes waiting for a settle *
 size_t  ledger_n_outcomes(const ledger *l);   /* OUTCOME + SETTLING + LINGER */
 size_t  ledger_n_held(const ledger *l);       /* every entry */
 size_t  ledger_n_keys(const ledger *l);
+/* Confirmed rows whose SENT mark has not committed yet: published but not marked. */
+size_t  ledger_n_unsettled_sent(const ledger *l);
 const ledger_stats *ledger_get_stats(const ledger *l);
 
 /* Checks every invariant of ledger.c; 0, or -1 with the first violation in err. */

@@ -135,11 +135,19 @@ char *metrics_render(ob_metrics *const *m, size_t n, size_t *len)
     gauge_int(&b, m, n, "sink_up", "1 when the broker connection is up.", OFF(sink_up), 1);
     gauge_int(&b, m, n, "sink_blocked", "1 while the broker has blocked the connection.", OFF(sink_blocked), 1);
     gauge_int(&b, m, n, "leader", "1 when this relay is the active one for the outbox.", OFF(leader), 1);
+    gauge_int(&b, m, n, "leader_epoch", "Leadership epoch (fencing token) this relay holds; 0 none.", OFF(epoch), 0);
+    counter(&b, m, n, "takeovers_total", "Times this relay became the active one.", OFF(takeovers));
+    counter(&b, m, n, "fenced_total", "Times this relay lost leadership (a newer epoch, or its lease ran out) and stopped publishing.", OFF(fenced));
     bprintf(&b, "# HELP outbox_relay_in_flight Published messages awaiting a confirm.\n"
                 "# TYPE outbox_relay_in_flight gauge\n");
     for (size_t i = 0; i < n; i++)
         bprintf(&b, "outbox_relay_in_flight{outbox=\"%s\"} %llu\n", m[i]->outbox,
                 (unsigned long long)m[i]->in_flight);
+    bprintf(&b, "# HELP outbox_relay_confirmed_unmarked Confirmed messages whose mark has not committed yet (they share publish_window with those in flight).\n"
+                "# TYPE outbox_relay_confirmed_unmarked gauge\n");
+    for (size_t i = 0; i < n; i++)
+        bprintf(&b, "outbox_relay_confirmed_unmarked{outbox=\"%s\"} %llu\n", m[i]->outbox,
+                (unsigned long long)m[i]->unmarked);
     bprintf(&b, "# HELP outbox_relay_buffered Claimed rows waiting to be published.\n"
                 "# TYPE outbox_relay_buffered gauge\n");
     for (size_t i = 0; i < n; i++)

@@ -37,8 +37,13 @@ typedef struct ob_metrics {
     double   oldest_pending_s;
     int64_t  dead_rows;
     int      source_up, sink_up, sink_blocked, leader;
+    int64_t  epoch;          /* leadership epoch held (leader mode), 0 none */
+    uint64_t takeovers;      /* times this process became the leader */
+    uint64_t fenced;         /* times it lost leadership (fenced, or its lease ran out) */
+    int      standby_logged; /* "standing by" was logged at INFO once */
     uint64_t in_flight;
     uint64_t buffered;
+    uint64_t unmarked;       /* confirmed, mark not committed yet (counts against the window) */
     histogram confirm_latency;
     histogram claim_latency;
 } ob_metrics;

@@ -29,7 +29,7 @@ typedef struct source source;
 enum src_state { SRC_DOWN = 0, SRC_UP = 1 };
 
 enum src_req {
-    SRC_REQ_LEAD = 1,  /* try to become (or check we still are) the leader */
+    SRC_REQ_LEAD = 1,  /* take, or renew, the outbox's leadership lease */
     SRC_REQ_CLAIM,     /* lease up to n claimable rows in id order */
     SRC_REQ_SETTLE,    /* apply outcomes */
     SRC_REQ_CLEANUP,   /* delete marked rows older than retention, bounded */
@@ -64,8 +64,12 @@ typedef struct src_result {
     int         ok;             /* 0 success, -1 failed (error says why; the source may go DOWN) */
     const char *error;          /* valid during the callback only */
     /* SRC_REQ_LEAD */
-    bool        leader;
-    bool        newly_leader;   /* leadership acquired by this request (stale leases were reset) */
+    bool        leader;         /* this instance holds the lease now (taken or renewed) */
+    bool        newly_leader;   /* taken by this request with a new epoch (row leases were reset) */
+    int64_t     epoch;          /* our epoch when leader */
+    const char *holder;         /* current holder when not leader (NULL: none); callback only */
+    int64_t     holder_epoch;
+    int64_t     n_reset;        /* row leases released by a takeover */
     /* SRC_REQ_CLAIM: ownership of rows[] and of every row passes to the callee
        (free each with row_free and the array with free); rows are in id order */
     row       **rows;
@@ -94,8 +98,29 @@ typedef struct src_claim_args {
     size_t      max_rows;
     int64_t     lease_ms;
     int64_t     lease_token;  /* the core's random token for this claim */
-    const char *owner;        /* relay name, stored in lease_owner */
+    const char *owner;        /* this relay instance, stored in lease_owner */
+    int64_t     epoch;        /* > 0 (leader mode): claim nothing unless (owner, epoch)
+                                 still holds an unexpired leadership lease (fencing) */
+    bool        competing;    /* claim a key's rows only from its first pending row on,
+                                 and only when no other instance holds that one */
 } src_claim_args;
+
+/* Leadership is a lease row per outbox (<table>_lease, name 'leader': owner,
+   epoch, expires_at in database time), never a session lock: it survives
+   PgBouncer transaction pooling and ODBC reconnections, and a frozen holder
+   loses it when it expires. */
+typedef struct src_lead_args {
+    const char *owner;        /* this relay instance: "<relay name>/<random hex>" */
+    int64_t     epoch;        /* the epoch this instance holds, 0 when none */
+    int64_t     lease_ms;     /* the lease runs this long from the database's now() */
+} src_lead_args;
+
+typedef struct src_cleanup_args {
+    int64_t     retention_ms;
+    size_t      limit;
+    const char *owner;        /* with epoch > 0: fenced like a claim */
+    int64_t     epoch;
+} src_cleanup_args;
 
 typedef struct source_ops {
     const char *name;  /* "postgres", "sqlserver" */
@@ -105,10 +130,10 @@ typedef struct source_ops {
                    source **out, char *err, size_t errlen);
     void (*destroy)(source *s);           /* closes; no callback afterwards */
     void (*start)(source *s);             /* begin connecting; on_state reports */
-    int  (*lead)(source *s, const char *lock_name);
+    int  (*lead)(source *s, const src_lead_args *a);
     int  (*claim)(source *s, const src_claim_args *a);
     int  (*settle)(source *s, const src_outcome *v, size_t n);  /* v copied before return */
-    int  (*cleanup)(source *s, int64_t retention_ms, size_t limit);
+    int  (*cleanup)(source *s, const src_cleanup_args *a);
     int  (*stats)(source *s);
 
     /* --- admin (synchronous, blocking with timeouts) --- */

@@ -111,7 +111,14 @@ def test_relay_may_drain_settle_and_dead_letter(granted, pgdb):
     for k in ("a", "b", "c"):
         _insert(p, k)
     r.execute(f"LISTEN outbox_relay")
-    assert r.execute("SELECT pg_try_advisory_lock(4242)").fetchone() == (True,)
+    # leadership: the lease row is taken and renewed with INSERT ... ON CONFLICT DO UPDATE
+    for _ in range(2):
+        r.execute("INSERT INTO outbox.messages_lease AS l (name, owner, epoch, expires_at) "
+                  "VALUES ('leader', 'relay-1', 1, now() + interval '3 seconds') "
+                  "ON CONFLICT (name) DO UPDATE SET expires_at = EXCLUDED.expires_at "
+                  "WHERE l.owner = EXCLUDED.owner")
+    p_denied = granted("outbox_producer")
+    _denied(p_denied, "SELECT 1 FROM outbox.messages_lease")
     with r.transaction():
         ids = [row[0] for row in r.execute(
             f"SELECT id FROM {T} WHERE sent_at IS NULL ORDER BY id LIMIT 10 "

@@ -666,7 +666,10 @@ def test_cleanup_deletes_old_marked_rows_bounded(backend, drivers):
     assert backend.row(ids[3]) is not None
 
 
-def test_lead_exclusive_and_released_when_session_dies(backend, drivers):
+def test_lead_lease_renewal_takeover_and_fencing(backend, drivers):
+    """Leadership is a lease row (not a session lock, which msodbcsql's idle reconnection
+    would drop silently): renewed with its epoch, taken over once expired with a new epoch
+    that releases the old holder's row leases; the old holder is fenced."""
     init_schema(backend, drivers)
     ids = backend.insert(3)
     backend.set_lease(ids[0], 77, 3600)   # a crashed leader's lease
@@ -674,35 +677,30 @@ def test_lead_exclusive_and_released_when_session_dies(backend, drivers):
     for d in (a, b):
         d.send("start")
         d.up()
-    done, _ = a.request("lead outbox-test", "lead")
+    done, _ = a.request("lead A 0 1500", "lead")
     assert done["ok"] == "0" and done["leader"] == "1" and done["newly"] == "1", done
+    e1 = int(done["epoch"])
     assert backend.row(ids[0])["token"] is None, "stale leases reset on acquisition"
-    done, _ = b.request("lead outbox-test", "lead")
-    assert done["leader"] == "0", done
-    done, _ = a.request("lead outbox-test", "lead")
-    assert done["leader"] == "1" and done["newly"] == "0", done
-    # leadership survives the per-request commits
-    a.claim(1, 5)
-    done, _ = b.request("lead outbox-test", "lead")
-    assert done["leader"] == "0", done
-
-    holder = backend.leader_session()
-    assert holder is not None
-    backend.kill(holder)
-    done, _ = b.request("lead outbox-test", "lead")
-    for _ in range(50):
+    done, _ = b.request("lead B 0 1500", "lead")
+    assert done["leader"] == "0" and done["holder"] == "A" and int(done["held"]) == e1, done
+    done, _ = a.request(f"lead A {e1} 1500", "lead")
+    assert done["leader"] == "1" and done["newly"] == "0" and int(done["epoch"]) == e1, done
+    # A stops renewing: B takes over once the lease expired in database time
+    for _ in range(100):
+        done, _ = b.request("lead B 0 1500", "lead")
         if done["leader"] == "1":
             break
         time.sleep(0.1)
-        done, _ = b.request("lead outbox-test", "lead")
-    assert done["leader"] == "1" and done["newly"] == "1", (done, holder, backend.debug_locks())
-    # the old leader notices on its next request, reconnects, and is no longer leader
-    done, _ = a.request("lead outbox-test", "lead")
-    assert done["ok"] == "-1", done
-    assert a.state()["_"][1] == "DOWN"
-    a.up()
-    done, _ = a.request("lead outbox-test", "lead")
-    assert done["ok"] == "0" and done["leader"] == "0", done
+    assert done["leader"] == "1" and done["newly"] == "1", done
+    e2 = int(done["epoch"])
+    assert e2 == e1 + 1, done
+    # the old holder's renewal and claims are fenced
+    done, _ = a.request(f"lead A {e1} 1500", "lead")
+    assert done["ok"] == "0" and done["leader"] == "0" and done["holder"] == "B", done
+    done, rows = a.request(f"claim 5 30000 5 A {e1}", "claim")
+    assert done["ok"] == "0" and rows == [], done
+    done, rows = b.request(f"claim 5 30000 6 B {e2}", "claim")
+    assert sorted(int(r["id"]) for r in rows) == sorted(ids), done
 
 
 def test_stalled_database_does_not_block_the_loop(backend, drivers):

@@ -469,11 +469,18 @@ def test_notify_wakeup_latency_and_filtering(driver_bin, drivers, schema, capsys
     with capsys.disabled():
         print(f"\nNOTIFY wake-up latency (insert+commit → on_wake), ms: "
               + ", ".join(f"{x * 1000:.2f}" for x in lat))
+    # the source polls nothing here: without NOTIFY no wake-up would come at all; the median
+    # shows it is the notification, a loose max only guards against a stuck loop (machine load)
     limit = 0.05 if not valgrind_enabled() else 0.5
-    assert max(lat) < limit, lat
+    assert sorted(lat)[len(lat) // 2] < limit, lat
+    assert max(lat) < 10 * limit, lat
 
 
-def test_lead_single_leader_failover_and_stale_lease_reset(drivers, schema):
+def test_lead_lease_renewal_takeover_and_fencing(drivers, schema):
+    """Leadership is a lease row: one holder, renewed with its epoch; taken over only once
+    expired (a frozen holder keeps its session but not its lease), with a new epoch that
+    releases the old holder's row leases; the old holder's renewal, claims and retention
+    are fenced by the epoch."""
     c = schema.connect()
     ids = insert(c, 4)
     a = drivers(schema)
@@ -481,29 +488,68 @@ def test_lead_single_leader_failover_and_stale_lease_reset(drivers, schema):
     for d in (a, b):
         d.send("start")
         d.up()
-    st, _ = a.request("lead outbox-relay:test")
-    assert (st["ok"], st["leader"], st["newly"]) == (0, "1", "1")
-    st, _ = b.request("lead outbox-relay:test")
-    assert (st["ok"], st["leader"], st["newly"]) == (0, "0", "0")
-    st, _ = a.request("lead outbox-relay:test")  # still ours, from memory
-    assert (st["leader"], st["newly"]) == ("1", "0")
-    # a different lock name is a different election
-    st, _ = b.request("lead outbox-relay:other")
-    assert (st["leader"], st["newly"]) == ("1", "1")
-    # the leader leases rows and dies: its session's lock goes with it
-    st, rows = a.request("claim 2 600000 99 A")
-    assert len(rows) == 2
-    a.close()
-    st, _ = b.request("lead outbox-relay:test")
+    st, _ = a.request("lead A 0 1500")
+    assert (st["ok"], st["leader"], st["newly"]) == (0, "1", "1"), st
+    e1 = int(st["epoch"])
+    st, _ = b.request("lead B 0 1500")
+    assert (st["ok"], st["leader"], st["holder"], int(st["held"])) == (0, "0", "A", e1), st
+    st, _ = a.request(f"lead A {e1} 1500")           # a renewal keeps the epoch
+    assert (st["leader"], st["newly"], int(st["epoch"])) == ("1", "0", e1), st
+    st, rows = a.request(f"claim 2 600000 99 A {e1}")
+    assert [r["id"] for r in rows] == ids[:2]
+    # A stops renewing (frozen: its session stays open): B takes over once it expired
     deadline = time.monotonic() + 10
-    while st["leader"] != "1" and time.monotonic() < deadline:
-        time.sleep(0.1)
-        st, _ = b.request("lead outbox-relay:test")
-    assert (st["ok"], st["leader"], st["newly"]) == (0, "1", "1")
+    while True:
+        st, _ = b.request("lead B 0 1500")
+        if st["leader"] == "1" or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert (st["ok"], st["leader"], st["newly"]) == (0, "1", "1"), st
+    e2 = int(st["epoch"])
+    assert e2 == e1 + 1 and int(st["reset"]) == 2, st
     leased = c.execute(f"SELECT count(*) FROM {T} WHERE lease_token IS NOT NULL").fetchone()[0]
-    assert leased == 0  # stale leases reset at takeover
-    st, rows = b.request("claim 10 60000 100 B")
-    assert [r["id"] for r in rows] == ids
+    assert leased == 0   # the old holder's row leases were released at the takeover
+    # the old holder is fenced: its renewal fails, its claims and retention change nothing
+    st, _ = a.request(f"lead A {e1} 1500")
+    assert (st["leader"], st["holder"], int(st["held"])) == ("0", "B", e2), st
+    st, rows = a.request(f"claim 10 60000 98 A {e1}")
+    assert st["ok"] == 0 and rows == [], st
+    c.execute(f"UPDATE {T} SET sent_at = now() - interval '2 days' WHERE id = %s", (ids[3],))
+    st, _ = a.request(f"cleanup 1000 10 A {e1}")
+    assert st["ok"] == 0 and st["deleted"] == "0", st
+    st, rows = b.request(f"claim 10 60000 100 B {e2}")
+    assert [r["id"] for r in rows] == ids[:3]
+    st, _ = b.request(f"cleanup 1000 10 B {e2}")
+    assert st["deleted"] == "1", st
+
+
+def test_competing_claims_keep_each_key_with_one_instance(drivers, schema):
+    """Competing mode: an instance takes a key's rows only from the key's first pending row
+    on, and only when nobody else holds it; keys held by another instance are skipped."""
+    c = schema.connect()
+    ka = insert(c, 3, partition_key="ka")
+    kb = insert(c, 2, partition_key="kb")
+    ka2 = insert(c, 2, partition_key="ka")
+    free_rows = insert(c, 1)
+    a = drivers(schema)
+    b = drivers(schema)
+    for d in (a, b):
+        d.send("start")
+        d.up()
+    st, rows = a.request("claim 2 600000 1 A 0 competing")
+    assert [r["id"] for r in rows] == ka[:2]
+    # B may not take ka's later rows while A holds its head; kb and keyless rows are free
+    st, rows = b.request("claim 10 600000 2 B 0 competing")
+    assert sorted(r["id"] for r in rows) == sorted(kb + free_rows), rows
+    # A continues its key (the head is its own)
+    st, rows = a.request("claim 10 600000 3 A 0 competing")
+    assert [r["id"] for r in rows] == ka[2:] + ka2
+    # once A's rows are settled, the key is free for anyone
+    c.execute(f"UPDATE {T} SET sent_at = now(), lease_token = NULL WHERE id = ANY(%s)",
+              (ka + ka2,))
+    more = insert(c, 2, partition_key="ka")
+    st, rows = b.request("claim 10 600000 4 B 0 competing")
+    assert [r["id"] for r in rows] == more
 
 
 def test_cleanup_bounded_and_only_old_marked(drivers, schema):
@@ -533,8 +579,9 @@ def test_connection_killed_mid_request_then_reconnects(drivers, schema):
     d = drivers(schema)
     d.send("start")
     d.up()
-    st, _ = d.request("lead L")
+    st, _ = d.request("lead L 0 60000")
     assert st["leader"] == "1"
+    epoch = st["epoch"]
     # hold the table so the claim is outstanding, then kill the relay's session
     locker = schema.connect(autocommit=False)
     locker.execute(f"LOCK TABLE {T} IN ACCESS EXCLUSIVE MODE")
@@ -553,9 +600,9 @@ def test_connection_killed_mid_request_then_reconnects(drivers, schema):
     assert d.seen.index(m.string) < d.seen.index(down.string)
     d.up(15)  # setup needs no table lock
     locker.rollback()
-    # leadership was lost with the session: acquired anew
-    st, _ = d.request("lead L")
-    assert (st["leader"], st["newly"]) == ("1", "1")
+    # leadership is a lease row, not the session: renewed with the same epoch
+    st, _ = d.request(f"lead L {epoch} 60000")
+    assert (st["leader"], st["newly"], st["epoch"]) == ("1", "0", epoch)
     st, rows = d.request("claim 10 30000 2 me")
     assert [r["id"] for r in rows] == ids
     # killed while idle: DOWN, UP, and LISTEN works on the new session
@@ -573,7 +620,7 @@ def test_requests_while_down_fail_from_the_loop(drivers, schema):
                                                          "port=1"))
     d.send("start")
     d.expect(r"^STATE DOWN connect failed")
-    for cmd in ("lead X", "claim 1 1000 1 me", "settle 1:1:S:0", "cleanup 1 1", "stats"):
+    for cmd in ("lead X 0 1000", "claim 1 1000 1 me", "settle 1:1:S:0", "cleanup 1 1", "stats"):
         st, _ = d.request(cmd)
         assert st["ok"] == -1 and st["error"] == "not connected"
     # a second request while one is outstanding is refused synchronously

@@ -47,11 +47,10 @@ CONN = "Driver={OutboxRecorder};Database=app;"
 TABLE = "outbox.messages"
 QT, QD = "[outbox].[messages]", "[outbox].[messages_dead]"
 
-# PENDING (leadership as a lease row, the leadership issue): the ODBC source still elects
-# its leader with sp_getapplock @LockOwner = 'Session', which msodbcsql's connection
-# resiliency silently drops. Set this to True when the lease row replaces it;
-# test_no_session_applock then enforces the rule on every captured statement.
-ENFORCE_NO_SESSION_APPLOCK = False
+# Leadership is a lease row (<table>_lease), never sp_getapplock @LockOwner = 'Session'
+# (msodbcsql's connection resiliency silently drops a session lock): test_no_session_applock
+# enforces that on every captured statement.
+ENFORCE_NO_SESSION_APPLOCK = True
 
 # the SET options a session needs before it creates or writes a table with filtered indexes
 FILTERED_INDEX_OPTIONS = ["SET QUOTED_IDENTIFIER ON", "SET ANSI_NULLS ON", "SET ANSI_PADDING ON",
@@ -186,10 +185,10 @@ def cap(build, tmp_path_factory):
                 d.send("start")
                 d.up()
             with c.record("relay: lead (acquire)"):
-                done, _ = d.request("lead outbox-relay:outbox.messages", "lead")
+                done, _ = d.request("lead relay-a/0001 0 30000", "lead")
             assert done["leader"] == "1" and done["newly"] == "1", done
             with c.record("relay: lead (renew)"):
-                done, _ = d.request("lead outbox-relay:outbox.messages", "lead")
+                done, _ = d.request(f"lead relay-a/0001 {done['epoch']} 30000", "lead")
             assert done["leader"] == "1" and done["newly"] == "0", done
             with c.record("relay: claim"):
                 done, rows_ = d.claim(500, 7)
@@ -317,7 +316,7 @@ def test_every_path_was_driven(cap):
         "the failing batch must roll back to its savepoint"
     for label in ("relay: init", "relay: init again"):
         sqls = [r["sql"] for _, r in cap.execs(label)]
-        assert sum(filtered_index(s) for s in sqls) == 3, (label, len(sqls))
+        assert sum(filtered_index(s) for s in sqls) == 4, (label, len(sqls))   # pending, failing, sent, per-key
 
 
 def test_every_statement_parses_as_tsql(cap):
@@ -493,7 +492,7 @@ def test_statistics_and_lease_reset_never_wait_for_producers(cap):
 
     for label in ("relay: stats", "relay: stats (admin)", "relay CLI: stats"):
         check(label, lambda s: "COUNT_BIG" in s, "statistics")
-    check("relay: lead (acquire)", lambda s: s.lstrip().upper().startswith("UPDATE"),
+    check("relay: lead (acquire)", lambda s: ("UPDATE " + QT.upper()) in s.upper(),
           "lease reset")
     check("relay: retention cleanup", lambda s: s.lstrip().upper().startswith("DELETE"),
           "cleanup")

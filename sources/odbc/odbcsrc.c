@@ -28,11 +28,12 @@
 
 typedef struct odbc_req {
     int     kind;          /* enum src_req */
-    char   *lock_name;     /* LEAD */
     size_t  max_rows;      /* CLAIM */
-    int64_t lease_ms;
+    int64_t lease_ms;      /* CLAIM, LEAD */
     int64_t token;
-    char   *owner;
+    char   *owner;         /* CLAIM, LEAD, CLEANUP */
+    int64_t epoch;         /* LEAD: held; CLAIM, CLEANUP: fence (0 none) */
+    bool    competing;     /* CLAIM */
     char   *json;          /* SETTLE: the outcomes */
     int64_t retention_ms;  /* CLEANUP */
     size_t  limit;
@@ -76,7 +77,6 @@ struct source {
 
 static void req_clear(odbc_req *r)
 {
-    free(r->lock_name);
     free(r->owner);
     free(r->json);
     memset(r, 0, sizeof *r);
@@ -156,8 +156,7 @@ static void cur_hook(void *ud, SQLHSTMT h)
 
 typedef struct wstate {
     odbcsrc_db db;
-    bool       lock_held;   /* the leader lock is held by this session */
-    bool       leader;      /* ... and stale leases were reset */
+    char       holder[256]; /* the leadership holder named by the last lead answer */
 } wstate;
 
 /* Runs one request in its own transaction. Returns the completion event. */
@@ -169,37 +168,30 @@ static odbc_event *execute(wstate *w, const odbc_req *r)
     db->err[0] = '\0';
     db->lost = false;
     switch (r->kind) {
-    case SRC_REQ_LEAD:
-        /* Held: answered from memory after one round trip proving the
-         * session (and with it the session-owned lock) is still alive. */
-        if (w->leader) {
-            rc = odbcsrc_db_ping(db);
-        } else if (!w->lock_held) {
-            bool got = false;
-            rc = odbcsrc_db_try_lock(db, r->lock_name, &got);
-            if (rc == 0 && got)
-                w->lock_held = true;
+    case SRC_REQ_LEAD: {
+        int64_t got = 0, held = 0, reset = 0;
+        rc = odbcsrc_db_lead(db, r->owner, r->epoch, r->lease_ms, &got, &held, &reset,
+                             w->holder, sizeof w->holder);
+        if (rc == 0) {
+            e->res.leader = got > 0;
+            e->res.epoch = got;
+            e->res.holder_epoch = held;
+            e->res.holder = w->holder[0] ? w->holder : NULL;
+            e->res.newly_leader = got > 0 && got != r->epoch;
+            e->res.n_reset = reset;
         }
-        if (rc == 0 && w->lock_held && !w->leader) {
-            rc = odbcsrc_db_reset_leases(db);
-            if (rc == 0)
-                rc = odbcsrc_db_end(db, true);
-            if (rc == 0) {
-                w->leader = true;
-                e->res.newly_leader = true;
-            }
-        }
-        e->res.leader = w->leader;
         break;
+    }
     case SRC_REQ_CLAIM:
-        rc = odbcsrc_db_claim(db, r->max_rows, r->lease_ms, r->token, r->owner,
-                              &e->res.rows, &e->res.n_rows);
+        rc = odbcsrc_db_claim(db, r->max_rows, r->lease_ms, r->token, r->owner, r->epoch,
+                              r->competing, &e->res.rows, &e->res.n_rows);
         break;
     case SRC_REQ_SETTLE:
         rc = odbcsrc_db_settle(db, r->json, &e->res.n_applied);
         break;
     case SRC_REQ_CLEANUP:
-        rc = odbcsrc_db_cleanup(db, r->retention_ms, r->limit, &e->res.n_deleted);
+        rc = odbcsrc_db_cleanup(db, r->retention_ms, r->limit, r->owner, r->epoch,
+                                &e->res.n_deleted);
         break;
     case SRC_REQ_STATS:
         rc = odbcsrc_db_stats(db, &e->res.stats);
@@ -257,7 +249,6 @@ static void *worker_main(void *arg)
                 break;
             if (rc == 0) {
                 backoff = BACKOFF_MIN_MS;
-                w.lock_held = w.leader = false;
                 last[0] = '\0';
                 reported = SRC_UP;
                 post_state_locked(s, SRC_UP, "connected");
@@ -311,7 +302,6 @@ static void *worker_main(void *arg)
         if (lost) {
             snprintf(why, sizeof why, "connection lost: %.990s", w.db.err);
             odbcsrc_db_close(&w.db);
-            w.lock_held = w.leader = false;
             backoff = BACKOFF_MIN_MS;
         }
         pthread_mutex_lock(&s->mu);
@@ -492,12 +482,14 @@ static int submit(source *s, odbc_req *r)
     return 0;
 }
 
-static int odbcsrc_lead(source *s, const char *lock_name)
+static int odbcsrc_lead(source *s, const src_lead_args *a)
 {
     odbc_req r = {0};
     r.kind = SRC_REQ_LEAD;
-    r.lock_name = strdup(lock_name ? lock_name : "");
-    if (!r.lock_name)
+    r.epoch = a->epoch;
+    r.lease_ms = a->lease_ms;
+    r.owner = strdup(a->owner ? a->owner : "");
+    if (!r.owner)
         return -1;
     return submit(s, &r);
 }
@@ -509,6 +501,8 @@ static int odbcsrc_claim(source *s, const src_claim_args *a)
     r.max_rows = a->max_rows;
     r.lease_ms = a->lease_ms;
     r.token = a->lease_token;
+    r.epoch = a->competing ? 0 : a->epoch;
+    r.competing = a->competing;
     r.owner = strdup(a->owner ? a->owner : "");
     if (!r.owner)
         return -1;
@@ -525,12 +519,16 @@ static int odbcsrc_settle(source *s, const src_outcome *v, size_t n)
     return submit(s, &r);
 }
 
-static int odbcsrc_cleanup(source *s, int64_t retention_ms, size_t limit)
+static int odbcsrc_cleanup(source *s, const src_cleanup_args *a)
 {
     odbc_req r = {0};
     r.kind = SRC_REQ_CLEANUP;
-    r.retention_ms = retention_ms;
-    r.limit = limit;
+    r.retention_ms = a->retention_ms;
+    r.limit = a->limit;
+    r.epoch = a->epoch;
+    r.owner = strdup(a->owner ? a->owner : "");
+    if (!r.owner)
+        return -1;
     return submit(s, &r);
 }
 

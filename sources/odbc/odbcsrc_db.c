@@ -53,7 +53,7 @@ _Static_assert(SRC_SENT == 0 && SRC_RETRY == 1 && SRC_DEAD == 2 && SRC_UNCLAIM =
                "the settle SQL below spells the outcome kinds as numbers");
 
 #define REASON_MAX 2000   /* bytes of a reason kept (cut on a character boundary) */
-#define MAX_PARAMS 6
+#define MAX_PARAMS 8   /* the most any statement binds: the leader-mode claim (7) */
 
 /* ------------------------------------------------------------ config copy */
 
@@ -592,6 +592,10 @@ static char *sql_for(odbcsrc_db *db, const char *tmpl)
             if (dbuf_str(&b, db->qd) < 0)
                 goto oom;
             p = q + 3;
+        } else if (q[1] == 'L' && q[2] == '}') {
+            if (dbuf_str(&b, db->ql) < 0)
+                goto oom;
+            p = q + 3;
         } else {
             if (dbuf_add(&b, q, 1) < 0)
                 goto oom;
@@ -795,6 +799,14 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
     outbox_qualified((outbox_dialect)db->dialect, &conf->tn, 1, db->qd, sizeof db->qd);
     if (is_tsql(db) && session_tsql(db) < 0)
         goto fail;
+    {
+        char lease[64];
+        outbox_derived_name(conf->tn.table, "lease", lease);
+        if (is_tsql(db))
+            snprintf(db->ql, sizeof db->ql, "[%s].[%s]", conf->tn.schema, lease);
+        else
+            snprintf(db->ql, sizeof db->ql, "\"%s\".\"%s\"", conf->tn.schema, lease);
+    }
     return 0;
 oom:
     set_err(db, "connect: out of memory");
@@ -918,40 +930,105 @@ done:
 
 /* ------------------------------------------------------------ relay statements */
 
-int odbcsrc_db_try_lock(odbcsrc_db *db, const char *lock_name, bool *got)
+/* Leadership as a lease row; the same rules as sources/pg (pgsrc_sql_lead):
+ * taken when ours (renewal) or expired in database time, a takeover increments
+ * the epoch and releases the row leases of earlier holders. Parameters:
+ * owner, lease ms, epoch held (0 none). */
+static const char LEAD_TSQL[] =
+    "SET NOCOUNT ON; "
+    "DECLARE @owner nvarchar(255) = ?, @lease int = ?, @mine bigint = ?; "
+    "DECLARE @now datetime2 = SYSUTCDATETIME(), @cur_owner nvarchar(255), @cur_epoch bigint, "
+    "@got bigint = 0, @reset int = 0; "
+    "SELECT @cur_owner = owner, @cur_epoch = epoch FROM {L} WITH (UPDLOCK, HOLDLOCK) "
+    "WHERE name = N'leader'; "
+    "IF @cur_owner IS NULL "
+    "BEGIN "
+    "INSERT INTO {L} (name, owner, epoch, expires_at) "
+    "VALUES (N'leader', @owner, 1, DATEADD(millisecond, @lease, @now)); "
+    "SET @got = 1; "
+    "END "
+    "ELSE "
+    "UPDATE {L} SET @got = CASE WHEN owner = @owner AND epoch = @mine THEN epoch "
+    "ELSE epoch + 1 END, owner = @owner, "
+    "epoch = CASE WHEN owner = @owner AND epoch = @mine THEN epoch ELSE epoch + 1 END, "
+    "expires_at = DATEADD(millisecond, @lease, @now) "
+    "WHERE name = N'leader' AND ((owner = @owner AND epoch = @mine) OR expires_at < @now); "
+    "IF @got <> 0 AND @got <> @mine "
+    "BEGIN "
+    "UPDATE {T} WITH (READPAST, READCOMMITTEDLOCK) SET lease_owner = NULL, lease_token = NULL, "
+    "lease_until = NULL WHERE sent_at IS NULL AND lease_token IS NOT NULL; "
+    "SET @reset = @@ROWCOUNT; "
+    "END "
+    "SELECT @got, COALESCE(@cur_epoch, 0), @reset, COALESCE(@cur_owner, N'')";
+
+/* Parameters: owner, lease ms, epoch, epoch, epoch. */
+static const char LEAD_PG[] =
+    "WITH cur AS (SELECT owner, epoch FROM {L} WHERE name = 'leader'), "
+    "up AS (INSERT INTO {L} AS l (name, owner, epoch, expires_at) "
+    "VALUES ('leader', ?::text, 1, now() + ?::float8 * interval '1 millisecond') "
+    "ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, "
+    "epoch = CASE WHEN l.owner = EXCLUDED.owner AND l.epoch = ?::bigint THEN l.epoch "
+    "ELSE l.epoch + 1 END, expires_at = EXCLUDED.expires_at "
+    "WHERE (l.owner = EXCLUDED.owner AND l.epoch = ?::bigint) OR l.expires_at < now() "
+    "RETURNING l.epoch), "
+    "r AS (UPDATE {T} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+    "WHERE sent_at IS NULL AND lease_token IS NOT NULL "
+    "AND EXISTS (SELECT 1 FROM up WHERE up.epoch <> ?::bigint) RETURNING 1) "
+    "SELECT coalesce((SELECT epoch FROM up), 0), coalesce((SELECT epoch FROM cur), 0), "
+    "(SELECT count(*) FROM r), coalesce((SELECT owner FROM cur), '')";
+
+int odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t lease_ms,
+                    int64_t *got, int64_t *held, int64_t *reset, char *holder, size_t hlen)
 {
     params ps = {0};
-    int64_t v = 0;
-    p_text(&ps, lock_name, P_SHORT);
-    int rc = one_row_ints(db, "lead",
-                          is_tsql(db)
-                          ? "SET NOCOUNT ON; DECLARE @r int; "
-                            "EXEC @r = sp_getapplock @Resource = ?, @LockMode = 'Exclusive', "
-                            "@LockOwner = 'Session', @LockTimeout = 0; SELECT @r"
-                          : "SELECT CASE WHEN pg_try_advisory_lock(hashtextextended(?::text, 0)) "
-                            "THEN 0 ELSE -1 END",
-                          &ps, &v, 1);
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    dbuf who = {0};
+    bool isnull = false;
+    int rc = -1;
+    char *sql = sql_for(db, is_tsql(db) ? LEAD_TSQL : LEAD_PG);
+    *got = *held = *reset = 0;
+    if (hlen)
+        holder[0] = '\0';
+    if (!sql)
+        return -1;
+    p_text(&ps, owner ? owner : "", P_SHORT);
+    if (is_tsql(db)) {
+        p_i32(&ps, lease_ms);
+        p_i64(&ps, epoch);
+    } else {
+        p_i64(&ps, lease_ms);
+        p_i64(&ps, epoch);
+        p_i64(&ps, epoch);
+        p_i64(&ps, epoch);
+    }
+    if (st_run(db, "lead", sql, &ps, &h) < 0)
+        goto done;
+    int r = st_result(db, h, "lead");
+    if (r != 0) {
+        if (r > 0)
+            set_err(db, "lead: no result");
+        goto done;
+    }
+    r = st_fetch(db, h, "lead");
+    if (r <= 0) {
+        if (r == 0)
+            set_err(db, "lead: no result row");
+        goto done;
+    }
+    if (get_i64(db, h, 1, got, NULL) < 0 || get_i64(db, h, 2, held, NULL) < 0 ||
+        get_i64(db, h, 3, reset, NULL) < 0 || get_text(db, h, 4, &who, &isnull) < 0)
+        goto done;
+    if (hlen && who.p && !isnull)
+        snprintf(holder, hlen, "%s", who.p);
+    if (st_drain(db, h, "lead") < 0)
+        goto done;
+    rc = 0;
+done:
+    st_free(db, h);
     p_free(&ps);
-    *got = rc == 0 && v >= 0;
+    free(who.p);
+    free(sql);
     return rc;
-}
-
-int odbcsrc_db_ping(odbcsrc_db *db)
-{
-    int64_t v = 0;
-    return one_row_ints(db, "lead (session check)", "SELECT 1", NULL, &v, 1);
-}
-
-int odbcsrc_db_reset_leases(odbcsrc_db *db)
-{
-    return exec_count(db, "resetting stale leases",
-                      is_tsql(db)
-                      ? "UPDATE {T} WITH (READPAST, READCOMMITTEDLOCK) SET lease_owner = NULL, "
-                        "lease_token = NULL, lease_until = NULL "
-                        "WHERE sent_at IS NULL AND lease_token IS NOT NULL"
-                      : "UPDATE {T} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
-                        "WHERE sent_at IS NULL AND lease_token IS NOT NULL",
-                      NULL, NULL);
 }
 
 static const char CLAIM_TSQL[] =
@@ -961,7 +1038,9 @@ static const char CLAIM_TSQL[] =
     "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
     "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p "
     "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
-    "AND p.id < m.id)) ORDER BY m.id) "
+    "AND p.id < m.id)) "
+    "AND (? = 0 OR EXISTS (SELECT 1 FROM {L} f WHERE f.name = N'leader' AND f.owner = ? "
+    "AND f.epoch = ? AND f.expires_at > SYSUTCDATETIME())) ORDER BY m.id) "
     "UPDATE c SET lease_owner = ?, lease_token = ?, "
     "lease_until = DATEADD(millisecond, ?, SYSUTCDATETIME()) "
     "OUTPUT inserted.id, LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange, "
@@ -975,7 +1054,63 @@ static const char CLAIM_PG[] =
     "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p "
     "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
     "AND p.id < m.id)) "
+    "AND (?::bigint = 0 OR EXISTS (SELECT 1 FROM {L} f WHERE f.name = 'leader' "
+    "AND f.owner = ?::text AND f.epoch = ?::bigint AND f.expires_at > now())) "
     "ORDER BY m.id LIMIT ?::bigint FOR UPDATE SKIP LOCKED) "
+    "UPDATE {T} m SET lease_owner = ?::text, lease_token = ?::bigint, "
+    "lease_until = now() + ?::float8 * interval '1 millisecond' "
+    "FROM c WHERE m.id = c.id "
+    "RETURNING m.id, m.message_id::text, m.exchange, m.routing_key, m.partition_key, "
+    "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
+    "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint";
+
+/* Competing mode (see pgsrc_sql_claim): a key's rows only from its first pending
+ * row on, and only when that head is ours already or locked by this claim.
+ * Parameters: limit, owner, owner, owner, token, lease ms. */
+static const char CLAIM_COMPETING_TSQL[] =
+    "SET NOCOUNT ON; "
+    "DECLARE @c0 TABLE (id bigint PRIMARY KEY, partition_key nvarchar(255)); "
+    "INSERT INTO @c0 (id, partition_key) SELECT TOP (?) m.id, m.partition_key "
+    "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
+    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
+    "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
+    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT TOP (1) h.id, "
+    "h.lease_owner, h.lease_until, h.available_at FROM {T} h WITH (READCOMMITTEDLOCK) "
+    "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id) hd "
+    "WHERE hd.id < m.id AND ((hd.lease_until >= SYSUTCDATETIME() AND hd.lease_owner <> ?) "
+    "OR hd.available_at > SYSUTCDATETIME()))) ORDER BY m.id; "
+    "DECLARE @g TABLE (partition_key nvarchar(255) PRIMARY KEY, gap bigint); "
+    "INSERT INTO @g (partition_key, gap) SELECT k.partition_key, (SELECT TOP (1) p.id "
+    "FROM {T} p WITH (READCOMMITTEDLOCK) WHERE p.partition_key = k.partition_key "
+    "AND p.sent_at IS NULL AND (p.lease_owner IS NULL OR p.lease_owner <> ? "
+    "OR p.lease_until IS NULL OR p.lease_until < SYSUTCDATETIME()) "
+    "AND p.id NOT IN (SELECT id FROM @c0) ORDER BY p.id) "
+    "FROM (SELECT DISTINCT partition_key FROM @c0 WHERE partition_key IS NOT NULL) k; "
+    "UPDATE m SET lease_owner = ?, lease_token = ?, "
+    "lease_until = DATEADD(millisecond, ?, SYSUTCDATETIME()) "
+    "OUTPUT inserted.id, LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange, "
+    "inserted.routing_key, inserted.partition_key, inserted.message_type, inserted.content_type, "
+    "inserted.correlation_id, inserted.headers, inserted.payload, inserted.attempts, "
+    "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), inserted.created_at) "
+    "FROM {T} m JOIN @c0 c ON m.id = c.id LEFT JOIN @g g ON g.partition_key = c.partition_key "
+    "WHERE c.partition_key IS NULL OR g.gap IS NULL OR c.id < g.gap";
+
+static const char CLAIM_COMPETING_PG[] =
+    "WITH c0 AS (SELECT m.id, m.partition_key FROM {T} m WHERE m.sent_at IS NULL "
+    "AND m.available_at <= now() AND (m.lease_until IS NULL OR m.lease_until < now()) "
+    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.id, "
+    "h.available_at, h.lease_owner, h.lease_until FROM {T} h "
+    "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id LIMIT 1) hd "
+    "WHERE hd.id < m.id AND ((hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM ?::text) "
+    "OR hd.available_at > now()))) "
+    "ORDER BY m.id LIMIT ?::bigint FOR UPDATE SKIP LOCKED), "
+    "k AS (SELECT DISTINCT partition_key FROM c0 WHERE partition_key IS NOT NULL), "
+    "g AS (SELECT k.partition_key, (SELECT p.id FROM {T} p "
+    "WHERE p.partition_key = k.partition_key AND p.sent_at IS NULL "
+    "AND NOT coalesce(p.lease_owner = ?::text AND p.lease_until >= now(), false) "
+    "AND p.id NOT IN (SELECT id FROM c0) ORDER BY p.id LIMIT 1) AS gap FROM k), "
+    "c AS (SELECT c0.id FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key "
+    "WHERE c0.partition_key IS NULL OR g.gap IS NULL OR c0.id < g.gap) "
     "UPDATE {T} m SET lease_owner = ?::text, lease_token = ?::bigint, "
     "lease_until = now() + ?::float8 * interval '1 millisecond' "
     "FROM c WHERE m.id = c.id "
@@ -998,7 +1133,8 @@ static row_field fld(const dbuf *b, bool isnull)
 }
 
 int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t token,
-                     const char *owner, row ***rows_out, size_t *n_out)
+                     const char *owner, int64_t epoch, bool competing,
+                     row ***rows_out, size_t *n_out)
 {
     enum { NTXT = 8 };
     dbuf txt[NTXT], pay = {0};
@@ -1013,18 +1149,40 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
     memset(txt, 0, sizeof txt);
     *rows_out = NULL;
     *n_out = 0;
-    if (is_tsql(db)) {
+    const char *me = owner ? owner : "";
+    if (competing && is_tsql(db)) {
         p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
-        p_text(&ps, owner ? owner : "", P_SHORT);
+        p_text(&ps, me, P_SHORT);
+        p_text(&ps, me, P_SHORT);
+        p_text(&ps, me, P_SHORT);
+        p_i64(&ps, token);
+        p_i32(&ps, lease_ms);
+    } else if (competing) {
+        p_text(&ps, me, P_SHORT);
+        p_i64(&ps, (int64_t)max_rows);
+        p_text(&ps, me, P_SHORT);
+        p_text(&ps, me, P_SHORT);
+        p_i64(&ps, token);
+        p_i64(&ps, lease_ms);
+    } else if (is_tsql(db)) {
+        p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
+        p_i64(&ps, epoch);
+        p_text(&ps, me, P_SHORT);
+        p_i64(&ps, epoch);
+        p_text(&ps, me, P_SHORT);
         p_i64(&ps, token);
         p_i32(&ps, lease_ms);
     } else {
+        p_i64(&ps, epoch);
+        p_text(&ps, me, P_SHORT);
+        p_i64(&ps, epoch);
         p_i64(&ps, (int64_t)max_rows);
-        p_text(&ps, owner ? owner : "", P_SHORT);
+        p_text(&ps, me, P_SHORT);
         p_i64(&ps, token);
         p_i64(&ps, lease_ms);
     }
-    sql = sql_for(db, is_tsql(db) ? CLAIM_TSQL : CLAIM_PG);
+    sql = sql_for(db, competing ? (is_tsql(db) ? CLAIM_COMPETING_TSQL : CLAIM_COMPETING_PG)
+                                : (is_tsql(db) ? CLAIM_TSQL : CLAIM_PG));
     if (!sql)
         goto done;
     if (st_run(db, "claim", sql, &ps, &h) < 0)
@@ -1221,7 +1379,8 @@ oom:
     return -1;
 }
 
-int odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, size_t *deleted)
+int odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, const char *owner,
+                       int64_t epoch, size_t *deleted)
 {
     params ps = {0};
     int rc;
@@ -1231,17 +1390,27 @@ int odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, size_
         p_i32(&ps, (int64_t)(limit > INT32_MAX ? INT32_MAX : limit));
         p_i32(&ps, retention_ms % 1000);
         p_i32(&ps, retention_ms / 1000);
+        p_i64(&ps, epoch);
+        p_text(&ps, owner ? owner : "", P_SHORT);
+        p_i64(&ps, epoch);
         rc = exec_count(db, "cleanup",
                         "DELETE TOP (?) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
                         "WHERE sent_at IS NOT NULL AND sent_at < "
-                        "DATEADD(millisecond, -?, DATEADD(second, -?, SYSUTCDATETIME()))",
+                        "DATEADD(millisecond, -?, DATEADD(second, -?, SYSUTCDATETIME())) "
+                        "AND (? = 0 OR EXISTS (SELECT 1 FROM {L} f WHERE f.name = N'leader' "
+                        "AND f.owner = ? AND f.epoch = ? AND f.expires_at > SYSUTCDATETIME()))",
                         &ps, deleted);
     } else {
         p_i64(&ps, retention_ms);
+        p_i64(&ps, epoch);
+        p_text(&ps, owner ? owner : "", P_SHORT);
+        p_i64(&ps, epoch);
         p_i64(&ps, (int64_t)limit);
         rc = exec_count(db, "cleanup",
                         "DELETE FROM {T} WHERE id IN (SELECT id FROM {T} WHERE sent_at IS NOT NULL "
                         "AND sent_at < now() - ?::float8 * interval '1 millisecond' "
+                        "AND (?::bigint = 0 OR EXISTS (SELECT 1 FROM {L} f WHERE f.name = 'leader' "
+                        "AND f.owner = ?::text AND f.epoch = ?::bigint AND f.expires_at > now())) "
                         "ORDER BY sent_at LIMIT ?::bigint)",
                         &ps, deleted);
     }

@@ -52,6 +52,7 @@ typedef struct odbcsrc_db {
     int      dialect;         /* OUTBOX_DIALECT_* */
     char     qt[160];         /* quoted outbox table */
     char     qd[160];         /* quoted dead-letter table */
+    char     ql[160];         /* quoted leadership lease table */
     char     err[1024];       /* the last error, one line */
     odbcsrc_cur_fn cur_fn;    /* may be NULL */
     void    *cur_ud;
@@ -68,17 +69,20 @@ int  odbcsrc_db_verify(odbcsrc_db *db, bool tables);
 int  odbcsrc_db_end(odbcsrc_db *db, bool commit);
 
 /* Statements (each inside the current transaction; the caller ends it). */
-int  odbcsrc_db_try_lock(odbcsrc_db *db, const char *lock_name, bool *got);
-int  odbcsrc_db_reset_leases(odbcsrc_db *db);
-/* One round trip: a session-level lock is held exactly as long as the session
- * lives, so a live session proves leadership still holds. */
-int  odbcsrc_db_ping(odbcsrc_db *db);
-/* rows: malloc'd array of rows (ownership to the caller), sorted by id. */
+/* Takes or renews the leadership lease row (see relay/source.h): *epoch gets
+ * ours (0: not leader), *held the holder's before, *holder its owner (NUL-
+ * terminated into holder[hlen], "" when none), *reset the row leases released. */
+int  odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t lease_ms,
+                     int64_t *got, int64_t *held, int64_t *reset, char *holder, size_t hlen);
+/* rows: malloc'd array of rows (ownership to the caller), sorted by id.
+ * epoch > 0: fenced on the leadership lease; competing: from each key's head. */
 int  odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t token,
-                      const char *owner, row ***rows, size_t *n_rows);
+                      const char *owner, int64_t epoch, bool competing,
+                      row ***rows, size_t *n_rows);
 /* json: the outcomes as produced by odbcsrc_outcomes_json. */
 int  odbcsrc_db_settle(odbcsrc_db *db, const char *json, size_t *applied);
-int  odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, size_t *deleted);
+int  odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, const char *owner,
+                        int64_t epoch, size_t *deleted);
 int  odbcsrc_db_stats(odbcsrc_db *db, src_stats *out);
 int  odbcsrc_db_init(odbcsrc_db *db);
 int  odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out);

@@ -42,7 +42,7 @@ struct source {
     cfg_outbox cfg;          /* scalar fields; the string pointers below are ours */
     char     *conninfo, *password, *database, *name;
     pgsrc_names names;
-    char     *sql_lead, *sql_claim, *sql_settle, *sql_cleanup, *sql_stats;
+    char     *sql_lead, *sql_claim, *sql_claim_competing, *sql_settle, *sql_cleanup, *sql_stats;
 
     PGconn   *conn;
     int       phase;          /* enum phase */
@@ -67,8 +67,7 @@ struct source {
 
     char      prev_pid[16];   /* our previous session on the server: pid and backend_start */
     char      prev_start[64];
-    bool      leader;         /* this session holds the advisory lock */
-    char     *lock_name;      /* the name it holds it under */
+    char      holder[256];    /* the leadership holder named by the last lead answer */
 
     int       cb_depth;
     bool      destroyed;
@@ -90,7 +89,7 @@ static void src_free(source *s)
     free(s->sql_settle);
     free(s->sql_cleanup);
     free(s->sql_stats);
-    free(s->lock_name);
+    free(s->sql_claim_competing);
     free(s);
 }
 
@@ -195,7 +194,6 @@ static void conn_close(source *s)
         PQfinish(s->conn);
         s->conn = NULL;
     }
-    s->leader = false;  /* the advisory lock dies with the session */
 }
 
 static void schedule_reconnect(source *s)
@@ -460,13 +458,24 @@ static void req_complete(source *s, PGresult *r)
         table_gone = st && strcmp(st, "42P01") == 0;  /* undefined_table */
     } else {
         switch (s->req) {
-        case SRC_REQ_LEAD: {
-            bool got = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "t") == 0;
-            res.leader = got;
-            res.newly_leader = got;
-            s->leader = got;
+        case SRC_REQ_LEAD:
+            if (PQntuples(r) != 1 || PQnfields(r) != 4) {
+                res.ok = -1;
+                res.error = "lead: unexpected result";
+                break;
+            }
+            res.leader = !PQgetisnull(r, 0, 0);
+            if (res.leader)
+                res.epoch = strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+            if (!PQgetisnull(r, 0, 1)) {
+                snprintf(s->holder, sizeof s->holder, "%s", PQgetvalue(r, 0, 1));
+                res.holder = s->holder;
+                res.holder_epoch = strtoll(PQgetvalue(r, 0, 2), NULL, 10);
+            }
+            res.newly_leader = res.leader && (res.holder == NULL ||
+                                              res.holder_epoch != res.epoch);
+            res.n_reset = strtoll(PQgetvalue(r, 0, 3), NULL, 10);
             break;
-        }
         case SRC_REQ_CLAIM:
             if (decode_claim(r, s->claim_token, &res.rows, &res.n_rows, err, sizeof err) < 0) {
                 res.ok = -1;
@@ -790,11 +799,13 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
         s->cfg.reconnect_max_ms = 30000;
     pgsrc_names_init(ob, &s->names);
     s->sql_lead = pgsrc_sql_lead(&s->names);
-    s->sql_claim = pgsrc_sql_claim(&s->names);
+    s->sql_claim = pgsrc_sql_claim(&s->names, false);
+    s->sql_claim_competing = pgsrc_sql_claim(&s->names, true);
     s->sql_settle = pgsrc_sql_settle(&s->names, ob->on_sent);
     s->sql_cleanup = pgsrc_sql_cleanup(&s->names);
     s->sql_stats = pgsrc_sql_stats(&s->names);
-    if (!s->sql_lead || !s->sql_claim || !s->sql_settle || !s->sql_cleanup || !s->sql_stats)
+    if (!s->sql_lead || !s->sql_claim || !s->sql_claim_competing || !s->sql_settle ||
+        !s->sql_cleanup || !s->sql_stats)
         goto oom;
     s->backoff_ms = BACKOFF_MIN_MS;
     s->rng = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid() ^ (uint64_t)(uintptr_t)s;
@@ -883,28 +894,16 @@ static int req_send(source *s, const char *sql, int n, const char *const *vals, 
     return 0;
 }
 
-static int pgsrc_lead(source *s, const char *lock_name)
+static int pgsrc_lead(source *s, const src_lead_args *a)
 {
     int rc = req_begin(s, SRC_REQ_LEAD);
     if (rc)
         return rc < 0 ? -1 : 0;
-    if (!lock_name)
-        lock_name = "";
-    if (s->leader && s->lock_name && strcmp(s->lock_name, lock_name) == 0) {
-        req_defer(s, 0, NULL);  /* still ours: the lock lives as long as this session */
-        s->dres.leader = true;
-        return 0;
-    }
-    char *dup = strdup(lock_name);
-    if (!dup) {
-        req_defer(s, -1, "out of memory");
-        return 0;
-    }
-    free(s->lock_name);
-    s->lock_name = dup;
-    s->leader = false;
-    const char *vals[1] = {lock_name};
-    return req_send(s, s->sql_lead, 1, vals, 0);
+    char ep[24], lease[24];
+    snprintf(ep, sizeof ep, "%" PRId64, a->epoch);
+    snprintf(lease, sizeof lease, "%" PRId64, a->lease_ms);
+    const char *vals[3] = {a->owner ? a->owner : "", ep, lease};
+    return req_send(s, s->sql_lead, 3, vals, 0);
 }
 
 static int pgsrc_claim(source *s, const src_claim_args *a)
@@ -912,13 +911,15 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     int rc = req_begin(s, SRC_REQ_CLAIM);
     if (rc)
         return rc < 0 ? -1 : 0;
-    char lim[24], tok[24], lease[24];
+    char lim[24], tok[24], lease[24], ep[24];
     snprintf(lim, sizeof lim, "%zu", a->max_rows);
     snprintf(tok, sizeof tok, "%" PRId64, a->lease_token);
     snprintf(lease, sizeof lease, "%" PRId64, a->lease_ms);
-    const char *vals[4] = {lim, a->owner ? a->owner : "", tok, lease};
+    snprintf(ep, sizeof ep, "%" PRId64, a->competing ? 0 : a->epoch);
+    const char *vals[5] = {lim, a->owner ? a->owner : "", tok, lease, ep};
     s->claim_token = a->lease_token;
-    return req_send(s, s->sql_claim, 4, vals, 1);  /* binary results: payload as is */
+    /* binary results: payload as is */
+    return req_send(s, a->competing ? s->sql_claim_competing : s->sql_claim, 5, vals, 1);
 }
 
 static int pgsrc_settle(source *s, const src_outcome *v, size_t n)
@@ -942,16 +943,17 @@ static int pgsrc_settle(source *s, const src_outcome *v, size_t n)
     return 0;
 }
 
-static int pgsrc_cleanup(source *s, int64_t retention_ms, size_t limit)
+static int pgsrc_cleanup(source *s, const src_cleanup_args *a)
 {
     int rc = req_begin(s, SRC_REQ_CLEANUP);
     if (rc)
         return rc < 0 ? -1 : 0;
-    char ret[24], lim[24];
-    snprintf(ret, sizeof ret, "%" PRId64, retention_ms);
-    snprintf(lim, sizeof lim, "%zu", limit);
-    const char *vals[2] = {ret, lim};
-    return req_send(s, s->sql_cleanup, 2, vals, 0);
+    char ret[24], lim[24], ep[24];
+    snprintf(ret, sizeof ret, "%" PRId64, a->retention_ms);
+    snprintf(lim, sizeof lim, "%zu", a->limit);
+    snprintf(ep, sizeof ep, "%" PRId64, a->epoch);
+    const char *vals[4] = {ret, lim, a->owner ? a->owner : "", ep};
+    return req_send(s, s->sql_cleanup, 4, vals, 0);
 }
 
 static int pgsrc_stats(source *s)

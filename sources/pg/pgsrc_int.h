@@ -5,6 +5,7 @@
 #ifndef PGSRC_INT_H
 #define PGSRC_INT_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -18,6 +19,7 @@
 typedef struct pgsrc_names {
     char table[160];    /* "schema"."table" */
     char dead[160];     /* "schema"."table_dead" */
+    char lease[160];    /* "schema"."table_lease": leadership lease row */
     char notify[132];   /* NOTIFY payload: schema.table (as configured parts) */
 } pgsrc_names;
 
@@ -57,7 +59,7 @@ int  pgsrc_id_array(const int64_t *ids, size_t n, char **out);
 
 /* The SQL text of each statement, malloc'd (NULL on out-of-memory). */
 char *pgsrc_sql_lead(const pgsrc_names *n);
-char *pgsrc_sql_claim(const pgsrc_names *n);
+char *pgsrc_sql_claim(const pgsrc_names *n, bool competing);
 char *pgsrc_sql_settle(const pgsrc_names *n, int on_sent);
 char *pgsrc_sql_cleanup(const pgsrc_names *n);
 char *pgsrc_sql_stats(const pgsrc_names *n);

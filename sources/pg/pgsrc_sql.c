@@ -21,6 +21,9 @@ void pgsrc_names_init(const cfg_outbox *ob, pgsrc_names *n)
     snprintf(t.dead, sizeof t.dead, "%s", ob->dead_part);
     outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, 0, n->table, sizeof n->table);
     outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, 1, n->dead, sizeof n->dead);
+    char lease[64];
+    outbox_derived_name(t.table, "lease", lease);
+    snprintf(n->lease, sizeof n->lease, "\"%s\".\"%s\"", t.schema, lease);
     snprintf(n->notify, sizeof n->notify, "%s.%s", ob->schema_part, ob->table_part);
 }
 
@@ -261,34 +264,85 @@ static char *fmt(const char *f, ...)
 #define PRODUCER_COLS "message_id, exchange, routing_key, partition_key, message_type, " \
                       "content_type, correlation_id, headers, payload, created_at"
 
+/* Takes or renews the leadership lease: $1 owner, $2 the epoch we hold (0 none),
+ * $3 lease ms. The row is taken only when it is ours (same owner and epoch:
+ * a renewal) or expired in database time; a takeover increments the epoch
+ * (the fencing token) and releases every row lease left by earlier holders.
+ * Returns: our epoch (NULL: not leader), the holder and epoch before, the
+ * number of row leases released. */
 char *pgsrc_sql_lead(const pgsrc_names *n)
 {
-    /* The lock CTE is volatile, so it is evaluated once; the UPDATE runs only
-     * when the lock was granted (its condition is an init plan). */
     return fmt(
-        "WITH l AS MATERIALIZED (SELECT pg_try_advisory_lock(hashtextextended($1::text, 0)) AS got), "
-        "r AS (UPDATE %s SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
-        "WHERE sent_at IS NULL AND lease_token IS NOT NULL AND (SELECT got FROM l) RETURNING 1) "
-        "SELECT l.got, (SELECT count(*) FROM r) FROM l",
-        n->table);
+        "WITH cur AS (SELECT owner, epoch FROM %2$s WHERE name = 'leader'), "
+        "up AS (INSERT INTO %2$s AS l (name, owner, epoch, expires_at) "
+        "VALUES ('leader', $1::text, 1, now() + $3::float8 * interval '1 millisecond') "
+        "ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, "
+        "epoch = CASE WHEN l.owner = EXCLUDED.owner AND l.epoch = $2::bigint THEN l.epoch "
+        "ELSE l.epoch + 1 END, expires_at = EXCLUDED.expires_at "
+        "WHERE (l.owner = EXCLUDED.owner AND l.epoch = $2::bigint) OR l.expires_at < now() "
+        "RETURNING l.epoch), "
+        "r AS (UPDATE %1$s SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+        "WHERE sent_at IS NULL AND lease_token IS NOT NULL "
+        "AND EXISTS (SELECT 1 FROM up WHERE up.epoch <> $2::bigint) RETURNING 1) "
+        "SELECT (SELECT epoch FROM up), (SELECT owner FROM cur), (SELECT epoch FROM cur), "
+        "(SELECT count(*) FROM r)",
+        n->table, n->lease);
 }
 
-char *pgsrc_sql_claim(const pgsrc_names *n)
+/* The claim: $1 limit, $2 owner, $3 token, $4 lease ms, $5 epoch.
+ * Leader mode (epoch > 0): fenced on the leadership lease; a key's rows wait
+ * behind an earlier row of the key that failed (attempts > 0).
+ * Competing mode: a row of a key is taken only when every earlier pending row
+ * of its key is ours already (live lease) or locked by this very claim — so
+ * another instance's claim running now (it holds those rows' locks: SKIP
+ * LOCKED) or done (they carry its live lease) keeps the key: at any moment one
+ * instance holds the unsettled rows of a key. Per key this costs one index
+ * scan to the first row that is neither (the "gap"). Keys whose first pending
+ * row another instance holds, or that wait behind a failed row, are skipped
+ * before the LIMIT so they do not crowd out free keys. */
+char *pgsrc_sql_claim(const pgsrc_names *n, bool competing)
 {
-    return fmt(
-        "WITH c AS (SELECT m.id FROM %1$s m WHERE m.sent_at IS NULL AND m.available_at <= now() "
-        "AND (m.lease_until IS NULL OR m.lease_until < now()) "
-        "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM %1$s p "
-        "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
-        "AND p.id < m.id)) "
-        "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED) "
-        "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
-        "lease_until = now() + $4::float8 * interval '1 millisecond' "
-        "FROM c WHERE m.id = c.id "
+    static const char ret[] =
         "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
         "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
-        "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint",
-        n->table);
+        "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint";
+    if (!competing)
+        return fmt(
+            "WITH c AS (SELECT m.id FROM %1$s m WHERE m.sent_at IS NULL AND m.available_at <= now() "
+            "AND (m.lease_until IS NULL OR m.lease_until < now()) "
+            "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM %1$s p "
+            "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
+            "AND p.id < m.id)) "
+            "AND ($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f WHERE f.name = 'leader' "
+            "AND f.owner = $2::text AND f.epoch = $5::bigint AND f.expires_at > now())) "
+            "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED) "
+            "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
+            "lease_until = now() + $4::float8 * interval '1 millisecond' "
+            "FROM c WHERE m.id = c.id %3$s",
+            n->table, n->lease, ret);
+    return fmt(
+        "WITH c0 AS (SELECT m.id, m.partition_key FROM %1$s m WHERE m.sent_at IS NULL "
+        "AND m.available_at <= now() AND (m.lease_until IS NULL OR m.lease_until < now()) "
+        "AND ($5::bigint >= 0) "
+        "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.id, h.attempts, "
+        "h.available_at, h.lease_owner, h.lease_until FROM %1$s h "
+        "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id LIMIT 1) hd "
+        "WHERE hd.id < m.id AND ((hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM $2::text) "
+        "OR hd.available_at > now()))) "
+        "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED), "
+        /* per key, the first pending row that is neither ours (live lease) nor locked by
+           this claim: nothing of the key at or after it may be taken now */
+        "k AS (SELECT DISTINCT partition_key FROM c0 WHERE partition_key IS NOT NULL), "
+        "g AS (SELECT k.partition_key, (SELECT p.id FROM %1$s p "
+        "WHERE p.partition_key = k.partition_key AND p.sent_at IS NULL "
+        "AND NOT coalesce(p.lease_owner = $2::text AND p.lease_until >= now(), false) "
+        "AND p.id NOT IN (SELECT id FROM c0) ORDER BY p.id LIMIT 1) AS gap FROM k), "
+        "c AS (SELECT c0.id FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key "
+        "WHERE c0.partition_key IS NULL OR g.gap IS NULL OR c0.id < g.gap) "
+        "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
+        "lease_until = now() + $4::float8 * interval '1 millisecond' "
+        "FROM c WHERE m.id = c.id %2$s",
+        n->table, ret);
 }
 
 char *pgsrc_sql_settle(const pgsrc_names *n, int on_sent)
@@ -336,13 +390,16 @@ char *pgsrc_sql_settle(const pgsrc_names *n, int on_sent)
         n->table, sent, n->dead, SRC_RETRY, SRC_DEAD, SRC_UNCLAIM);
 }
 
+/* $1 retention ms, $2 limit, $3 owner, $4 epoch (> 0: fenced on the leadership lease). */
 char *pgsrc_sql_cleanup(const pgsrc_names *n)
 {
     return fmt(
         "DELETE FROM %1$s WHERE id IN (SELECT id FROM %1$s WHERE sent_at IS NOT NULL "
         "AND sent_at < now() - $1::float8 * interval '1 millisecond' "
+        "AND ($4::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f WHERE f.name = 'leader' "
+        "AND f.owner = $3::text AND f.epoch = $4::bigint AND f.expires_at > now())) "
         "ORDER BY sent_at LIMIT $2::bigint)",
-        n->table);
+        n->table, n->lease);
 }
 
 char *pgsrc_sql_stats(const pgsrc_names *n)

@@ -187,7 +187,9 @@ static void on_done(void *ud, const src_result *r)
            g_ticks - g_req_ticks, mono_ms() - g_req_t0);
     switch (r->req) {
     case SRC_REQ_LEAD:
-        printf(" leader=%d newly=%d", r->leader, r->newly_leader);
+        printf(" leader=%d newly=%d epoch=%lld held=%lld reset=%lld holder=%s", r->leader,
+               r->newly_leader, (long long)r->epoch, (long long)r->holder_epoch,
+               (long long)r->n_reset, r->holder ? r->holder : "-");
         break;
     case SRC_REQ_CLAIM:
         printf(" n=%zu", r->n_rows);
@@ -237,7 +239,8 @@ static void begin_req(void)
 
 static void drain_next(void)
 {
-    src_claim_args a = {g_drain_batch, g_drain_lease, g_drain_token, g_drain_owner};
+    src_claim_args a = { .max_rows = g_drain_batch, .lease_ms = g_drain_lease,
+                         .lease_token = g_drain_token, .owner = g_drain_owner };
     if (odbcsrc_ops.claim(g_src, &a) != 0) {
         printf("DRAINERR submit\n");
         g_draining = 0;
@@ -490,22 +493,29 @@ static void command(char *line)
     } else if (strcmp(cmd, "start2") == 0 && g_src2) {
         odbcsrc_ops.start(g_src2);
     } else if (strcmp(cmd, "claim2") == 0 && g_src2) {
-        src_claim_args a = {100, 30000, 99, "second"};
+        src_claim_args a = { .max_rows = 100, .lease_ms = 30000, .lease_token = 99,
+                             .owner = "second" };
         g_req2_ticks = g_ticks;
         g_req2_t0 = mono_ms();
         printf("SUBMIT2 rc=%d\n", odbcsrc_ops.claim(g_src2, &a));
     } else if (strcmp(cmd, "lead") == 0) {
-        char *name = strtok(NULL, " ");
+        /* lead OWNER [EPOCH [LEASE_MS]] */
+        char *name = strtok(NULL, " "), *ep = strtok(NULL, " "), *ls = strtok(NULL, " ");
+        src_lead_args la = { .owner = name ? name : "outbox",
+                             .epoch = ep ? strtoll(ep, NULL, 10) : 0,
+                             .lease_ms = ls ? strtoll(ls, NULL, 10) : 30000 };
         begin_req();
-        printf("SUBMIT rc=%d\n", odbcsrc_ops.lead(g_src, name ? name : "outbox"));
+        printf("SUBMIT rc=%d\n", odbcsrc_ops.lead(g_src, &la));
     } else if (strcmp(cmd, "claim") == 0) {
-        src_claim_args a;
+        src_claim_args a = { 0 };
         char *mx = strtok(NULL, " "), *ls = strtok(NULL, " "), *tk = strtok(NULL, " "),
-             *ow = strtok(NULL, " ");
+             *ow = strtok(NULL, " "), *ep = strtok(NULL, " "), *md = strtok(NULL, " ");
         if (!mx || !ls || !tk || !ow) {
             printf("BADCMD\n");
             return;
         }
+        a.epoch = ep ? strtoll(ep, NULL, 10) : 0;
+        a.competing = md && strcmp(md, "competing") == 0;
         a.max_rows = strtoull(mx, NULL, 10);
         a.lease_ms = strtoll(ls, NULL, 10);
         a.lease_token = strtoll(tk, NULL, 10);
@@ -553,9 +563,10 @@ static void command(char *line)
         printf("SUBMIT rc=%d\n", rc);
     } else if (strcmp(cmd, "cleanup") == 0) {
         char *r = strtok(NULL, " "), *l = strtok(NULL, " ");
+        src_cleanup_args ca = { .retention_ms = r ? strtoll(r, NULL, 10) : 0,
+                                .limit = l ? strtoull(l, NULL, 10) : 1000, .owner = "" };
         begin_req();
-        printf("SUBMIT rc=%d\n", odbcsrc_ops.cleanup(g_src, r ? strtoll(r, NULL, 10) : 0,
-                                                     l ? strtoull(l, NULL, 10) : 1000));
+        printf("SUBMIT rc=%d\n", odbcsrc_ops.cleanup(g_src, &ca));
     } else if (strcmp(cmd, "stats") == 0) {
         begin_req();
         printf("SUBMIT rc=%d\n", odbcsrc_ops.stats(g_src));

@@ -124,7 +124,9 @@ static void on_done(void *ud, const src_result *r)
     printf("DONE %s ok=%d", req_name(r->req), r->ok);
     switch (r->req) {
     case SRC_REQ_LEAD:
-        printf(" leader=%d newly=%d", r->leader, r->newly_leader);
+        printf(" leader=%d newly=%d epoch=%lld held=%lld reset=%lld holder=%s", r->leader,
+               r->newly_leader, (long long)r->epoch, (long long)r->holder_epoch,
+               (long long)r->n_reset, r->holder ? r->holder : "-");
         break;
     case SRC_REQ_CLAIM:
         printf(" n=%zu", r->n_rows);
@@ -233,14 +235,29 @@ static void command(app *a, char *line)
         a->src = NULL;
         printf("STOPPED\n");
     } else if (!strcmp(line, "lead")) {
-        printf("ACCEPT %d\n", pgsrc_ops.lead(a->src, arg));
-    } else if (!strcmp(line, "claim")) {
-        src_claim_args c;
+        /* lead OWNER EPOCH LEASE_MS */
+        src_lead_args la = { 0 };
         char owner[256];
-        long long mx, lease, token;
-        if (sscanf(arg, "%lld %lld %lld %255s", &mx, &lease, &token, owner) != 4) {
-            printf("ERR usage: claim MAX LEASE_MS TOKEN OWNER\n");
+        long long ep = 0, lease = 30000;
+        if (sscanf(arg, "%255s %lld %lld", owner, &ep, &lease) < 1) {
+            printf("ERR usage: lead OWNER [EPOCH [LEASE_MS]]\n");
         } else {
+            la.owner = owner;
+            la.epoch = ep;
+            la.lease_ms = lease;
+            printf("ACCEPT %d\n", pgsrc_ops.lead(a->src, &la));
+        }
+    } else if (!strcmp(line, "claim")) {
+        src_claim_args c = { 0 };
+        char owner[256], mode[16] = "";
+        long long mx, lease, token, ep = 0;
+        int got = sscanf(arg, "%lld %lld %lld %255s %lld %15s", &mx, &lease, &token, owner, &ep,
+                         mode);
+        if (got < 4) {
+            printf("ERR usage: claim MAX LEASE_MS TOKEN OWNER [EPOCH [competing]]\n");
+        } else {
+            c.epoch = ep;
+            c.competing = strcmp(mode, "competing") == 0;
             c.max_rows = (size_t)mx;
             c.lease_ms = lease;
             c.lease_token = token;
@@ -251,11 +268,15 @@ static void command(app *a, char *line)
     } else if (!strcmp(line, "settle")) {
         cmd_settle(a, arg);
     } else if (!strcmp(line, "cleanup")) {
-        long long ret, lim;
-        if (sscanf(arg, "%lld %lld", &ret, &lim) != 2)
-            printf("ERR usage: cleanup RETENTION_MS LIMIT\n");
-        else
-            printf("ACCEPT %d\n", pgsrc_ops.cleanup(a->src, ret, (size_t)lim));
+        long long ret, lim, ep = 0;
+        char owner[256] = "";
+        if (sscanf(arg, "%lld %lld %255s %lld", &ret, &lim, owner, &ep) < 2) {
+            printf("ERR usage: cleanup RETENTION_MS LIMIT [OWNER EPOCH]\n");
+        } else {
+            src_cleanup_args ca = { .retention_ms = ret, .limit = (size_t)lim, .owner = owner,
+                                    .epoch = ep };
+            printf("ACCEPT %d\n", pgsrc_ops.cleanup(a->src, &ca));
+        }
     } else if (!strcmp(line, "stats")) {
         printf("ACCEPT %d\n", pgsrc_ops.stats(a->src));
     } else {

@@ -1,0 +1,233 @@
+"""Several relays on one outbox (SPEC §4): leadership as a fenced lease, takeover when the
+leader freezes or dies, and per-key order in competing mode — real PostgreSQL and RabbitMQ,
+2 or 3 relay processes.
+
+The oracle, on the consumer side: nothing lost, per-key order of first arrivals, every copy
+with one message_id, duplicates bounded by publish_window per fault. On the database side an
+audit trigger records every mark (sent_at set) with the lease owner the row carried: a
+frozen leader must mark nothing after it wakes, and no relay marks a row it did not hold."""
+import os
+import signal
+import time
+import uuid
+
+import pytest
+
+from relay_util import (amqp_channel, consume, declare, delivery_report, free_port, psql_rows,
+                        run_producer, write_config, Relay)
+from test_relay import init_schema
+
+LEASE = 3.0
+POLL = 1.0
+
+
+def audit_setup(pgdb):
+    """A trigger that records each mark with the owner that held the row's lease."""
+    pgdb.psql("""
+        CREATE TABLE outbox.mark_audit (id bigint, owner text, lease_live boolean,
+                                        at timestamptz DEFAULT clock_timestamp());
+        CREATE FUNCTION outbox.audit_mark() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            IF OLD.sent_at IS NULL AND NEW.sent_at IS NOT NULL THEN
+                INSERT INTO outbox.mark_audit (id, owner, lease_live)
+                VALUES (OLD.id, OLD.lease_owner, OLD.lease_until >= now());
+            END IF;
+            RETURN NEW;
+        END $$;
+        CREATE TRIGGER mark_audit BEFORE UPDATE ON outbox.messages
+            FOR EACH ROW EXECUTE FUNCTION outbox.audit_mark();
+    """)
+
+
+def marks(pgdb, since=None):
+    sql = "SELECT id, owner, lease_live, extract(epoch from at) FROM outbox.mark_audit"
+    return psql_rows(pgdb, sql)
+
+
+def relay(relay_bin, tmp_path, services, pgdb, name, **kw):
+    port = free_port()
+    kw.setdefault("lease", f"{LEASE:g}s")
+    cfg = write_config(tmp_path / f"{name}.ini", services, pgdb,
+                       relay={"name": name, "http_listen": f"127.0.0.1:{port}",
+                              "log_level": "info"},
+                       sink={"publish_window": "100"},
+                       poll_interval=f"{POLL:g}s", batch_size="100", **kw)
+    return Relay(relay_bin, cfg, tmp_path / f"{name}.log", http_port=port), cfg
+
+
+def first_order(got, keys):
+    """Per-key order of first arrivals (producer: message i has key i mod keys)."""
+    last, seen, breaks = {}, set(), []
+    for props, _, _ in got:
+        seq = int(props.headers["seq"])
+        if seq in seen:
+            continue
+        seen.add(seq)
+        k = seq % keys
+        if last.get(k, -1) > seq:
+            breaks.append((k, seq, last[k]))
+        last[k] = max(seq, last.get(k, -1))
+    return breaks
+
+
+@pytest.mark.parametrize("fault", ["sigstop", "kill9"])
+def test_leader_frozen_or_killed_is_replaced(services, pgdb, relay_bin, build, tmp_path, fault):
+    n, keys = 6000, 20
+    q = f"qm-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    a, cfg = relay(relay_bin, tmp_path, services, pgdb, "ra")
+    init_schema(relay_bin, cfg)
+    audit_setup(pgdb)
+    a.wait_log("became the active relay")
+    b, _ = relay(relay_bin, tmp_path, services, pgdb, "rb")
+    b.wait_log("standing by")
+    run_producer(build, pgdb.dsn, pgdb.name, count=n, keys=keys, routing_key=q, size=64,
+                 batch=1000)
+    got = consume(ch, q, 800, timeout=30)
+    assert len(got) >= 800
+    t0 = time.monotonic()
+    if fault == "sigstop":
+        os.kill(a.proc.pid, signal.SIGSTOP)
+    else:
+        a.kill9()
+    b.wait_log("became the active relay", timeout=20)
+    took = time.monotonic() - t0
+    if fault == "sigstop":
+        # frozen for lease + 5 s in all, then woken: it must find itself fenced
+        time.sleep(max(0.0, LEASE + 5 - (time.monotonic() - t0)))
+        t_wake = time.time()
+        os.kill(a.proc.pid, signal.SIGCONT)
+        a.wait_log("lost leadership", timeout=15)
+    got += consume(ch, q, n - len(got), timeout=90, idle=2.0)
+    audit = marks(pgdb)
+    text_b = b.text()
+    for r in (a, b):
+        if r.proc.poll() is None:
+            r.assert_clean_exit(r.stop())
+    conn.close()
+    dups, copies = delivery_report(got, n, keys)    # lost 0, per-key order, one message_id
+    print(f"{fault}: standby active {took:.2f} s after the fault (lease {LEASE:g} s, poll "
+          f"{POLL:g} s); {dups} duplicates; {len(audit)} marks")
+    assert took <= LEASE + 2 * POLL + 1.0, "the standby took over too late"
+    assert dups <= 100, "duplicates above publish_window for one fault"
+    assert "standing by" in text_b
+    ids = [int(r[0]) for r in audit]
+    assert len(ids) == len(set(ids)) == n, "every row marked exactly once"
+    if fault == "sigstop":
+        late = [r for r in audit if r[1].startswith("ra/") and float(r[3]) >= t_wake]
+        assert late == [], f"the old leader marked rows after it woke: {late[:5]}"
+
+
+def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, build, tmp_path):
+    """The leader cannot reach the database (its connections hang): it must stop publishing
+    before its lease runs out, and the standby takes over."""
+    from relay_util import BlackholeProxy
+    n, keys = 4000, 20
+    q = f"qm-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    proxy = BlackholeProxy(services.pg_port)
+    try:
+        dsn_a = pgdb.dsn.replace(f"port={services.pg_port}", f"port={proxy.port}")
+        a, cfg = relay(relay_bin, tmp_path, services, pgdb, "ra", conninfo=dsn_a,
+                       query_timeout="20s")
+        init_schema(relay_bin, cfg)
+        a.wait_log("became the active relay")
+        b, _ = relay(relay_bin, tmp_path, services, pgdb, "rb")
+        b.wait_log("standing by")
+        run_producer(build, pgdb.dsn, pgdb.name, count=n, keys=keys, routing_key=q, size=64,
+                     batch=1000)
+        got = consume(ch, q, 500, timeout=30)
+        proxy.blackhole()
+        t0 = time.monotonic()
+        a.wait_log("lost leadership", timeout=LEASE + 5)
+        stopped = time.monotonic() - t0
+        b.wait_log("became the active relay", timeout=20)
+        took = time.monotonic() - t0
+        got += consume(ch, q, n - len(got), timeout=90, idle=2.0)
+        for r in (a, b):
+            r.stop()
+    finally:
+        proxy.close()
+    conn.close()
+    dups, _ = delivery_report(got, n, keys)
+    print(f"database path cut: the leader stopped publishing {stopped:.2f} s later, the "
+          f"standby was active after {took:.2f} s; {dups} duplicates")
+    assert stopped < LEASE, "the cut-off leader must stop before its lease runs out"
+    assert dups <= 100
+
+
+@pytest.mark.parametrize("freeze", [False, True])
+def test_competing_three_relays_keep_per_key_order(services, pgdb, relay_bin, build, tmp_path,
+                                                   freeze):
+    n, keys = 9000, 50
+    q = f"qm-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    relays = []
+    for i in range(3):
+        r, cfg = relay(relay_bin, tmp_path, services, pgdb, f"rc{i}", mode="competing")
+        if i == 0:
+            init_schema(relay_bin, cfg)
+            audit_setup(pgdb)
+        relays.append(r)
+    for r in relays:
+        r.wait_log("database connected")
+    run_producer(build, pgdb.dsn, pgdb.name, count=n, keys=keys, routing_key=q, size=64,
+                 batch=1000)
+    got = consume(ch, q, 1500, timeout=30)
+    if freeze:
+        # freeze the relay doing the work past its lease: the others take its keys over
+        busy = max(relays, key=lambda r: r.metric("outbox_relay_relayed_total") or 0)
+        os.kill(busy.proc.pid, signal.SIGSTOP)
+        time.sleep(LEASE + 2)
+        os.kill(busy.proc.pid, signal.SIGCONT)
+    got += consume(ch, q, n - len(got), timeout=120, idle=2.0)
+    counts = [r.metric("outbox_relay_relayed_total") for r in relays]
+    audit = marks(pgdb)
+    for r in relays:
+        r.assert_clean_exit(r.stop())
+    conn.close()
+    breaks = first_order(got, keys)
+    if breaks:
+        k0 = sorted((int(r[0]), r[1], r[2], float(r[3])) for r in audit if (int(r[0]) - 1) % keys == breaks[0][0])
+        print("audit of the key:", k0[:8])
+        print("arrivals of the key:", [(int(p.headers["seq"]), round(t, 3)) for p, _, t in got
+                                      if int(p.headers["seq"]) % keys == breaks[0][0]][:8])
+        for r in relays:
+            print(r.log_path, [l for l in r.text().splitlines() if "WARN" in l or "given back" in l][:10])
+    dups, _ = delivery_report(got, n, 0)       # lost 0, one message_id per seq
+    print(f"competing x3, 50 keys{', one frozen past its lease' if freeze else ''}: relayed "
+          f"{counts}, {dups} duplicates, {len(breaks)} per-key order breaks")
+    assert breaks == [], f"per-key order broken: {breaks[:8]}"
+    assert dups <= (100 if freeze else 0)
+    ids = [int(r[0]) for r in audit]
+    assert len(ids) == len(set(ids)) == n, "every row marked exactly once"
+
+
+def test_leader_stopping_hands_over_at_once(services, pgdb, relay_bin, build, tmp_path):
+    """SIGTERM: the leader settles, then expires its own lease, so a standby takes over at its
+    next try instead of waiting for the lease to run out (rolling restarts stay short)."""
+    q = f"qm-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    a, cfg = relay(relay_bin, tmp_path, services, pgdb, "ra", lease="30s")
+    init_schema(relay_bin, cfg)
+    a.wait_log("became the active relay")
+    b, _ = relay(relay_bin, tmp_path, services, pgdb, "rb", lease="30s")
+    b.wait_log("standing by")
+    run_producer(build, pgdb.dsn, pgdb.name, count=500, keys=5, routing_key=q, size=64)
+    got = consume(ch, q, 200, timeout=30)
+    t0 = time.monotonic()
+    a.assert_clean_exit(a.stop())
+    b.wait_log("became the active relay", timeout=20)
+    took = time.monotonic() - t0
+    got += consume(ch, q, 500 - len(got), timeout=30, idle=1.0)
+    b.assert_clean_exit(b.stop())
+    conn.close()
+    dups, _ = delivery_report(got, 500, 5)
+    print(f"graceful hand-over: standby active {took:.2f} s after SIGTERM (lease 30 s)")
+    assert "leadership handed over" in a.text()
+    assert took < 5, "the standby waited for the lease to run out"
+    assert dups == 0
