@@ -11,7 +11,8 @@ plausible results. The paths driven:
               statements under a savepoint); that batch failing in its second statement
               (rollback to the savepoint); a send outside a transaction (no statement);
   the relay   init (twice), check, stats, dead list / retry / purge (all and by id),
-              connect, lead (acquire, renew), claim, settle for every outcome (sent in
+              connect, lead (acquire, renew), claim (unfenced, fenced by the leader's
+              epoch, competing), settle for every outcome (sent in
               both on_sent modes, retry, dead, unclaim), retention cleanup, stats —
               through the ODBC source's own test driver (tests/c/odbcsrc_test.c) — and
               init, check, stats and dead list through the outbox-relay binary; plus the
@@ -190,6 +191,12 @@ def cap(build, tmp_path_factory):
             with c.record("relay: lead (renew)"):
                 done, _ = d.request(f"lead relay-a/0001 {done['epoch']} 30000", "lead")
             assert done["leader"] == "1" and done["newly"] == "0", done
+            with c.record("relay: claim (leader, fenced by epoch)"):
+                done, rows_ = d.request(f"claim 500 30000 7 relay-a {done['epoch']}", "claim")
+            assert done["ok"] == "0", done
+            with c.record("relay: claim (competing)"):
+                done, _ = d.request("claim 500 30000 6 relay-a 0 competing", "claim")
+            assert done["ok"] == "0", done
             with c.record("relay: claim"):
                 done, rows_ = d.claim(500, 7)
             assert done["ok"] == "0" and len(rows_) == 1, done
