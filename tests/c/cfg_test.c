@@ -38,6 +38,7 @@ static void dump(const cfg *c)
     static const char *const srcs[] = { "postgres", "sqlserver" };
     static const char *const sent[] = { "mark", "delete" };
     static const char *const modes[] = { "leader", "competing" };
+    static const char *const orderings[] = { "pipelined", "strict" };
 
     printf("[relay]\n");
     printf("name = %s\n", s2s(c->relay.name));
@@ -89,6 +90,7 @@ static void dump(const cfg *c)
         printf("cleanup_batch = %d\n", o->cleanup_batch);
         printf("cleanup_interval = %lldms\n", (long long)o->cleanup_interval_ms);
         printf("mode = %s\n", modes[o->mode]);
+        printf("ordering = %s\n", orderings[o->ordering]);
         printf("query_timeout = %lldms\n", (long long)o->query_timeout_ms);
         printf("connect_timeout = %lldms\n", (long long)o->connect_timeout_ms);
         printf("reconnect_max = %lldms\n", (long long)o->reconnect_max_ms);
