@@ -549,10 +549,7 @@ static bool main_request(drain *d, int req)
         break;
     }
     case SRC_REQ_CLAIM: {
-        double lease = d->ob->lease_ms / 1000.0, margin = lease / 5;
-        if (margin > DRAIN_MARGIN_MAX)
-            margin = DRAIN_MARGIN_MAX;
-        d->claim_deadline = mono_now() + lease - margin;
+        d->claim_deadline = mono_now() + d->ob->lease_ms / 1000.0 - lease_margin(d);
         src_claim_args a = {
             .max_rows = claim_size(d),
             .lease_ms = d->ob->lease_ms,
