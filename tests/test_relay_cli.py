@@ -211,12 +211,12 @@ def test_init_twice_is_idempotent(services, pgdb, relay_bin, tmp_path):
     assert snap1 == snap2, "second init changed the schema"
     rels, trg, idx = snap2
     tables = [n for n, k in rels if k == "r"]
-    assert tables == ["messages", "messages_dead"], rels
+    assert tables == ["messages", "messages_dead", "messages_lease"], rels
     assert len(trg) == 1 and trg[0][1] == "messages", trg
     names = {n for n, _, _ in idx}
     for want in ("messages_pkey", "messages_message_id_key", "messages_pending_idx",
                  "messages_failing_idx", "messages_sent_idx", "messages_dead_pkey",
-                 "messages_dead_dead_at_idx"):
+                 "messages_dead_dead_at_idx", "messages_key_idx", "messages_lease_pkey"):
         assert want in names, (want, names)
     assert psql_rows(pgdb, "select count(*) from outbox.messages")[0][0] == 3
     fn = psql_rows(pgdb, "select count(*) from pg_proc p join pg_namespace n on "
@@ -236,7 +236,8 @@ def test_init_custom_table_and_two_outboxes(services, pgdb, relay_bin, tmp_path)
         pgdb, "select table_schema, table_name from information_schema.tables "
               "where table_schema in ('billing', 'outbox')")}
     assert got == {("billing", "orders_out"), ("billing", "orders_out_dead"),
-                   ("outbox", "jobs_out"), ("outbox", "jobs_out_dead")}, got
+                   ("billing", "orders_out_lease"), ("outbox", "jobs_out"),
+                   ("outbox", "jobs_out_dead"), ("outbox", "jobs_out_lease")}, got
     r = cli(relay_bin, "check", "-c", cfg)
     assert r.returncode == 0, r.stderr
     assert "2 outbox" in r.stdout
@@ -277,7 +278,7 @@ def test_schema_postgres_default_and_custom(relay_bin, pgdb):
     pgdb.psql(out)
     got = {t for (t,) in psql_rows(pgdb, "select table_name from information_schema.tables "
                                          "where table_schema = 'Billing'")}
-    assert got == {"Events_1", "Events_1_dead"}
+    assert got == {"Events_1", "Events_1_dead", "Events_1_lease"}
 
 
 def test_schema_sqlserver(relay_bin):
