@@ -100,7 +100,8 @@ static size_t settle_all(ledger *l, src_outcome *copy, size_t max)
     const src_outcome *v;
     size_t n = ledger_settle_begin(l, &v);
     assert_true(n <= max);
-    memcpy(copy, v, n * sizeof *v);
+    if (n > 0)
+        memcpy(copy, v, n * sizeof *v);
     check(l);
     ledger_settle_done(l, true, n);
     check(l);
@@ -662,7 +663,8 @@ static void sim_step(sim *s, bool faults)
             s->sn = ledger_settle_begin(s->l, &v);
             if (s->sn > sizeof s->sv / sizeof s->sv[0])
                 SIM_FAIL(s, "settle of %zu outcomes", s->sn);
-            memcpy(s->sv, v, s->sn * sizeof *v);
+            if (s->sn > 0)
+                memcpy(s->sv, v, s->sn * sizeof *v);
             s->settle = s->sn ? 1 : 0;
         } else if (s->settle == 1) {
             settle_exec(s);
