@@ -1,7 +1,8 @@
 # outbox-relay — top-level Makefile.
 #   make                      build liboutbox (.a/.so), outbox-relay, test programs
 #   make test                 start private PostgreSQL/RabbitMQ if needed and run every test
-#   make SANITIZER=address    (or undefined) instrumented build into build-address/
+#   make SANITIZER=address    (or undefined, or address+undefined) instrumented build
+#                             into build-$(SANITIZER)/
 #   make VALGRIND=1 test      run the daemon and C test programs under valgrind
 #   make test TESTS=tests/test_relay.py PYTEST_ARGS="-k leader"   a subset
 #   make bench                relay throughput vs. broker ceiling (not part of test)
@@ -47,8 +48,10 @@ ifeq ($(SANITIZER),address)
 SAN_FLAGS := -fsanitize=address -fno-omit-frame-pointer
 else ifeq ($(SANITIZER),undefined)
 SAN_FLAGS := -fsanitize=undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
+else ifeq ($(SANITIZER),address+undefined)
+SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 else ifneq ($(SANITIZER),)
-$(error SANITIZER must be address or undefined)
+$(error SANITIZER must be address, undefined or address+undefined)
 endif
 
 BASE_CFLAGS := -std=c11 -D_GNU_SOURCE -fPIC -pthread $(WARN) $(OPT) $(SAN_FLAGS) -MMD -MP \
@@ -145,6 +148,6 @@ install: $(LIBA) $(LIBSO) $(RELAY)
 	install -m 755 $(RELAY) $(DESTDIR)$(PREFIX)/bin/
 
 clean:
-	rm -rf build build-address build-undefined
+	rm -rf build build-address build-undefined build-address+undefined
 
 -include $(shell find $(BUILD)/obj -name '*.d' 2>/dev/null)

@@ -334,6 +334,8 @@ static void on_claimed(drain *d, const src_result *res)
 
 static void on_settled(drain *d, const src_result *res)
 {
+    if (res->ok == 0)
+        histogram_observe(&d->m.settle_latency, ev_now(d->loop) - d->settler.req_started);
     ledger_settle_done(d->led, res->ok == 0, res->n_applied);
     pump(d);     /* marks committed: the window has room again */
 }

@@ -155,6 +155,7 @@ char *metrics_render(ob_metrics *const *m, size_t n, size_t *len)
                 (unsigned long long)m[i]->buffered);
     hist(&b, m, n, "confirm_latency_seconds", "Publish to broker confirm.", OFF(confirm_latency));
     hist(&b, m, n, "claim_latency_seconds", "Claim query round trip.", OFF(claim_latency));
+    hist(&b, m, n, "settle_latency_seconds", "Settle (mark, retry, dead letter) round trip, commit included.", OFF(settle_latency));
     if (b.oom) {
         free(b.p);
         return NULL;

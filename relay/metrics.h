@@ -46,6 +46,7 @@ typedef struct ob_metrics {
     uint64_t unmarked;       /* confirmed, mark not committed yet (counts against the window) */
     histogram confirm_latency;
     histogram claim_latency;
+    histogram settle_latency;
 } ob_metrics;
 
 void histogram_observe(histogram *h, double seconds);

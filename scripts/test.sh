@@ -2,7 +2,8 @@
 # scripts/test.sh — every test, in one command, on a fresh Debian 12 machine (as root).
 #   1. install the Debian packages of scripts/packages.txt (apt-get update + install, only if missing)
 #   2. start the private PostgreSQL / RabbitMQ (scripts/services.sh start)
-#   3. make test; make SANITIZER=address test; make SANITIZER=undefined test
+#   3. make test; make SANITIZER=address+undefined test (one build with both AddressSanitizer
+#      and UBSan: the whole suite once more, instrumented)
 #      (`scripts/test.sh quick`: the plain build only; `scripts/test.sh valgrind`: plain + valgrind)
 #   4. stop the services this run started; print "N passed, N failed" last; exit non-zero on failure
 # .ci/run calls this with CI=true (warnings become errors).
@@ -88,8 +89,7 @@ run_step() {
 
 run_step plain     test
 if [[ $MODE == all ]]; then
-    run_step asan      SANITIZER=address test
-    run_step ubsan     SANITIZER=undefined test
+    run_step asan+ubsan SANITIZER=address+undefined test
 fi
 if [[ $MODE == valgrind ]]; then
     run_step valgrind  VALGRIND=1 test

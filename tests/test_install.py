@@ -22,17 +22,17 @@ def make_vars(build):
     out = []
     if os.environ.get("OUTBOX_BUILD"):
         out.append(f"BUILD={os.environ['OUTBOX_BUILD']}")
-    m = re.fullmatch(r"build-(address|undefined)", build.name)
+    m = re.fullmatch(r"build-(address|undefined|address\+undefined)", build.name)
     if m:
         out.append(f"SANITIZER={m.group(1)}")
     return out
 
 
 def san_flags(build):
-    m = re.fullmatch(r"build-(address|undefined)", build.name)
+    m = re.fullmatch(r"build-(address|undefined|address\+undefined)", build.name)
     if not m:
         return []
-    return [f"-fsanitize={m.group(1)}", "-fno-omit-frame-pointer"]
+    return [f"-fsanitize={m.group(1).replace('+', ',')}", "-fno-omit-frame-pointer"]
 
 
 @pytest.fixture(scope="module")

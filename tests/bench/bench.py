@@ -477,7 +477,7 @@ class Sampler(threading.Thread):
     def __init__(self, port):
         super().__init__(daemon=True)
         self.port = port
-        self.samples = []   # (t, in_flight, blocked, relayed, buffered or None)
+        self.samples = []   # (t, in_flight, blocked, relayed, buffered, unmarked; None: absent)
         self.halt = threading.Event()
         self.relayed = 0.0
 
@@ -490,7 +490,9 @@ class Sampler(threading.Thread):
             self.samples.append((time.monotonic(), msum(m, "outbox_relay_in_flight"),
                                  msum(m, "outbox_relay_sink_blocked"), self.relayed,
                                  msum(m, "outbox_relay_buffered")
-                                 if "outbox_relay_buffered" in m else None))
+                                 if "outbox_relay_buffered" in m else None,
+                                 msum(m, "outbox_relay_confirmed_unmarked")
+                                 if "outbox_relay_confirmed_unmarked" in m else None))
 
     def mean_of(self, col, t1, t2):
         """Mean of a sampled gauge while the queue filled (t1..t2); None if never sampled."""
@@ -505,6 +507,9 @@ class Sampler(threading.Thread):
 
     def mean_buffered(self, t1, t2):
         return self.mean_of(4, t1, t2)
+
+    def mean_unmarked(self, t1, t2):
+        return self.mean_of(5, t1, t2)
 
     def blocked_seen(self):
         return any(s[2] > 0 for s in self.samples)
@@ -658,6 +663,8 @@ def relay_run(svc, broker, conn, n, cfgs, timeout, windows):
     lat_cnt = sum(msum(m, "outbox_relay_confirm_latency_seconds_count") for m in finals)
     claims = sum(msum(m, "outbox_relay_claims_total") for m in finals)
     claim_sum = sum(msum(m, "outbox_relay_claim_latency_seconds_sum") for m in finals)
+    settles = sum(msum(m, "outbox_relay_settle_latency_seconds_count") for m in finals)
+    settle_sum = sum(msum(m, "outbox_relay_settle_latency_seconds_sum") for m in finals)
     failed = sum(msum(m, "outbox_relay_failed_total") for m in finals)
     # a lost connection's in-flight messages (lost_total, later retried_unconfirmed_total)
     lost = sum(msum(m, "outbox_relay_lost_total") +
@@ -666,6 +673,8 @@ def relay_run(svc, broker, conn, n, cfgs, timeout, windows):
     overtaken = sum(msum(m, "outbox_relay_overtaken_total") for m in finals)
     buffered = [s.mean_buffered(t1, t2) for s in samplers]
     buffered = sum(buffered) if buffered and all(x is not None for x in buffered) else None
+    unmarked = [s.mean_unmarked(t1, t2) for s in samplers]
+    unmarked = sum(unmarked) if unmarked and all(x is not None for x in unmarked) else None
     in_flight = [s.mean_in_flight(t1, t2) for s in samplers]
     fill_frac = (sum(x for x in in_flight if x is not None) / sum(windows)
                  if all(x is not None for x in in_flight) and in_flight else None)
@@ -684,6 +693,9 @@ def relay_run(svc, broker, conn, n, cfgs, timeout, windows):
         "little": (sum(x for x in in_flight if x is not None) / lat_mean)
                   if lat_mean and in_flight else None,
         "claims": claims, "claim_mean": claim_sum / claims if claims else None,
+        "settles": settles, "settle_mean": settle_sum / settles if settles else None,
+        "unmarked": unmarked,
+        "unmarked_frac": unmarked / sum(windows) if unmarked is not None and windows else None,
         "failed": failed, "lost": lost, "blocked": any(s.blocked_seen() for s in samplers),
         "expired": expired, "overtaken": overtaken, "buffered": buffered,
     }
@@ -709,12 +721,15 @@ def relay_detail(r):
     fill_ = "-" if r["fill"] is None else f"{r['fill']:.0%}"
     rss = f"{r['rss'] / 1024:.1f} MiB" if r["rss"] else "-"
     buf = "" if r["buffered"] is None else f", {r['buffered']:.0f} claimed rows buffered"
+    if r.get("unmarked") is not None:
+        buf = (f", {r['unmarked']:.0f} confirmed awaiting their mark "
+               f"({r['unmarked_frac']:.0%} of window)" + buf)
     s = (f"      e2e {r['e2e']:.2f} s ({f0(r['e2e_rate'])} msg/s, {r['startup'] or 0:.2f} s to "
          f"first enqueue) | cores: {cores_line(r['cpu'])}\n"
          f"      confirm latency median ~{ms(r['lat_med'])} mean {ms(r['lat_mean'])}; in flight "
          f"{f0(r['in_flight'])} ({fill_} of window){buf} -> in-flight/latency "
          f"{f0(r['little'])} msg/s; claims {r['claims']:.0f} (mean {ms(r['claim_mean'])}); "
-         f"peak RSS {rss}; duplicates {r['dups']}")
+         f"settles {r['settles']:.0f} (mean {ms(r['settle_mean'])}); peak RSS {rss}; duplicates {r['dups']}")
     if r["failed"]:
         s += f"; failed attempts {r['failed']:.0f}"
     if r["expired"]:
@@ -743,6 +758,8 @@ def bound(runs, keys=None, window=WINDOW, ratio=None):
     o = med(r["cpu"]["other"] + r["cpu"]["tools"] for r in runs)
     mach = med(r["cpu"]["machine"] for r in runs)
     fill_ = med(r["fill"] for r in runs)
+    unm = med(r["unmarked_frac"] for r in runs)
+    stl = med(r["settle_mean"] for r in runs)
     inf = med(r["in_flight"] for r in runs)
     buf = med(r["buffered"] for r in runs)
     lat = med(r["lat_med"] for r in runs)
@@ -764,6 +781,11 @@ def bound(runs, keys=None, window=WINDOW, ratio=None):
         why = "the window: full, so rate = window / confirm latency"
         why += (f", and a saturated machine (mostly {top}) stretches that latency" if saturated
                 else ", the broker's confirm latency")
+    elif fill_ is not None and unm is not None and fill_ + unm >= 0.9:
+        why = (f"the window: {fill_:.0%} in flight + {unm:.0%} confirmed and awaiting their "
+               f"mark (settle round trip {ms(stl)}) = {fill_ + unm:.0%}; confirmed rows keep "
+               "their window slot until the mark commits, which bounds the duplicates after "
+               "any fault by publish_window; rate = in flight / confirm latency")
     elif fill_ is not None:
         if keys and inf is not None and keys < window and inf <= keys * 1.05:
             why = (f"the relay: about one message in flight per key ({inf:.0f} in flight for "
