@@ -39,6 +39,11 @@
 #define OUTBOX_DEFAULT_SCHEMA "outbox"
 #define OUTBOX_DEFAULT_TABLE  "messages"
 
+/* init waits at most this long for a lock (lock_timeout / SET LOCK_TIMEOUT): an object
+ * that must be created on a table in use never queues long behind a producer
+ * transaction, with every later producer queued behind it. */
+#define OUTBOX_INIT_LOCK_TIMEOUT_MS 3000
+
 typedef enum { OUTBOX_DIALECT_POSTGRES = 0, OUTBOX_DIALECT_SQLSERVER = 1 } outbox_dialect;
 
 typedef struct outbox_table_name {
@@ -69,7 +74,9 @@ void outbox_derived_name(const char *table, const char *suffix, char out[64]);
 extern const char *const outbox_tsql_session_options;
 
 /* The DDL as a NULL-terminated, malloc'd array of malloc'd statements (no
- * trailing separator), each idempotent. Returns NULL on out-of-memory. */
+ * trailing separator), each idempotent: an object that exists is skipped without
+ * a lock on the outbox table (PostgreSQL: each statement is a DO block that checks
+ * the catalog first and raises NOTICE "outbox: creating <what>" before creating). Returns NULL on out-of-memory. */
 char **outbox_ddl(outbox_dialect d, const outbox_table_name *t);
 void   outbox_ddl_free(char **stmts);
 

@@ -2,6 +2,7 @@
  * schema.c — identifier validation, table-name parsing and the outbox DDL
  * for PostgreSQL and SQL Server (see outbox_schema.h for the table).
  */
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -238,12 +239,75 @@ static void add(list *l, outbox_i_buf *b)
     b->len = b->cap = 0;
 }
 
-static void pg_ddl(list *l, const names *n)
+/* One guarded PostgreSQL statement: ddl runs only when cond (SQL) is true, after a
+ * notice "outbox: creating <what>" (init reports these: what it created, or, when a
+ * statement fails, which object it could not create). An object that exists already is
+ * not touched: no statement that locks the outbox table runs on a live system unless
+ * something is missing (CREATE INDEX IF NOT EXISTS would take its lock first). */
+static void pg_guarded(list *l, const char *cond, const char *what, const char *ddl)
 {
     outbox_i_buf b = { 0 };
-
-    outbox_i_buf_printf(&b, "CREATE SCHEMA IF NOT EXISTS \"%s\"", n->s);
+    outbox_i_buf_printf(&b,
+        "DO $outbox_init$\n"
+        "BEGIN\n"
+        "    IF %s THEN\n"
+        "        RAISE NOTICE 'outbox: creating %s';\n"
+        "        %s;\n"
+        "    END IF;\n"
+        "END\n"
+        "$outbox_init$", cond, what, ddl);
     add(l, &b);
+}
+
+/* Formats into b (emptied first) for pg_guarded; a failure marks the list failed. */
+static const char *fmt(list *l, outbox_i_buf *b, const char *f, ...)
+    __attribute__((format(printf, 3, 4)));
+static const char *fmt(list *l, outbox_i_buf *b, const char *f, ...)
+{
+    va_list ap;
+    outbox_i_buf_free(b);
+    va_start(ap, f);
+    int n = vsnprintf(NULL, 0, f, ap);
+    va_end(ap);
+    char *tmp = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (tmp) {
+        va_start(ap, f);
+        vsnprintf(tmp, (size_t)n + 1, f, ap);
+        va_end(ap);
+        outbox_i_buf_put(b, tmp, (size_t)n);
+        free(tmp);
+    }
+    if (!tmp || b->failed || !b->p)
+        l->failed = 1;
+    return b->p ? b->p : "";
+}
+
+/* A statement built with outbox_i_buf_printf, for pg_guarded. */
+static const char *built(list *l, const outbox_i_buf *b)
+{
+    if (b->failed || !b->p)
+        l->failed = 1;
+    return b->p ? b->p : "";
+}
+
+static void pg_index(list *l, const names *n, const char *idx, const char *on, const char *tail)
+{
+    outbox_i_buf c = { 0 }, w = { 0 }, d = { 0 };
+    pg_guarded(l, fmt(l, &c, "to_regclass('\"%s\".\"%s\"') IS NULL", n->s, idx),
+               fmt(l, &w, "index \"%s\" on %s", idx, on),
+               fmt(l, &d, "CREATE INDEX \"%s\" ON %s %s", idx, on, tail));
+    outbox_i_buf_free(&c);
+    outbox_i_buf_free(&w);
+    outbox_i_buf_free(&d);
+}
+
+static void pg_ddl(list *l, const names *n)
+{
+    outbox_i_buf b = { 0 }, c = { 0 }, w = { 0 };
+
+    pg_guarded(l, fmt(l, &c, "NOT EXISTS (SELECT 1 FROM pg_namespace WHERE nspname = '%s')", n->s),
+               fmt(l, &w, "schema \"%s\"", n->s), fmt(l, &b, "CREATE SCHEMA IF NOT EXISTS \"%s\"", n->s));
+    outbox_i_buf_free(&b);
 
     outbox_i_buf_printf(&b,
         "CREATE TABLE IF NOT EXISTS %s (\n"
@@ -272,7 +336,9 @@ static void pg_ddl(list *l, const names *n)
            (no new index entries), and vacuum keeps up with the churn */
         ") WITH (fillfactor = 70, autovacuum_vacuum_scale_factor = 0.02, "
         "autovacuum_analyze_scale_factor = 0.02)", n->tab, n->pkey, n->uniq, n->hdrchk);
-    add(l, &b);
+    pg_guarded(l, fmt(l, &c, "to_regclass('%s') IS NULL", n->tab),
+               fmt(l, &w, "table %s", n->tab), built(l, &b));
+    outbox_i_buf_free(&b);
 
     outbox_i_buf_printf(&b,
         "CREATE TABLE IF NOT EXISTS %s (\n"
@@ -293,52 +359,49 @@ static void pg_ddl(list *l, const names *n)
         "    dead_at        timestamptz NOT NULL DEFAULT now(),\n"
         "    CONSTRAINT \"%s\" PRIMARY KEY (id)\n"
         ")", n->dead, n->dpkey);
-    add(l, &b);
+    pg_guarded(l, fmt(l, &c, "to_regclass('%s') IS NULL", n->dead),
+               fmt(l, &w, "dead-letter table %s", n->dead), built(l, &b));
+    outbox_i_buf_free(&b);
 
     /* tables made before message_id had a default get it (plain-SQL producers need not
        invent one); skipped when present, so init takes no lock on a current table */
-    outbox_i_buf_printf(&b,
-        "DO $outbox$\n"
-        "BEGIN\n"
-        "    IF NOT EXISTS (SELECT 1 FROM pg_attrdef d JOIN pg_attribute a\n"
-        "                   ON a.attrelid = d.adrelid AND a.attnum = d.adnum\n"
-        "                   WHERE d.adrelid = '%s'::regclass AND a.attname = 'message_id') THEN\n"
-        "        ALTER TABLE %s ALTER COLUMN message_id SET DEFAULT gen_random_uuid();\n"
-        "    END IF;\n"
-        "END\n"
-        "$outbox$", n->tab, n->tab);
-    add(l, &b);
+    pg_guarded(l, fmt(l, &c, "NOT EXISTS (SELECT 1 FROM pg_attrdef d JOIN pg_attribute a\n"
+                      "                   ON a.attrelid = d.adrelid AND a.attnum = d.adnum\n"
+                      "                   WHERE d.adrelid = '%s'::regclass "
+                      "AND a.attname = 'message_id')", n->tab),
+               fmt(l, &w, "default gen_random_uuid() for %s.message_id", n->tab),
+               fmt(l, &b, "ALTER TABLE %s ALTER COLUMN message_id SET DEFAULT gen_random_uuid()",
+                   n->tab));
+    outbox_i_buf_free(&b);
 
-    outbox_i_buf_printf(&b,
-        "CREATE INDEX IF NOT EXISTS \"%s\" ON %s (id) WHERE sent_at IS NULL",
-        n->pending, n->tab);
-    add(l, &b);
-    outbox_i_buf_printf(&b,
-        "CREATE INDEX IF NOT EXISTS \"%s\" ON %s (partition_key, id) "
-        "WHERE sent_at IS NULL AND attempts > 0", n->failing, n->tab);
-    add(l, &b);
-    outbox_i_buf_printf(&b,
-        "CREATE INDEX IF NOT EXISTS \"%s\" ON %s (sent_at) WHERE sent_at IS NOT NULL",
-        n->sent, n->tab);
-    add(l, &b);
-    outbox_i_buf_printf(&b,
-        "CREATE INDEX IF NOT EXISTS \"%s\" ON %s (dead_at)", n->ddeadat, n->dead);
-    add(l, &b);
+    pg_index(l, n, n->pending, n->tab, "(id) WHERE sent_at IS NULL");
+    pg_index(l, n, n->failing, n->tab, "(partition_key, id) WHERE sent_at IS NULL AND attempts > 0");
+    pg_index(l, n, n->sent, n->tab, "(sent_at) WHERE sent_at IS NOT NULL");
+    pg_index(l, n, n->ddeadat, n->dead, "(dead_at)");
 
-    outbox_i_buf_printf(&b,
-        "CREATE OR REPLACE FUNCTION \"%s\".\"%s\"() RETURNS trigger\n"
-        "LANGUAGE plpgsql AS $outbox$\n"
+    /* the notify function: (re)written only when missing or different (no table lock
+       either way, but a current one is left alone) */
+    outbox_i_buf body = { 0 };
+    outbox_i_buf_printf(&body,
+        "\n"
         "BEGIN\n"
         "    PERFORM pg_notify('%s', '%s.%s');\n"
         "    RETURN NULL;\n"
-        "END\n"
-        "$outbox$", n->s, n->fn, OUTBOX_NOTIFY_CHANNEL, n->s, n->t);
-    add(l, &b);
+        "END\n", OUTBOX_NOTIFY_CHANNEL, n->s, n->t);
+    const char *bp = built(l, &body);
+    pg_guarded(l, fmt(l, &c, "NOT EXISTS (SELECT 1 FROM pg_proc p JOIN pg_namespace s "
+                      "ON s.oid = p.pronamespace\n"
+                      "                   WHERE s.nspname = '%s' AND p.proname = '%s' "
+                      "AND p.pronargs = 0 AND p.prosrc = $body$%s$body$)", n->s, n->fn, bp),
+               fmt(l, &w, "function \"%s\".\"%s\"()", n->s, n->fn),
+               fmt(l, &b, "CREATE OR REPLACE FUNCTION \"%s\".\"%s\"() RETURNS trigger\n"
+                   "        LANGUAGE plpgsql AS $outbox$%s$outbox$", n->s, n->fn, bp));
+    outbox_i_buf_free(&body);
+    outbox_i_buf_free(&b);
+
     /* competing claims find a key's first pending row through this index */
-    outbox_i_buf_printf(&b,
-        "CREATE INDEX IF NOT EXISTS \"%s\" ON %s (partition_key, id) WHERE sent_at IS NULL",
-        n->keyidx, n->tab);
-    add(l, &b);
+    pg_index(l, n, n->keyidx, n->tab, "(partition_key, id) WHERE sent_at IS NULL");
+
     /* leadership: a lease row (owner, epoch = fencing token, expiry in database time) */
     outbox_i_buf_printf(&b,
         "CREATE TABLE IF NOT EXISTS %s (\n"
@@ -348,14 +411,21 @@ static void pg_ddl(list *l, const names *n)
         "    expires_at timestamptz NOT NULL,\n"
         "    CONSTRAINT \"%s\" PRIMARY KEY (name)\n"
         ")", n->lease, n->lpkey);
-    add(l, &b);
-    outbox_i_buf_printf(&b, "DROP TRIGGER IF EXISTS \"%s\" ON %s", n->trg, n->tab);
-    add(l, &b);
-    outbox_i_buf_printf(&b,
-        "CREATE TRIGGER \"%s\" AFTER INSERT ON %s\n"
-        "    FOR EACH STATEMENT EXECUTE FUNCTION \"%s\".\"%s\"()",
-        n->trg, n->tab, n->s, n->fn);
-    add(l, &b);
+    pg_guarded(l, fmt(l, &c, "to_regclass('%s') IS NULL", n->lease),
+               fmt(l, &w, "lease table %s", n->lease), built(l, &b));
+    outbox_i_buf_free(&b);
+
+    /* the wake-up trigger: CREATE TRIGGER locks the table against producers, so it runs
+       only when the trigger is missing */
+    pg_guarded(l, fmt(l, &c, "NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgrelid = '%s'::regclass "
+                      "AND tgname = '%s' AND NOT tgisinternal)", n->tab, n->trg),
+               fmt(l, &w, "trigger \"%s\" on %s", n->trg, n->tab),
+               fmt(l, &b, "CREATE TRIGGER \"%s\" AFTER INSERT ON %s\n"
+                   "            FOR EACH STATEMENT EXECUTE FUNCTION \"%s\".\"%s\"()",
+                   n->trg, n->tab, n->s, n->fn));
+    outbox_i_buf_free(&b);
+    outbox_i_buf_free(&c);
+    outbox_i_buf_free(&w);
 }
 
 static void ms_index(list *l, const names *n, const char *name, const char *on,

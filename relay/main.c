@@ -232,6 +232,9 @@ static int cmd_check(const char *path)
         if (source_ops_for(ob)->check(ob, err, sizeof err) != 0) {
             fprintf(stderr, "%s: [outbox.%s] %s\n", path, ob->name, err);
             problems++;
+        } else if (err[0]) {
+            /* warnings only (e.g. LISTEN/NOTIFY cannot reach the connection): exit 0 */
+            fprintf(stderr, "%s: [outbox.%s] %s\n", path, ob->name, err);
         }
     }
     for (size_t i = 0; i < c->n_sinks; i++) {
@@ -242,8 +245,20 @@ static int cmd_check(const char *path)
             problems++;
         }
     }
-    if (problems == 0)
-        printf("%s: OK (%zu outbox(es), %zu sink(s))\n", path, c->n_outboxes, c->n_sinks);
+    if (problems == 0) {
+        /* one line; it names the mode of each outbox */
+        printf("%s: OK (%zu outbox(es), %zu sink(s))", path, c->n_outboxes, c->n_sinks);
+        for (size_t i = 0; i < c->n_outboxes; i++) {
+            const cfg_outbox *ob = &c->outboxes[i];
+            if (ob->mode == CFG_MODE_COMPETING)
+                printf("; [outbox.%s] mode competing (every relay claims, one relay at a time "
+                       "per partition key, row lease %gs)", ob->name, (double)ob->lease_ms / 1000.0);
+            else
+                printf("; [outbox.%s] mode leader (one active relay, the others stand by, "
+                       "lease %gs in %s_lease)", ob->name, (double)ob->lease_ms / 1000.0, ob->table);
+        }
+        putchar('\n');
+    }
     cfg_free(c);
     return problems ? 1 : 0;
 }
@@ -307,8 +322,9 @@ static int cmd_init(const char *path)
             fprintf(stderr, "%s: [outbox.%s] init failed: %s\n", path, ob->name, err);
             failed++;
         } else {
-            printf("outbox.%s: schema for %s ready in database \"%s\"\n", ob->name, ob->table,
-                   ob->database);
+            /* err may say what was created or skipped */
+            printf("outbox.%s: schema for %s ready in database \"%s\"%s%s\n", ob->name,
+                   ob->table, ob->database, err[0] ? ": " : "", err);
         }
     }
     cfg_free(c);

@@ -137,9 +137,10 @@ typedef struct source_ops {
     int  (*stats)(source *s);
 
     /* --- admin (synchronous, blocking with timeouts) --- */
-    /* Connects, verifies database name and schema. 0 ok; -1 with one line per problem in err. */
+    /* Connects, verifies database name and schema. 0 ok; -1 with one line per problem in err.
+       On 0, err may hold warnings (e.g. LISTEN/NOTIFY cannot reach the connection). */
     int  (*check)(const cfg_outbox *cfg, char *err, size_t errlen);
-    /* Applies the DDL idempotently. */
+    /* Applies the DDL idempotently. On 0, err may say what was created or skipped. */
     int  (*init)(const cfg_outbox *cfg, char *err, size_t errlen);
     int  (*stats_sync)(const cfg_outbox *cfg, src_stats *out, char *err, size_t errlen);
     /* Dead letters: list prints one line per row to out (id, message_id, exchange,

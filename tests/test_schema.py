@@ -4,6 +4,7 @@ The DDL is printed by build/tests/lib_unit_test --print-ddl (the same outbox_ddl
 that `outbox-relay schema` prints); the PostgreSQL one is applied for real, twice."""
 import re
 import secrets
+import time
 
 import psycopg
 import pytest
@@ -97,24 +98,30 @@ def test_postgres_ddl_fragments(build):
         'CONSTRAINT "events_message_id_key" UNIQUE (message_id)',
         'CREATE TABLE IF NOT EXISTS "app"."events_dead" (',
         "reason         text NOT NULL",
-        'CREATE INDEX IF NOT EXISTS "events_pending_idx" ON "app"."events" (id) '
-        "WHERE sent_at IS NULL;",
-        'CREATE INDEX IF NOT EXISTS "events_failing_idx" ON "app"."events" (partition_key, id) '
+        'CREATE INDEX "events_pending_idx" ON "app"."events" (id) WHERE sent_at IS NULL;',
+        'CREATE INDEX "events_failing_idx" ON "app"."events" (partition_key, id) '
         "WHERE sent_at IS NULL AND attempts > 0;",
-        'CREATE INDEX IF NOT EXISTS "events_sent_idx" ON "app"."events" (sent_at) '
+        'CREATE INDEX "events_sent_idx" ON "app"."events" (sent_at) '
         "WHERE sent_at IS NOT NULL;",
         'CREATE OR REPLACE FUNCTION "app"."events_notify"() RETURNS trigger',
         "PERFORM pg_notify('outbox_relay', 'app.events');",
-        'DROP TRIGGER IF EXISTS "events_notify_trg" ON "app"."events";',
         'CREATE TRIGGER "events_notify_trg" AFTER INSERT ON "app"."events"',
         "FOR EACH STATEMENT EXECUTE FUNCTION",
     ]
     for f in frags:
         assert f in s, f
-    # every CREATE is idempotent
-    for line in s.splitlines():
-        if line.startswith("CREATE ") and not line.startswith("CREATE TRIGGER"):
-            assert ("IF NOT EXISTS" in line or "OR REPLACE" in line), line
+    # every statement is guarded by a catalog check, so an object that exists is skipped
+    # without taking a lock on the table (CREATE INDEX IF NOT EXISTS locks it first; DROP
+    # TRIGGER + CREATE TRIGGER lock it against every producer)
+    assert "DROP TRIGGER" not in s and "CREATE INDEX IF NOT EXISTS" not in s
+    blocks = [b for b in s.split("$outbox_init$;") if b.strip() and not b.startswith("--")]
+    for b in blocks:
+        body = b.split("DO $outbox_init$", 1)[-1]
+        assert "IF " in body and "THEN" in body and "RAISE NOTICE 'outbox: creating " in body, b
+        guard = body.index("THEN")
+        assert all(body.find(k) < 0 or body.find(k) > guard
+                   for k in ("CREATE SCHEMA", "CREATE TABLE", "CREATE INDEX", "CREATE TRIGGER",
+                             "ALTER TABLE")), b
 
 
 def test_sqlserver_ddl_fragments(build):
@@ -215,3 +222,110 @@ def test_notify_payload_names_a_custom_table(pgdb, build):
     pgdb.connect().execute('INSERT INTO "App_2"."Jobs" (message_id, routing_key, payload) '
                            "VALUES (gen_random_uuid(), 'rk', 'x')")
     assert collect(listener) == [("outbox_relay", "App_2.Jobs")]
+
+
+# ---------------------------------------------------------------------------- init on a live system
+def _init(relay_bin, cfg):
+    import subprocess
+    t0 = time.monotonic()
+    p = subprocess.run([str(relay_bin), "init", "-c", str(cfg)], capture_output=True, text=True,
+                       timeout=60)
+    return p, time.monotonic() - t0
+
+
+class CommitLatency:
+    """A second producer: INSERT + COMMIT in a loop on its own connection, recording the
+    latency of each, until stop()."""
+
+    def __init__(self, pgdb):
+        import threading
+        self.conn = pgdb.connect()           # autocommit: each INSERT is its own transaction
+        self.lat = []
+        self.errors = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        try:
+            while not self._stop.is_set():
+                t0 = time.monotonic()
+                self.conn.execute("INSERT INTO outbox.messages (routing_key, payload) "
+                                  "VALUES ('q', '\\x00')")
+                self.lat.append((t0, time.monotonic() - t0))
+                time.sleep(0.02)
+        except Exception as e:  # noqa: BLE001 - reported by the test
+            self.errors.append(e)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(30)
+        return self.lat
+
+
+def _hold_producer_transaction(pgdb):
+    """A producer transaction that inserted into the outbox and stays open (its
+    RowExclusiveLock on the table with it) until the caller commits it."""
+    c = pgdb.connect(autocommit=False)
+    c.execute("INSERT INTO outbox.messages (routing_key, payload) VALUES ('q', '\\x01')")
+    return c
+
+
+def test_init_rerun_does_not_stall_producers_behind_a_long_transaction(services, pgdb,
+                                                                       relay_bin, tmp_path):
+    """issue 9: re-running init while a producer transaction stays open 4 s delays no other
+    producer's commit by 1 s or more; init has nothing to change and says so."""
+    from relay_util import write_config
+    cfg = write_config(tmp_path / "r.ini", services, pgdb)
+    first, _ = _init(relay_bin, cfg)
+    assert first.returncode == 0, first.stderr
+    long_tx = _hold_producer_transaction(pgdb)
+    t_open = time.monotonic()
+    other = CommitLatency(pgdb)
+    time.sleep(0.5)
+    import concurrent.futures
+    with concurrent.futures.ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(_init, relay_bin, cfg)       # init runs while the transaction is open
+        time.sleep(max(0.0, 4.0 - (time.monotonic() - t_open)))
+        long_tx.commit()                             # open 4 s, whatever init does
+        p, took = fut.result(timeout=60)
+    time.sleep(0.5)
+    lat = other.stop()
+    assert not other.errors, other.errors
+    worst = max(d for _, d in lat)
+    print(f"init took {took:.2f} s; {len(lat)} commits of another producer meanwhile, the "
+          f"slowest {worst:.3f} s; init said: {p.stdout.strip()} {p.stderr.strip()}")
+    assert len(lat) >= 20
+    assert worst < 1.0, f"a producer's commit waited {worst:.2f} s behind init"
+    assert p.returncode == 0, p.stderr
+    assert "nothing to change" in p.stdout, p.stdout
+    assert 'created schema "outbox", table "outbox"."messages"' in first.stdout, first.stdout
+
+
+def test_init_that_needs_a_lock_gives_up_clearly(services, pgdb, relay_bin, tmp_path):
+    """Something is missing on a table in use: init waits at most lock_timeout (3 s) for
+    its lock, then fails naming the object, changes nothing, and producers go on."""
+    from relay_util import write_config
+    cfg = write_config(tmp_path / "r.ini", services, pgdb)
+    p, _ = _init(relay_bin, cfg)
+    assert p.returncode == 0, p.stderr
+    c = pgdb.connect()
+    c.execute("DROP INDEX outbox.messages_key_idx")
+    long_tx = _hold_producer_transaction(pgdb)
+    try:
+        p, took = _init(relay_bin, cfg)
+    finally:
+        long_tx.commit()
+    print(f"init took {took:.2f} s: {p.stderr.strip()}")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert 'could not create index "messages_key_idx" on "outbox"."messages"' in p.stderr
+    assert "lock_timeout (3000 ms)" in p.stderr and "nothing was changed" in p.stderr
+    assert took < 10
+    (n,) = c.execute("SELECT count(*) FROM pg_indexes WHERE indexname = 'messages_key_idx'"
+                     ).fetchone()
+    assert n == 0
+    # producers are fine, and a quiet moment later init completes and says what it created
+    c.execute("INSERT INTO outbox.messages (routing_key, payload) VALUES ('q', '\\x02')")
+    p, _ = _init(relay_bin, cfg)
+    assert p.returncode == 0, p.stderr
+    assert 'created index "messages_key_idx" on "outbox"."messages"' in p.stdout, p.stdout

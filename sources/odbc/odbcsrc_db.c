@@ -1472,6 +1472,23 @@ int odbcsrc_db_init(odbcsrc_db *db)
         set_err(db, "init: out of memory");
         return -1;
     }
+    /* never queue for long behind a producer transaction (every later producer would
+       queue behind init): a statement that must create something on a table in use
+       gives up after OUTBOX_INIT_LOCK_TIMEOUT_MS; objects that exist are skipped */
+    char lt[80];
+    if (is_tsql(db))
+        snprintf(lt, sizeof lt, "SET LOCK_TIMEOUT %d", OUTBOX_INIT_LOCK_TIMEOUT_MS);
+    else
+        snprintf(lt, sizeof lt, "SET lock_timeout = %d", OUTBOX_INIT_LOCK_TIMEOUT_MS);
+    {
+        SQLHSTMT h = SQL_NULL_HSTMT;
+        if (st_run(db, "init: lock timeout", lt, NULL, &h) < 0)
+            goto done;
+        int r = st_drain(db, h, "init: lock timeout");
+        st_free(db, h);
+        if (r < 0)
+            goto done;
+    }
     for (size_t i = 0; stmts[i]; i++) {
         SQLHSTMT h = SQL_NULL_HSTMT;
         char what[64];

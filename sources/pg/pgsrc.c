@@ -8,9 +8,12 @@
  * and back to BACKOFF on any failure (capped exponential back-off, jitter).
  * SETUP runs, in order: database-name check (PQdb, no round trip),
  * session settings (statement_timeout, server-side TCP keepalives), fencing
- * (our previous session, if the server still has it — a half-open connection
- * can hold the leader lock for hours — is terminated), schema check
- * (to_regclass), LISTEN.
+ * (our previous session, if the server still has it, is terminated), schema
+ * check (to_regclass), LISTEN. Through a pooler (PgBouncer: the backend pid
+ * the connection announced is not pg_backend_pid()) the session steps are
+ * skipped — under transaction pooling they would land on a shared server
+ * connection — and so is LISTEN (logged once at WARN): polling finds new rows.
+ * Correctness never depends on the session: leadership and row leases are rows.
  *
  * At most one query is in flight: either a SETUP step or the core's one
  * outstanding request. Every callback into the core may destroy the source;
@@ -26,6 +29,7 @@
 #include <unistd.h>
 #include <libpq-fe.h>
 #include "lib/outbox_schema.h"
+#include "relay/log.h"
 #include "relay/row.h"
 #include "relay/source.h"
 #include "sources/pg/pgsrc_int.h"
@@ -68,6 +72,8 @@ struct source {
     char      prev_pid[16];   /* our previous session on the server: pid and backend_start */
     char      prev_start[64];
     char      holder[256];    /* the leadership holder named by the last lead answer */
+    bool      pooled;         /* a pooler answers for the server (see Q_SET_TIMEOUT) */
+    int       server_pid;     /* pg_backend_pid() seen at setup */
 
     int       cb_depth;
     bool      destroyed;
@@ -279,31 +285,44 @@ static void setup_fail(source *s, const char *msg)
 
 static void setup_step(source *s, int op)
 {
-    char sql[512];
-    const char *vals[2];
+    char sql[512], pid[24];
+    const char *vals[3];
     int rc = 0;
     switch (op) {
     case Q_SET_TIMEOUT:
-        /* server-side keepalives: a vanished relay's session (and its leader lock) goes
-           away in about a minute instead of the kernel's two hours */
-        snprintf(sql, sizeof sql, "SELECT set_config('statement_timeout', '%" PRId64 "', false), "
+        /* Session settings, only when the server session is ours: the backend pid the
+           connection announced (BackendKeyData) is the server's. A pooler (PgBouncer)
+           announces its own: a setting would then land on a pooled server connection,
+           be lost for us at the next transaction and leak to that connection's next
+           client. Correctness never depends on them (every query is bounded on our
+           side too). Server-side keepalives: a vanished relay's session goes away in
+           about a minute instead of the kernel's two hours. */
+        snprintf(pid, sizeof pid, "%d", PQbackendPID(s->conn));
+        vals[0] = pid;
+        snprintf(sql, sizeof sql, "SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = $1::int "
+                 "THEN concat(set_config('statement_timeout', '%" PRId64 "', false), "
                  "set_config('tcp_keepalives_idle', '30', false), "
                  "set_config('tcp_keepalives_interval', '10', false), "
-                 "set_config('tcp_keepalives_count', '3', false)", s->cfg.query_timeout_ms);
-        rc = q_send(s, op, sql, 0, NULL, 0);
+                 "set_config('tcp_keepalives_count', '3', false)) END", s->cfg.query_timeout_ms);
+        rc = q_send(s, op, sql, 1, vals, 0);
         break;
     case Q_FENCE:
         /* Our previous session may still exist on the server (a connection that went
            silent rather than closed): end it, identified by pid and start time so an
            unrelated backend reusing the pid is never touched. Then remember this one. */
+        /* Through a pooler, never: "our previous session" is a pooled server
+           connection that other clients use (the guard on $3 checks it server-side). */
         vals[0] = s->prev_pid[0] ? s->prev_pid : NULL;
         vals[1] = s->prev_start[0] ? s->prev_start : NULL;
+        snprintf(pid, sizeof pid, "%d", PQbackendPID(s->conn));
+        vals[2] = pid;
         rc = q_send(s, op,
                     "SELECT (SELECT count(pg_terminate_backend(a.pid)) FROM pg_stat_activity a "
                     "WHERE a.pid = $1::int AND a.backend_start = $2::timestamptz "
-                    "AND a.pid <> pg_backend_pid()), pg_backend_pid(), "
+                    "AND a.pid <> pg_backend_pid() AND pg_backend_pid() = $3::int), "
+                    "pg_backend_pid(), "
                     "(SELECT backend_start::text FROM pg_stat_activity WHERE pid = pg_backend_pid())",
-                    2, vals, 0);
+                    3, vals, 0);
         break;
     case Q_CHECK_SCHEMA:
         vals[0] = s->names.table;
@@ -510,6 +529,9 @@ static void req_complete(source *s, PGresult *r)
     }
 }
 
+static void warn_no_listen(source *s);
+static void set_up(source *s);
+
 /* The query in flight has returned all its results. */
 static void q_done(source *s)
 {
@@ -534,6 +556,8 @@ static void q_done(source *s)
     }
     switch (op) {
     case Q_SET_TIMEOUT:
+        s->server_pid = PQntuples(r) == 1 ? atoi(PQgetvalue(r, 0, 0)) : 0;
+        s->pooled = s->server_pid != PQbackendPID(s->conn);
         PQclear(r);
         setup_step(s, Q_FENCE);
         return;
@@ -556,20 +580,50 @@ static void q_done(source *s)
             setup_fail(s, msg);
             return;
         }
+        if (s->pooled) {
+            /* LISTEN cannot work through transaction pooling, and a LISTEN left on a
+               pooled server connection sends our notifications to unrelated clients:
+               none, and polling finds new rows */
+            warn_no_listen(s);
+            set_up(s);
+            return;
+        }
         setup_step(s, Q_LISTEN);
         return;
     }
     case Q_LISTEN:
         PQclear(r);
-        s->phase = PH_UP;
-        s->backoff_ms = BACKOFF_MIN_MS;
-        s->notice[0] = '\0';
-        cb_state(s, SRC_UP, NULL);
+        set_up(s);
         return;
     default:
         PQclear(r);
         return;
     }
+}
+
+/* Logs once per outbox and process (both connections of an outbox see the same). */
+static void warn_no_listen(source *s)
+{
+    static char warned[32][65];
+    static size_t n_warned;
+    for (size_t i = 0; i < n_warned; i++)
+        if (strncmp(warned[i], s->name, sizeof warned[i] - 1) == 0)
+            return;
+    if (n_warned < sizeof warned / sizeof warned[0])
+        snprintf(warned[n_warned++], sizeof warned[0], "%s", s->name);
+    log_msg(LOG_WARN, "outbox=%s: LISTEN/NOTIFY does not reach this connection (transaction "
+            "pooling?): the database connection goes through a pooler (server backend pid %d, "
+            "announced %d), so the relay does not LISTEN; new rows are found by polling every "
+            "poll_interval (%gs)", s->name, s->server_pid, PQbackendPID(s->conn),
+            (double)s->cfg.poll_interval_ms / 1000.0);
+}
+
+static void set_up(source *s)
+{
+    s->phase = PH_UP;
+    s->backoff_ms = BACKOFF_MIN_MS;
+    s->notice[0] = '\0';
+    cb_state(s, SRC_UP, NULL);
 }
 
 /* ------------------------------------------------------------ connection I/O */

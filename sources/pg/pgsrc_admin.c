@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 #include <libpq-fe.h>
 #include "lib/outbox_schema.h"
 #include "sources/pg/pgsrc_int.h"
@@ -81,12 +82,15 @@ static int64_t query_bound(const cfg_outbox *ob)
 
 /* Runs one statement. Returns its result (COMMAND_OK or TUPLES_OK; caller
  * PQclears) or NULL with a message in msg. */
-static PGresult *adm_exec(PGconn *c, const cfg_outbox *ob, const char *sql, int n,
-                          const char *const *vals, char *msg, size_t msglen)
+static PGresult *adm_exec_st(PGconn *c, const cfg_outbox *ob, const char *sql, int n,
+                             const char *const *vals, char *msg, size_t msglen,
+                             char sqlstate[6])
 {
     PGresult *keep = NULL, *r;
     int64_t deadline = now_ms() + query_bound(ob);
     msg[0] = '\0';
+    if (sqlstate)
+        sqlstate[0] = '\0';
     if (!PQsendQueryParams(c, sql, n, NULL, vals, NULL, NULL, 0)) {
         pgsrc_oneline(PQerrorMessage(c), msg, msglen);
         return NULL;
@@ -124,6 +128,9 @@ done:
         return NULL;
     }
     if (PQresultStatus(keep) != PGRES_COMMAND_OK && PQresultStatus(keep) != PGRES_TUPLES_OK) {
+        const char *st = PQresultErrorField(keep, PG_DIAG_SQLSTATE);
+        if (sqlstate && st)
+            snprintf(sqlstate, 6, "%.5s", st);
         pgsrc_oneline(PQresultErrorMessage(keep), msg, msglen);
         PQclear(keep);
         return NULL;
@@ -137,6 +144,12 @@ broken:
     return NULL;
 }
 
+static PGresult *adm_exec(PGconn *c, const cfg_outbox *ob, const char *sql, int n,
+                          const char *const *vals, char *msg, size_t msglen)
+{
+    return adm_exec_st(c, ob, sql, n, vals, msg, msglen, NULL);
+}
+
 static int adm_cmd(PGconn *c, const cfg_outbox *ob, const char *sql, char *msg, size_t msglen)
 {
     PGresult *r = adm_exec(c, ob, sql, 0, NULL, msg, msglen);
@@ -146,12 +159,23 @@ static int adm_cmd(PGconn *c, const cfg_outbox *ob, const char *sql, char *msg, 
     return 0;
 }
 
+/* What adm_connect learnt about the path to the server. */
+typedef struct adm_path {
+    int  client_pid;   /* the backend pid the connection announced (BackendKeyData) */
+    int  server_pid;   /* pg_backend_pid() of the server session that answered */
+    bool pooled;       /* they differ: a pooler (PgBouncer, ...) speaks for the server */
+} adm_path;
+
 /* Connects (bounded by connect_timeout), verifies the database name byte for
- * byte and sets statement_timeout. NULL with err filled on failure. */
-static PGconn *adm_connect(const cfg_outbox *ob, char *err, size_t errlen)
+ * byte and sets statement_timeout for the session — unless a pooler sits in
+ * between (the backend pid the connection announced is not the server's): a
+ * session setting would then land on a pooled server connection, be lost for
+ * us and leak to its next client; every wait here is bounded on our side
+ * anyway. NULL with err filled on failure; path (may be NULL) says which. */
+static PGconn *adm_connect_path(const cfg_outbox *ob, adm_path *path, char *err, size_t errlen)
 {
     const char *keys[PGSRC_MAX_PARAMS], *vals[PGSRC_MAX_PARAMS];
-    char tmo[24], msg[512], sql[96];
+    char tmo[24], msg[512], qt[24], bpid[24];
     int64_t ct = ob->connect_timeout_ms > 0 ? ob->connect_timeout_ms : 5000;
     int64_t deadline = now_ms() + ct;
     PGconn *c;
@@ -193,16 +217,31 @@ static PGconn *adm_connect(const cfg_outbox *ob, char *err, size_t errlen)
         errf(ob, err, errlen, "cannot make the connection non-blocking");
         goto fail;
     }
-    snprintf(sql, sizeof sql, "SET statement_timeout = %" PRId64,
-             ob->query_timeout_ms > 0 ? ob->query_timeout_ms : 30000);
-    if (adm_cmd(c, ob, sql, msg, sizeof msg) < 0) {
+    snprintf(qt, sizeof qt, "%" PRId64, ob->query_timeout_ms > 0 ? ob->query_timeout_ms : 30000);
+    snprintf(bpid, sizeof bpid, "%d", PQbackendPID(c));
+    const char *pv[2] = {bpid, qt};
+    PGresult *r = adm_exec(c, ob, "SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = $1::int "
+                           "THEN set_config('statement_timeout', $2::text, false) END", 2, pv,
+                           msg, sizeof msg);
+    if (!r) {
         errf(ob, err, errlen, "%s", msg);
         goto fail;
     }
+    if (path) {
+        path->client_pid = PQbackendPID(c);
+        path->server_pid = PQntuples(r) == 1 ? atoi(PQgetvalue(r, 0, 0)) : 0;
+        path->pooled = path->server_pid != path->client_pid;
+    }
+    PQclear(r);
     return c;
 fail:
     PQfinish(c);
     return NULL;
+}
+
+static PGconn *adm_connect(const cfg_outbox *ob, char *err, size_t errlen)
+{
+    return adm_connect_path(ob, NULL, err, errlen);
 }
 
 /* Schema presence: sets t_ok and d_ok. 0 or -1 (err filled). */
@@ -223,17 +262,78 @@ static int adm_schema(PGconn *c, const cfg_outbox *ob, const pgsrc_names *n, boo
     return 0;
 }
 
+/* Does a notification reach this connection? LISTEN on a private channel here,
+ * NOTIFY it from a second connection, wait up to 1 s: 1 it arrived, 0 it did not,
+ * -1 could not tell (msg says why). Through PgBouncer's transaction pooling the
+ * LISTEN stays on whichever server connection ran it, and the notification goes
+ * there (PgBouncer drops it: "got packet 'A' from server when not linked"). */
+static int notify_probe(PGconn *c, const cfg_outbox *ob, char *msg, size_t msglen)
+{
+    char chan[64], payload[32], sql[96], m2[512] = "";
+    PGconn *b = NULL;
+    PGresult *r;
+    int rc = -1;
+    int64_t t0 = now_ms();
+    snprintf(chan, sizeof chan, "outbox_relay_probe_%ld_%" PRId64, (long)getpid(), t0 % 1000000);
+    snprintf(payload, sizeof payload, "probe-%" PRId64, t0);
+    snprintf(sql, sizeof sql, "LISTEN \"%s\"", chan);
+    if (adm_cmd(c, ob, sql, msg, msglen) < 0)
+        return -1;
+    b = adm_connect(ob, m2, sizeof m2);
+    if (!b) {
+        snprintf(msg, msglen, "second connection: %s", m2);
+        goto unlisten;
+    }
+    const char *v[2] = {chan, payload};
+    r = adm_exec(b, ob, "SELECT pg_notify($1::text, $2::text)", 2, v, msg, msglen);
+    PQfinish(b);
+    if (!r)
+        goto unlisten;
+    PQclear(r);
+    int64_t deadline = now_ms() + 1000;
+    rc = 0;
+    while (rc == 0) {
+        PGnotify *n;
+        if (!PQconsumeInput(c)) {
+            pgsrc_oneline(PQerrorMessage(c), msg, msglen);
+            rc = -1;
+            break;
+        }
+        while ((n = PQnotifies(c)) != NULL) {
+            if (strcmp(n->relname, chan) == 0 && n->extra && strcmp(n->extra, payload) == 0)
+                rc = 1;
+            PQfreemem(n);
+        }
+        if (rc)
+            break;
+        int w = wait_sock(c, POLLIN, deadline);
+        if (w == 0)
+            break;
+        if (w < 0) {
+            snprintf(msg, msglen, "connection lost while waiting for the notification");
+            rc = -1;
+        }
+    }
+unlisten:
+    snprintf(sql, sizeof sql, "UNLISTEN \"%s\"", chan);
+    (void)adm_cmd(c, ob, sql, m2, sizeof m2);  /* best effort: the channel is ours alone */
+    return rc;
+}
+
 int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
 {
     pgsrc_names n;
+    adm_path path = { 0 };
     bool t_ok = false, d_ok = false;
+    char msg[512] = "";
     if (err && errlen)
         err[0] = '\0';
-    PGconn *c = adm_connect(ob, err, errlen);
+    PGconn *c = adm_connect_path(ob, &path, err, errlen);
     if (!c)
         return -1;
     pgsrc_names_init(ob, &n);
     int rc = adm_schema(c, ob, &n, &t_ok, &d_ok, err, errlen);
+    int probe = rc < 0 ? -1 : notify_probe(c, ob, msg, sizeof msg);
     PQfinish(c);
     if (rc < 0)
         return -1;
@@ -243,15 +343,57 @@ int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
     if (!d_ok)
         errf(ob, err, errlen, "dead-letter table %s missing in database \"%s\": run outbox-relay init",
              n.dead, ob->database);
-    return t_ok && d_ok ? 0 : -1;
+    if (!t_ok || !d_ok)
+        return -1;
+    /* success: err carries warnings, if any (the caller prints them; exit status 0) */
+    double poll_s = (double)ob->poll_interval_ms / 1000.0;
+    if (probe == 0)
+        errf(ob, err, errlen, "WARNING: LISTEN/NOTIFY does not reach this connection (transaction "
+             "pooling?): new rows are found by polling every poll_interval (%gs)%s", poll_s,
+             path.pooled ? "; the connection goes through a pooler" : "");
+    else if (probe < 0)
+        errf(ob, err, errlen, "WARNING: could not verify that LISTEN/NOTIFY reaches this "
+             "connection (%s): new rows may be found only by polling every poll_interval (%gs)",
+             msg, poll_s);
+    else if (path.pooled)
+        errf(ob, err, errlen, "WARNING: the connection goes through a pooler (server backend pid "
+             "%d, announced %d): outbox-relay run does not LISTEN through a pooler (it cannot "
+             "work under transaction pooling), new rows are found by polling every "
+             "poll_interval (%gs)", path.server_pid, path.client_pid, poll_s);
+    return 0;
+}
+
+/* init's notices: "outbox: creating <what>" from each guarded DDL statement that
+   found its object missing (lib/schema.c). */
+typedef struct init_notes {
+    char created[1200];   /* "a, b, c" */
+    char last[256];       /* the object being created when a statement failed */
+    size_t n;
+} init_notes;
+
+static void init_notice(void *arg, const char *message)
+{
+    init_notes *in = arg;
+    const char *p = strstr(message, "outbox: creating ");
+    char what[256];
+    if (!p)
+        return;
+    pgsrc_oneline(p + strlen("outbox: creating "), what, sizeof what);
+    snprintf(in->last, sizeof in->last, "%s", what);
+    size_t used = strlen(in->created);
+    if (used + 3 < sizeof in->created)
+        snprintf(in->created + used, sizeof in->created - used, "%s%s", used ? ", " : "", what);
+    in->n++;
 }
 
 int pgsrc_init(const cfg_outbox *ob, char *err, size_t errlen)
 {
     outbox_table_name t;
-    char msg[512];
+    char msg[512], sql[128], st[6];
     char **ddl = NULL;
     PGconn *c = NULL;
+    init_notes in;
+    memset(&in, 0, sizeof in);
     if (err && errlen)
         err[0] = '\0';
     memset(&t, 0, sizeof t);
@@ -266,16 +408,41 @@ int pgsrc_init(const cfg_outbox *ob, char *err, size_t errlen)
     c = adm_connect(ob, err, errlen);
     if (!c)
         goto fail;
-    /* all or nothing: PostgreSQL DDL is transactional */
+    PQsetNoticeProcessor(c, init_notice, &in);
+    /* all or nothing: PostgreSQL DDL is transactional. Every statement skips an object
+       that exists; one that must create something on a table in use waits for its lock
+       at most lock_timeout, so init never queues for long behind a producer transaction
+       (every later producer would queue behind init). Settings are LOCAL: nothing
+       outlives the transaction, even on a pooled server connection. */
     if (adm_cmd(c, ob, "BEGIN", msg, sizeof msg) < 0) {
         errf(ob, err, errlen, "%s", msg);
         goto fail;
     }
+    snprintf(sql, sizeof sql, "SELECT set_config('lock_timeout', '%d', true), "
+             "set_config('statement_timeout', '%" PRId64 "', true)", OUTBOX_INIT_LOCK_TIMEOUT_MS,
+             ob->query_timeout_ms > 0 ? ob->query_timeout_ms : 30000);
+    if (adm_cmd(c, ob, sql, msg, sizeof msg) < 0) {
+        errf(ob, err, errlen, "%s", msg);
+        goto fail;
+    }
     for (size_t i = 0; ddl[i]; i++) {
-        if (adm_cmd(c, ob, ddl[i], msg, sizeof msg) < 0) {
-            errf(ob, err, errlen, "statement %zu failed: %s", i + 1, msg);
-            goto fail;  /* closing the connection rolls back */
+        in.last[0] = '\0';
+        PGresult *r = adm_exec_st(c, ob, ddl[i], 0, NULL, msg, sizeof msg, st);
+        if (r) {
+            PQclear(r);
+            continue;
         }
+        if (strcmp(st, "55P03") == 0)  /* lock_not_available */
+            errf(ob, err, errlen, "could not create %s: its lock was not granted within "
+                 "lock_timeout (%d ms): a transaction is using the table (a long producer "
+                 "transaction?); nothing was changed; run init again when it is quieter, or "
+                 "apply `outbox-relay schema` yourself", in.last[0] ? in.last : "an object",
+                 OUTBOX_INIT_LOCK_TIMEOUT_MS);
+        else if (in.last[0])
+            errf(ob, err, errlen, "could not create %s: %s; nothing was changed", in.last, msg);
+        else
+            errf(ob, err, errlen, "statement %zu failed: %s; nothing was changed", i + 1, msg);
+        goto fail;  /* closing the connection rolls back */
     }
     if (adm_cmd(c, ob, "COMMIT", msg, sizeof msg) < 0) {
         errf(ob, err, errlen, "commit failed: %s", msg);
@@ -283,6 +450,11 @@ int pgsrc_init(const cfg_outbox *ob, char *err, size_t errlen)
     }
     PQfinish(c);
     outbox_ddl_free(ddl);
+    /* success: err carries what was done (the caller prints it) */
+    if (in.n)
+        errf(ob, err, errlen, "created %s", in.created);
+    else
+        errf(ob, err, errlen, "nothing to change: every object already present");
     return 0;
 fail:
     if (c)
