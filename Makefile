@@ -1,12 +1,15 @@
 # outbox-relay — top-level Makefile.
-#   make                      build liboutbox (.a/.so), outbox-relay, test programs
-#   make test                 start private PostgreSQL/RabbitMQ if needed and run every test
+#   make                      build what ships: liboutbox (.a/.so), outbox-relay, outbox.pc,
+#                             the man pages and examples/ (no test-only package is needed)
+#   make test                 build the test programs (they need cmocka), start private
+#                             PostgreSQL/RabbitMQ if needed and run every test
+#   make test-programs        only build the test programs (tests/c, tests/bench)
 #   make SANITIZER=address    (or undefined, or address+undefined) instrumented build
 #                             into build-$(SANITIZER)/
 #   make VALGRIND=1 test      run the daemon and C test programs under valgrind
 #   make test TESTS=tests/test_relay.py PYTEST_ARGS="-k leader"   a subset
 #   make bench                relay throughput vs. broker ceiling (not part of test)
-#   make install PREFIX=/usr/local DESTDIR=
+#   make install PREFIX=/usr/local DESTDIR=   (man pages under $(PREFIX)/share/man, or MANDIR=)
 VERSION    := 0.1.0
 SOMAJOR    := 1
 SOVERSION  := $(SOMAJOR).0.0
@@ -67,6 +70,7 @@ RELAY_SRC := $(filter-out relay/main.c,$(wildcard relay/*.c config/*.c sources/*
 TEST_SRC  := $(wildcard tests/c/*.c)
 BENCH_SRC := $(wildcard tests/bench/*.c)
 EXAMPLE_SRC := $(wildcard examples/*.c)
+MAN_SRC   := man/outbox-relay.1 man/outbox-relay.ini.5
 
 LIB_OBJ   := $(LIB_SRC:%.c=$(BUILD)/obj/%.o)
 RELAY_OBJ := $(RELAY_SRC:%.c=$(BUILD)/obj/%.o)
@@ -74,14 +78,21 @@ MAIN_OBJ  := $(BUILD)/obj/relay/main.o
 TEST_BIN  := $(TEST_SRC:tests/c/%.c=$(BUILD)/tests/%)
 BENCH_BIN := $(BENCH_SRC:tests/bench/%.c=$(BUILD)/tests/%)
 EXAMPLE_BIN := $(EXAMPLE_SRC:examples/%.c=$(BUILD)/examples/%)
+MAN_OUT   := $(MAN_SRC:man/%=$(BUILD)/man/%)
 
 LIBA  := $(BUILD)/liboutbox.a
 LIBSO := $(BUILD)/liboutbox.so.$(SOVERSION)
 RELAY := $(BUILD)/outbox-relay
 RELAYA := $(BUILD)/librelay.a
 
-.PHONY: all lib test bench install clean services-start services-stop
-all: $(LIBA) $(LIBSO) $(RELAY) $(TEST_BIN) $(BENCH_BIN) $(EXAMPLE_BIN) $(BUILD)/outbox.pc
+.PHONY: all lib man test-programs test bench install clean services-start services-stop
+# What ships, and only that: the test programs need libcmocka-dev (see scripts/packages.txt).
+all: $(LIBA) $(LIBSO) $(RELAY) $(EXAMPLE_BIN) $(BUILD)/outbox.pc $(MAN_OUT)
+
+# tests/c/* (cmocka) and tests/bench/* (tests/test_sink_amqp.py runs amqp_probe too)
+test-programs: $(TEST_BIN) $(BENCH_BIN)
+
+man: $(MAN_OUT)
 
 lib: $(LIBA) $(LIBSO)
 
@@ -122,12 +133,17 @@ $(BUILD)/outbox.pc: lib/outbox.pc.in Makefile
 	@mkdir -p $(dir $@)
 	sed -e 's|@PREFIX@|$(PREFIX)|g' -e 's|@VERSION@|$(VERSION)|g' $< > $@
 
+# The man pages carry the version in their title line.
+$(BUILD)/man/%: man/% Makefile
+	@mkdir -p $(dir $@)
+	sed -e 's|@VERSION@|$(VERSION)|g' $< > $@
+
 # Tests: private services are started by the harness (tests/conftest.py) when not running.
 TESTS ?= tests
-test: all
+test: all test-programs
 	OUTBOX_BUILD=$(abspath $(BUILD)) OUTBOX_VALGRIND=$(VALGRIND) $(PYTHON) -m pytest -ra $(TESTS) $(PYTEST_ARGS)
 
-bench: all
+bench: all $(BENCH_BIN)
 	OUTBOX_BUILD=$(abspath $(BUILD)) $(PYTHON) tests/bench/bench.py
 
 services-start:
@@ -135,8 +151,10 @@ services-start:
 services-stop:
 	scripts/services.sh stop
 
-install: $(LIBA) $(LIBSO) $(RELAY)
-	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin
+MANDIR ?= $(PREFIX)/share/man
+install: $(LIBA) $(LIBSO) $(RELAY) $(MAN_OUT)
+	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin \
+		$(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man5
 	install -m 644 lib/outbox.h lib/outbox_pg.h lib/outbox_odbc.h $(DESTDIR)$(PREFIX)/include/
 	install -m 644 $(LIBA) $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/
@@ -146,6 +164,8 @@ install: $(LIBA) $(LIBSO) $(RELAY)
 		> $(DESTDIR)$(PREFIX)/lib/pkgconfig/outbox.pc
 	chmod 644 $(DESTDIR)$(PREFIX)/lib/pkgconfig/outbox.pc
 	install -m 755 $(RELAY) $(DESTDIR)$(PREFIX)/bin/
+	install -m 644 $(BUILD)/man/outbox-relay.1 $(DESTDIR)$(MANDIR)/man1/
+	install -m 644 $(BUILD)/man/outbox-relay.ini.5 $(DESTDIR)$(MANDIR)/man5/
 
 clean:
 	rm -rf build build-address build-undefined build-address+undefined

@@ -38,8 +38,9 @@ static void usage(FILE *f)
           "                                 inspect, re-send or delete dead-lettered rows\n"
           "  --help, --version\n"
           "\n"
-          "Configuration keys and defaults: config/README.md. Exit status: 0 ok, 1 failure,\n"
-          "2 usage or configuration error.\n", f);
+          "Exit status: 0 ok, 1 failure, 2 usage or configuration error.\n"
+          "Manual pages: man outbox-relay (commands, signals, files) and\n"
+          "man 5 outbox-relay.ini (every configuration key and its default).\n", f);
 }
 
 static cfg *load_config(const char *path)

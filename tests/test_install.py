@@ -1,6 +1,9 @@
-"""`make install` (SPEC §3: headers, liboutbox.a, liboutbox.so, outbox.pc, outbox-relay) into a
-staging directory, and README.md's C example built against the staged files with pkg-config
-and run against a fresh database: keeps the README's example true."""
+"""`make install` (SPEC §3: headers, liboutbox.a, liboutbox.so, outbox.pc, outbox-relay, the man
+pages outbox-relay(1) and outbox-relay.ini(5)) into a staging directory, and README.md's C
+example built against the staged files with pkg-config and run against a fresh database: keeps
+the README's example true. Also: the default `make` target builds what ships and nothing that
+needs a test-only package (cmocka), `make test`/`make bench` build every test program, and the
+man pages lint clean and document every command and every configuration key."""
 import os
 import pathlib
 import re
@@ -80,6 +83,11 @@ def test_installed_files(staged, build):
     assert re.search(rf"^prefix={re.escape(PREFIX)}$", text, re.M), text
     version = re.search(r"^VERSION\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert re.search(rf"^Version: {re.escape(version)}$", text, re.M), text
+
+    for sec, page in (("man1", "outbox-relay.1"), ("man5", "outbox-relay.ini.5")):
+        p = pre / "share" / "man" / sec / page
+        assert p.is_file(), f"{p} not installed"
+        assert p.stat().st_mode & 0o777 == 0o644, oct(p.stat().st_mode)
 
     relay = pre / "bin" / "outbox-relay"
     assert relay.is_file() and os.access(relay, os.X_OK)
@@ -221,7 +229,330 @@ def test_install_honours_prefix(build, tmp_path):
     assert (pre / "bin" / "outbox-relay").is_file()
     assert (pre / "include" / "outbox.h").is_file()
     assert (pre / "lib" / "liboutbox.a").is_file()
+    assert (pre / "share" / "man" / "man1" / "outbox-relay.1").is_file()
+    assert (pre / "share" / "man" / "man5" / "outbox-relay.ini.5").is_file()
     text = (pre / "lib" / "pkgconfig" / "outbox.pc").read_text()
     assert re.search(rf"^prefix={re.escape(prefix)}$", text, re.M), \
         f"outbox.pc installed under {prefix} says:\n{text}"
     shutil.rmtree(dest)
+
+
+# ---------------------------------------------------------------------------- what `make` builds
+TEST_PROGRAMS = sorted(p.stem for p in (ROOT / "tests" / "c").glob("*.c"))
+BENCH_PROGRAMS = sorted(p.stem for p in (ROOT / "tests" / "bench").glob("*.c"))
+EXAMPLES = sorted(p.stem for p in (ROOT / "examples").glob("*.c"))
+MAN_PAGES = {"outbox-relay.1": "man1", "outbox-relay.ini.5": "man5"}
+
+
+def make_env():
+    """The environment for a make of our own: nothing inherited from an enclosing `make test`
+    (its MAKEFLAGS carry SANITIZER=... and a jobserver) or from the caller's CFLAGS."""
+    env = dict(os.environ)
+    for k in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "BUILD", "SANITIZER",
+              "CFLAGS", "LDFLAGS", "CPATH", "C_INCLUDE_PATH", "LIBRARY_PATH"):
+        env.pop(k, None)
+    return env
+
+
+def make(*args, timeout=900):
+    return subprocess.run(["make", "-C", str(ROOT), *args], capture_output=True, text=True,
+                          timeout=timeout, env=make_env())
+
+
+def dry_run(build_dir, *targets):
+    """The commands `make -n TARGETS` would run for an empty build directory."""
+    r = make("-n", f"BUILD={build_dir}", *targets, timeout=120)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    return r.stdout
+
+
+def test_default_target_needs_no_test_package(tmp_path):
+    """`make` and `make all` build the library, the relay, outbox.pc, the man pages and the
+    examples, and no test program: those need libcmocka-dev, a test-only package."""
+    b = tmp_path / "b"
+    for targets in ((), ("all",)):
+        out = dry_run(b, *targets)
+        for bad in ("tests/c/", "tests/bench/", "cmocka", f"{b}/tests/"):
+            lines = [ln for ln in out.splitlines() if bad in ln]
+            assert not lines, (f"`make {' '.join(targets)}` builds test programs ({bad!r}):\n"
+                               + "\n".join(lines)[:3000])
+        assert re.search(rf"^ar rcs {re.escape(str(b))}/liboutbox\.a ", out, re.M), out[-3000:]
+        for o in ("liboutbox.so.1.0.0", "outbox-relay", *(f"examples/{e}" for e in EXAMPLES)):
+            assert re.search(rf" -o {re.escape(str(b))}/{re.escape(o)}(\s|$)", out, re.M), \
+                f"`make {' '.join(targets)}` does not build {o}"
+        for o in ("outbox.pc", *(f"man/{m}" for m in MAN_PAGES)):
+            assert f"> {b}/{o}" in out, f"`make {' '.join(targets)}` does not build {o}"
+
+
+def test_test_and_bench_targets_build_every_test_program(tmp_path):
+    """`make test` builds every program the tests run (tests/c/*, tests/bench/*: the AMQP
+    tests use amqp_probe); `make bench` builds the bench tools. (tests/odbcrec/recdrv.c is
+    compiled by tests/test_tsql_capture.py itself.) Dry runs: nothing is executed."""
+    b = tmp_path / "b"
+    want = {"test": TEST_PROGRAMS + BENCH_PROGRAMS, "bench": BENCH_PROGRAMS}
+    assert "cfg_test" in want["test"] and "amqp_probe" in want["bench"], want
+    for target, progs in want.items():
+        out = dry_run(b, target)
+        for prog in progs:
+            assert re.search(rf" -o {re.escape(str(b))}/tests/{prog}\s", out), \
+                f"`make {target}` does not build tests/{prog}"
+    assert re.search(r"-m pytest", dry_run(b, "test"))
+
+
+def poisoned_cmocka(tmp_path):
+    """A directory that, put first on the include and library paths, makes cmocka unusable
+    the way a machine without libcmocka-dev would: <cmocka.h> fails to compile and -lcmocka
+    fails to link."""
+    d = tmp_path / "no-cmocka"
+    d.mkdir()
+    (d / "cmocka.h").write_text("#error cmocka.h: libcmocka-dev is not installed on this machine\n")
+    (d / "libcmocka.so").write_text("INPUT(-lcmocka-is-not-installed)\n")
+    (d / "libcmocka.a").write_text("not an archive\n")
+    # the poison works: a cmocka program cannot be built with it
+    src = tmp_path / "uses_cmocka.c"
+    src.write_text("#include <stdarg.h>\n#include <stddef.h>\n#include <stdint.h>\n"
+                   "#include <setjmp.h>\n#include <cmocka.h>\nint main(void) { return 0; }\n")
+    cc = os.environ.get("CC") or "cc"
+    r = subprocess.run([cc, f"-I{d}", str(src), "-o", str(tmp_path / "a.out")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "libcmocka-dev is not installed" in r.stderr, r.stderr
+    (tmp_path / "nolink.c").write_text("int main(void) { return 0; }\n")
+    r = subprocess.run([cc, str(tmp_path / "nolink.c"), f"-L{d}", "-lcmocka", "-o",
+                        str(tmp_path / "a.out")], capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0, "linking -lcmocka should fail with the poisoned library path"
+    return d
+
+
+def test_default_build_without_cmocka(tmp_path):
+    """A real `make` into a fresh build directory with cmocka made unusable succeeds and
+    produces everything that ships; building a test program the same way fails on cmocka."""
+    nocm = poisoned_cmocka(tmp_path)
+    b = tmp_path / "b"
+    flags = [f"BUILD={b}", f"CFLAGS=-I{nocm}", f"LDFLAGS=-L{nocm}"]
+    r = make("-j2", *flags)
+    assert r.returncode == 0, ("`make` fails without cmocka:\n" + r.stdout[-3000:]
+                               + r.stderr[-3000:])
+    for f in ("liboutbox.a", "liboutbox.so.1.0.0", "outbox-relay", "outbox.pc",
+              *(f"examples/{e}" for e in EXAMPLES), *(f"man/{m}" for m in MAN_PAGES)):
+        assert (b / f).is_file(), f"`make` did not build {f}"
+    assert not (b / "tests").exists(), sorted(p.name for p in (b / "tests").iterdir())
+    rv = run_prog([b / "outbox-relay", "--version"], timeout=30, valgrind=False)
+    assert rv.returncode == 0 and rv.stdout.startswith("outbox-relay "), rv.stdout + rv.stderr
+    # the same flags do stop a test program: the poison is real, not bypassed
+    r = make(*flags, f"{b}/tests/cfg_test", timeout=300)
+    assert r.returncode != 0 and "libcmocka-dev is not installed" in r.stdout + r.stderr, \
+        r.stdout[-2000:] + r.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------- man pages
+def man_env():
+    return dict(os.environ, LC_ALL="C.UTF-8", MANWIDTH="80", MANPAGER="cat", PAGER="cat")
+
+
+def lint_page(path):
+    """Every complaint of man --warnings, groff -ww and mandoc -T lint about one page."""
+    problems = []
+    r = subprocess.run(["man", "--warnings", "-l", str(path)], capture_output=True, text=True,
+                       timeout=60, env=man_env())
+    if r.returncode != 0 or r.stderr.strip():
+        problems.append(f"man --warnings -l: exit {r.returncode}: {r.stderr.strip()}")
+    if "NAME" not in r.stdout:
+        problems.append(f"man -l rendered no NAME section:\n{r.stdout[:500]}")
+    r = subprocess.run(["groff", "-man", "-ww", "-z", str(path)], capture_output=True,
+                       text=True, timeout=60, env=man_env())
+    if r.returncode != 0 or r.stderr.strip():
+        problems.append(f"groff -man -ww: exit {r.returncode}: {r.stderr.strip()}")
+    mandoc = shutil.which("mandoc")
+    assert mandoc, "mandoc not installed (scripts/packages.txt lists it)"
+    r = subprocess.run([mandoc, "-T", "lint", "-W", "warning", str(path)], capture_output=True,
+                       text=True, timeout=60, env=man_env())
+    if r.returncode != 0 or (r.stdout + r.stderr).strip():
+        problems.append(f"mandoc -T lint: exit {r.returncode}: {(r.stdout + r.stderr).strip()}")
+    return problems
+
+
+@pytest.mark.parametrize("page", sorted(MAN_PAGES))
+def test_installed_man_page_renders_without_warnings(staged, page):
+    dest, pre = staged
+    path = pre / "share" / "man" / MAN_PAGES[page] / page
+    assert path.is_file(), f"{path} not installed"
+    problems = lint_page(path)
+    assert not problems, f"{path}:\n" + "\n".join(problems)
+    text = path.read_text()
+    version = re.search(r"^VERSION\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
+    assert "@VERSION@" not in text
+    assert re.search(rf'^\.TH \S+ \S+ \S+ "outbox-relay {re.escape(version)}"', text, re.M), \
+        text.splitlines()[:6]
+    # `man 5 outbox-relay.ini` / `man outbox-relay` find the installed pages
+    name, sec = page.rsplit(".", 1)
+    r = subprocess.run(["man", "-M", str(pre / "share" / "man"), "-w", sec, name],
+                       capture_output=True, text=True, timeout=60, env=man_env())
+    assert r.returncode == 0 and pathlib.Path(r.stdout.strip()) == path, r.stdout + r.stderr
+
+
+def roff_plain(s):
+    """Roff source text → plain text (font changes and the escapes used in man/ removed)."""
+    s = re.sub(r"\\f[BIRP]", "", s)
+    return (s.replace("\\-", "-").replace("\\&", "").replace("\\(dq", '"')
+            .replace("\\(aq", "'").replace("\\(em", "-"))
+
+
+def man_sections(text):
+    """{.SH title: body} of a man(7) source."""
+    parts = re.split(r'^\.SH +"?([^"\n]+)"?\n', text, flags=re.M)
+    return {parts[i].strip(): parts[i + 1] for i in range(1, len(parts) - 1, 2)}
+
+
+def cfg_c_keys():
+    """{section kind: {key: (flags, default or None)}} from config/cfg.c's key tables: what
+    the loader accepts."""
+    src = (ROOT / "config" / "cfg.c").read_text()
+    defines = dict(re.findall(r'^#define\s+(\w+)\s+"([^"]*)"', src, re.M))
+    out = {}
+    for kind in ("relay", "sink", "outbox"):
+        m = re.search(rf"static const keydef {kind}_keys\[\] = \{{(.*?)\n\}};", src, re.S)
+        assert m, f"config/cfg.c: no {kind}_keys table"
+        keys = {}
+        for key, flags, default in re.findall(
+                r'\{\s*"(\w+)",\s*KT_\w+,\s*([^,]+?),\s*(NULL|"[^"]*"|\w+)\s*,', m.group(1)):
+            if default == "NULL":
+                default = None
+            elif default.startswith('"'):
+                default = default[1:-1]
+            else:
+                default = defines[default]
+            keys[key] = (flags, default)
+        assert len(keys) == m.group(1).count('{ "'), f"{kind}_keys: unparsed entries"
+        out[kind] = keys
+    return out
+
+
+def readme_defaults():
+    """{section kind: {key: default cell}} from config/README.md's key table."""
+    out = {}
+    for line in (ROOT / "config" / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 5 and cells[0] in ("relay", "sink", "outbox"):
+            out.setdefault(cells[0], {})[cells[1]] = cells[2]
+    return out
+
+
+def man_ini_keys():
+    """{section kind: {key: "Default: ..." / "Required (no default)" line, plain text}} from
+    man/outbox-relay.ini.5, whose keys are `.TP` / `.B key` / that line."""
+    secs = man_sections((ROOT / "man" / "outbox-relay.ini.5").read_text())
+    out = {}
+    for kind, title in (("relay", "SECTION [relay]"), ("sink", "SECTION [sink.NAME]"),
+                        ("outbox", "SECTION [outbox.NAME]")):
+        assert title in secs, f"outbox-relay.ini(5) has no section {title!r}: {list(secs)}"
+        body = secs[title]
+        tags = re.findall(r"^\.TP\n(.*)$", body, re.M)
+        entries = {}
+        for tag in tags:
+            m = re.fullmatch(r"\.B (\w+)", tag)
+            assert m, f"{title}: a .TP tag that is not `.B key`: {tag!r}"
+        for key, line in re.findall(r"^\.TP\n\.B (\w+)\n(.*)$", body, re.M):
+            assert key not in entries, f"{title}: {key} documented twice"
+            entries[key] = roff_plain(line).strip()
+        out[kind] = entries
+    return out
+
+
+def test_man_ini_documents_every_key_with_its_default():
+    """outbox-relay.ini(5) has exactly the keys config/cfg.c accepts, section by section, each
+    with the default the loader applies and config/README.md states."""
+    code, readme, man = cfg_c_keys(), readme_defaults(), man_ini_keys()
+    assert sum(len(v) for v in code.values()) >= 35, code
+    for kind in code:
+        assert set(man[kind]) == set(code[kind]), \
+            (f"[{kind}] keys: missing from the man page {sorted(set(code[kind]) - set(man[kind]))}, "
+             f"not accepted by cfg.c {sorted(set(man[kind]) - set(code[kind]))}")
+        assert set(readme[kind]) == set(code[kind]), (kind, set(readme[kind]) ^ set(code[kind]))
+        for key, (flags, default) in code[kind].items():
+            line, doc = man[kind][key], readme[kind][key]
+            where = f"outbox-relay.ini(5) [{kind}] {key}"
+            if "KF_REQUIRED" in flags:
+                assert line == "Required (no default)", f"{where}: {line!r}"
+                assert doc == "(required)", f"config/README.md [{kind}] {key}: {doc!r}"
+                continue
+            assert line.startswith("Default: "), f"{where}: first line {line!r}"
+            said = line[len("Default: "):]
+            if default is None:          # computed at load time (relay name)
+                assert doc == f"({said})", f"{where}: {said!r}, config/README.md {doc!r}"
+            elif default == "":
+                assert said == "empty" and doc == "(empty)", f"{where}: {said!r} / {doc!r}"
+            else:
+                assert said == default, f"{where}: {said!r}, config/cfg.c says {default!r}"
+                assert doc == f"`{default}`", f"config/README.md [{kind}] {key}: {doc!r}"
+
+
+def test_man_relay_documents_commands_options_and_exit_status(relay_bin):
+    text = (ROOT / "man" / "outbox-relay.1").read_text()
+    secs = man_sections(text)
+    for title in ("NAME", "SYNOPSIS", "DESCRIPTION", "COMMANDS", "OPTIONS", "EXIT STATUS",
+                  "SIGNALS", "FILES", "ENVIRONMENT", "EXAMPLES", "SEE ALSO"):
+        assert title in secs, f"outbox-relay(1) has no {title} section: {list(secs)}"
+    r = run_prog([relay_bin, "--help"], timeout=30)
+    assert r.returncode == 0, r.stderr
+    commands = re.findall(r"^  ([a-z]+)\s", r.stdout, re.M)
+    assert {"run", "check", "schema", "init", "stats", "dead"} <= set(commands), r.stdout
+    tags = [roff_plain(t) for t in re.findall(r"^\.TP\n(.*)$", secs["COMMANDS"], re.M)]
+    for c in commands:
+        assert any(re.match(rf"\.BR? {c}\b", t) for t in tags), f"COMMANDS lacks {c}: {tags}"
+    for action in ("list", "retry", "purge"):
+        assert any(re.match(rf'\.BR? "?dead {action}\b', t) for t in tags), (action, tags)
+    options = roff_plain(secs["OPTIONS"])
+    for opt in ("-c", "--config", "-o", "--outbox", "--dialect", "--table", "-h", "--help",
+                "-V", "--version"):
+        assert re.search(rf"(^|[\s\"]){re.escape(opt)}([\s=\"]|$)", options, re.M), \
+            f"OPTIONS lacks {opt}"
+    codes = re.findall(r"^\.TP\n\.B (\d+)$", secs["EXIT STATUS"], re.M)
+    assert codes == ["0", "1", "2"], codes
+    signals = roff_plain(secs["SIGNALS"])
+    for sig in ("SIGTERM", "SIGINT", "SIGHUP"):
+        assert sig in signals, f"SIGNALS lacks {sig}"
+    assert "outbox-relay.ini (5)" in roff_plain(secs["SEE ALSO"])
+
+
+def test_help_points_to_the_installed_man_pages(relay_bin):
+    """--help names documentation that `make install` installs, not a file of the source
+    tree."""
+    r = run_prog([relay_bin, "--help"], timeout=30)
+    assert r.returncode == 0, r.stderr
+    assert "config/README.md" not in r.stdout, r.stdout
+    assert re.search(r"\bman outbox-relay\b", r.stdout), r.stdout
+    assert re.search(r"\bman 5 outbox-relay\.ini\b", r.stdout), r.stdout
+    assert (ROOT / "man" / "outbox-relay.ini.5").is_file()
+    assert (ROOT / "man" / "outbox-relay.1").is_file()
+
+
+def man_example_configs():
+    """The ini files shown in the EXAMPLES sections of both pages."""
+    out = []
+    for page in MAN_PAGES:
+        secs = man_sections((ROOT / "man" / page).read_text())
+        for block in re.findall(r"^\.EX\n(.*?)^\.EE$", secs.get("EXAMPLES", ""), re.M | re.S):
+            if block.lstrip().startswith("["):
+                out.append((page, roff_plain(block)))
+    return out
+
+
+def test_man_example_configurations_load(build, tmp_path):
+    """Every configuration shown in the man pages loads (cfg_test --load), with the password
+    files it names replaced by real files and the variables it uses set."""
+    cfg_test = build / "tests" / "cfg_test"
+    if not cfg_test.exists():
+        pytest.fail(f"{cfg_test} not built (make test)")
+    examples = man_example_configs()
+    assert {p for p, _ in examples} == set(MAN_PAGES), examples
+    env = dict(os.environ)
+    for i, (page, text) in enumerate(examples):
+        for var in re.findall(r"\$\{(\w+)\}", text):
+            env[var] = "secret"
+        secret = tmp_path / f"pw{i}"
+        secret.write_text("secret\n")
+        text = re.sub(r"^(password_file = )\S+$", rf"\g<1>{secret}", text, flags=re.M)
+        ini = tmp_path / f"example{i}.ini"
+        ini.write_text(text)
+        r = run_prog([cfg_test, "--load", ini], timeout=60, env=env)
+        assert r.returncode == 0, f"{page} example:\n{text}\n{r.stdout}{r.stderr}"

@@ -71,7 +71,7 @@ def conn_str(backend, db, extra=""):
 def send_bin(build):
     p = build / "tests" / "lib_send_test"
     if not p.exists():
-        pytest.fail(f"{p} is not built (make)", pytrace=False)
+        pytest.fail(f"{p} is not built (make test-programs)", pytrace=False)
     return p
 
 

@@ -15,7 +15,7 @@ from conftest import run_prog, wait_for
 def unit(build):
     p = build / "tests" / "lib_unit_test"
     if not p.exists():
-        pytest.fail(f"{p} is not built (make)", pytrace=False)
+        pytest.fail(f"{p} is not built (make test-programs)", pytrace=False)
     return p
 
 

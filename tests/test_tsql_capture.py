@@ -145,7 +145,7 @@ def admin(d, cmd):
 def cap(build, tmp_path_factory):
     for prog in ("tests/lib_send_test", "tests/odbcsrc_test", "outbox-relay"):
         if not (build / prog).exists():
-            pytest.fail(f"{build / prog} not built (make)", pytrace=False)
+            pytest.fail(f"{build / prog} not built (make test-programs)", pytrace=False)
     tmp = tmp_path_factory.mktemp("tsql")
     build_driver(tmp)
     c = Capture(build, tmp)

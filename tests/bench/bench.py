@@ -844,7 +844,7 @@ def version_line():
 def main():
     for f in ("outbox-relay", "tests/amqp_probe", "tests/queue_watch"):
         if not (BUILD / f).exists():
-            sys.exit(f"{BUILD / f} missing: run make first")
+            sys.exit(f"{BUILD / f} missing: run make bench (it builds the bench tools)")
     if ON_SENT not in ("mark", "delete"):
         sys.exit("BENCH_ON_SENT must be mark or delete")
     svc = Services()
