@@ -5,8 +5,11 @@
  * splits the file into "section:key" → raw string; every value is parsed here
  * strictly (iniparser's own getters are lax). Each key is described once in a
  * table (name, type, default, bounds), which drives parsing, defaults and the
- * unknown-key check. All problems are collected, one line each, then cfg_load
- * fails. Secrets (url, conninfo, password_file contents) are never echoed.
+ * unknown-key check. Before that, the file's lines are read once more for what
+ * iniparser would merge, cut or drop without a word (a section or key given
+ * twice, a line continuation, a cut value: scan_lines). All problems are
+ * collected, one line each, then cfg_load fails. Secrets (url, conninfo,
+ * password_file contents) are never echoed.
  */
 #include "config/cfg.h"
 #include "outbox_schema.h"
@@ -1251,70 +1254,222 @@ static int ini_error_cb(const char *fmt, ...)
     return 0;
 }
 
-/* iniparser ends an unquoted value at the first ';' or '#', so
- *   conninfo = Driver={ODBC Driver 18 for SQL Server};Server=db
- * silently becomes "Driver={ODBC Driver 18 for SQL Server}". A comment has
- * whitespace before its ';'/'#'; a value cut where none is, is an error
- * (without echoing it: it may be a secret). */
-static void check_cut_values(loader *L)
+/* ------------------------------------------------------------------ */
+/* line checks: what iniparser would merge, cut or drop silently       */
+/* ------------------------------------------------------------------ */
+
+/* One line: "FILE:LINE: message" (the message names section and key itself). */
+static void lerr_line(loader *L, int lineno, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void lerr_line(loader *L, int lineno, const char *fmt, ...)
 {
-    char section[256] = "", *line = NULL;
+    char msg[1024], *line = NULL;
+    va_list ap;
+
+    L->nerr++;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (asprintf(&line, "%s:%d: %s", L->file, lineno, msg) < 0)
+        return;
+    errs_add(L->errs, line);
+}
+
+/* Names already seen (lower-cased, as iniparser stores them) and the line of each. */
+typedef struct seen_list {
+    char **name;
+    int   *line;
+    size_t n, cap;
+} seen_list;
+
+/* Returns the line where name was first seen, or 0 after recording it (-1: out of memory). */
+static int seen_add(seen_list *l, const char *name, int lineno)
+{
+    for (size_t i = 0; i < l->n; i++)
+        if (strcmp(l->name[i], name) == 0)
+            return l->line[i];
+    if (l->n == l->cap) {
+        size_t ncap = l->cap ? l->cap * 2 : 16;
+        char **nn = realloc(l->name, ncap * sizeof *nn);
+        int *nl;
+
+        if (!nn)
+            return -1;
+        l->name = nn;
+        if (!(nl = realloc(l->line, ncap * sizeof *nl)))
+            return -1;
+        l->line = nl;
+        l->cap = ncap;
+    }
+    if (!(l->name[l->n] = strdup(name)))
+        return -1;
+    l->line[l->n++] = lineno;
+    return 0;
+}
+
+static void seen_clear(seen_list *l)
+{
+    for (size_t i = 0; i < l->n; i++)
+        free(l->name[i]);
+    l->n = 0;
+}
+
+static void seen_free(seen_list *l)
+{
+    seen_clear(l);
+    free(l->name);
+    free(l->line);
+    l->name = NULL;
+    l->line = NULL;
+    l->cap = 0;
+}
+
+static bool ini_space(int c)
+{
+    return isspace((unsigned char)c) != 0;
+}
+
+/* Copies [p, p+n) trimmed and lower-cased (as iniparser does with section and key names). */
+static void ini_name(const char *p, size_t n, char *out, size_t outlen)
+{
+    size_t o = 0;
+
+    while (n > 0 && ini_space(p[0])) {
+        p++;
+        n--;
+    }
+    while (n > 0 && ini_space(p[n - 1]))
+        n--;
+    for (size_t i = 0; i < n && o + 1 < outlen; i++)
+        out[o++] = (char)tolower((unsigned char)p[i]);
+    out[o] = '\0';
+}
+
+/* Reads the file line by line, as iniparser does, and reports what iniparser would
+ * take differently from how it reads (values are never echoed: they may be secrets):
+ *   - a section given twice ([Outbox.A] and [outbox.a] included): iniparser merges them;
+ *   - a key given twice in one section: the last one silently wins;
+ *   - an empty section name "[]": iniparser files the following keys under the
+ *     previous section (or under a mangled name);
+ *   - text after the ']' of a section header: dropped;
+ *   - a line ending in '\': iniparser joins the next line onto it, so a comment
+ *     ending in '\' swallows the key below it;
+ *   - a quoted value without its closing quote, or with text after it: cut;
+ *   - an unquoted ';' or '#' with no whitespace before it: iniparser ends the value
+ *     there (ODBC strings: Driver={...};Server=db).
+ * Returns the number of problems found; 0 means the dictionary says what the file says. */
+static int scan_lines(loader *L)
+{
+    char section[1100] = "", *line = NULL;
     size_t cap = 0;
+    int lineno = 0, before = L->nerr;
     bool continued = false;
+    seen_list secs = { 0 }, keys = { 0 };
     FILE *f = fopen(L->file, "r");
 
-    if (!f)
-        return;   /* iniparser just read it; nothing more to say */
+    if (!f) {
+        lerr(L, NULL, NULL, "cannot open: %s", strerror(errno));
+        return 1;
+    }
     while (getline(&line, &cap, f) > 0) {
-        char *p = line, *eq, *v, *cut, key[256];
-        size_t n = strlen(line), kl;
+        char *p = line, *eq, *v, *cut, key[1100];
+        size_t n = strlen(line);
         bool was_continued = continued;
+        int first;
 
-        while (n > 0 && (line[n - 1] == '\n' || line[n - 1] == '\r' || line[n - 1] == ' ' || line[n - 1] == '\t'))
+        lineno++;
+        while (n > 0 && ini_space(line[n - 1]))
             line[--n] = '\0';
         continued = n > 0 && line[n - 1] == '\\';
         if (was_continued)
+            continue;   /* already reported with the line that ended in '\' */
+        if (continued) {
+            lerr_line(L, lineno, "line ends with '\\', expected one line per entry (iniparser would join "
+                      "line %d onto this one; line continuation is not supported)", lineno + 1);
             continue;
-        while (*p == ' ' || *p == '\t')
+        }
+        while (ini_space(*p))
             p++;
+        n = strlen(p);
         if (*p == ';' || *p == '#' || *p == '\0')
             continue;
-        if (*p == '[') {
+        if (p[0] == '[' && p[n - 1] == ']') {   /* iniparser's test for a section header */
             char *close = strchr(p, ']');
-            size_t sl = close ? (size_t)(close - p - 1) : 0;
-            if (close && sl < sizeof section) {
-                for (size_t i = 0; i < sl; i++)
-                    section[i] = (char)tolower((unsigned char)p[1 + i]);
-                section[sl] = '\0';
-                /* iniparser trims the name */
-                while (sl > 0 && (section[sl - 1] == ' ' || section[sl - 1] == '\t'))
-                    section[--sl] = '\0';
+            const char *after = close + 1;
+
+            ini_name(p + 1, (size_t)(close - p - 1), section, sizeof section);
+            seen_clear(&keys);
+            while (ini_space(*after))
+                after++;
+            if (*after) {
+                lerr_line(L, lineno, "[%s]: expected nothing after the ']' of a section header, got more text "
+                          "(iniparser would ignore it)", section);
+                continue;
             }
+            if (!section[0]) {
+                lerr_line(L, lineno, "empty section name [], expected [relay], [sink.NAME] or [outbox.NAME]");
+                continue;
+            }
+            if ((first = seen_add(&secs, section, lineno)) < 0)
+                goto oom;
+            if (first > 0)
+                lerr_line(L, lineno, "section [%s] given twice (first at line %d)", section, first);
             continue;
         }
         if (!(eq = strchr(p, '=')))
+            continue;   /* iniparser refuses it: not reached */
+        ini_name(p, (size_t)(eq - p), key, sizeof key);
+        if (!key[0])
+            continue;   /* likewise */
+        if ((first = seen_add(&keys, key, lineno)) < 0)
+            goto oom;
+        if (first > 0) {
+            lerr_line(L, lineno, "[%s] %s given twice (first at line %d)", section, key, first);
             continue;
-        kl = (size_t)(eq - p);
-        while (kl > 0 && (p[kl - 1] == ' ' || p[kl - 1] == '\t'))
-            kl--;
-        if (kl == 0 || kl >= sizeof key)
-            continue;
-        for (size_t i = 0; i < kl; i++)
-            key[i] = (char)tolower((unsigned char)p[i]);
-        key[kl] = '\0';
+        }
         v = eq + 1;
-        while (*v == ' ' || *v == '\t')
+        while (ini_space(*v))
             v++;
-        if (*v == '"' || *v == '\'')
+        if (*v == '"' || *v == '\'') {
+            char *close = strchr(v + 1, *v);
+            const char *after;
+
+            if (!close) {
+                lerr_line(L, lineno, "[%s] %s: expected a closing %c at the end of the quoted value, got none",
+                          section, key, *v);
+                continue;
+            }
+            /* like after an unquoted value, a comment needs whitespace before it */
+            after = close + 1;
+            while (ini_space(*after))
+                after++;
+            if (*after && (after == close + 1 || (*after != ';' && *after != '#')))
+                lerr_line(L, lineno, "[%s] %s: expected only whitespace and a ; comment after the closing %c "
+                          "of the value, got more text (iniparser would cut the value at the quote)",
+                          section, key, *v);
             continue;
+        }
         cut = v + strcspn(v, ";#");
-        if (*cut && cut > v && cut[-1] != ' ' && cut[-1] != '\t') {
-            lerr(L, section, key, "expected the value in quotes because it contains '%c' (an unquoted ';' or '#' "
-                 "starts a comment and would cut the value), got an unquoted value", *cut);
+        if (*cut && cut > v && !ini_space(cut[-1])) {
+            lerr_line(L, lineno, "[%s] %s: expected the value in quotes because it contains '%c' (an unquoted "
+                      "';' or '#' starts a comment and would cut the value), got an unquoted value",
+                      section, key, *cut);
         }
     }
+    if (ferror(f))
+        lerr(L, NULL, NULL, "cannot read: %s", strerror(errno));
     free(line);
     fclose(f);
+    seen_free(&secs);
+    seen_free(&keys);
+    return L->nerr - before;
+
+oom:
+    lerr(L, NULL, NULL, "out of memory");
+    free(line);
+    fclose(f);
+    seen_free(&secs);
+    seen_free(&keys);
+    return L->nerr - before;
 }
 
 /* Is key (a dictionary key "sec:key") inside one of the dictionary's sections? */
@@ -1345,6 +1500,7 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
     cfg *c = NULL;
     FILE *f;
     size_t n_sinks = 0, n_outboxes = 0;
+    bool bom = false;
 
     *out = NULL;
     if (!path) {
@@ -1358,8 +1514,11 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
     }
     {
         struct stat st;
+        unsigned char head[3];
         int is_dir = fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode);
 
+        /* iniparser reads a UTF-8 byte order mark as part of line 1 */
+        bom = !is_dir && fread(head, 1, sizeof head, f) == sizeof head && memcmp(head, "\xef\xbb\xbf", 3) == 0;
         fclose(f);
         if (is_dir) {
             lerr(&L, NULL, NULL, "cannot open: %s", strerror(EISDIR));
@@ -1376,7 +1535,10 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
         int line = 0;
 
         /* iniparser's message quotes the offending line (maybe a secret): keep only its number */
-        if (lp && sscanf(lp, "(%d)", &line) == 1 && line > 0)
+        if (bom)
+            lerr(&L, NULL, NULL, "line 1: cannot parse: expected plain text, got a UTF-8 byte order mark "
+                 "at the start of the file (save it without BOM)");
+        else if (lp && sscanf(lp, "(%d)", &line) == 1 && line > 0)
             lerr(&L, NULL, NULL, "line %d: cannot parse: expected [section], key = value or a ; comment%s",
                  line, strstr(ini_msg, "too long") ? " (line too long: at most 1024 bytes)" : "");
         else
@@ -1389,7 +1551,10 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
         goto fail;
     }
 
-    check_cut_values(&L);
+    /* the file's lines first: if iniparser merged, cut or dropped anything, the
+     * dictionary is not what the file says and validating it would mislead */
+    if (scan_lines(&L) > 0)
+        goto fail;
 
     /* pass 1: classify sections, count, report strays */
     for (ssize_t i = 0; i < L.d->size; i++) {
