@@ -3,7 +3,8 @@
 #   1. install the Debian packages of scripts/packages.txt (apt-get update + install, only if missing)
 #   2. start the private PostgreSQL / RabbitMQ (scripts/services.sh start)
 #   3. make test; make SANITIZER=address+undefined test (one build with both AddressSanitizer
-#      and UBSan: the whole suite once more, instrumented)
+#      and UBSan: the whole suite once more, instrumented); OUTBOX_TEST_PARALLEL=1 runs the two
+#      at the same time, each against its own private services
 #      (`scripts/test.sh quick`: the plain build only; `scripts/test.sh valgrind`: plain + valgrind)
 #   4. stop the services this run started; print "N passed, N failed" last; exit non-zero on failure
 # .ci/run calls this with CI=true (warnings become errors).
@@ -65,14 +66,9 @@ total_passed=0
 total_failed=0
 failed_steps=()
 
-# run_step NAME make-args...: runs make, sums the pytest summary line of its output
-run_step() {
-    local name=$1; shift
-    local log=$LOGDIR/$name.log
-    say "$name: make $*"
-    # a hung test must not hang CI: bound each step (the whole process group is killed)
-    timeout -k 15 "$STEP_TIMEOUT" make "$@" 2>&1 | tee "$log"
-    local rc=${PIPESTATUS[0]}
+# tally NAME LOG RC: sums the pytest summary line of a step's log
+tally() {
+    local name=$1 log=$2 rc=$3
     if ((rc == 124 || rc == 137)); then echo "test.sh: $name: timed out after ${STEP_TIMEOUT}s"; fi
     local summary passed=0 failed=0 errors=0
     summary=$(grep -E '([0-9]+ (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)|no tests ran).* in [0-9.]+s' "$log" | tail -n1 || true)
@@ -87,12 +83,52 @@ run_step() {
     say "$name: exit $rc, $passed passed, $failed failed"
 }
 
-run_step plain     test
-if [[ $MODE == all ]]; then
-    run_step asan+ubsan SANITIZER=address+undefined test
-fi
-if [[ $MODE == valgrind ]]; then
-    run_step valgrind  VALGRIND=1 test
+# run_step NAME make-args...: runs make with its output shown as it goes
+run_step() {
+    local name=$1; shift
+    local log=$LOGDIR/$name.log
+    say "$name: make $*"
+    # a hung test must not hang CI: bound each step (the whole process group is killed)
+    timeout -k 15 "$STEP_TIMEOUT" make "$@" 2>&1 | tee "$log"
+    tally "$name" "$log" "${PIPESTATUS[0]}"
+}
+
+# The plain and the instrumented suites are independent: with OUTBOX_TEST_PARALLEL=1 they run
+# at the same time, the instrumented one against its own private PostgreSQL and RabbitMQ
+# (.services-san/), and their logs are shown one after the other.
+PARALLEL=${OUTBOX_TEST_PARALLEL:-0}
+SAN_SVC=$ROOT/.services-san
+stop_san_services() { OUTBOX_SERVICES_DIR=$SAN_SVC scripts/services.sh stop >"$LOGDIR/stop-san.log" 2>&1 || true; }
+
+if [[ $MODE == all && $PARALLEL == 1 ]]; then
+    say "plain and asan+ubsan at the same time (own services each)"
+    trap 'stop_services; stop_san_services' EXIT
+    if ! OUTBOX_SERVICES_DIR=$SAN_SVC scripts/services.sh start; then
+        echo "test.sh: scripts/services.sh start ($SAN_SVC) failed"
+        echo "0 passed, 1 failed"
+        exit 1
+    fi
+    (timeout -k 15 "$STEP_TIMEOUT" make test >"$LOGDIR/plain.log" 2>&1; echo $? >"$LOGDIR/plain.rc") &
+    p1=$!
+    (export OUTBOX_SERVICES_DIR=$SAN_SVC
+     timeout -k 15 "$STEP_TIMEOUT" make SANITIZER=address+undefined test >"$LOGDIR/asan+ubsan.log" 2>&1
+     echo $? >"$LOGDIR/asan+ubsan.rc") &
+    p2=$!
+    wait "$p1" "$p2"
+    for name in plain asan+ubsan; do
+        say "$name: log"
+        cat "$LOGDIR/$name.log"
+        tally "$name" "$LOGDIR/$name.log" "$(cat "$LOGDIR/$name.rc" 2>/dev/null || echo 1)"
+    done
+    stop_san_services
+else
+    run_step plain     test
+    if [[ $MODE == all ]]; then
+        run_step asan+ubsan SANITIZER=address+undefined test
+    fi
+    if [[ $MODE == valgrind ]]; then
+        run_step valgrind  VALGRIND=1 test
+    fi
 fi
 
 # ------------------------------------------------------------------ summary
