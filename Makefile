@@ -41,6 +41,7 @@ ODBC_CFLAGS := $(call pc_cflags,odbc,)
 ODBC_LIBS   := $(call pc_libs,odbc,-lodbc)
 AMQP_CFLAGS := $(call pc_cflags,librabbitmq,)
 AMQP_LIBS   := $(call pc_libs,librabbitmq,-lrabbitmq)
+SSL_LIBS    := $(call pc_libs,openssl,-lssl -lcrypto)
 # libev and iniparser ship no .pc file on Debian
 EV_LIBS     := -lev
 INI_CFLAGS  := -I/usr/include/iniparser
@@ -63,7 +64,7 @@ BASE_CFLAGS := -std=c11 -D_GNU_SOURCE -fPIC -pthread $(WARN) $(OPT) $(SAN_FLAGS)
 ALL_CFLAGS  := $(BASE_CFLAGS) $(CFLAGS)
 ALL_LDFLAGS := -pthread $(SAN_FLAGS) $(LDFLAGS)
 LIB_LIBS    := $(PQ_LIBS) $(ODBC_LIBS)
-RELAY_LIBS  := $(LIB_LIBS) $(AMQP_LIBS) $(EV_LIBS) $(INI_LIBS) -lm
+RELAY_LIBS  := $(LIB_LIBS) $(AMQP_LIBS) $(SSL_LIBS) $(EV_LIBS) $(INI_LIBS) -lm
 
 LIB_SRC   := $(wildcard lib/*.c)
 RELAY_SRC := $(filter-out relay/main.c,$(wildcard relay/*.c config/*.c sources/*.c sources/*/*.c sinks/*.c sinks/*/*.c))

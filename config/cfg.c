@@ -777,6 +777,10 @@ static const keydef sink_keys[] = {
     { "tls_ca_file",      KT_STR,  KF_EMPTY_NULL | KF_READABLE, "", 0, 0, NULL, NULL, S(tls_ca_file),
       "a readable CA bundle file" },
     { "tls_verify",       KT_BOOL, 0, "true", 0, 0, NULL, NULL, S(tls_verify), NULL },
+    { "tls_cert",         KT_STR,  KF_EMPTY_NULL | KF_READABLE, "", 0, 0, NULL, NULL, S(tls_cert),
+      "a readable PEM client certificate file" },
+    { "tls_key",          KT_STR,  KF_EMPTY_NULL | KF_READABLE, "", 0, 0, NULL, NULL,
+      S(tls_key), "a readable PEM private key file" },
 };
 #undef S
 
@@ -1208,6 +1212,8 @@ static void free_sink(cfg_sink *s)
     free_secret(s->pass);
     free(s->vhost);
     free(s->tls_ca_file);
+    free(s->tls_cert);
+    free(s->tls_key);
 }
 
 static void free_outbox(cfg_outbox *o)

@@ -46,6 +46,8 @@ typedef struct cfg_sink {
     bool    tls;                /* amqps */
     char   *tls_ca_file;        /* tls_ca_file key, NULL: system default */
     bool    tls_verify;         /* tls_verify, default true */
+    char   *tls_cert;           /* tls_cert key: client certificate (PEM) for amqps, NULL: none */
+    char   *tls_key;            /* tls_key key: its private key (PEM), NULL: none */
     int     publish_window;     /* default 1000, 1..65535 */
     int64_t heartbeat_ms;       /* default 30s; 0 disables */
     int64_t confirm_timeout_ms; /* default 30s */

@@ -27,6 +27,7 @@
 
 #include "relay/ledger.h"
 #include "relay/log.h"
+#include "relay/peer.h"
 #include "relay/sink.h"
 #include "relay/source.h"
 
@@ -45,7 +46,7 @@ typedef struct sconn {
     bool          holding;       /* no request until hold_timer fires */
     double        fail_delay;    /* back-off after a failed request while the connection stays up */
     ev_timer      hold_timer;
-    char          last_down[256];/* last reason given for being down */
+    log_limit     down_log;      /* its failures, rate-limited (relay/log.h) */
 } sconn;
 
 struct drain {
@@ -62,6 +63,7 @@ struct drain {
     char              conn_name[200];
 
     int       sink_state;
+    log_limit sink_log;          /* broker connection failures, rate-limited (relay/log.h) */
     bool      leader;            /* we hold the leadership lease (leader mode) */
     int64_t   epoch;             /* its epoch (fencing token), 0 when not leader */
     double    leader_until;      /* monotonic: we may act as leader until then */
@@ -157,7 +159,8 @@ static void sink_on_state(void *ud, int state, const char *msg)
             log_msg(LOG_INFO, "outbox=%s sink=%s: broker unblocked, publishing resumes",
                     d->ob->name, d->ob->sink_name);
         else
-            log_msg(LOG_INFO, "outbox=%s sink=%s: connected", d->ob->name, d->ob->sink_name);
+            log_ok(&d->sink_log, LOG_INFO, "outbox=%s sink=%s: connected (%s)", d->ob->name,
+                   d->ob->sink_name, msg ? msg : "?");
         d->want_claim = true;
         pump(d);
     } else if (state == SINK_BLOCKED) {
@@ -167,8 +170,8 @@ static void sink_on_state(void *ud, int state, const char *msg)
         /* Buffered rows stay held (their leases run on; rows past their deadline are
            given back at the next pump). Unconfirmed ones come back as SINK_LOST and
            are published again, in id order per key, once the sink is up. */
-        log_msg(was == SINK_DOWN ? LOG_DEBUG : LOG_WARN, "outbox=%s sink=%s: down: %s",
-                d->ob->name, d->ob->sink_name, msg ? msg : "?");
+        log_fail(&d->sink_log, LOG_WARN, "outbox=%s sink=%s: down: %s",
+                 d->ob->name, d->ob->sink_name, msg ? msg : "?");
     }
     schedule_kick(d);
 }
@@ -226,23 +229,26 @@ static void pump(drain *d)
 
 /* ---------- source callbacks ---------- */
 
-/* Logs a connection state change; the source reports every failed reconnect,
-   so a repeated reason is logged once, then at debug level. */
+/* Logs a connection state change, naming the peer (host:port/database): repeats
+   of one failure are rate-limited with a count (log_fail), and the recovery says
+   after how many failures. */
 static void log_conn_state(sconn *c, int state, const char *msg)
 {
     drain *d = c->d;
+    char peer[300];
+    peer_of_outbox(d->ob, peer, sizeof peer);
     if (state == SRC_UP) {
-        c->last_down[0] = '\0';
         if (c == &d->main)
-            log_msg(LOG_INFO, "outbox=%s: database connected (database \"%s\", table %s)",
-                    d->ob->name, d->ob->database, d->ob->table);
+            log_ok(&c->down_log, LOG_INFO, "outbox=%s: database connected (%s, table %s)",
+                   d->ob->name, peer, d->ob->table);
+        else if (c->down_log.failures > 0)
+            log_ok(&c->down_log, LOG_INFO, "outbox=%s: %s connection to the database %s restored",
+                   d->ob->name, c->role, peer);
         return;
     }
-    const char *why = msg ? msg : "?";
-    bool repeat = !c->up && strcmp(c->last_down, why) == 0;
-    log_msg(repeat ? LOG_DEBUG : c->up ? LOG_WARN : LOG_ERROR,
-            "outbox=%s: database unavailable (%s connection): %s", d->ob->name, c->role, why);
-    snprintf(c->last_down, sizeof c->last_down, "%s", why);
+    log_fail(&c->down_log, c->up ? LOG_WARN : LOG_ERROR,
+             "outbox=%s: database unavailable (%s connection): %s: %s", d->ob->name, c->role,
+             peer, msg ? msg : "?");
 }
 
 static void conn_up(sconn *c)

@@ -284,3 +284,72 @@ void log_msg(int level, const char *fmt, ...)
     free(l);
     errno = saved_errno;
 }
+
+/* ------------------------------------------------------------ rate-limited failures */
+
+static double mono_s(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+void log_fail_at(log_limit *ll, double now, int level, const char *msg)
+{
+    ll->failures++;
+    if (ll->last[0] == '\0' || strncmp(ll->last, msg, sizeof ll->last - 1) != 0) {
+        /* a new reason: say it now (the count of the old one is in the next log_ok) */
+        log_msg(level, "%s", msg);
+        snprintf(ll->last, sizeof ll->last, "%s", msg);
+        ll->since = now;
+        ll->repeats = 0;
+        return;
+    }
+    ll->repeats++;
+    if (now - ll->since >= LOG_REPEAT_INTERVAL) {
+        log_msg(level, "%s (repeated %u times in %.0f s)", msg, ll->repeats, now - ll->since);
+        ll->since = now;
+        ll->repeats = 0;
+        return;
+    }
+    log_msg(LOG_DEBUG, "%s", msg);
+}
+
+void log_ok_at(log_limit *ll, double now, int level, const char *msg)
+{
+    (void)now;
+    if (ll->failures > 0)
+        log_msg(level, "%s after %u failure%s", msg, ll->failures, ll->failures == 1 ? "" : "s");
+    else
+        log_msg(level, "%s", msg);
+    ll->last[0] = '\0';
+    ll->repeats = 0;
+    ll->failures = 0;
+}
+
+void log_fail(log_limit *ll, int level, const char *fmt, ...)
+{
+    char    msg[LOG_LINE_MAX];
+    va_list ap;
+    int     saved_errno = errno;
+
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    log_fail_at(ll, mono_s(), level, msg);
+    errno = saved_errno;
+}
+
+void log_ok(log_limit *ll, int level, const char *fmt, ...)
+{
+    char    msg[LOG_LINE_MAX];
+    va_list ap;
+    int     saved_errno = errno;
+
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    log_ok_at(ll, mono_s(), level, msg);
+    errno = saved_errno;
+}

@@ -281,13 +281,13 @@ class BlackholeProxy:
     while its sockets stay open (no FIN, no RST: the peers see silence); connections made
     afterwards forward normally. close() ends everything."""
 
-    def __init__(self, target_port):
+    def __init__(self, target_port, port=0):
         import threading
         self._threading = threading
         self.target_port = target_port
         self.lsock = socket.socket()
         self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.bind(("127.0.0.1", port))   # port 0: any free port
         self.lsock.listen(64)
         self.port = self.lsock.getsockname()[1]
         self.lock = threading.Lock()
@@ -587,3 +587,156 @@ def memory_unmeasurable(relay_bin):
         if lib in p.stdout:
             return f"{lib} build: RSS includes the sanitizer's shadow memory"
     return None
+
+
+# ---------------------------------------------------------------------------- ops helpers
+# (added for tests/test_relay_ops.py; nothing above changed)
+LOG_TEXT_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z (ERROR|WARN|INFO|DEBUG) (.*)$")
+
+
+def log_events(text):
+    """[(LEVEL, message)] of a relay log in either format (relay/log.c: text
+    "TS LEVEL msg" or JSON {"ts","level","msg"}); other lines are skipped."""
+    import json
+    out = []
+    for ln in text.splitlines():
+        m = LOG_TEXT_RE.match(ln)
+        if m:
+            out.append((m.group(1), m.group(2)))
+            continue
+        if ln.startswith("{"):
+            try:
+                obj = json.loads(ln)
+            except ValueError:
+                continue
+            if isinstance(obj, dict) and "level" in obj and "msg" in obj:
+                out.append((str(obj["level"]).upper(), str(obj["msg"])))
+    return out
+
+
+def log_lines_at(text, pattern, levels=("WARN", "ERROR")):
+    """Messages matching the regex pattern logged at one of levels (not any level)."""
+    rx = re.compile(pattern)
+    return [msg for lvl, msg in log_events(text) if lvl in levels and rx.search(msg)]
+
+
+def wait_log_at(relay, pattern, levels=("WARN", "ERROR"), timeout=20):
+    """Waits for a line matching pattern at one of levels (default WARN or ERROR) in a
+    Relay's log; returns the first such message. A match at another level does not count:
+    the failure message names the levels seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = relay.text()
+        got = log_lines_at(text, pattern, levels)
+        if got:
+            return got[0]
+        if time.monotonic() >= deadline or relay.proc.poll() is not None:
+            other = [f"{lvl} {msg}" for lvl, msg in log_events(text) if re.search(pattern, msg)]
+            raise AssertionError(
+                f"no {'/'.join(levels)} line matched {pattern!r} within {timeout}s; "
+                f"at other levels: {other[:5]}; log:\n{text[-4000:]}")
+        time.sleep(0.05)
+
+
+class SilentListener:
+    """A TCP listener on 127.0.0.1 that accepts every connection and never answers
+    (nor closes it): a broker address whose port is open but whose broker is hung.
+    n_accepted counts the connections made to it."""
+
+    def __init__(self):
+        import threading
+        self.lsock = socket.socket()
+        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lsock.bind(("127.0.0.1", 0))
+        self.lsock.listen(128)
+        self.port = self.lsock.getsockname()[1]
+        self.conns = []
+        self.lock = threading.Lock()
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def n_accepted(self):
+        with self.lock:
+            return len(self.conns)
+
+    def _accept(self):
+        while not self.closed:
+            try:
+                c, _ = self.lsock.accept()
+            except OSError:
+                return
+            with self.lock:
+                self.conns.append(c)
+
+    def close(self):
+        self.closed = True
+        try:
+            self.lsock.close()
+        except OSError:
+            pass
+        with self.lock:
+            for c in self.conns:
+                try:
+                    c.close()
+                except OSError:
+                    pass
+            self.conns.clear()
+
+
+def make_pki(d):
+    """A CA, a server certificate whose only name is the IP SAN 127.0.0.1 (CN is not a host
+    name), a client certificate from the same CA, and a second, unrelated CA. Returns a dict
+    of PEM paths: ca, server_cert, server_key, client_cert, client_key, other_ca."""
+    d.mkdir(parents=True, exist_ok=True)
+
+    def ossl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    for ca in ("ca", "other_ca"):
+        ossl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key",
+             "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN=outbox test {ca}")
+    (d / "server.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    (d / "client.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for who in ("server", "client"):
+        ossl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key", "-out",
+             f"{who}.csr", "-subj", f"/CN=outbox test {who}")
+        ossl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", f"{who}.pem", "-days", "2", "-extfile", f"{who}.ext")
+    for p in d.iterdir():
+        p.chmod(0o644)   # the broker runs as this user, but keep it simple to read
+    return {"ca": d / "ca.pem", "server_cert": d / "server.pem", "server_key": d / "server.key",
+            "client_cert": d / "client.pem", "client_key": d / "client.key",
+            "other_ca": d / "other_ca.pem"}
+
+
+class BrokerTlsListener:
+    """An extra TLS (amqps) listener on the private RabbitMQ node, added at run time with
+    rabbit_networking:start_ssl_listener (no restart, no config change) and removed by
+    close(). verify_peer + fail_if_no_peer_cert: clients must present a certificate from
+    the CA in pki. Attribute: port."""
+
+    def __init__(self, services, pki):
+        self.services = services
+        self.port = free_port()
+        opts = (f'[{{cacertfile, "{pki["ca"]}"}}, {{certfile, "{pki["server_cert"]}"}}, '
+                f'{{keyfile, "{pki["server_key"]}"}}, {{verify, verify_peer}}, '
+                f'{{fail_if_no_peer_cert, true}}]')
+        expr = (f'{{ok, _}} = application:ensure_all_started(ssl), '
+                f'rabbit_networking:start_ssl_listener({{"127.0.0.1", {self.port}}}, {opts}, 1).')
+        r = services.rabbitmqctl("eval", expr, timeout=120)
+        assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=2).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def close(self):
+        self.services.rabbitmqctl(
+            "eval", f'rabbit_networking:stop_tcp_listener({{"127.0.0.1", {self.port}}}).',
+            timeout=120)

@@ -283,11 +283,55 @@ def test_json_headers_rejects(build, text, why):
     assert why in got
 
 
-def test_json_headers_rejects_invalid_utf8(build):
-    # argv cannot carry arbitrary bytes through text=True; use the driver's bad_headers
-    # instead (hdr=7 is "\xff"), covered by test_permanent_failures_are_eperm.
-    got = parse_json(build, '{"a":"\u00e9"}')
-    assert got == {"a": ("S", "\u00e9".encode())}
+def parse_json_bytes(build, raw):
+    """parse_json() for raw bytes (not necessarily UTF-8): they reach the driver's argv
+    unchanged because subprocess encodes str arguments with os.fsencode (surrogateescape),
+    the inverse of os.fsdecode. No NUL bytes (argv cannot carry them)."""
+    import os
+    assert b"\0" not in raw
+    text = os.fsdecode(raw)
+    assert os.fsencode(text) == raw, "argv would not carry these bytes unchanged"
+    return parse_json(build, text)
+
+
+@pytest.mark.parametrize("bad", [
+    pytest.param(b"\xc0\xaf", id="overlong-2-byte-slash"),
+    pytest.param(b"\xc1\xbf", id="overlong-2-byte-c1"),
+    pytest.param(b"\xe0\x80\xaf", id="overlong-3-byte-slash"),
+    pytest.param(b"\xe0\x9f\xbf", id="overlong-3-byte-u07ff"),
+    pytest.param(b"\xf0\x80\x80\xaf", id="overlong-4-byte-slash"),
+    pytest.param(b"\xf0\x8f\xbf\xbf", id="overlong-4-byte-uffff"),
+    pytest.param(b"\x80", id="lone-continuation-80"),
+    pytest.param(b"\xbf", id="lone-continuation-bf"),
+    pytest.param(b"a\x80b", id="continuation-between-ascii"),
+    pytest.param(b"\xc3\xa9\xa9", id="extra-continuation-after-e-acute"),
+    pytest.param(b"\xed\xa0\x80", id="surrogate-ud800"),
+    pytest.param(b"\xed\xbf\xbf", id="surrogate-udfff"),
+    pytest.param(b"\xed\xa0\xbd\xed\xb8\x80", id="surrogate-pair-cesu8"),
+    pytest.param(b"\xc3", id="truncated-2-byte"),
+    pytest.param(b"\xe2\x82", id="truncated-3-byte"),
+    pytest.param(b"\xf0\x9f\x98", id="truncated-4-byte"),
+    pytest.param(b"\xe2\x82x", id="truncated-3-byte-before-ascii"),
+    pytest.param(b"\xf4\x90\x80\x80", id="above-u10ffff"),
+    pytest.param(b"\xf5\x80\x80\x80", id="byte-f5"),
+    pytest.param(b"\xf8\x88\x80\x80\x80", id="byte-f8-5-byte-form"),
+    pytest.param(b"\xfe", id="byte-fe"),
+    pytest.param(b"\xff", id="byte-ff"),
+    pytest.param(None, id="valid-multibyte-accepted"),
+])
+def test_json_headers_rejects_invalid_utf8(build, bad):
+    if bad is None:
+        # the control: valid multi-byte UTF-8 at the edges of each sequence length (U+0080,
+        # U+07FF, U+0800, U+D7FF, U+E000, U+FFFF, U+10000, U+10FFFF) is kept byte for byte
+        good = "\u0080\u00e9\u07ff\u0800\u20ac\ud7ff\ue000\uffff\U00010000\U0001F600\U0010FFFF"
+        enc = good.encode()
+        assert parse_json_bytes(build, b'{"' + enc + b'":"' + enc + b'"}') == {good: ("S", enc)}
+        return
+    # in a value, in a key, and at the very end of the input (no closing quote)
+    for raw in (b'{"a":"x' + bad + b'y"}', b'{"k' + bad + b'":1}', b'{"a":"' + bad):
+        got = parse_json_bytes(build, raw)
+        assert isinstance(got, str), f"{raw!r} accepted as {got!r}"
+        assert "invalid UTF-8" in got, (raw, got)
 
 
 # ---------------------------------------------------------------- publishing
@@ -298,7 +342,7 @@ def test_publish_properties_and_body(services, build, names):
     assert r.rc == 0, r
     assert r.summary["acked"] == 27 and r.summary["total"] == 27, r
     assert all(r.final(i) == "ACK" for i in range(27)), r
-    assert r.states[0][0] == "UP" and "vhost '/'" in r.states[0][1]
+    assert r.states[0][0] == "UP" and "vhost /" in r.states[0][1]
     assert "guest:" not in r.out and "guest@" not in r.out
 
     msgs = get_all(services, names.q)
@@ -758,7 +802,7 @@ def test_connection_cut_in_flight_lost_then_reconnect(services, build, names, pr
     assert r.summary["lost"] == 50, r
     assert r.summary["max_in_flight"] == 50, r
     downs = [t for s, t in r.states if s == "DOWN"]
-    assert len(downs) == 1 and downs[0].startswith(f"127.0.0.1:{proxy.port} vhost '/': "), r
+    assert len(downs) == 1 and downs[0].startswith(f"broker 127.0.0.1:{proxy.port} vhost /: "), r
     assert [s for s, _ in r.states] == ["UP", "DOWN", "UP"], r
     assert all(r.final(i) == "ACK" for i in range(800))
     ids = {p.message_id for p, _ in get_all(services, names.q)}
@@ -897,19 +941,21 @@ def test_check_errors_name_host_vhost_not_password(services, build):
     bad = f"amqp://guest:Sekr1tPw@127.0.0.1:{port}/%2f"
     r = run_prog([driver(build), bad, "x,y,1"], timeout=60)
     assert r.returncode == 1
-    assert f"check failed: rabbitmq 127.0.0.1:{port} vhost '/': login:" in r.stdout, r.stdout
+    assert f"check failed: broker 127.0.0.1:{port} vhost /: login refused (ACCESS_REFUSED" \
+        in r.stdout, r.stdout
     assert "403" in r.stdout or "ACCESS_REFUSED" in r.stdout, r.stdout
     assert "Sekr1tPw" not in r.stdout + r.stderr
 
     r = run_prog([driver(build), f"amqp://guest:guest@127.0.0.1:{port}/no-such-vhost",
                   "x,y,1"], timeout=60)
     assert r.returncode == 1
-    assert f"rabbitmq 127.0.0.1:{port} vhost 'no-such-vhost': login:" in r.stdout, r.stdout
+    assert f"broker 127.0.0.1:{port} vhost no-such-vhost: login:" in r.stdout, r.stdout
 
     t0 = time.monotonic()
     r = run_prog([driver(build), "amqp://guest:guest@127.0.0.1:1/%2f", "x,y,1"], timeout=60)
     assert r.returncode == 1
-    assert "check failed: rabbitmq 127.0.0.1:1 vhost '/': connect:" in r.stdout, r.stdout
+    assert "check failed: broker 127.0.0.1:1 vhost /: connect: connection refused" in r.stdout, \
+        r.stdout
     assert time.monotonic() - t0 < 30
 
 

@@ -7,8 +7,14 @@
  * and on a periodic tick (heartbeats, confirm timeout).
  *
  * Bounded blocking:
- *  - connect/login/channel.open/confirm.select: each bounded by connect_timeout
- *    (socket open timeout, handshake timeout, rpc timeout). DNS is not bounded.
+ *  - connect/TLS handshake/login/channel.open/confirm.select never run on the
+ *    loop: each attempt runs on its own worker thread (struct cjob), each step
+ *    bounded by connect_timeout (socket open timeout, handshake timeout, rpc
+ *    timeout; DNS is not bounded). The worker owns the new connection until it
+ *    hands it back through an ev_async; from then on only the loop touches it.
+ *    destroy() cancels a running attempt: it shuts the worker's socket down
+ *    (once the TCP connection exists) and waits for the worker at most
+ *    connect_timeout; a worker still running after that cleans up after itself.
  *  - publish: rabbitmq-c's send waits without a deadline when the socket
  *    buffer is full, so publish() first checks the free space in the socket
  *    send buffer (SIOCOUTQ vs SO_SNDBUF) and says SINK_EAGAIN when the encoded
@@ -42,11 +48,21 @@
 #include <amqp.h>
 #include <amqp_ssl_socket.h>
 #include <amqp_tcp_socket.h>
+#include <arpa/inet.h>
 #include <errno.h>
 #include <ev.h>
 #include <linux/sockios.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
+#include <openssl/x509.h>
+#include <openssl/x509v3.h>
+#include <openssl/x509_vfy.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -117,11 +133,34 @@ typedef struct entry {
     char         *ret_reason;  /* owned; set by basic.return */
 } entry;
 
+/* One connection attempt on a worker thread. Shared by the sink and the
+ * worker (refs). mu guards refs, done, abandoned, fd, conn and err; the
+ * inputs are written before the thread starts and only read by it. */
+typedef struct cjob {
+    pthread_mutex_t mu;
+    pthread_cond_t  cv;            /* signalled when done */
+    int             refs;          /* 2 while both hold it; the last one frees it */
+    bool            done;          /* the worker has finished: conn/err are set */
+    bool            abandoned;     /* the sink is gone: the worker cleans up */
+    int             fd;            /* the socket while the handshake runs, else -1 */
+    ev_async       *wake;          /* the sink's watcher (valid until abandoned) */
+    struct ev_loop *loop;
+    /* inputs: the worker's own copies */
+    cfg_sink        cfg;           /* strings owned: host user pass vhost tls_* */
+    char           *conn_name;
+    amqp_channel_t  ch;
+    /* outputs */
+    amqp_connection_state_t conn;  /* owned by the job until taken */
+    char            err[700];
+} cjob;
+
 struct sink {
     struct ev_loop *loop;
     cfg_sink        cfg;          /* deep copy of the strings we use (owned) */
     char           *conn_name;    /* owned */
-    char            ident[300];   /* "host:port vhost '/'" for messages */
+    char            ident[300];   /* "broker host:port vhost V" for messages */
+    cjob           *job;          /* the connection attempt in progress, or NULL */
+    ev_async        jobw;         /* its hand-off */
     sink_cbs        cbs;
 
     amqp_connection_state_t conn; /* NULL when down */
@@ -236,9 +275,11 @@ static int heartbeat_s(const cfg_sink *c)
     return s > 65535 ? 65535 : (int)s;
 }
 
+/* The peer, as every message about this sink's connection names it (run and
+ * check alike): "broker 127.0.0.1:5672 vhost /". */
 static void set_ident(char *buf, size_t len, const cfg_sink *c)
 {
-    snprintf(buf, len, "%s:%d vhost '%s'", c->host ? c->host : "?", c->port,
+    snprintf(buf, len, "broker %s:%d vhost %s", c->host ? c->host : "?", c->port,
              c->vhost ? c->vhost : "?");
 }
 
@@ -281,9 +322,305 @@ static amqp_table_t client_props(struct props_storage *ps, const char *conn_name
     return t;
 }
 
+/* ------------------------------------------------- failure reasons, in words */
+
+/* The first certificate problem OpenSSL met during this thread's handshake:
+ * the verify callback runs on the thread that connects (a worker, or check). */
+static _Thread_local int  tl_verify_err;
+static _Thread_local int  tl_verify_depth;
+static _Thread_local char tl_verify_subject[256];
+
+static int verify_cb(int ok, X509_STORE_CTX *x)
+{
+    if (!ok && tl_verify_err == 0) {
+        X509 *cert = X509_STORE_CTX_get_current_cert(x);
+
+        tl_verify_err = X509_STORE_CTX_get_error(x);
+        tl_verify_depth = X509_STORE_CTX_get_error_depth(x);
+        tl_verify_subject[0] = '\0';
+        if (cert != NULL)
+            X509_NAME_oneline(X509_get_subject_name(cert), tl_verify_subject,
+                              (int)sizeof tl_verify_subject);
+    }
+    return ok;   /* rabbitmq-c checks the verify result after the handshake */
+}
+
+/* The last TLS alert the broker sent during this thread's connect
+ * ("certificate required" when it wants a client certificate): rabbitmq-c
+ * pops OpenSSL's error queue on a failed read, the alert survives here. */
+static _Thread_local char tl_alert[128];
+
+static void info_cb(const SSL *ssl, int where, int ret)
+{
+    (void)ssl;
+    const char *desc;
+
+    if ((where & SSL_CB_READ_ALERT) == 0 || tl_alert[0] != '\0')
+        return;
+    desc = SSL_alert_desc_string_long(ret);
+    if ((ret & 0xff) == 116)   /* TLS 1.3 certificate_required: unnamed in OpenSSL 3.0 */
+        desc = "certificate required (the broker asked for a client certificate: tls_cert, tls_key)";
+    if (desc == NULL || strcmp(desc, "unknown") == 0)
+        snprintf(tl_alert, sizeof tl_alert, "%s alert %d from the broker",
+                 SSL_alert_type_string_long(ret), ret & 0xff);
+    else
+        snprintf(tl_alert, sizeof tl_alert, "%s alert from the broker: %s",
+                 SSL_alert_type_string_long(ret), desc);
+}
+
+/* Whether the broker asked for a client certificate while none is configured.
+ * Its alert may never be read: it closes the connection right after, and the
+ * reset that follows our next write discards unread data. */
+static _Thread_local bool tl_cert_asked;
+
+static int client_cert_cb(SSL *ssl, X509 **x509, EVP_PKEY **pkey)
+{
+    (void)ssl;
+    (void)x509;
+    (void)pkey;
+    tl_cert_asked = true;
+    return 0;   /* none: the handshake goes on without one */
+}
+
+/* Appends why TLS failed: the broker's request for a client certificate we do
+ * not have, else its alert, else the last OpenSSL error of this thread;
+ * clears OpenSSL's error queue. */
+static void add_ssl_error(char *buf, size_t len)
+{
+    unsigned long e = ERR_peek_last_error();
+    const char   *r;
+    size_t        n = strlen(buf);
+
+    if (tl_cert_asked && n < len) {   /* first: the same words whether the alert was read or not */
+        snprintf(buf + n, len - n, ": the broker asked for a client certificate and none is "
+                 "configured (tls_cert, tls_key)");
+    } else if (tl_alert[0] != '\0' && n < len) {
+        snprintf(buf + n, len - n, ": %s", tl_alert);
+    } else if (e != 0 && n < len) {
+        r = ERR_reason_error_string(e);
+        if (r != NULL)
+            snprintf(buf + n, len - n, ": %s", r);
+        else
+            snprintf(buf + n, len - n, ": OpenSSL error 0x%lx", e);
+    }
+    ERR_clear_error();
+}
+
+/* rabbitmq-c loses the errno of a failed TCP connect: connect once more,
+ * bounded, to say why ("connection refused"). Writes into buf. */
+static void probe_connect(const char *host, int port, int64_t timeout_ms, char *buf, size_t len)
+{
+    struct addrinfo hint, *res = NULL;
+    char            portstr[16];
+    int             fd = -1, rc, soerr = 0;
+    socklen_t       sl = sizeof soerr;
+
+    memset(&hint, 0, sizeof hint);
+    hint.ai_family = AF_UNSPEC;
+    hint.ai_socktype = SOCK_STREAM;
+    snprintf(portstr, sizeof portstr, "%d", port);
+    if ((rc = getaddrinfo(host, portstr, &hint, &res)) != 0) {
+        snprintf(buf, len, "cannot resolve %s: %s", host, gai_strerror(rc));
+        return;
+    }
+    fd = socket(res->ai_family, res->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, res->ai_protocol);
+    if (fd < 0) {
+        snprintf(buf, len, "socket: %s", strerror(errno));
+        goto out;
+    }
+    if (connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+        snprintf(buf, len, "a socket error (the port answers now)");
+        goto out;
+    }
+    if (errno == EINPROGRESS) {
+        struct pollfd p = { .fd = fd, .events = POLLOUT };
+
+        do {
+            rc = poll(&p, 1, (int)(timeout_ms > 60000 ? 60000 : timeout_ms));
+        } while (rc < 0 && errno == EINTR);
+        if (rc == 0) {
+            snprintf(buf, len, "timeout after %g s", (double)timeout_ms / 1000.);
+            goto out;
+        }
+        if (rc < 0 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) < 0)
+            soerr = errno;
+        if (soerr == 0) {
+            snprintf(buf, len, "a socket error (the port answers now)");
+            goto out;
+        }
+    } else {
+        soerr = errno;
+    }
+    snprintf(buf, len, "%s", strerror(soerr));
+    if (buf[0] >= 'A' && buf[0] <= 'Z' && buf[1] >= 'a' && buf[1] <= 'z')
+        buf[0] = (char)(buf[0] - 'A' + 'a');   /* "connection refused" */
+out:
+    if (fd >= 0)
+        close(fd);
+    freeaddrinfo(res);
+}
+
+/* Why a login (or channel.open / confirm.select) failed, in words. */
+static void fmt_login_fail(amqp_rpc_reply_t r, const char *what, const cfg_sink *c, char *buf,
+                           size_t len)
+{
+    double t = (double)c->connect_timeout_ms / 1000.;
+
+    if (r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION && r.reply.id == AMQP_CONNECTION_CLOSE_METHOD) {
+        const amqp_connection_close_t *m = r.reply.decoded;
+        int n = (int)m->reply_text.len;
+        const char *txt = (const char *)m->reply_text.bytes;
+
+        if (m->reply_code == AMQP_ACCESS_REFUSED)
+            snprintf(buf, len, "%s refused (%.*s)", what, n, txt);
+        else if (m->reply_code == AMQP_NOT_ALLOWED)
+            snprintf(buf, len, "%s: vhost not allowed (%.*s)", what, n, txt);
+        else
+            snprintf(buf, len, "%s: the broker closed the connection: %u %.*s", what,
+                     (unsigned)m->reply_code, n, txt);
+        return;
+    }
+    if (r.reply_type == AMQP_RESPONSE_LIBRARY_EXCEPTION) {
+        switch (r.library_error) {
+        case AMQP_STATUS_TIMEOUT:
+            snprintf(buf, len, "%s: timeout after %g s (the TCP connection is up, the broker "
+                     "does not answer)", what, t);
+            return;
+        case AMQP_STATUS_CONNECTION_CLOSED:
+        case AMQP_STATUS_SOCKET_ERROR:
+        case AMQP_STATUS_BAD_AMQP_DATA:
+        case AMQP_STATUS_UNEXPECTED_STATE:
+        case AMQP_STATUS_INCOMPATIBLE_AMQP_VERSION:
+            snprintf(buf, len, "%s: %s%s", what, amqp_error_string2(r.library_error),
+                     c->tls ? "" : " (a TLS port? then use amqps://)");
+            if (c->tls)
+                add_ssl_error(buf, len);
+            return;
+        case AMQP_STATUS_SSL_ERROR:
+            snprintf(buf, len, "%s: TLS error", what);
+            add_ssl_error(buf, len);
+            return;
+        default:
+            break;
+        }
+    }
+    fmt_reply(r, what, buf, len);
+}
+
+/* Why opening the socket (TCP connect, and for amqps the TLS handshake) failed. */
+static void fmt_open_fail(int rc, const cfg_sink *c, char *buf, size_t len)
+{
+    char   why[300];
+    double t = (double)c->connect_timeout_ms / 1000.;
+
+    switch (rc) {
+    case AMQP_STATUS_HOSTNAME_RESOLUTION_FAILED:
+        snprintf(buf, len, "cannot resolve host name %s", c->host);
+        break;
+    case AMQP_STATUS_TIMEOUT:
+        snprintf(buf, len, "%s: timeout after %g s", c->tls ? "connect/TLS handshake" : "connect", t);
+        break;
+    case AMQP_STATUS_SOCKET_ERROR:
+        probe_connect(c->host, c->port, c->connect_timeout_ms, why, sizeof why);
+        snprintf(buf, len, "connect: %s", why);
+        break;
+    case AMQP_STATUS_SSL_PEER_VERIFY_FAILED:
+        if (tl_verify_err != 0)
+            snprintf(buf, len, "TLS: certificate verify failed: %s (depth %d, %s)",
+                     X509_verify_cert_error_string(tl_verify_err), tl_verify_depth,
+                     tl_verify_subject[0] ? tl_verify_subject : "no subject");
+        else
+            snprintf(buf, len, "TLS: certificate verify failed: the broker sent no certificate");
+        ERR_clear_error();
+        break;
+    case AMQP_STATUS_SSL_HOSTNAME_VERIFY_FAILED:
+        snprintf(buf, len, "TLS: certificate verify failed: the certificate does not name %s", c->host);
+        ERR_clear_error();
+        break;
+    case AMQP_STATUS_SSL_CONNECTION_FAILED:
+    case AMQP_STATUS_SSL_ERROR:
+        snprintf(buf, len, "TLS handshake failed");
+        add_ssl_error(buf, len);
+        break;
+    default:
+        snprintf(buf, len, "connect: %s", amqp_error_string2(rc));
+        if (c->tls)
+            add_ssl_error(buf, len);
+        break;
+    }
+}
+
+static bool is_ip_address(const char *h)
+{
+    unsigned char a[sizeof(struct in6_addr)];
+
+    return inet_pton(AF_INET, h, a) == 1 || inet_pton(AF_INET6, h, a) == 1;
+}
+
+/* TLS settings on a new SSL socket: CA, client certificate, and verification
+ * by OpenSSL itself (chain, then the host name or IP address against the
+ * certificate's SANs; rabbitmq-c 0.11's own host name check knows DNS names
+ * only, so amqps://127.0.0.1 failed even with an IP SAN). */
+static int tls_setup(amqp_socket_t *sock, const cfg_sink *c, char *err, size_t errlen)
+{
+    const char *ca = c->tls_ca_file;
+    SSL_CTX    *ctx = amqp_ssl_socket_get_context(sock);
+    int         rc;
+
+    if (ctx == NULL) {
+        snprintf(err, errlen, "cannot create a TLS context");
+        return -1;
+    }
+    if (ca == NULL && c->tls_verify && access(AMQPSINK_SYS_CA, R_OK) == 0)
+        ca = AMQPSINK_SYS_CA;
+    if (ca != NULL && (rc = amqp_ssl_socket_set_cacert(sock, ca)) != AMQP_STATUS_OK) {
+        snprintf(err, errlen, "tls_ca_file %s: %s", ca, amqp_error_string2(rc));
+        add_ssl_error(err, errlen);
+        return -1;
+    }
+    if ((c->tls_cert == NULL) != (c->tls_key == NULL)) {
+        snprintf(err, errlen, "%s is set without %s: a client certificate needs both",
+                 c->tls_cert ? "tls_cert" : "tls_key", c->tls_cert ? "tls_key" : "tls_cert");
+        return -1;
+    }
+    if (c->tls_cert != NULL &&
+        (rc = amqp_ssl_socket_set_key(sock, c->tls_cert, c->tls_key)) != AMQP_STATUS_OK) {
+        snprintf(err, errlen, "tls_cert %s / tls_key %s: %s", c->tls_cert, c->tls_key,
+                 amqp_error_string2(rc));
+        add_ssl_error(err, errlen);
+        return -1;
+    }
+    amqp_ssl_socket_set_verify_peer(sock, c->tls_verify ? 1 : 0);
+    amqp_ssl_socket_set_verify_hostname(sock, 0);   /* OpenSSL checks it, below */
+    SSL_CTX_set_verify(ctx, SSL_VERIFY_NONE, verify_cb);   /* rabbitmq-c reads the result */
+    SSL_CTX_set_info_callback(ctx, info_cb);
+    if (c->tls_cert == NULL)
+        SSL_CTX_set_client_cert_cb(ctx, client_cert_cb);
+    if (c->tls_verify) {
+        X509_VERIFY_PARAM *vp = SSL_CTX_get0_param(ctx);
+        int                ok;
+
+        if (is_ip_address(c->host)) {
+            ok = X509_VERIFY_PARAM_set1_ip_asc(vp, c->host);
+        } else {
+            X509_VERIFY_PARAM_set_hostflags(vp, X509_CHECK_FLAG_NO_PARTIAL_WILDCARDS);
+            ok = X509_VERIFY_PARAM_set1_host(vp, c->host, 0);
+        }
+        if (ok != 1) {
+            snprintf(err, errlen, "cannot set up verification of host %s", c->host);
+            add_ssl_error(err, errlen);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* Blocking connect + login + channel.open(ch) + confirm.select, each step
- * bounded by connect_timeout. Returns 0 and *out, or -1 with err. */
-static int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch,
+ * bounded by connect_timeout; runs on a worker thread (or in check). If
+ * jb is given, the socket is published there while the handshake runs so
+ * that destroy() can cut it short. Returns 0 and *out, or -1 with err (the
+ * reason in words, without the peer: the caller adds ident). */
+static int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch, cjob *jb,
                      amqp_connection_state_t *out, char *err, size_t errlen)
 {
     amqp_connection_state_t conn;
@@ -293,29 +630,27 @@ static int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch
     amqp_table_t            props;
     amqp_rpc_reply_t        r;
     int                     rc;
+    bool                    gone = false;
 
     *out = NULL;
+    ERR_clear_error();
+    tl_verify_err = 0;
+    tl_alert[0] = '\0';
+    tl_cert_asked = false;
     conn = amqp_new_connection();
     if (conn == NULL) {
         snprintf(err, errlen, "out of memory");
         return -1;
     }
     if (c->tls) {
-        const char *ca = c->tls_ca_file;
-
         sock = amqp_ssl_socket_new(conn);   /* owned by conn */
         if (sock == NULL) {
             snprintf(err, errlen, "cannot create a TLS socket");
+            add_ssl_error(err, errlen);
             goto fail;
         }
-        if (ca == NULL && c->tls_verify && access(AMQPSINK_SYS_CA, R_OK) == 0)
-            ca = AMQPSINK_SYS_CA;
-        if (ca != NULL && (rc = amqp_ssl_socket_set_cacert(sock, ca)) != AMQP_STATUS_OK) {
-            snprintf(err, errlen, "tls_ca_file %s: %s", ca, amqp_error_string2(rc));
+        if (tls_setup(sock, c, err, errlen) < 0)
             goto fail;
-        }
-        amqp_ssl_socket_set_verify_peer(sock, c->tls_verify ? 1 : 0);
-        amqp_ssl_socket_set_verify_hostname(sock, c->tls_verify ? 1 : 0);
     } else {
         sock = amqp_tcp_socket_new(conn);   /* owned by conn */
         if (sock == NULL) {
@@ -330,32 +665,55 @@ static int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch
     }
     rc = amqp_socket_open_noblock(sock, c->host, c->port, &tv);
     if (rc != AMQP_STATUS_OK) {
-        snprintf(err, errlen, "connect: %s", amqp_error_string2(rc));
+        fmt_open_fail(rc, c, err, errlen);
         goto fail;
+    }
+    if (jb != NULL) {
+        pthread_mutex_lock(&jb->mu);
+        gone = jb->abandoned;
+        if (!gone)
+            jb->fd = amqp_get_sockfd(conn);
+        pthread_mutex_unlock(&jb->mu);
+        if (gone) {
+            snprintf(err, errlen, "cancelled");
+            goto fail;
+        }
     }
     props = client_props(&ps, conn_name);
     r = amqp_login_with_properties(conn, c->vhost, 0, AMQPSINK_FRAME_MAX, heartbeat_s(c),
                                    &props, AMQP_SASL_METHOD_PLAIN, c->user, c->pass);
     if (r.reply_type != AMQP_RESPONSE_NORMAL) {
-        fmt_reply(r, "login", err, errlen);
+        fmt_login_fail(r, "login", c, err, errlen);
         goto fail;
     }
     amqp_channel_open(conn, ch);
     r = amqp_get_rpc_reply(conn);
     if (r.reply_type != AMQP_RESPONSE_NORMAL) {
-        fmt_reply(r, "channel.open", err, errlen);
+        fmt_login_fail(r, "channel.open", c, err, errlen);
         goto fail;
     }
     amqp_confirm_select(conn, ch);
     r = amqp_get_rpc_reply(conn);
     if (r.reply_type != AMQP_RESPONSE_NORMAL) {
-        fmt_reply(r, "confirm.select", err, errlen);
+        fmt_login_fail(r, "confirm.select", c, err, errlen);
         goto fail;
+    }
+    if (jb != NULL) {
+        pthread_mutex_lock(&jb->mu);
+        jb->fd = -1;
+        pthread_mutex_unlock(&jb->mu);
     }
     *out = conn;   /* ownership to the caller */
     return 0;
 fail:
+    if (jb != NULL) {
+        /* never shut down a descriptor number that destroy below frees for reuse */
+        pthread_mutex_lock(&jb->mu);
+        jb->fd = -1;
+        pthread_mutex_unlock(&jb->mu);
+    }
     amqp_destroy_connection(conn);
+    ERR_clear_error();
     return -1;
 }
 
@@ -380,6 +738,189 @@ static void conn_close(amqp_connection_state_t conn, bool polite)
             (void)amqp_connection_close(conn, AMQP_REPLY_SUCCESS);
     }
     amqp_destroy_connection(conn);
+}
+
+/* ------------------------------------------------------------ connect worker */
+
+static void cfg_strings_free(cfg_sink *c)
+{
+    if (c->pass != NULL) {
+        memset(c->pass, 0, strlen(c->pass));
+        free(c->pass);
+    }
+    free(c->name);
+    free(c->host);
+    free(c->user);
+    free(c->vhost);
+    free(c->tls_ca_file);
+    free(c->tls_cert);
+    free(c->tls_key);
+    c->name = c->host = c->user = c->pass = c->vhost = NULL;
+    c->tls_ca_file = c->tls_cert = c->tls_key = NULL;
+}
+
+static int dupstr(char **dst, const char *src)
+{
+    *dst = NULL;
+    if (src == NULL)
+        return 0;
+    *dst = strdup(src);
+    return *dst ? 0 : -1;
+}
+
+/* Deep copy of the strings a connection needs (url and password are not kept:
+ * they may carry the password; pass is the one copy). -1 when out of memory
+ * (dst then holds whatever was copied: free it with cfg_strings_free). */
+static int cfg_strings_dup(cfg_sink *dst, const cfg_sink *src)
+{
+    *dst = *src;
+    dst->url = NULL;
+    dst->password = NULL;
+    dst->name = dst->host = dst->user = dst->pass = dst->vhost = NULL;
+    dst->tls_ca_file = dst->tls_cert = dst->tls_key = NULL;
+    if (dupstr(&dst->name, src->name) < 0 || dupstr(&dst->host, src->host) < 0 ||
+        dupstr(&dst->user, src->user) < 0 || dupstr(&dst->pass, src->pass) < 0 ||
+        dupstr(&dst->vhost, src->vhost) < 0 || dupstr(&dst->tls_ca_file, src->tls_ca_file) < 0 ||
+        dupstr(&dst->tls_cert, src->tls_cert) < 0 || dupstr(&dst->tls_key, src->tls_key) < 0)
+        return -1;
+    return 0;
+}
+
+static void job_free(cjob *jb)
+{
+    if (jb->conn != NULL)
+        conn_close(jb->conn, true);
+    cfg_strings_free(&jb->cfg);
+    free(jb->conn_name);
+    pthread_cond_destroy(&jb->cv);
+    pthread_mutex_destroy(&jb->mu);
+    free(jb);
+}
+
+/* Drops one reference; the last one frees the job. Called without jb->mu. */
+static void job_release(cjob *jb)
+{
+    bool last;
+
+    pthread_mutex_lock(&jb->mu);
+    last = --jb->refs == 0;
+    pthread_mutex_unlock(&jb->mu);
+    if (last)
+        job_free(jb);
+}
+
+static void *job_main(void *arg)
+{
+    cjob                   *jb = arg;
+    amqp_connection_state_t conn = NULL;
+    char                    err[sizeof jb->err];
+
+    err[0] = '\0';
+    if (conn_open(&jb->cfg, jb->conn_name, jb->ch, jb, &conn, err, sizeof err) < 0)
+        conn = NULL;
+    pthread_mutex_lock(&jb->mu);
+    jb->conn = conn;   /* the job owns it until the loop takes it */
+    snprintf(jb->err, sizeof jb->err, "%s", err);
+    jb->done = true;
+    pthread_cond_broadcast(&jb->cv);
+    if (!jb->abandoned)
+        ev_async_send(jb->loop, jb->wake);   /* under mu: the sink is still there */
+    pthread_mutex_unlock(&jb->mu);
+    ERR_clear_error();
+    job_release(jb);
+    return NULL;
+}
+
+/* Starts a connection attempt on a worker thread: 0, or -1 with err. */
+static int job_start(sink *s, char *err, size_t errlen)
+{
+    pthread_attr_t attr;
+    pthread_t      th;
+    sigset_t       all, old;
+    cjob          *jb;
+    int            rc;
+
+    jb = calloc(1, sizeof *jb);
+    if (jb == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    if (pthread_mutex_init(&jb->mu, NULL) != 0) {
+        free(jb);
+        snprintf(err, errlen, "cannot create a mutex");
+        return -1;
+    }
+    if (pthread_cond_init(&jb->cv, NULL) != 0) {
+        pthread_mutex_destroy(&jb->mu);
+        free(jb);
+        snprintf(err, errlen, "cannot create a condition variable");
+        return -1;
+    }
+    jb->refs = 2;
+    jb->fd = -1;
+    jb->loop = s->loop;
+    jb->wake = &s->jobw;
+    jb->ch = s->ch;
+    if (cfg_strings_dup(&jb->cfg, &s->cfg) < 0 || dupstr(&jb->conn_name, s->conn_name) < 0) {
+        job_free(jb);
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    if ((rc = pthread_attr_init(&attr)) != 0) {
+        job_free(jb);
+        snprintf(err, errlen, "cannot start a connect thread: %s", strerror(rc));
+        return -1;
+    }
+    (void)pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    /* active only while a worker runs; started first: a send to a stopped
+     * watcher would be forgotten by ev_async_start */
+    ev_async_start(s->loop, &s->jobw);
+    /* the worker takes no signals: they belong to the loop thread */
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    rc = pthread_create(&th, &attr, job_main, jb);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    if (rc != 0) {
+        ev_async_stop(s->loop, &s->jobw);
+        job_free(jb);
+        snprintf(err, errlen, "cannot start a connect thread: %s", strerror(rc));
+        return -1;
+    }
+    s->job = jb;
+    return 0;
+}
+
+/* Abandons the attempt in progress (destroy): cuts its handshake short and
+ * waits for the worker at most connect_timeout. A worker still busy after
+ * that (a TCP connect or TLS handshake with a silent peer, bounded by
+ * connect_timeout itself) frees the job and its connection when it ends. */
+static void job_cancel(sink *s)
+{
+    cjob           *jb = s->job;
+    struct timespec dl;
+    int64_t         ms = s->cfg.connect_timeout_ms > 0 ? s->cfg.connect_timeout_ms : 5000;
+
+    if (jb == NULL)
+        return;
+    s->job = NULL;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += (time_t)(ms / 1000);
+    dl.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&jb->mu);
+    jb->abandoned = true;
+    if (jb->fd >= 0)
+        (void)shutdown(jb->fd, SHUT_RDWR);   /* the worker's recv/send fail at once */
+    while (!jb->done) {
+        if (pthread_cond_timedwait(&jb->cv, &jb->mu, &dl) == ETIMEDOUT)
+            break;
+    }
+    pthread_mutex_unlock(&jb->mu);
+    job_release(jb);   /* a finished job's connection is closed with it */
 }
 
 /* ------------------------------------------------------------ ring / state */
@@ -696,25 +1237,64 @@ static void sink_free(sink *s);
             sink_free(s);                          \
     } while (0)
 
+/* A connect attempt failed (reason in words, without the peer). */
+static void connect_failed(sink *s, const char *err)
+{
+    char msg[1100];
+
+    snprintf(msg, sizeof msg, "%s: %s", s->ident, err);
+    if (emit_state(s, msg))
+        schedule_reconnect(s);
+}
+
+/* Back-off over: start a connection attempt on a worker thread. */
 static void retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
     sink *s = w->data;
-    char  err[512];
-    int   rc;
+    char  err[300];
 
     (void)loop;
     (void)revents;
+    if (s->job != NULL || s->conn != NULL)
+        return;
     ENTER(s);
     s->ch = 1;
-    rc = conn_open(&s->cfg, s->conn_name, s->ch, &s->conn, err, sizeof err);
-    if (rc < 0) {
-        char msg[900];
+    if (job_start(s, err, sizeof err) < 0)
+        connect_failed(s, err);
+    LEAVE(s);
+}
 
-        snprintf(msg, sizeof msg, "%s: %s", s->ident, err);
-        if (emit_state(s, msg))
-            schedule_reconnect(s);
+/* The worker is done: take its connection (or its reason) on the loop. */
+static void jobw_cb(struct ev_loop *loop, ev_async *w, int revents)
+{
+    sink                   *s = w->data;
+    cjob                   *jb = s->job;
+    amqp_connection_state_t conn;
+    char                    err[sizeof jb->err];
+
+    (void)loop;
+    (void)revents;
+    if (jb == NULL)
+        return;
+    pthread_mutex_lock(&jb->mu);
+    if (!jb->done) {
+        pthread_mutex_unlock(&jb->mu);
+        return;
+    }
+    conn = jb->conn;   /* ownership to the sink */
+    jb->conn = NULL;
+    snprintf(err, sizeof err, "%s", jb->err);
+    pthread_mutex_unlock(&jb->mu);
+    s->job = NULL;
+    ev_async_stop(s->loop, &s->jobw);
+    job_release(jb);
+
+    ENTER(s);
+    if (conn == NULL) {
+        connect_failed(s, err[0] ? err : "connection failed");
         goto out;
     }
+    s->conn = conn;
     s->backoff = AMQPSINK_BACKOFF_MIN;
     s->chan_ok = true;
     s->blocked = false;
@@ -724,7 +1304,6 @@ static void retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
     x_clear(s);
     s->ck_ch = check_channel(s->conn);
     set_sock_opts(s);
-    ev_now_update(s->loop);   /* the handshake blocked for a while */
     s->hb = amqp_get_heartbeat(s->conn);
     s->last_rx = ev_time();
     if (s->hb > 0 && s->hb / 4.0 < s->tick.repeat)
@@ -736,7 +1315,7 @@ static void retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
     {
         char msg[400];
 
-        snprintf(msg, sizeof msg, "connected to %s", s->ident);
+        snprintf(msg, sizeof msg, "%s", s->ident);
         if (!emit_state(s, msg))
             goto out;
     }
@@ -1372,6 +1951,8 @@ static bool drain(sink *s)
 
 static void sink_free(sink *s)
 {
+    job_cancel(s);
+    ev_async_stop(s->loop, &s->jobw);
     ev_io_stop(s->loop, &s->rio);
     ev_io_stop(s->loop, &s->wio);
     ev_timer_stop(s->loop, &s->tick);
@@ -1386,26 +1967,9 @@ static void sink_free(sink *s)
             free(s->ring[i].ret_reason);
         free(s->ring);
     }
-    if (s->cfg.pass != NULL) {
-        memset(s->cfg.pass, 0, strlen(s->cfg.pass));
-        free(s->cfg.pass);
-    }
-    free(s->cfg.name);
-    free(s->cfg.host);
-    free(s->cfg.user);
-    free(s->cfg.vhost);
-    free(s->cfg.tls_ca_file);
+    cfg_strings_free(&s->cfg);
     free(s->conn_name);
     free(s);
-}
-
-static int dupstr(char **dst, const char *src)
-{
-    *dst = NULL;
-    if (src == NULL)
-        return 0;
-    *dst = strdup(src);
-    return *dst ? 0 : -1;
 }
 
 static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char *conn_name,
@@ -1431,15 +1995,9 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
     s->loop = loop;
     s->cbs = *cbs;
     s->reported = -1;
-    s->cfg = *sc;
-    s->cfg.url = NULL;        /* not kept: may carry the password */
-    s->cfg.password = NULL;
-    s->cfg.name = s->cfg.host = s->cfg.user = s->cfg.pass = s->cfg.vhost = NULL;
-    s->cfg.tls_ca_file = NULL;
-    if (dupstr(&s->cfg.name, sc->name) < 0 || dupstr(&s->cfg.host, sc->host) < 0 ||
-        dupstr(&s->cfg.user, sc->user) < 0 || dupstr(&s->cfg.pass, sc->pass) < 0 ||
-        dupstr(&s->cfg.vhost, sc->vhost) < 0 ||
-        dupstr(&s->cfg.tls_ca_file, sc->tls_ca_file) < 0 ||
+    ev_async_init(&s->jobw, jobw_cb);   /* before any goto oom: sink_free stops it */
+    s->jobw.data = s;
+    if (cfg_strings_dup(&s->cfg, sc) < 0 ||   /* url/password not kept: they may carry the password */
         dupstr(&s->conn_name, conn_name) < 0)
         goto oom;
     if (s->cfg.reconnect_max_ms < 100)
@@ -1493,6 +2051,7 @@ static void amqpsink_destroy(sink *s)
         /* Called from one of our callbacks: stop everything now, free when
          * the callback chain unwinds. No further callbacks. */
         s->dying = true;
+        ev_async_stop(s->loop, &s->jobw);
         ev_io_stop(s->loop, &s->rio);
         ev_io_stop(s->loop, &s->wio);
         ev_timer_stop(s->loop, &s->tick);
@@ -1506,7 +2065,7 @@ static void amqpsink_destroy(sink *s)
 
 static void amqpsink_start(sink *s)
 {
-    if (s->conn != NULL || ev_is_active(&s->retry))
+    if (s->conn != NULL || s->job != NULL || ev_is_active(&s->retry))
         return;
     ev_timer_set(&s->retry, 0., 0.);
     ev_timer_start(s->loop, &s->retry);
@@ -1639,15 +2198,15 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
 static int amqpsink_check(const cfg_sink *sc, char *err, size_t errlen)
 {
     amqp_connection_state_t conn;
-    char                    ident[300], why[600];
+    char                    ident[300], why[800];
 
     set_ident(ident, sizeof ident, sc);
     if (!sc->confirms || !sc->mandatory) {
-        snprintf(err, errlen, "rabbitmq %s: publisher confirms and mandatory are required", ident);
+        snprintf(err, errlen, "%s: publisher confirms and mandatory are required", ident);
         return -1;
     }
-    if (conn_open(sc, "outbox-relay check", 1, &conn, why, sizeof why) < 0) {
-        snprintf(err, errlen, "rabbitmq %s: %s", ident, why);
+    if (conn_open(sc, "outbox-relay check", 1, NULL, &conn, why, sizeof why) < 0) {
+        snprintf(err, errlen, "%s: %s", ident, why);   /* run logs the same words */
         return -1;
     }
     conn_close(conn, true);

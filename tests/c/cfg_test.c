@@ -63,6 +63,8 @@ static void dump(const cfg *c)
         printf("mandatory = %s\n", b2s(s->mandatory));
         printf("tls_ca_file = %s\n", s2s(s->tls_ca_file));
         printf("tls_verify = %s\n", b2s(s->tls_verify));
+        printf("tls_cert = %s\n", s2s(s->tls_cert));
+        printf("tls_key = %s\n", s2s(s->tls_key));
         printf("url.host = %s\n", s2s(s->host));
         printf("url.port = %d\n", s->port);
         printf("url.user = %s\n", s2s(s->user));
