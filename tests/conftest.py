@@ -3,6 +3,7 @@
 Fixtures (the contract other tests rely on):
   services  (session)  private servers started by scripts/services.sh; see class Services
   pgdb      (function) a fresh empty database t_<hex>, dropped afterwards; see class PgDb
+  pgdb2     (function) a second one, for tests that need two databases
   build     (session)  pathlib.Path of the build dir (env OUTBOX_BUILD, default <repo>/build)
   relay_bin (session)  build / "outbox-relay"
   amqp      (function) a pika BlockingConnection to the private broker, closed afterwards
@@ -220,8 +221,9 @@ class PgDb:
         self._conns.clear()
 
 
-@pytest.fixture
-def pgdb(services):
+def scratch_database(services):
+    """Generator behind pgdb/pgdb2: creates t_<hex>, yields its PgDb, then closes the
+    connections made through it and drops it (also killing sessions left on it)."""
     name = "t_" + secrets.token_hex(6)
     with services.pg_connect() as admin:
         admin.execute(f'CREATE DATABASE "{name}"')
@@ -232,6 +234,17 @@ def pgdb(services):
         db.close_all()
         with services.pg_connect() as admin:
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def pgdb(services):
+    yield from scratch_database(services)
+
+
+@pytest.fixture
+def pgdb2(services):
+    """A second scratch database like pgdb, for tests that need two."""
+    yield from scratch_database(services)
 
 
 # ---------------------------------------------------------------------------- build, broker

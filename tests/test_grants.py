@@ -19,12 +19,15 @@ DEAD = "outbox.messages_dead"
 def granted(pgdb, services, relay_bin):
     """pgdb with the outbox schema (from `outbox-relay schema`) and the grants applied;
     yields connect(role) → autocommit psycopg connection logged in as a member of that role."""
+    # a missing binary or a broken `schema` command is a failure, never a skip: the
+    # services fixture has already made sure the server is there
     if not relay_bin.exists():
-        pytest.skip(f"{relay_bin} not built yet")
+        pytest.fail(f"{relay_bin} is not built (make)", pytrace=False)
     r = run_prog([relay_bin, "schema", "--dialect", "postgres"], timeout=30, valgrind=False)
     if r.returncode != 0 or "CREATE TABLE" not in r.stdout:
-        pytest.skip(f"`outbox-relay schema --dialect postgres` failed (exit {r.returncode}): "
-                    f"{r.stderr.strip()[:300]}")
+        pytest.fail(f"`outbox-relay schema --dialect postgres` failed (exit {r.returncode}): "
+                    f"{r.stderr.strip()[:300]}\nstdout: {r.stdout.strip()[:300]}",
+                    pytrace=False)
     pgdb.psql(r.stdout)
     # twice: the grants file is idempotent
     for _ in range(2):
@@ -110,7 +113,7 @@ def test_relay_may_drain_settle_and_dead_letter(granted, pgdb):
     r = granted("outbox_relay")
     for k in ("a", "b", "c"):
         _insert(p, k)
-    r.execute(f"LISTEN outbox_relay")
+    r.execute("LISTEN outbox_relay")
     # leadership: the lease row is taken and renewed with INSERT ... ON CONFLICT DO UPDATE
     for _ in range(2):
         r.execute("INSERT INTO outbox.messages_lease AS l (name, owner, epoch, expires_at) "

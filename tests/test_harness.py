@@ -24,24 +24,104 @@ def test_pg_select_and_pg_stat_statements(pgdb, services):
         assert int(c.execute("show port").fetchone()[0]) == services.pg_port != 5432
 
 
-def test_pgdb_is_fresh_and_dropped(services):
-    # a database made by the fixture must be gone after teardown: emulate the fixture cycle
-    import secrets
+_INNER_PGDB_TESTS = r"""
+import json
+import os
 
-    from conftest import PgDb
-    name = "t_probe_" + secrets.token_hex(4)
+OUT = os.environ["PGDB_PROBE_OUT"]
+seen = {}
+
+
+def record(name, value):
+    seen[name] = value
+    with open(OUT, "w") as f:
+        json.dump({k: v for k, v in seen.items() if not k.startswith("_")}, f)
+
+
+def test_a_fresh_database(pgdb, pgdb2):
+    record("a2", pgdb2.name)
+    record("a", pgdb.name)
+    assert pgdb2.name != pgdb.name
+    assert pgdb2.connect().execute("select count(*) from pg_tables where schemaname"
+                                   " = 'public'").fetchone() == (0,)
+    c = pgdb.connect()
+    assert c.execute("select current_database()").fetchone() == (pgdb.name,)
+    assert c.execute("select count(*) from pg_class c join pg_namespace n"
+                     " on n.oid = c.relnamespace where n.nspname not in"
+                     " ('pg_catalog', 'information_schema', 'pg_toast')").fetchone() == (0,)
+    c.execute("create table left_behind (x int)")
+    tx = pgdb.connect(autocommit=False)      # left inside an open transaction
+    tx.execute("select * from left_behind for update")
+    seen["_conns"] = [c, tx]
+
+
+def test_b_fails_with_connections_open(pgdb):
+    record("b", pgdb.name)
+    c = pgdb.connect()
+    assert c.execute("select count(*) from pg_tables where tablename = 'left_behind'"
+                     ).fetchone() == (0,), "a database left over from test_a"
+    c.execute("select pg_sleep(0)")
+    seen["_conns"].append(c)
+    raise AssertionError("deliberate failure: teardown must still drop the database")
+
+
+def test_c_after_teardown(services):
+    assert len(seen["_conns"]) == 3   # pgdb2's connection is checked by the DROP below
+    assert all(c.closed for c in seen["_conns"]), "pgdb left psycopg connections open"
     with services.pg_connect() as admin:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}"')
-        admin.execute(f'CREATE DATABASE "{name}"')
-    db = PgDb(services, name)
-    c = db.connect()
-    assert c.execute("select count(*) from pg_tables where schemaname = 'public'").fetchone() == (0,)
-    db.close_all()
-    assert c.closed
+        left = admin.execute("select datname from pg_database where datname = any(%s)",
+                             ([seen["a"], seen["a2"], seen["b"]],)).fetchall()
+    assert left == [], f"databases not dropped: {left}"
+"""
+
+
+def test_pgdb_is_fresh_and_dropped(services, tmp_path):
+    """The real pgdb (and pgdb2) fixture, driven by pytest itself in an inner session: each
+    use gets a new empty database; at teardown — also of a failing test — its connections
+    are closed and its database is dropped (checked inside the session and from outside)."""
+    import json
+    import os
+    import sys
+    import xml.etree.ElementTree as ET
+
+    from conftest import ROOT
+    (tmp_path / "test_inner_pgdb.py").write_text(_INNER_PGDB_TESTS)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    out, junit = tmp_path / "names.json", tmp_path / "junit.xml"
+    tests_dir = str(ROOT / "tests")
+    env = dict(os.environ, PGDB_PROBE_OUT=str(out),
+               PYTHONPATH=os.pathsep.join(filter(None, [tests_dir,
+                                                        os.environ.get("PYTHONPATH")])))
+    # -p conftest: the harness's tests/conftest.py, loaded as a plugin (fixtures and all)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p",
+                        "no:cacheprovider", "-c", str(tmp_path / "pytest.ini"),
+                        "--rootdir", str(tmp_path), f"--junitxml={junit}", "-q", "-ra",
+                        str(tmp_path / "test_inner_pgdb.py")],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    summary = r.stdout[r.stdout.find("short test summary info"):] if "short test summary info" \
+        in r.stdout else r.stdout[-3000:]
+    report = f"inner pytest exit {r.returncode}:\n{summary}\n{r.stderr[-2000:]}"
+    outcomes = {}   # test name -> [(failure|error|skipped, message)]
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        outcomes.setdefault(case.get("name"), []).extend(
+            (c.tag, c.get("message", "")) for c in case
+            if c.tag in ("failure", "error", "skipped"))
+    assert set(outcomes) == {"test_a_fresh_database", "test_b_fails_with_connections_open",
+                             "test_c_after_teardown"}, report
+    assert outcomes["test_a_fresh_database"] == [], report
+    assert outcomes["test_c_after_teardown"] == [], report
+    b = outcomes["test_b_fails_with_connections_open"]   # its own failure, no teardown error
+    assert len(b) == 1 and b[0][0] == "failure" and "deliberate failure" in b[0][1], report
+    names = json.loads(out.read_text())
+    assert len(set(names.values())) == 3 and all(n.startswith("t_") for n in names.values()), \
+        names
+    # from outside: the databases are gone, and so is every session that was on them
     with services.pg_connect() as admin:
-        admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-        assert admin.execute("select count(*) from pg_database where datname = %s",
-                             (name,)).fetchone() == (0,)
+        assert admin.execute("select datname from pg_database where datname = any(%s)",
+                             (list(names.values()),)).fetchall() == []
+        assert admin.execute("select pid, datname from pg_stat_activity"
+                             " where datname = any(%s)",
+                             (list(names.values()),)).fetchall() == []
 
 
 def test_psql_helper(pgdb):

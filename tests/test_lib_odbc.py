@@ -16,7 +16,7 @@ import pytest
 
 from conftest import run_prog
 from test_lib_pg import *  # noqa: F401,F403 - the same cases, re-run through ODBC
-from test_lib_pg import T, Result, conn_str, rows, run_case, send_bin, valgrind_env
+from test_lib_pg import T, Result, conn_str, rows, run_case, send_bin
 
 
 @pytest.fixture
@@ -60,7 +60,7 @@ class Mssql:
         self.db = None
 
     def run(self, case, *args, table=None, expect_exit=0):
-        env = valgrind_env(dict(os.environ, OUTBOX_TEST_TABLE=table or self.table))
+        env = dict(os.environ, OUTBOX_TEST_TABLE=table or self.table)
         proc = run_prog([send_bin(self.build), "odbc", self.conn, self.db or "-", case, *args],
                         env=env)
         r = Result(proc)
@@ -136,7 +136,7 @@ def test_mssql_database_name_mismatch_is_edbname(mssql):
     wrong = mssql.db.swapcase()
     r = run_prog([send_bin(mssql.build), "odbc", mssql.conn, wrong, "dbname",
                   str(uuid.uuid4())],
-                 env=valgrind_env(dict(os.environ, OUTBOX_TEST_TABLE=mssql.table)))
+                 env=dict(os.environ, OUTBOX_TEST_TABLE=mssql.table))
     res = Result(r)
     assert r.returncode == 0, res
     assert [c["rc"] for c in res.calls] == [-3, -3], res

@@ -96,20 +96,12 @@ class Result:
                 f"stderr:\n{self.proc.stderr}")
 
 
-# psqlODBC 13 reads uninitialised memory inside its own SQLDisconnect (seen under
-# valgrind on Debian 12); not ours, so it is suppressed for the ODBC runs only.
-def valgrind_env(env):
-    """The environment for an ODBC run (psqlODBC's own errors are suppressed by
-    tests/valgrind.supp, which the harness passes to every valgrind run)."""
-    return env
-
-
+# psqlODBC's own errors under valgrind (inside its SQLDisconnect) are suppressed by
+# tests/valgrind.supp, which the harness passes to every valgrind run (run_prog).
 def run_case(build, backend, conn, qdb, case, *args, table=None, expect_exit=0):
     env = dict(os.environ)
     if table:
         env["OUTBOX_TEST_TABLE"] = table
-    if backend == "odbc":
-        env = valgrind_env(env)
     proc = run_prog([send_bin(build), backend, conn, qdb, case, *args], env=env)
     r = Result(proc)
     assert proc.returncode == expect_exit, r

@@ -254,10 +254,24 @@ class PgBackend:
         t.start()
         return t
 
+    def lock_rows(self, ids):
+        """Row locks on `ids` held by another open transaction; returns release()."""
+        c = self.pgdb.connect(autocommit=False)
+        got = c.execute(f"SELECT id FROM {self.qt} WHERE id = ANY(%s) FOR UPDATE",
+                        (list(ids),)).fetchall()
+        assert sorted(r[0] for r in got) == sorted(ids), got
+        return c.rollback
+
     def relay_sessions(self):
         return [r[0] for r in self.q("SELECT pid FROM pg_stat_activity WHERE datname ="
                                      " current_database() AND pid <> pg_backend_pid()"
                                      " AND backend_type = 'client backend'")]
+
+    def blocked_sessions(self):
+        """Sessions of this database waiting for a lock (e.g. on hold_table_lock's)."""
+        return [r[0] for r in self.q("SELECT pid FROM pg_stat_activity WHERE datname ="
+                                     " current_database() AND pid <> pg_backend_pid()"
+                                     " AND wait_event_type = 'Lock'")]
 
     def leader_session(self):
         # pg_locks is cluster-wide: only this test's database
@@ -366,10 +380,36 @@ class MssqlBackend:
         time.sleep(0.5)
         return t
 
+    def lock_rows(self, ids):
+        """Row locks (UPDLOCK, the kind the claim's READPAST skips) on `ids`, held by an open
+        transaction on another session; returns release()."""
+        locker = Driver(self.binary, self.conn, self.database, table=self.table,
+                        valgrind=False)
+        try:
+            got = locker.sql(f"BEGIN TRAN; SELECT id FROM {self.qt} WITH (UPDLOCK, ROWLOCK)"
+                             f" WHERE id IN ({', '.join(str(int(i)) for i in ids)})")
+            assert sorted(int(r[0]) for r in got) == sorted(ids), got
+            assert locker.sql("SELECT @@TRANCOUNT") == [["1"]], "the transaction must stay open"
+        except BaseException:
+            locker.close()
+            raise
+
+        def release():
+            try:
+                locker.sql("ROLLBACK")
+            finally:
+                locker.close()
+        return release
+
     def relay_sessions(self):
         return [int(r[0]) for r in self.q("SELECT session_id FROM sys.dm_exec_sessions WHERE"
                                           " database_id = DB_ID() AND session_id <> @@SPID"
                                           " AND is_user_process = 1")]
+
+    def blocked_sessions(self):
+        return [int(r[0]) for r in self.q("SELECT session_id FROM sys.dm_exec_requests WHERE"
+                                          " database_id = DB_ID() AND session_id <> @@SPID"
+                                          " AND blocking_session_id <> 0")]
 
     def leader_session(self):
         r = self.q("SELECT request_session_id FROM sys.dm_tran_locks WHERE resource_type ="
@@ -433,6 +473,27 @@ def init_schema(backend, drivers):
     r = d.admin("init")  # idempotent
     assert r["rc"] == "0", r
     return d
+
+
+def wait_blocked_in_flight(backend, d, sessions, what):
+    """Waits until one of `sessions` (the source's) is blocked on a lock, then asserts that
+    the driver has not reported the request `what` done: it is still under way, stuck on the
+    lock. Returns the blocked sessions."""
+    from conftest import wait_for
+    blocked = wait_for(lambda: [p for p in backend.blocked_sessions() if p in sessions],
+                       timeout=15 * SLOW, desc=f"the source's {what} to block on the table lock")
+    while True:   # every line the driver printed so far, kept for later expect() calls
+        try:
+            line = d.q.get_nowait()
+        except queue.Empty:
+            break
+        if line is None:
+            raise AssertionError("driver exited; output:\n" + "\n".join(d.seen[-40:]))
+        d.seen.append(line)
+        d.pending.append(line)
+    done = [line for line in d.pending if line.startswith(f"DONE {what} ")]
+    assert not done, f"the {what} finished although its session is blocked: {done}"
+    return blocked
 
 
 # ---------------------------------------------------------------------------- tests
@@ -536,18 +597,19 @@ def test_concurrent_claims_are_disjoint(backend, drivers):
 
 
 def test_claim_skips_rows_locked_by_another_transaction(backend, drivers):
-    if backend.dialect != "postgres":
-        pytest.skip("row-lock holder written with psycopg")
     init_schema(backend, drivers)
     ids = backend.insert(4)
-    c = backend.pgdb.connect(autocommit=False)
-    c.execute(f"SELECT id FROM {backend.qt} WHERE id = ANY(%s) FOR UPDATE", (ids[:2],))
-    d = drivers()
-    d.send("start")
-    d.up()
-    done, rows = d.claim(10, 7)
-    assert [int(r["id"]) for r in rows] == ids[2:], "SKIP LOCKED must pass the locked rows"
-    c.rollback()
+    release = backend.lock_rows(ids[:2])
+    try:
+        d = drivers()
+        d.send("start")
+        d.up()
+        done, rows = d.claim(10, 7)
+        assert done["ok"] == "0", done
+        assert [int(r["id"]) for r in rows] == ids[2:], \
+            "SKIP LOCKED / READPAST must pass the locked rows"
+    finally:
+        release()
     done, rows = d.claim(10, 8)
     assert [int(r["id"]) for r in rows] == ids[:2]
 
@@ -770,10 +832,11 @@ def test_destroy_during_a_stalled_query_is_bounded(backend, drivers):
     d = drivers("--query-timeout", "20000")
     d.send("start")
     d.up()
+    before = set(backend.relay_sessions())
     t = backend.hold_table_lock(6)
     d.send("claim 10 30000 12 relay-a")
     d.expect(r"^SUBMIT rc=0")
-    time.sleep(0.5)
+    wait_blocked_in_flight(backend, d, before, "claim")
     d.send("destroy")
     ms = int(d.expect(r"^DESTROYED ", 30).split("=")[1])
     print(f"destroy with a query blocked on a lock took {ms} ms (SQLCancel)")
@@ -791,9 +854,7 @@ def test_connection_killed_fails_request_and_reconnects(backend, drivers):
     t = backend.hold_table_lock(3)
     d.send("claim 10 30000 13 relay-a")
     d.expect(r"^SUBMIT rc=0")
-    time.sleep(0.7)
-    waiting = [p for p in backend.relay_sessions() if p in before]
-    assert waiting, "the source's session must be visible"
+    waiting = wait_blocked_in_flight(backend, d, before, "claim")
     for p in waiting:
         backend.kill(p)
     done = parse(d.expect(r"^DONE claim ", 20))

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 
+from conftest import wait_for
 from relay_util import (Relay, amqp_channel, consume, declare, expected_payload, free_port,
                         psql_rows, run_producer, write_config)
 
@@ -277,29 +278,39 @@ def test_sigterm_mid_drain_no_duplicates(services, pgdb, relay_bin, build, tmp_p
     q = f"qterm-{uuid.uuid4().hex[:6]}"
     conn, ch = amqp_channel(services)
     declare(ch, "", q, q)
+    n = 20000
     cfg = write_config(tmp_path / "term.ini", services, pgdb, relay={"shutdown_timeout": "5s"})
     init_schema(relay_bin, cfg)
-    run_producer(build, pgdb.dsn, pgdb.name, count=20000, keys=50, routing_key=q, size=256,
+    run_producer(build, pgdb.dsn, pgdb.name, count=n, keys=50, routing_key=q, size=256,
                  batch=1000)
     r = Relay(relay_bin, cfg, tmp_path / "term1.log")
     r.wait_log("became the active relay")
-    time.sleep(0.7)
+    # SIGTERM once the drain is under way: some rows confirmed and marked, not all of them
+    probe = pgdb.connect()
+
+    def sent():
+        return probe.execute("select count(*) from outbox.messages"
+                             " where sent_at is not null").fetchone()[0]
+    under_way = wait_for(sent, timeout=30, desc="the relay to mark its first rows sent")
+    assert under_way < n, (f"the whole backlog ({n} rows) was drained before the test could"
+                           " send SIGTERM: the test needs a larger backlog")
     t0 = time.monotonic()
     rc = r.stop(signal.SIGTERM, timeout=30)
     took = time.monotonic() - t0
     r.assert_clean_exit(rc)
     assert took < 5 + 1.0, f"took {took:.1f}s to stop"
-    sent_first = psql_rows(pgdb, "select count(*) from outbox.messages where sent_at is not null")[0][0]
+    sent_first = sent()
     leased = psql_rows(pgdb, "select count(*) from outbox.messages where lease_token is not null")[0][0]
-    print(f"SIGTERM after 0.7s: {sent_first} sent, stopped in {took:.2f}s, {leased} leases left")
-    assert 0 < sent_first < 20000, "stop should happen mid-drain"
+    print(f"SIGTERM when {under_way} rows were marked: {sent_first} sent, stopped in "
+          f"{took:.2f}s, {leased} leases left")
+    assert 0 < sent_first < n, "stop should happen mid-drain"
     assert leased == 0, "leases should be released on a clean stop"
     r2 = Relay(relay_bin, cfg, tmp_path / "term2.log")
-    got = consume(ch, q, 20000, timeout=120, idle=1.5)
+    got = consume(ch, q, n, timeout=120, idle=1.5)
     r2.assert_clean_exit(r2.stop())
     ids = [p.message_id for p, _, _ in got]
-    assert len(ids) == 20000, f"got {len(ids)}"
-    assert len(set(ids)) == 20000, f"{len(ids) - len(set(ids))} duplicates after restart"
+    assert len(ids) == n, f"got {len(ids)}"
+    assert len(set(ids)) == n, f"{len(ids) - len(set(ids))} duplicates after restart"
     conn.close()
 
 
