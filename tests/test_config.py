@@ -26,7 +26,7 @@ LEAD_RE = re.compile(r"^\[(?P<sec>[^\]]*)\](?: (?P<key>[a-z_]+))?: ")
 def cfg_test(build):
     exe = build / "tests" / "cfg_test"
     if not exe.exists():
-        pytest.fail(f"{exe} not built (run make)")
+        pytest.fail(f"{exe} not built (run make test-programs)")
     return exe
 
 

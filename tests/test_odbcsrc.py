@@ -431,7 +431,7 @@ class MssqlBackend:
 def backend(request, build):
     binary = build / "tests" / "odbcsrc_test"
     if not binary.exists():
-        pytest.fail(f"{binary} not built (make)")
+        pytest.fail(f"{binary} not built (make test-programs)")
     if request.param == "sqlserver":
         if not MSSQL:
             pytest.skip(MSSQL_SKIP)

@@ -140,7 +140,7 @@ def parse_done(text):
 def driver_bin(build):
     p = build / "tests" / "pgsrc_test"
     if not p.exists():
-        pytest.fail(f"{p} is not built (make)", pytrace=False)
+        pytest.fail(f"{p} is not built (make test-programs)", pytrace=False)
     return str(p)
 
 

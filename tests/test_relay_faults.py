@@ -200,7 +200,7 @@ def test_postgres_restart_mid_drain(services, pgdb, relay_bin, build, tmp_path):
 
 # ---------------------------------------------------------------------------- 3
 def test_broker_connections_closed_mid_drain(services, pgdb, relay_bin, build, tmp_path):
-    n, keys = 20000, 100
+    n, keys = 30000, 100
     # a smaller window slows the drain (~5k msg/s) so that three closes (~1 s of rabbitmqctl
     # each) land mid-drain
     c = Case(services, pgdb, relay_bin, build, tmp_path, "amqpclose", reconnect_max="1s",
@@ -504,7 +504,7 @@ def test_blocked_longer_than_confirm_timeout(services, pgdb, relay_bin, build, t
     every confirm_timeout and republish."""
     n, keys = 500, 20
     c = Case(services, pgdb, relay_bin, build, tmp_path, "blocklong",
-             sink={"confirm_timeout": "2s"})
+             sink={"confirm_timeout": "3s"})   # > the time a loaded broker takes to say blocked
     r = c.start()
     alarm = False
     try:
@@ -517,7 +517,7 @@ def test_blocked_longer_than_confirm_timeout(services, pgdb, relay_bin, build, t
         wait_for(lambda: r.metric("outbox_relay_sink_blocked") == 1, 10, ignore=(OSError,),
                  desc="outbox_relay_sink_blocked 1")
         in_flight = r.metric("outbox_relay_in_flight")
-        time.sleep(5.0)   # 2.5 x confirm_timeout
+        time.sleep(7.5)   # 2.5 x confirm_timeout
         blocked_gauge = r.metric("outbox_relay_sink_blocked")
         services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
         alarm = False
@@ -533,8 +533,8 @@ def test_blocked_longer_than_confirm_timeout(services, pgdb, relay_bin, build, t
     got = c.collect()
     dups, _ = delivery_report(got, n, keys)
     downs = re.findall(r"^.*sink=main: down: .*$", text, re.M)
-    print(f"blocked 5 s with confirm_timeout 2s: {in_flight:.0f} in flight at the block, gauge "
-          f"after 5 s {blocked_gauge:.0f}, lost_total {lost:.0f}, {len(downs)} reconnects, all "
+    print(f"blocked 7.5 s with confirm_timeout 3s: {in_flight:.0f} in flight at the block, gauge "
+          f"after 7.5 s {blocked_gauge:.0f}, lost_total {lost:.0f}, {len(downs)} reconnects, all "
           f"arrived {took:.1f}s after the alarm cleared, {dups} duplicates"
           + ("".join("\n  " + d for d in downs[:3])))
     assert downs == [], "the relay tore down a blocked connection"
