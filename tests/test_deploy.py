@@ -157,7 +157,7 @@ def test_shipped_inis_are_found():
 def cfg_test(build):
     exe = build / "tests" / "cfg_test"
     if not exe.exists():
-        pytest.fail(f"{exe} not built (run make)")
+        pytest.fail(f"{exe} not built (run make test-programs)")
     return exe
 
 
