@@ -3,8 +3,8 @@
 #   1. install the Debian packages of scripts/packages.txt (apt-get update + install, only if missing)
 #   2. start the private PostgreSQL / RabbitMQ (scripts/services.sh start)
 #   3. make test; make SANITIZER=address+undefined test (one build with both AddressSanitizer
-#      and UBSan: the whole suite once more, instrumented); OUTBOX_TEST_PARALLEL=1 runs the two
-#      at the same time, each against its own private services
+#      and UBSan: the whole suite once more, instrumented), at the same time, each against its
+#      own private services (OUTBOX_TEST_PARALLEL=0: one after the other)
 #      (`scripts/test.sh quick`: the plain build only; `scripts/test.sh valgrind`: plain + valgrind)
 #   4. stop the services this run started; print "N passed, N failed" last; exit non-zero on failure
 # .ci/run calls this with CI=true (warnings become errors).
@@ -93,10 +93,11 @@ run_step() {
     tally "$name" "$log" "${PIPESTATUS[0]}"
 }
 
-# The plain and the instrumented suites are independent: with OUTBOX_TEST_PARALLEL=1 they run
-# at the same time, the instrumented one against its own private PostgreSQL and RabbitMQ
-# (.services-san/), and their logs are shown one after the other.
-PARALLEL=${OUTBOX_TEST_PARALLEL:-0}
+# The plain and the instrumented suites are independent and mostly wait on the servers: they
+# run at the same time (OUTBOX_TEST_PARALLEL=0: one after the other), the instrumented one
+# against its own private PostgreSQL and RabbitMQ (.services-san/); their logs are shown one
+# after the other.
+PARALLEL=${OUTBOX_TEST_PARALLEL:-1}
 SAN_SVC=$ROOT/.services-san
 stop_san_services() { OUTBOX_SERVICES_DIR=$SAN_SVC scripts/services.sh stop >"$LOGDIR/stop-san.log" 2>&1 || true; }
 
