@@ -5,11 +5,9 @@
  *
  * Two database connections per outbox, each running one request at a time:
  * `main` holds leadership and runs claims, retention and stats; `settler`
- * applies outcomes, and so does `main` when it has nothing else to do (each
- * has its own settle slot in the ledger). Claims and settles overlap, so the
- * publish window stays full while the database commits. kick() starts
- * whatever each can run next; pump() publishes what the ledger allows while
- * the sink takes it.
+ * applies outcomes. Claims and settles overlap, so the publish window stays
+ * full while the database commits. kick() starts whatever each can run next;
+ * pump() publishes what the ledger allows while the sink takes it.
  *
  * Time: lease deadlines and confirm latencies use the monotonic clock. A row
  * is never published past its claim's deadline: the time the claim was sent,
@@ -32,7 +30,6 @@
 #include "relay/source.h"
 
 #define DRAIN_MARGIN_MAX 10.0   /* seconds kept between a lease deadline and its expiry */
-#define DRAIN_SETTLE_SPLIT_MIN 32 /* split a settle over both connections from 2 x this many */
 
 /* One database connection (a source instance) and its request state. */
 typedef struct sconn {
@@ -341,17 +338,11 @@ static void on_claimed(drain *d, const src_result *res)
     pump(d);
 }
 
-/* Each connection that settles has its own settle slot in the ledger. */
-static int settle_slot(const drain *d, const sconn *c)
-{
-    return c == &d->main ? 1 : 0;
-}
-
-static void on_settled(drain *d, sconn *c, const src_result *res)
+static void on_settled(drain *d, const src_result *res)
 {
     if (res->ok == 0)
-        histogram_observe(&d->m.settle_latency, ev_now(d->loop) - c->req_started);
-    ledger_settle_done(d->led, settle_slot(d, c), res->ok == 0, res->n_applied);
+        histogram_observe(&d->m.settle_latency, ev_now(d->loop) - d->settler.req_started);
+    ledger_settle_done(d->led, res->ok == 0, res->n_applied);
     pump(d);     /* marks committed: the window has room again */
 }
 
@@ -462,7 +453,7 @@ static void src_on_done(void *ud, const src_result *res)
         on_claimed(d, res);
         break;
     case SRC_REQ_SETTLE:
-        on_settled(d, c, res);
+        on_settled(d, res);
         break;
     case SRC_REQ_CLEANUP:
         if (res->ok == 0 && res->n_deleted > 0)
@@ -509,20 +500,19 @@ static size_t claim_size(const drain *d)
     return room < batch ? room : batch;
 }
 
-/* Settles the oldest decided outcomes (at most max; 0: all) on connection c. */
-static bool start_settle(drain *d, sconn *c, size_t max)
+static bool start_settle(drain *d)
 {
     const src_outcome *v;
-    int slot = settle_slot(d, c);
-    size_t n = ledger_settle_begin(d->led, slot, max, &v);
+    size_t n = ledger_settle_begin(d->led, &v);
     if (n == 0)
         return false;
+    sconn *c = &d->settler;
     c->busy = true;
     c->busy_req = SRC_REQ_SETTLE;
     c->req_started = ev_now(d->loop);
     if (d->sops->settle(c->src, v, n) != 0) {   /* copies v */
         c->busy = false;
-        ledger_settle_done(d->led, slot, false, 0);
+        ledger_settle_done(d->led, false, 0);
         return false;
     }
     return true;
@@ -602,20 +592,12 @@ static bool main_request(drain *d, int req)
     return rc == 0;
 }
 
-static bool conn_free(const sconn *c)
-{
-    return c->up && !c->busy && !c->holding;
-}
-
-/* Starts what can start now. The main connection leads, claims, cleans up and
-   reads stats, in that order of priority; the settler settles. Confirmed rows
-   keep their window slot until their mark commits, so settle latency bounds the
-   rate: when the main connection has nothing else to do it settles too, taking
-   half of what waits (or all of it while the settler is busy or down). */
 static void kick(drain *d)
 {
     sconn *st = &d->settler, *mc = &d->main;
-    if (conn_free(mc)) {
+    if (ledger_n_pending(d->led) > 0 && st->up && !st->busy && !st->holding)
+        start_settle(d);
+    if (mc->up && !mc->busy && !mc->holding) {
         bool claim_ok = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
                         ledger_n_old(d->led) == 0 && d->want_claim && claim_size(d) > 0;
         if (d->ob->mode == CFG_MODE_LEADER && !d->stopping && d->lead_due &&
@@ -638,12 +620,6 @@ static void kick(drain *d)
             (void)main_request(d, SRC_REQ_STATS);
         }
     }
-    size_t pending = ledger_n_pending(d->led);
-    if (pending > 0 && conn_free(st))
-        (void)start_settle(d, st, conn_free(mc) && pending >= 2 * DRAIN_SETTLE_SPLIT_MIN
-                                      ? (pending + 1) / 2 : 0);
-    if (ledger_n_pending(d->led) > 0 && conn_free(mc))
-        (void)start_settle(d, mc, 0);
     check_stopped(d);
 }
 

@@ -17,8 +17,7 @@
  * INVARIANTS (ledger_check verifies I1-I7 after every operation in the tests;
  * I5 is checked at the moment of publishing and counted):
  *  I1 every entry is in the global list of its state, and the id table maps
- *     its id to it and holds nothing else; each SETTLING entry is in exactly
- *     one running settle (slot), and each slot counts its entries.
+ *     its id to it and holds nothing else.
  *  I2 BUFFERED and INFLIGHT entries own their row; decided ones hold none
  *     (memory per row is freed as soon as the outcome is known).
  *  I3 a SENT outcome exists only for a row the sink acknowledged; the settle
@@ -92,7 +91,6 @@ struct led_entry {
     uint8_t    state;        /* enum led_state; 0 while being created */
     uint8_t    kind;         /* enum src_outcome_kind, once decided */
     uint8_t    klist, glist;
-    uint8_t    slot;         /* LED_SETTLING: the settle it is in */
     bool       parked, old, resettle, acked, overtook;
     bool       ahead;        /* in flight when an earlier row of its key was refused */
 };
@@ -108,9 +106,8 @@ struct ledger {
     ptab          keys;
     led_entry   **heap;
     size_t        heap_n, heap_cap;
-    src_outcome  *sv[LEDGER_SETTLE_SLOTS];      /* each running settle's outcomes */
-    size_t        sv_cap[LEDGER_SETTLE_SLOTS];
-    size_t        sv_n[LEDGER_SETTLE_SLOTS];        /* 0: that slot is idle */
+    src_outcome  *sv;         /* the outstanding settle's outcomes */
+    size_t        sv_cap;
     bool          claim_running;
     size_t        n_old;
     size_t        n_unsettled_sent;   /* SENT outcomes not yet committed (OUTCOME, SETTLING) */
@@ -652,8 +649,7 @@ void ledger_free(ledger *l)
     free(l->ids.s);
     free(l->keys.s);
     free(l->heap);
-    for (int i = 0; i < LEDGER_SETTLE_SLOTS; i++)
-        free(l->sv[i]);
+    free(l->sv);
     free(l);
 }
 
@@ -907,50 +903,35 @@ void ledger_result(ledger *l, led_entry *e, int outcome, const char *reason, dou
         refresh(l, e);
 }
 
-size_t ledger_settle_begin(ledger *l, int slot, size_t max, const src_outcome **v)
+size_t ledger_settle_begin(ledger *l, const src_outcome **v)
 {
     size_t n = l->gl[GL_PENDING].n;
     *v = NULL;
-    if (slot < 0 || slot >= LEDGER_SETTLE_SLOTS || l->sv_n[slot] != 0) {
-        log_msg(LOG_ERROR, "outbox=%s: settle slot %d is busy or invalid (a bug)",
-                l->cfg.outbox, slot);
-        return 0;
-    }
-    if (max > 0 && n > max)
-        n = max;
     if (n == 0)
         return 0;
-    if (n > l->sv_cap[slot]) {
-        src_outcome *nv = realloc(l->sv[slot], n * sizeof *nv);
+    if (n > l->sv_cap) {
+        src_outcome *nv = realloc(l->sv, n * sizeof *nv);
         if (nv == NULL)
             return 0;
-        l->sv[slot] = nv;
-        l->sv_cap[slot] = n;
+        l->sv = nv;
+        l->sv_cap = n;
     }
-    for (size_t i = 0; i < n; i++) {
-        led_entry *e = l->gl[GL_PENDING].head;
-        l->sv[slot][i] = (src_outcome){ .id = e->id, .lease_token = e->token, .kind = e->kind,
-                                        .backoff_ms = e->backoff_ms, .reason = e->reason };
-        e->slot = (uint8_t)slot;
+    size_t i = 0;
+    led_entry *e;
+    while ((e = l->gl[GL_PENDING].head) != NULL) {
+        l->sv[i++] = (src_outcome){ .id = e->id, .lease_token = e->token, .kind = e->kind,
+                                    .backoff_ms = e->backoff_ms, .reason = e->reason };
         set_state(l, e, LED_SETTLING, GL_SETTLING);
     }
-    l->sv_n[slot] = n;
-    *v = l->sv[slot];
+    *v = l->sv;
     return n;
 }
 
-void ledger_settle_done(ledger *l, int slot, bool ok, size_t n_applied)
+void ledger_settle_done(ledger *l, bool ok, size_t n_applied)
 {
-    if (slot < 0 || slot >= LEDGER_SETTLE_SLOTS || l->sv_n[slot] == 0)
-        return;
-    size_t n = l->sv_n[slot], again = 0, sent = 0, seen = 0;
-    l->sv_n[slot] = 0;
-    led_entry *e, *next;
-    for (e = l->gl[GL_SETTLING].head; e != NULL && seen < n; e = next) {
-        next = e->ln[1].next;
-        if (e->slot != slot)
-            continue;
-        seen++;
+    size_t n = l->gl[GL_SETTLING].n, again = 0, sent = 0;
+    led_entry *e;
+    while ((e = l->gl[GL_SETTLING].head) != NULL) {
         if (!ok || e->resettle) {
             again += e->resettle;
             e->resettle = false;
@@ -1073,7 +1054,7 @@ static int check_key(const ledger *l, const keyq *k, char *err, size_t errlen)
 
 int ledger_check(const ledger *l, char *err, size_t errlen)
 {
-    size_t total = 0, old = 0, unsettled = 0, in_slot[LEDGER_SETTLE_SLOTS] = { 0 };
+    size_t total = 0, old = 0, unsettled = 0;
     if (l->order_violations)
         FAIL("I5: %" PRIu64 " rows were published out of turn", l->order_violations);
     for (int g = 0; g < GL_N; g++) {
@@ -1098,11 +1079,6 @@ int ledger_check(const ledger *l, char *err, size_t errlen)
             }
             if (e->state == LED_INFLIGHT && e->old)
                 old++;
-            if (e->state == LED_SETTLING) {
-                if (e->slot >= LEDGER_SETTLE_SLOTS)
-                    FAIL("I1: id=%" PRId64 " settling in slot %d", e->id, e->slot);
-                in_slot[e->slot]++;
-            }
             unsettled += unsettled_sent(e);
         }
         if (n != l->gl[g].n)
@@ -1113,9 +1089,6 @@ int ledger_check(const ledger *l, char *err, size_t errlen)
         FAIL("I1: id table holds %zu, lists %zu", l->ids.used, total);
     if (old != l->n_old)
         FAIL("I1: %zu old rows in flight, counted %zu", old, l->n_old);
-    for (int i = 0; i < LEDGER_SETTLE_SLOTS; i++)
-        if (in_slot[i] != l->sv_n[i])
-            FAIL("I1: settle slot %d holds %zu rows, counts %zu", i, in_slot[i], l->sv_n[i]);
     if (unsettled != l->n_unsettled_sent)
         FAIL("I1: %zu confirmed rows unsettled, counted %zu", unsettled, l->n_unsettled_sent);
     size_t nkeys = 0;

@@ -16,12 +16,11 @@
  *                                                                     ▼  │ claim returns
  *                                       (a claim is running) LINGER ─────┘
  *
- * OUTCOME: decided, waiting for the next settle request; SETTLING: in one of
- * the running settles (one per connection that settles); LINGER: settled
- * while a claim was running — kept until that claim returns, because the
- * claim may have read the table before the settle committed (it may have
- * re-leased the row, or claimed later rows of a failed row's key). A row's
- * payload is freed as soon as its outcome is known.
+ * OUTCOME: decided, waiting for the next settle request; SETTLING: in the
+ * outstanding settle; LINGER: settled while a claim was running — kept until
+ * that claim returns, because the claim may have read the table before the
+ * settle committed (it may have re-leased the row, or claimed later rows of a
+ * failed row's key). A row's payload is freed as soon as its outcome is known.
  *
  * See ledger.c for the invariants, checked by ledger_check().
  */
@@ -101,16 +100,12 @@ void    ledger_refused(ledger *l, led_entry *e, int why, const char *reason, dou
 /* The sink's final result for an in-flight row (enum sink_outcome). */
 void    ledger_result(ledger *l, led_entry *e, int sink_outcome, const char *reason, double now);
 
-/* --- settles: up to LEDGER_SETTLE_SLOTS run at once, on different connections;
- *     each outcome is in at most one of them --- */
-#define LEDGER_SETTLE_SLOTS 2
-/* Moves the oldest decided outcomes (at most max; 0: all) into the settle of
- * `slot`, which must be idle; *v (owned by the ledger, valid until that slot's
- * ledger_settle_done) gets them. Returns their number (0: nothing to do). */
-size_t  ledger_settle_begin(ledger *l, int slot, size_t max, const src_outcome **v);
-/* The settle of `slot` ended. ok: it committed; n_applied of its outcomes still
- * matched their token. Not ok: its outcomes are decided again (settled later). */
-void    ledger_settle_done(ledger *l, int slot, bool ok, size_t n_applied);
+/* --- settles: at most one runs at a time --- */
+/* Moves every decided outcome into the settle; *v (owned by the ledger, valid
+ * until ledger_settle_done) gets them. Returns their number (0: nothing to do). */
+size_t  ledger_settle_begin(ledger *l, const src_outcome **v);
+/* ok: the settle committed; n_applied outcomes still matched their token. */
+void    ledger_settle_done(ledger *l, bool ok, size_t n_applied);
 
 /* --- whole-ledger events --- */
 /* Stop: every buffered row is given back (UNCLAIM). */

@@ -98,12 +98,12 @@ static size_t publish_all(ledger *l, double now, led_entry **out, size_t max)
 static size_t settle_all(ledger *l, src_outcome *copy, size_t max)
 {
     const src_outcome *v;
-    size_t n = ledger_settle_begin(l, 0, 0, &v);
+    size_t n = ledger_settle_begin(l, &v);
     assert_true(n <= max);
     if (n > 0)
         memcpy(copy, v, n * sizeof *v);
     check(l);
-    ledger_settle_done(l, 0, true, n);
+    ledger_settle_done(l, true, n);
     check(l);
     return n;
 }
@@ -187,7 +187,7 @@ static void test_refusal_blocks_key_until_settled(void **state)
     assert_int_equal(ledger_id(out[0]), 4);
     /* settle starts; a claim running meanwhile returns row 3 again: given back */
     const src_outcome *v;
-    size_t n = ledger_settle_begin(l, 0, 0, &v);
+    size_t n = ledger_settle_begin(l, &v);
     bool dead_seen = false, unclaim3 = false;
     for (size_t i = 0; i < n; i++) {
         dead_seen |= v[i].id == 1 && v[i].kind == SRC_DEAD;
@@ -195,7 +195,7 @@ static void test_refusal_blocks_key_until_settled(void **state)
     }
     assert_true(dead_seen && unclaim3);
     ledger_claim_started(l);
-    ledger_settle_done(l, 0, true, n);   /* committed while the claim runs: key stays blocked */
+    ledger_settle_done(l, true, n);      /* committed while the claim runs: key stays blocked */
     check(l);
     row *again[1] = { mkrow(3, 2, "k", 0, 0) };
     ledger_claimed(l, again, 1, 100);
@@ -252,10 +252,10 @@ static void test_readopted_rows(void **state)
     assert_int_equal(publish_all(l, 1, out, 1), 1);
     ledger_result(l, out[0], SINK_ACK, NULL, 1);
     const src_outcome *v;
-    assert_int_equal(ledger_settle_begin(l, 0, 0, &v), 1);
+    assert_int_equal(ledger_settle_begin(l, &v), 1);
     row *again[2] = { mkrow(1, 20, NULL, 0, 0), mkrow(2, 20, NULL, 0, 0) };
     claim(l, again, 2, 200);
-    ledger_settle_done(l, 0, true, 0);    /* token 10 no longer matched */
+    ledger_settle_done(l, true, 0);       /* token 10 no longer matched */
     check(l);
     src_outcome copy[4];
     assert_int_equal(settle_all(l, copy, 4), 1);
@@ -265,46 +265,6 @@ static void test_readopted_rows(void **state)
     led_entry *e = ledger_next(l, 150);   /* deadline moved to 200 with the new lease */
     assert_non_null(e);
     assert_int_equal(ledger_row(e)->lease_token, 20);
-    ledger_free(l);
-}
-
-/* Two settles run at once on two connections, each with its own rows: the
- * younger one may commit first; a failed one puts only its own rows back. */
-static void test_two_settles_overlap(void **state)
-{
-    (void)state;
-    ledger *l = mk(false, 3);
-    row *rows[4] = { mkrow(1, 10, "a", 0, 0), mkrow(2, 10, "a", 0, 0),
-                     mkrow(3, 10, "b", 0, 0), mkrow(4, 10, NULL, 0, 0) };
-    claim(l, rows, 4, 100);
-    led_entry *out[4] = { NULL };
-    assert_int_equal(publish_all(l, 1, out, 4), 4);
-    for (int i = 0; i < 4; i++)
-        ledger_result(l, out[i], SINK_ACK, NULL, 1);
-    assert_int_equal(ledger_n_unsettled_sent(l), 4);
-    const src_outcome *v0, *v1;
-    assert_int_equal(ledger_settle_begin(l, 0, 2, &v0), 2);     /* the oldest two */
-    assert_int_equal(v0[0].id, 1);
-    assert_int_equal(v0[1].id, 2);
-    assert_int_equal(ledger_settle_begin(l, 0, 0, &v1), 0);     /* slot 0 is busy */
-    assert_int_equal(ledger_settle_begin(l, 1, 0, &v1), 2);     /* the rest */
-    assert_int_equal(v1[0].id, 3);
-    assert_int_equal(v1[1].id, 4);
-    check(l);
-    ledger_settle_done(l, 1, true, 2);       /* the younger settle commits first */
-    check(l);
-    assert_int_equal(ledger_n_held(l), 2);
-    assert_int_equal(ledger_n_unsettled_sent(l), 2);
-    assert_int_equal(ledger_get_stats(l)->relayed, 2);
-    ledger_settle_done(l, 0, false, 0);      /* the older one failed: 1 and 2 wait again */
-    check(l);
-    assert_int_equal(ledger_n_pending(l), 2);
-    src_outcome copy[4];
-    assert_int_equal(settle_all(l, copy, 4), 2);
-    assert_int_equal(copy[0].id, 1);
-    assert_int_equal(copy[1].id, 2);
-    assert_int_equal(ledger_get_stats(l)->relayed, 4);
-    assert_int_equal(ledger_n_held(l), 0);
     ledger_free(l);
 }
 
@@ -416,10 +376,10 @@ typedef struct sim {
     double  claim_deadline;
     row    *claim_rows[SIM_BATCH];
     size_t  claim_n, claim_max;
-    /* settles, one per slot (connection) */
-    int     settle[LEDGER_SETTLE_SLOTS];      /* 0 none, 1 started, 2 executed */
-    src_outcome sv[LEDGER_SETTLE_SLOTS][4 * (SIM_WINDOW + 2 * SIM_BATCH) + 8];
-    size_t  sn[LEDGER_SETTLE_SLOTS], s_applied[LEDGER_SETTLE_SLOTS];
+    /* settle */
+    int     settle;           /* 0 none, 1 started, 2 executed */
+    src_outcome sv[4 * (SIM_WINDOW + 2 * SIM_BATCH) + 8];
+    size_t  sn, s_applied;
     /* broker */
     bmsg    ch[SIM_WINDOW * 4];
     size_t  ch_n;
@@ -478,17 +438,17 @@ static void claim_exec(sim *s)
     s->claim = 2;
 }
 
-static void settle_exec(sim *s, int slot)
+static void settle_exec(sim *s)
 {
-    s->s_applied[slot] = 0;
-    for (size_t i = 0; i < s->sn[slot]; i++) {
-        const src_outcome *o = &s->sv[slot][i];
+    s->s_applied = 0;
+    for (size_t i = 0; i < s->sn; i++) {
+        const src_outcome *o = &s->sv[i];
         dbrow *r = &s->rows[o->id];
         TRACE(o->id, "t=%.2f settle kind %d token %lld (db token %lld state %d)", s->t, o->kind,
               (long long)o->lease_token, (long long)r->token, r->state);
         if (r->state != R_PENDING || r->token != o->lease_token)
             continue;
-        s->s_applied[slot]++;
+        s->s_applied++;
         r->token = 0;
         switch (o->kind) {
         case SRC_SENT:
@@ -507,7 +467,7 @@ static void settle_exec(sim *s, int slot)
             break;
         }
     }
-    s->settle[slot] = 2;
+    s->settle = 2;
 }
 
 /* The broker processes the oldest unprocessed message of the channel. */
@@ -654,8 +614,7 @@ static size_t sim_claim_size(sim *s)
 
 static bool sim_done(sim *s)
 {
-    if (s->n_rows < SIM_ROWS || ledger_n_held(s->l) != 0 || s->claim || s->settle[0] ||
-        s->settle[1])
+    if (s->n_rows < SIM_ROWS || ledger_n_held(s->l) != 0 || s->claim || s->settle)
         return false;
     for (int i = 1; i <= s->n_rows; i++)
         if (s->rows[i].state == R_PENDING)
@@ -699,22 +658,19 @@ static void sim_step(sim *s, bool faults)
     } else if (ev < 70) {
         broker_confirm(s);
     } else if (ev < 84) {
-        int k = pick(LEDGER_SETTLE_SLOTS);
-        if (s->settle[k] == 0) {
+        if (s->settle == 0) {
             const src_outcome *v;
-            /* all that waits, or the oldest few (the drain splits between connections) */
-            size_t max = chance(500) ? 0 : (size_t)(1 + pick(SIM_BATCH));
-            s->sn[k] = ledger_settle_begin(s->l, k, max, &v);
-            if (s->sn[k] > sizeof s->sv[k] / sizeof s->sv[k][0] || (max && s->sn[k] > max))
-                SIM_FAIL(s, "settle of %zu outcomes (max %zu)", s->sn[k], max);
-            if (s->sn[k] > 0)
-                memcpy(s->sv[k], v, s->sn[k] * sizeof *v);
-            s->settle[k] = s->sn[k] ? 1 : 0;
-        } else if (s->settle[k] == 1) {
-            settle_exec(s, k);
+            s->sn = ledger_settle_begin(s->l, &v);
+            if (s->sn > sizeof s->sv / sizeof s->sv[0])
+                SIM_FAIL(s, "settle of %zu outcomes", s->sn);
+            if (s->sn > 0)
+                memcpy(s->sv, v, s->sn * sizeof *v);
+            s->settle = s->sn ? 1 : 0;
+        } else if (s->settle == 1) {
+            settle_exec(s);
         } else {
-            s->settle[k] = 0;
-            ledger_settle_done(s->l, k, true, s->s_applied[k]);
+            s->settle = 0;
+            ledger_settle_done(s->l, true, s->s_applied);
         }
     } else if (ev < 87) {
         ledger_unpark(s->l);
@@ -732,13 +688,12 @@ static void sim_step(sim *s, bool faults)
         if (faults && s->sink_up && u < s->ch_n && chance(400))
             broker_fail(s, (int)u + pick((int)(s->ch_n - u)));   /* an unprocessed culprit */
     } else if (ev < 95) {
-        int k = pick(LEDGER_SETTLE_SLOTS);
-        if (faults && s->settle[k] && chance(200)) {
-            if (s->settle[k] == 1 || chance(500)) {
-                if (s->settle[k] == 1 && chance(500))
-                    settle_exec(s, k);         /* committed, but the answer was lost */
-                s->settle[k] = 0;
-                ledger_settle_done(s->l, k, false, 0);
+        if (faults && s->settle && chance(200)) {
+            if (s->settle == 1 || chance(500)) {
+                if (s->settle == 1 && chance(500))
+                    settle_exec(s);            /* committed, but the answer was lost */
+                s->settle = 0;
+                ledger_settle_done(s->l, false, 0);
             }
         }
         if (faults && s->claim == 1 && chance(200)) {
@@ -763,7 +718,7 @@ static void sim_step(sim *s, bool faults)
             }
             ledger_drop_buffered(s->l);
         } else if (!s->main_up && ledger_n_old(s->l) == 0 && ledger_n_pending(s->l) == 0 &&
-                   s->settle[0] == 0 && s->settle[1] == 0) {
+                   s->settle == 0) {
             s->main_up = true;             /* leadership again: stale leases reset */
             for (int i = 1; i <= s->n_rows; i++)
                 if (s->rows[i].state == R_PENDING)
@@ -800,9 +755,8 @@ static void sim_run(uint64_t seed, bool strict, bool verbose)
         int pending = 0;
         for (int i = 1; i <= s->n_rows; i++)
             pending += s->rows[i].state == R_PENDING;
-        SIM_FAIL(s, "seed %llu: did not converge: %d rows pending, %zu held, claim %d settles %d %d",
-                 (unsigned long long)seed, pending, ledger_n_held(s->l), s->claim, s->settle[0],
-                 s->settle[1]);
+        SIM_FAIL(s, "seed %llu: did not converge: %d rows pending, %zu held, claim %d settle %d",
+                 (unsigned long long)seed, pending, ledger_n_held(s->l), s->claim, s->settle);
     }
     for (int i = 1; i <= s->n_rows; i++) {
         dbrow *r = &s->rows[i];
@@ -875,7 +829,6 @@ int main(void)
         cmocka_unit_test(test_refusal_blocks_key_until_settled),
         cmocka_unit_test(test_channel_close_republishes_in_order),
         cmocka_unit_test(test_readopted_rows),
-        cmocka_unit_test(test_two_settles_overlap),
         cmocka_unit_test(test_deadline_gives_back),
         cmocka_unit_test(test_memory_follows_work_in_flight),
         cmocka_unit_test(test_randomized),
