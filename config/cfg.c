@@ -1128,6 +1128,13 @@ static void finish_sink(loader *L, const char *sec, cfg_sink *s)
         lerr(L, sec, "tls_ca_file", "expected an amqps:// url when tls_ca_file is set, got %s with an amqp:// url",
              q(s->tls_ca_file, qb, sizeof qb));
     }
+    if ((s->tls_cert || s->tls_key) && !s->tls)
+        lerr(L, sec, s->tls_cert ? "tls_cert" : "tls_key",
+             "expected an amqps:// url when a client certificate is set, got an amqp:// url");
+    else if ((s->tls_cert != NULL) != (s->tls_key != NULL))
+        lerr(L, sec, s->tls_cert ? "tls_key" : "tls_cert",
+             "expected both tls_cert and tls_key (a client certificate needs its key), got only %s",
+             s->tls_cert ? "tls_cert" : "tls_key");
 }
 
 /* True if an ODBC connection string has KEY= as one of its attributes (case-insensitive). */

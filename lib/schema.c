@@ -243,7 +243,9 @@ static void add(list *l, outbox_i_buf *b)
  * notice "outbox: creating <what>" (init reports these: what it created, or, when a
  * statement fails, which object it could not create). An object that exists already is
  * not touched: no statement that locks the outbox table runs on a live system unless
- * something is missing (CREATE INDEX IF NOT EXISTS would take its lock first). */
+ * something is missing (CREATE INDEX IF NOT EXISTS would take its lock first). Two
+ * inits at once may both find an object missing: the one that loses the race finds it
+ * created (duplicate_*, or a catalog unique_violation) and carries on. */
 static void pg_guarded(list *l, const char *cond, const char *what, const char *ddl)
 {
     outbox_i_buf b = { 0 };
@@ -254,6 +256,9 @@ static void pg_guarded(list *l, const char *cond, const char *what, const char *
         "        RAISE NOTICE 'outbox: creating %s';\n"
         "        %s;\n"
         "    END IF;\n"
+        "EXCEPTION WHEN duplicate_table OR duplicate_object OR duplicate_schema\n"
+        "          OR duplicate_function OR unique_violation THEN\n"
+        "    NULL;   -- created meanwhile by a concurrent init\n"
         "END\n"
         "$outbox_init$", cond, what, ddl);
     add(l, &b);

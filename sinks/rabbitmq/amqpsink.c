@@ -355,7 +355,8 @@ static void info_cb(const SSL *ssl, int where, int ret)
     (void)ssl;
     const char *desc;
 
-    if ((where & SSL_CB_READ_ALERT) == 0 || tl_alert[0] != '\0')
+    /* only alerts read from the broker (SSL_CB_WRITE_ALERT shares the alert bit) */
+    if ((where & SSL_CB_READ_ALERT) != SSL_CB_READ_ALERT || tl_alert[0] != '\0')
         return;
     desc = SSL_alert_desc_string_long(ret);
     if ((ret & 0xff) == 116)   /* TLS 1.3 certificate_required: unnamed in OpenSSL 3.0 */
@@ -382,19 +383,17 @@ static int client_cert_cb(SSL *ssl, X509 **x509, EVP_PKEY **pkey)
     return 0;   /* none: the handshake goes on without one */
 }
 
-/* Appends why TLS failed: the broker's request for a client certificate we do
- * not have, else its alert, else the last OpenSSL error of this thread;
- * clears OpenSSL's error queue. */
+/* Appends why TLS failed: the broker's alert, else the last OpenSSL error of
+ * this thread; then, when the broker asked for a client certificate we do not
+ * have, says so (a broker that only asks, without requiring one, may have
+ * failed for another reason: both are given). Clears OpenSSL's error queue. */
 static void add_ssl_error(char *buf, size_t len)
 {
     unsigned long e = ERR_peek_last_error();
     const char   *r;
     size_t        n = strlen(buf);
 
-    if (tl_cert_asked && n < len) {   /* first: the same words whether the alert was read or not */
-        snprintf(buf + n, len - n, ": the broker asked for a client certificate and none is "
-                 "configured (tls_cert, tls_key)");
-    } else if (tl_alert[0] != '\0' && n < len) {
+    if (tl_alert[0] != '\0' && n < len) {
         snprintf(buf + n, len - n, ": %s", tl_alert);
     } else if (e != 0 && n < len) {
         r = ERR_reason_error_string(e);
@@ -403,7 +402,22 @@ static void add_ssl_error(char *buf, size_t len)
         else
             snprintf(buf + n, len - n, ": OpenSSL error 0x%lx", e);
     }
+    n = strlen(buf);
+    if (tl_cert_asked && n < len)
+        snprintf(buf + n, len - n, " (the broker asked for a client certificate and none is "
+                 "configured: tls_cert, tls_key)");
     ERR_clear_error();
+}
+
+/* An encrypted tls_key would make OpenSSL prompt for its passphrase on the
+ * terminal: no prompt, the key fails to load and the error says why. */
+static int no_passphrase_cb(char *buf, int size, int rwflag, void *u)
+{
+    (void)buf;
+    (void)size;
+    (void)rwflag;
+    (void)u;
+    return 0;
 }
 
 /* rabbitmq-c loses the errno of a failed TCP connect: connect once more,
@@ -583,10 +597,11 @@ static int tls_setup(amqp_socket_t *sock, const cfg_sink *c, char *err, size_t e
                  c->tls_cert ? "tls_cert" : "tls_key", c->tls_cert ? "tls_key" : "tls_cert");
         return -1;
     }
+    SSL_CTX_set_default_passwd_cb(ctx, no_passphrase_cb);
     if (c->tls_cert != NULL &&
         (rc = amqp_ssl_socket_set_key(sock, c->tls_cert, c->tls_key)) != AMQP_STATUS_OK) {
-        snprintf(err, errlen, "tls_cert %s / tls_key %s: %s", c->tls_cert, c->tls_key,
-                 amqp_error_string2(rc));
+        snprintf(err, errlen, "tls_cert %s / tls_key %s (an unencrypted PEM key): %s",
+                 c->tls_cert, c->tls_key, amqp_error_string2(rc));
         add_ssl_error(err, errlen);
         return -1;
     }

@@ -562,7 +562,9 @@ static void q_done(source *s)
         setup_step(s, Q_FENCE);
         return;
     case Q_FENCE:
-        if (PQntuples(r) == 1 && !PQgetisnull(r, 0, 2)) {
+        s->prev_pid[0] = s->prev_start[0] = '\0';
+        /* through a pooler the server session is shared: never a fencing target */
+        if (!s->pooled && PQntuples(r) == 1 && !PQgetisnull(r, 0, 2)) {
             snprintf(s->prev_pid, sizeof s->prev_pid, "%s", PQgetvalue(r, 0, 1));
             snprintf(s->prev_start, sizeof s->prev_start, "%s", PQgetvalue(r, 0, 2));
         }

@@ -333,7 +333,9 @@ int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
         return -1;
     pgsrc_names_init(ob, &n);
     int rc = adm_schema(c, ob, &n, &t_ok, &d_ok, err, errlen);
-    int probe = rc < 0 ? -1 : notify_probe(c, ob, msg, sizeof msg);
+    /* through a pooler, no probe: its LISTEN would stay on a shared server connection
+       (and its UNLISTEN land on another), and run does not LISTEN there anyway */
+    int probe = rc < 0 ? -1 : path.pooled ? 0 : notify_probe(c, ob, msg, sizeof msg);
     PQfinish(c);
     if (rc < 0)
         return -1;
@@ -347,19 +349,18 @@ int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
         return -1;
     /* success: err carries warnings, if any (the caller prints them; exit status 0) */
     double poll_s = (double)ob->poll_interval_ms / 1000.0;
-    if (probe == 0)
+    if (path.pooled)
         errf(ob, err, errlen, "WARNING: LISTEN/NOTIFY does not reach this connection (transaction "
-             "pooling?): new rows are found by polling every poll_interval (%gs)%s", poll_s,
-             path.pooled ? "; the connection goes through a pooler" : "");
+             "pooling?): new rows are found by polling every poll_interval (%gs); the connection "
+             "goes through a pooler (server backend pid %d, announced %d) and outbox-relay run "
+             "does not LISTEN through one", poll_s, path.server_pid, path.client_pid);
+    else if (probe == 0)
+        errf(ob, err, errlen, "WARNING: LISTEN/NOTIFY does not reach this connection (transaction "
+             "pooling?): new rows are found by polling every poll_interval (%gs)", poll_s);
     else if (probe < 0)
         errf(ob, err, errlen, "WARNING: could not verify that LISTEN/NOTIFY reaches this "
              "connection (%s): new rows may be found only by polling every poll_interval (%gs)",
              msg, poll_s);
-    else if (path.pooled)
-        errf(ob, err, errlen, "WARNING: the connection goes through a pooler (server backend pid "
-             "%d, announced %d): outbox-relay run does not LISTEN through a pooler (it cannot "
-             "work under transaction pooling), new rows are found by polling every "
-             "poll_interval (%gs)", path.server_pid, path.client_pid, poll_s);
     return 0;
 }
 
