@@ -210,6 +210,12 @@ out:
     for (size_t i = 0; i < st.n; i++)
         drain_free(st.drains[i]);
     free(st.drains);
+    /* a broker connection attempt still running on a worker thread ends first */
+    for (size_t i = 0; i < c->n_sinks; i++) {
+        const sink_ops *so = sink_ops_for(&c->sinks[i]);
+        if (so != NULL && so->quiesce != NULL)
+            so->quiesce(c->sinks[i].connect_timeout_ms + 1000);
+    }
     ev_signal_stop(st.loop, &st.sigterm);
     ev_signal_stop(st.loop, &st.sigint);
     ev_signal_stop(st.loop, &st.sighup);

@@ -71,6 +71,10 @@ typedef struct sink_ops {
     size_t (*in_flight)(const sink *s);
     /* Admin: blocking login + confirm.select + close, bounded by timeouts. */
     int  (*check)(const cfg_sink *cfg, char *err, size_t errlen);
+    /* Before the process exits, after every sink is destroyed: waits (at most
+       timeout_ms) for background work the implementation still runs, such as a
+       connection attempt on a worker thread, to end. NULL: nothing to wait for. */
+    void (*quiesce)(int64_t timeout_ms);
 } sink_ops;
 
 extern const sink_ops amqpsink_ops;   /* sinks/rabbitmq */

@@ -383,17 +383,21 @@ static int client_cert_cb(SSL *ssl, X509 **x509, EVP_PKEY **pkey)
     return 0;   /* none: the handshake goes on without one */
 }
 
-/* Appends why TLS failed: the broker's alert, else the last OpenSSL error of
- * this thread; then, when the broker asked for a client certificate we do not
- * have, says so (a broker that only asks, without requiring one, may have
- * failed for another reason: both are given). Clears OpenSSL's error queue. */
+/* Appends why TLS failed: the broker's request for a client certificate we do
+ * not have, else its alert, else the last OpenSSL error of this thread;
+ * clears OpenSSL's error queue. (A broker that only asks for a certificate,
+ * without requiring one, and then fails for another reason is reported as
+ * asking too: the words stay the same whether its alert was read or not.) */
 static void add_ssl_error(char *buf, size_t len)
 {
     unsigned long e = ERR_peek_last_error();
     const char   *r;
     size_t        n = strlen(buf);
 
-    if (tl_alert[0] != '\0' && n < len) {
+    if (tl_cert_asked && n < len) {   /* first: the same words whether the alert was read or not */
+        snprintf(buf + n, len - n, ": the broker asked for a client certificate and none is "
+                 "configured (tls_cert, tls_key)");
+    } else if (tl_alert[0] != '\0' && n < len) {
         snprintf(buf + n, len - n, ": %s", tl_alert);
     } else if (e != 0 && n < len) {
         r = ERR_reason_error_string(e);
@@ -402,10 +406,6 @@ static void add_ssl_error(char *buf, size_t len)
         else
             snprintf(buf + n, len - n, ": OpenSSL error 0x%lx", e);
     }
-    n = strlen(buf);
-    if (tl_cert_asked && n < len)
-        snprintf(buf + n, len - n, " (the broker asked for a client certificate and none is "
-                 "configured: tls_cert, tls_key)");
     ERR_clear_error();
 }
 
@@ -824,6 +824,38 @@ static void job_release(cjob *jb)
         job_free(jb);
 }
 
+/* Worker threads still running (detached): the process waits for them before it
+ * exits (amqpsink_quiesce), so none is cut off holding memory or a socket. */
+static pthread_mutex_t workers_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t  workers_cv = PTHREAD_COND_INITIALIZER;
+static unsigned        workers_live;
+
+static void workers_add(int d)
+{
+    pthread_mutex_lock(&workers_mu);
+    workers_live = (unsigned)((int)workers_live + d);
+    if (workers_live == 0)
+        pthread_cond_broadcast(&workers_cv);
+    pthread_mutex_unlock(&workers_mu);
+}
+
+static void amqpsink_quiesce(int64_t timeout_ms)
+{
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += (time_t)(timeout_ms / 1000);
+    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&workers_mu);
+    while (workers_live > 0)
+        if (pthread_cond_timedwait(&workers_cv, &workers_mu, &dl) == ETIMEDOUT)
+            break;
+    pthread_mutex_unlock(&workers_mu);
+}
+
 static void *job_main(void *arg)
 {
     cjob                   *jb = arg;
@@ -842,7 +874,9 @@ static void *job_main(void *arg)
         ev_async_send(jb->loop, jb->wake);   /* under mu: the sink is still there */
     pthread_mutex_unlock(&jb->mu);
     ERR_clear_error();
-    job_release(jb);
+    job_release(jb);      /* the last reference may close the connection here */
+    OPENSSL_thread_stop(); /* this thread's OpenSSL state, freed before the thread ends */
+    workers_add(-1);
     return NULL;
 }
 
@@ -893,10 +927,12 @@ static int job_start(sink *s, char *err, size_t errlen)
     /* the worker takes no signals: they belong to the loop thread */
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);
+    workers_add(1);
     rc = pthread_create(&th, &attr, job_main, jb);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
     pthread_attr_destroy(&attr);
     if (rc != 0) {
+        workers_add(-1);
         ev_async_stop(s->loop, &s->jobw);
         job_free(jb);
         snprintf(err, errlen, "cannot start a connect thread: %s", strerror(rc));
@@ -2236,4 +2272,5 @@ const sink_ops amqpsink_ops = {
     .publish   = amqpsink_publish,
     .in_flight = amqpsink_in_flight,
     .check     = amqpsink_check,
+    .quiesce   = amqpsink_quiesce,
 };

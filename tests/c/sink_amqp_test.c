@@ -612,5 +612,7 @@ out:
     free(d.waiting);
     free(d.scratch);
     free(urlcopy);
+    if (d.ops != NULL && d.ops->quiesce != NULL)
+        d.ops->quiesce(30000);   /* a connect worker still running ends first */
     return rc;
 }
