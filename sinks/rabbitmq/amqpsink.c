@@ -824,6 +824,20 @@ static void job_release(cjob *jb)
         job_free(jb);
 }
 
+/* The realtime-clock moment ms from now, for pthread_cond_timedwait. */
+static struct timespec deadline_in(int64_t ms)
+{
+    struct timespec dl;
+    clock_gettime(CLOCK_REALTIME, &dl);
+    dl.tv_sec += (time_t)(ms / 1000);
+    dl.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+        dl.tv_sec++;
+        dl.tv_nsec -= 1000000000L;
+    }
+    return dl;
+}
+
 /* Worker threads still running (detached): the process waits for them before it
  * exits (amqpsink_quiesce), so none is cut off holding memory or a socket. */
 static pthread_mutex_t workers_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -842,13 +856,7 @@ static void workers_add(int d)
 static void amqpsink_quiesce(int64_t timeout_ms)
 {
     struct timespec dl;
-    clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += (time_t)(timeout_ms / 1000);
-    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (dl.tv_nsec >= 1000000000L) {
-        dl.tv_sec++;
-        dl.tv_nsec -= 1000000000L;
-    }
+    dl = deadline_in(timeout_ms);
     pthread_mutex_lock(&workers_mu);
     while (workers_live > 0)
         if (pthread_cond_timedwait(&workers_cv, &workers_mu, &dl) == ETIMEDOUT)
@@ -955,13 +963,7 @@ static void job_cancel(sink *s)
     if (jb == NULL)
         return;
     s->job = NULL;
-    clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += (time_t)(ms / 1000);
-    dl.tv_nsec += (long)(ms % 1000) * 1000000L;
-    if (dl.tv_nsec >= 1000000000L) {
-        dl.tv_sec++;
-        dl.tv_nsec -= 1000000000L;
-    }
+    dl = deadline_in(ms);
     pthread_mutex_lock(&jb->mu);
     jb->abandoned = true;
     if (jb->fd >= 0)
