@@ -75,7 +75,7 @@ struct drain {
     double    poll_delay;        /* adaptive: grows while claims come back empty */
 
     bool      stopping;
-    bool      resigned;          /* stopping: leadership handed over (lease set to expire now) */
+    bool      resigned;          /* stopping: leadership or membership handed over (lease 0) */
     bool      stop_reported;
     void    (*on_stopped)(void *ud);
     void     *stop_ud;
@@ -527,10 +527,13 @@ static void check_stopped(drain *d)
     if (ledger_n_inflight(d->led) == 0 && ledger_n_buffered(d->led) == 0 &&
         ledger_n_pending(d->led) == 0) {
         /* hand leadership over at once: renew it with a lease of 0 (expired now), so a
-           standby takes over at its next try instead of waiting for the lease to run out */
-        if (d->leader && !d->resigned && d->main.up && !d->main.holding) {
+           standby takes over at its next try instead of waiting for the lease to run out;
+           in competing mode withdraw the membership the same way (a claim of nothing with
+           a lease of 0), so our keys move to the other instances at once */
+        bool competing = d->ob->mode == CFG_MODE_COMPETING;
+        if ((d->leader || competing) && !d->resigned && d->main.up && !d->main.holding) {
             d->resigned = true;
-            if (main_request(d, SRC_REQ_LEAD))
+            if (main_request(d, competing ? SRC_REQ_CLAIM : SRC_REQ_LEAD))
                 return;
         }
         d->stop_reported = true;
@@ -559,8 +562,8 @@ static bool main_request(drain *d, int req)
     case SRC_REQ_CLAIM: {
         d->claim_deadline = mono_now() + d->ob->lease_ms / 1000.0 - lease_margin(d);
         src_claim_args a = {
-            .max_rows = claim_size(d),
-            .lease_ms = d->ob->lease_ms,
+            .max_rows = d->resigned ? 0 : claim_size(d),
+            .lease_ms = d->resigned ? 0 : d->ob->lease_ms,
             .lease_token = new_token(),
             .owner = d->owner,
             .epoch = d->ob->mode == CFG_MODE_LEADER ? d->epoch : 0,

@@ -523,33 +523,65 @@ def test_lead_lease_renewal_takeover_and_fencing(drivers, schema):
     assert st["deleted"] == "1", st
 
 
+def key_for_rank(c, rank, members, prefix):
+    """A partition key that competing mode's membership hash gives to `rank` of `members`."""
+    for i in range(1000):
+        k = f"{prefix}{i}"
+        if c.execute("SELECT mod(hashtext(%s) & 2147483647, %s)", (k, members)).fetchone()[0] == rank:
+            return k
+    raise AssertionError("no key found")
+
+
 def test_competing_claims_keep_each_key_with_one_instance(drivers, schema):
-    """Competing mode: an instance takes a key's rows only from the key's first pending row
-    on, and only when nobody else holds it; keys held by another instance are skipped."""
+    """Competing mode: keys spread over the live members (hash of the key over the members'
+    owners in sort order), and a key moves to its new member only once the instance that
+    holds its first pending row has settled it. A member that withdraws (claim of nothing
+    with a lease of 0) gives its keys up at once; a new member reuses an expired member
+    row, so the lease table does not grow with restarts."""
     c = schema.connect()
-    ka = insert(c, 3, partition_key="ka")
-    kb = insert(c, 2, partition_key="kb")
-    ka2 = insert(c, 2, partition_key="ka")
+    kb = key_for_rank(c, 1, 2, "kb")      # B's key once A and B are both members
+    ka = key_for_rank(c, 0, 2, "ka")      # A's key
+    x = insert(c, 3, partition_key=kb)
+    y = insert(c, 2, partition_key=ka)
     free_rows = insert(c, 1)
     a = drivers(schema)
     b = drivers(schema)
     for d in (a, b):
         d.send("start")
         d.up()
+    # A alone: every key is A's
     st, rows = a.request("claim 2 600000 1 A 0 competing")
-    assert [r["id"] for r in rows] == ka[:2]
-    # B may not take ka's later rows while A holds its head; kb and keyless rows are free
+    assert [r["id"] for r in rows] == x[:2]
+    # B joins: kb hashes to B, but A holds its head, so B waits; ka is A's; keyless is free
     st, rows = b.request("claim 10 600000 2 B 0 competing")
-    assert sorted(r["id"] for r in rows) == sorted(kb + free_rows), rows
-    # A continues its key (the head is its own)
+    assert sorted(r["id"] for r in rows) == free_rows, rows
+    # A takes its own key only: kb is B's now, even though A holds kb's first rows
     st, rows = a.request("claim 10 600000 3 A 0 competing")
-    assert [r["id"] for r in rows] == ka[2:] + ka2
-    # once A's rows are settled, the key is free for anyone
+    assert [r["id"] for r in rows] == y, rows
+    # once A's rows of kb are settled, kb's rest goes to B
     c.execute(f"UPDATE {T} SET sent_at = now(), lease_token = NULL WHERE id = ANY(%s)",
-              (ka + ka2,))
-    more = insert(c, 2, partition_key="ka")
+              (x[:2] + y,))
     st, rows = b.request("claim 10 600000 4 B 0 competing")
-    assert [r["id"] for r in rows] == more
+    assert [r["id"] for r in rows] == x[2:], rows
+    c.execute(f"UPDATE {T} SET sent_at = now(), lease_token = NULL WHERE id = ANY(%s)", (x[2:],))
+    members = lambda: c.execute(  # noqa: E731
+        f"SELECT owner, expires_at > now() FROM {T}_lease WHERE left(name, 7) = 'member:' "
+        "ORDER BY owner").fetchall()
+    assert members() == [("A", True), ("B", True)]
+    # B withdraws: its keys are A's at once
+    st, rows = b.request("claim 0 0 5 B 0 competing")
+    assert st["ok"] == 0 and rows == []
+    assert members() == [("A", True), ("B", False)]
+    more = insert(c, 2, partition_key=kb)
+    st, rows = a.request("claim 10 600000 6 A 0 competing")
+    assert [r["id"] for r in rows] == more, rows
+    # a new member takes B's expired row instead of adding one
+    cc = drivers(schema)
+    cc.send("start")
+    cc.up()
+    st, rows = cc.request("claim 10 600000 7 C 0 competing")
+    assert rows == []      # A holds kb's rows; nothing else is pending
+    assert members() == [("A", True), ("C", True)]
 
 
 def test_cleanup_bounded_and_only_old_marked(drivers, schema):

@@ -204,6 +204,39 @@ def test_competing_three_relays_keep_per_key_order(services, pgdb, relay_bin, bu
     assert dups <= (100 if freeze else 0)
     ids = [int(r[0]) for r in audit]
     assert len(ids) == len(set(ids)) == n, "every row marked exactly once"
+    if not freeze:
+        # keys spread over the members: none of the three sits idle (evenly: n/3 each)
+        assert min(counts) >= n // 10, f"keys did not spread over the relays: {counts}"
+
+
+def test_competing_stopping_hands_keys_over_at_once(services, pgdb, relay_bin, build, tmp_path):
+    """SIGTERM in competing mode: the relay settles, then withdraws its membership, so its
+    keys move to the other relay at once instead of after the lease (30 s here)."""
+    q = f"qm-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    a, cfg = relay(relay_bin, tmp_path, services, pgdb, "ca", mode="competing", lease="30s")
+    init_schema(relay_bin, cfg)
+    b, _ = relay(relay_bin, tmp_path, services, pgdb, "cb", mode="competing", lease="30s")
+    run_producer(build, pgdb.dsn, pgdb.name, count=400, keys=20, routing_key=q, size=64)
+    got = consume(ch, q, 400, timeout=30, idle=1.0)
+    live = psql_rows(pgdb, "SELECT owner FROM outbox.messages_lease WHERE left(name, 7) = 'member:' "
+                           "AND expires_at > now() ORDER BY owner")
+    assert len(live) == 2, live
+    a.assert_clean_exit(a.stop())
+    t0 = time.monotonic()
+    run_producer(build, pgdb.dsn, pgdb.name, count=400, keys=20, routing_key=q, size=64,
+                 start=400)
+    got += consume(ch, q, 400, timeout=30)
+    took = time.monotonic() - t0
+    got += consume(ch, q, 1, timeout=1.0)     # duplicates, if any
+    b.assert_clean_exit(b.stop())
+    conn.close()
+    dups, _ = delivery_report(got, 800, 20)
+    print(f"competing hand-over: the other relay drained every key {took:.2f} s after SIGTERM "
+          "(lease 30 s)")
+    assert took < 10, "the other relay waited for the stopped relay's lease to run out"
+    assert dups == 0
 
 
 def test_leader_stopping_hands_over_at_once(services, pgdb, relay_bin, build, tmp_path):

@@ -41,6 +41,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "sources/odbc/odbcsrc_int.h"
+#include "sources/sql_pg.h"
 
 /* Drivers may call setlocale() while connecting and disconnecting (psqlODBC does),
  * which is not thread-safe: with two connections per outbox, each on its own worker
@@ -1065,29 +1066,50 @@ static const char CLAIM_PG[] =
     "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint";
 
 /* Competing mode (see pgsrc_sql_claim): a key's rows only from its first pending
- * row on, and only when that head is ours already or locked by this claim.
- * Parameters: limit, owner, owner, owner, token, lease ms. */
+ * row on, and only when that head is ours already or locked by this claim; keys
+ * spread over the live members (sources/sql_pg.h; CHECKSUM here, hashtext there).
+ * Parameters T-SQL: owner, lease ms, limit, token; PostgreSQL: owner, lease ms,
+ * owner, limit, owner, owner, token, lease ms. */
 static const char CLAIM_COMPETING_TSQL[] =
     "SET NOCOUNT ON; "
+    "DECLARE @owner nvarchar(255) = ?; "
+    "DECLARE @lease_ms int = ?; "
+    /* membership (see sources/sql_pg.h): renew ours, else reuse an expired member
+       row, else insert one; a lease of 0 withdraws it */
+    "DECLARE @me nvarchar(255) = N'member:' + @owner; "
+    "DECLARE @until datetime2 = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()); "
+    "UPDATE {L} SET expires_at = @until WHERE name = @me; "
+    "IF @@ROWCOUNT = 0 AND @lease_ms > 0 BEGIN "
+    "WITH o AS (SELECT TOP (1) * FROM {L} WITH (ROWLOCK, READPAST, UPDLOCK) "
+    "WHERE LEFT(name, 7) = N'member:' AND expires_at < SYSUTCDATETIME() ORDER BY name) "
+    "UPDATE o SET name = @me, owner = @owner, epoch = 0, expires_at = @until; "
+    "IF @@ROWCOUNT = 0 INSERT INTO {L} (name, owner, epoch, expires_at) "
+    "VALUES (@me, @owner, 0, @until); "
+    "END; "
+    "DECLARE @n int, @r int; "
+    "SELECT @n = COUNT(*) + 1, @r = ISNULL(SUM(CASE WHEN owner < @owner THEN 1 ELSE 0 END), 0) "
+    "FROM {L} WHERE LEFT(name, 7) = N'member:' AND owner <> @owner "
+    "AND expires_at > SYSUTCDATETIME(); "
     "DECLARE @c0 TABLE (id bigint PRIMARY KEY, partition_key nvarchar(255)); "
     "INSERT INTO @c0 (id, partition_key) SELECT TOP (?) m.id, m.partition_key "
     "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
     "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
     "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
+    "AND (m.partition_key IS NULL OR (CHECKSUM(m.partition_key) & 2147483647) % @n = @r) "
     "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT TOP (1) h.id, "
     "h.lease_owner, h.lease_until, h.available_at FROM {T} h WITH (READCOMMITTEDLOCK) "
     "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id) hd "
-    "WHERE hd.id < m.id AND ((hd.lease_until >= SYSUTCDATETIME() AND hd.lease_owner <> ?) "
+    "WHERE hd.id < m.id AND ((hd.lease_until >= SYSUTCDATETIME() AND hd.lease_owner <> @owner) "
     "OR hd.available_at > SYSUTCDATETIME()))) ORDER BY m.id; "
     "DECLARE @g TABLE (partition_key nvarchar(255) PRIMARY KEY, gap bigint); "
     "INSERT INTO @g (partition_key, gap) SELECT k.partition_key, (SELECT TOP (1) p.id "
     "FROM {T} p WITH (READCOMMITTEDLOCK) WHERE p.partition_key = k.partition_key "
-    "AND p.sent_at IS NULL AND (p.lease_owner IS NULL OR p.lease_owner <> ? "
+    "AND p.sent_at IS NULL AND (p.lease_owner IS NULL OR p.lease_owner <> @owner "
     "OR p.lease_until IS NULL OR p.lease_until < SYSUTCDATETIME()) "
     "AND p.id NOT IN (SELECT id FROM @c0) ORDER BY p.id) "
     "FROM (SELECT DISTINCT partition_key FROM @c0 WHERE partition_key IS NOT NULL) k; "
-    "UPDATE m SET lease_owner = ?, lease_token = ?, "
-    "lease_until = DATEADD(millisecond, ?, SYSUTCDATETIME()) "
+    "UPDATE m SET lease_owner = @owner, lease_token = ?, "
+    "lease_until = @until "
     "OUTPUT inserted.id, LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange, "
     "inserted.routing_key, inserted.partition_key, inserted.message_type, inserted.content_type, "
     "inserted.correlation_id, inserted.headers, inserted.payload, inserted.attempts, "
@@ -1096,8 +1118,10 @@ static const char CLAIM_COMPETING_TSQL[] =
     "WHERE c.partition_key IS NULL OR g.gap IS NULL OR c.id < g.gap";
 
 static const char CLAIM_COMPETING_PG[] =
-    "WITH c0 AS (SELECT m.id, m.partition_key FROM {T} m WHERE m.sent_at IS NULL "
+    "WITH " SQL_PG_MEMBERSHIP("{L}", "?::text", "?::float8") ", "
+    "c0 AS (SELECT m.id, m.partition_key FROM {T} m WHERE m.sent_at IS NULL "
     "AND m.available_at <= now() AND (m.lease_until IS NULL OR m.lease_until < now()) "
+    "AND " SQL_PG_MY_KEY("m") " "
     "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.id, "
     "h.available_at, h.lease_owner, h.lease_until FROM {T} h "
     "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id LIMIT 1) hd "
@@ -1151,13 +1175,13 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
     *n_out = 0;
     const char *me = owner ? owner : "";
     if (competing && is_tsql(db)) {
-        p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
         p_text(&ps, me, P_SHORT);
-        p_text(&ps, me, P_SHORT);
-        p_text(&ps, me, P_SHORT);
-        p_i64(&ps, token);
         p_i32(&ps, lease_ms);
+        p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
+        p_i64(&ps, token);
     } else if (competing) {
+        p_text(&ps, me, P_SHORT);       /* membership: owner, lease ms */
+        p_i64(&ps, lease_ms);
         p_text(&ps, me, P_SHORT);
         p_i64(&ps, (int64_t)max_rows);
         p_text(&ps, me, P_SHORT);

@@ -10,6 +10,7 @@
 #include <string.h>
 #include "lib/outbox_schema.h"
 #include "sources/pg/pgsrc_int.h"
+#include "sources/sql_pg.h"
 
 void pgsrc_names_init(const cfg_outbox *ob, pgsrc_names *n)
 {
@@ -299,7 +300,9 @@ char *pgsrc_sql_lead(const pgsrc_names *n)
  * instance holds the unsettled rows of a key. Per key this costs one index
  * scan to the first row that is neither (the "gap"). Keys whose first pending
  * row another instance holds, or that wait behind a failed row, are skipped
- * before the LIMIT so they do not crowd out free keys. */
+ * before the LIMIT so they do not crowd out free keys. The claim also renews
+ * this instance's membership and takes only keys that hash to it among the live
+ * members (sources/sql_pg.h; $4 = 0 withdraws the membership). */
 char *pgsrc_sql_claim(const pgsrc_names *n, bool competing)
 {
     static const char ret[] =
@@ -321,9 +324,10 @@ char *pgsrc_sql_claim(const pgsrc_names *n, bool competing)
             "FROM c WHERE m.id = c.id %3$s",
             n->table, n->lease, ret);
     return fmt(
-        "WITH c0 AS (SELECT m.id, m.partition_key FROM %1$s m WHERE m.sent_at IS NULL "
+        "WITH " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
+        "c0 AS (SELECT m.id, m.partition_key FROM %1$s m WHERE m.sent_at IS NULL "
         "AND m.available_at <= now() AND (m.lease_until IS NULL OR m.lease_until < now()) "
-        "AND ($5::bigint >= 0) "
+        "AND ($5::bigint >= 0) AND " SQL_PG_MY_KEY("m") " "
         "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.id, h.attempts, "
         "h.available_at, h.lease_owner, h.lease_until FROM %1$s h "
         "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id LIMIT 1) hd "
@@ -342,7 +346,7 @@ char *pgsrc_sql_claim(const pgsrc_names *n, bool competing)
         "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
         "lease_until = now() + $4::float8 * interval '1 millisecond' "
         "FROM c WHERE m.id = c.id %2$s",
-        n->table, ret);
+        n->table, ret, n->lease);
 }
 
 char *pgsrc_sql_settle(const pgsrc_names *n, int on_sent)
