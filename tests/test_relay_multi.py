@@ -204,6 +204,8 @@ def test_competing_three_relays_keep_per_key_order(services, pgdb, relay_bin, bu
     assert dups <= (100 if freeze else 0)
     ids = [int(r[0]) for r in audit]
     assert len(ids) == len(set(ids)) == n, "every row marked exactly once"
+    stale = [r for r in audit if r[2] is not True]
+    assert stale == [], f"rows marked by a relay whose lease had lapsed: {stale[:5]}"
     if not freeze:
         # keys spread over the members: none of the three sits idle (evenly: n/3 each)
         assert min(counts) >= n // 10, f"keys did not spread over the relays: {counts}"
