@@ -5,13 +5,16 @@
  *
  *   producer [--odbc] --dsn DSN --database DB [--table S.T] [--count N]
  *            [--keys K] [--exchange X] [--routing-key R] [--size BYTES]
- *            [--batch B] [--prefix P] [--start I]
+ *            [--batch B] [--prefix P] [--start I] [--trace]
  *
  * Message i (I <= i < I+N): partition_key "key-<i mod K>" (none when K = 0),
  * message_type "test.event", content_type "application/octet-stream",
  * correlation_id "corr-<i>", headers {"seq": "<i>", "origin": "producer"},
  * payload "<prefix>|<i>|" followed by bytes (i + j) mod 256 — NULs included —
- * up to BYTES (at least the text part).
+ * up to BYTES (at least the text part). With --trace each message also carries
+ * the W3C trace context an application would take from its current span:
+ * "traceparent" 00-<trace-id i+1, 32 hex>-<parent-id i+1, 16 hex>-01 and
+ * "tracestate" "producer=<i>"; the relay forwards both as AMQP headers.
  */
 #include <getopt.h>
 #include <stdio.h>
@@ -29,13 +32,13 @@
 typedef struct opts {
     const char *dsn, *database, *table, *exchange, *routing_key, *prefix;
     long count, keys, size, batch, start;
-    int odbc;
+    int odbc, trace;
 } opts;
 
 typedef struct msgbuf {
     outbox_message m;
-    outbox_header  h[2];
-    char key[32], corr[32], seq[32];
+    outbox_header  h[4];
+    char key[32], corr[32], seq[32], tp[64], ts[40];
     unsigned char *payload;
 } msgbuf;
 
@@ -63,6 +66,13 @@ static void fill(const opts *o, long i, msgbuf *b)
     b->m.correlation_id = b->corr;
     b->m.headers = b->h;
     b->m.n_headers = 2;
+    if (o->trace) {
+        snprintf(b->tp, sizeof b->tp, "00-%032lx-%016lx-01", i + 1, i + 1);
+        snprintf(b->ts, sizeof b->ts, "producer=%ld", i);
+        b->h[2] = (outbox_header){ "traceparent", b->tp };
+        b->h[3] = (outbox_header){ "tracestate", b->ts };
+        b->m.n_headers = 4;
+    }
 }
 
 static int run_pg(const opts *o, const outbox_queue *q, msgbuf *bufs, outbox_message *msgs)
@@ -185,6 +195,7 @@ int main(int argc, char **argv)
         { "routing-key", required_argument, NULL, 'r' }, { "size", required_argument, NULL, 's' },
         { "batch", required_argument, NULL, 'b' }, { "prefix", required_argument, NULL, 'p' },
         { "start", required_argument, NULL, 'S' }, { "odbc", no_argument, NULL, 'o' },
+        { "trace", no_argument, NULL, 'T' },
         { NULL, 0, NULL, 0 },
     };
     int ch;
@@ -202,6 +213,7 @@ int main(int argc, char **argv)
         case 'p': o.prefix = optarg; break;
         case 'S': o.start = atol(optarg); break;
         case 'o': o.odbc = 1; break;
+        case 'T': o.trace = 1; break;
         default: return 2;
         }
     }
@@ -209,7 +221,7 @@ int main(int argc, char **argv)
         o.keys < 0 || o.size > 64L * 1024 * 1024) {
         fprintf(stderr, "usage: producer [--odbc] --dsn DSN --database DB [--table S.T] [--count N] "
                         "[--keys K] [--exchange X] [--routing-key R] [--size BYTES] [--batch B] "
-                        "[--prefix P] [--start I]\n");
+                        "[--prefix P] [--start I] [--trace]\n");
         return 2;
     }
     outbox_queue *q = NULL;

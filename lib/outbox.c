@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/random.h>
 #include <unistd.h>
 
@@ -236,6 +237,101 @@ void outbox_i_json_string(outbox_i_buf *b, const char *s)
     outbox_i_buf_put(b, "\"", 1);
 }
 
+/* ------------------------------------------------------------ trace context */
+
+/* W3C Trace Context (level 1), the headers a producer passes on so a consumer's
+   span links to the producer's: the relay forwards them as AMQP headers. */
+
+static int lowhex(const char *s, size_t n, int *all_zero)
+{
+    *all_zero = 1;
+    for (size_t i = 0; i < n; i++) {
+        if (!((s[i] >= '0' && s[i] <= '9') || (s[i] >= 'a' && s[i] <= 'f')))
+            return 0;
+        if (s[i] != '0')
+            *all_zero = 0;
+    }
+    return 1;
+}
+
+/* version "-" trace-id(32) "-" parent-id(16) "-" flags(2), lower-case hex; version ff,
+   an all-zero trace-id or parent-id are invalid; a later version may append "-..." */
+int outbox_i_traceparent_valid(const char *s)
+{
+    int zero, z2;
+    size_t n = strlen(s);
+    if (n < 55 || !lowhex(s, 2, &zero) || (s[0] == 'f' && s[1] == 'f') || s[2] != '-' ||
+        !lowhex(s + 3, 32, &zero) || zero || s[35] != '-' || !lowhex(s + 36, 16, &z2) || z2 ||
+        s[52] != '-' || !lowhex(s + 53, 2, &zero))
+        return 0;
+    if (s[0] == '0' && s[1] == '0')
+        return n == 55;
+    return n == 55 || s[55] == '-';
+}
+
+/* list-member *( OWS "," OWS list-member ), at most 32 members and 512 bytes;
+   key: lcalpha 0*255(lcalpha / DIGIT / "_" / "-" / "*" / "/"), or tenant "@" system;
+   value: 0*255 printable ASCII but "," and "=", not ending in a space, at least 1. */
+static int ts_keychar(char c)
+{
+    return (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_' || c == '-' ||
+           c == '*' || c == '/';
+}
+
+int outbox_i_tracestate_valid(const char *s)
+{
+    size_t n = strlen(s), members = 0;
+    if (n > 512)
+        return 0;
+    const char *p = s, *end = s + n;
+    for (;;) {
+        while (p < end && (*p == ' ' || *p == '\t'))
+            p++;
+        if (p == end)                          /* empty members are allowed, then ignored */
+            break;
+        if (*p == ',') {
+            p++;
+            continue;
+        }
+        const char *k = p;
+        while (p < end && *p != '=')
+            p++;
+        if (p == end || p == k)
+            return 0;
+        const char *at = memchr(k, '@', (size_t)(p - k));
+        size_t klen = (size_t)(p - k);
+        if (at) {                              /* tenant@system: 1..241 "@" 1..14 */
+            size_t t = (size_t)(at - k), sys = klen - t - 1;
+            if (t < 1 || t > 241 || sys < 1 || sys > 14 || !(at[1] >= 'a' && at[1] <= 'z') ||
+                !((k[0] >= 'a' && k[0] <= 'z') || (k[0] >= '0' && k[0] <= '9')))
+                return 0;
+            for (const char *c = k; c < p; c++)
+                if (c != at && !ts_keychar(*c))
+                    return 0;
+        } else {
+            if (klen > 256 || !(k[0] >= 'a' && k[0] <= 'z'))
+                return 0;
+            for (const char *c = k; c < p; c++)
+                if (!ts_keychar(*c))
+                    return 0;
+        }
+        const char *v = ++p;
+        while (p < end && *p != ',')
+            p++;
+        const char *ve = p;
+        while (ve > v && (ve[-1] == ' ' || ve[-1] == '\t'))
+            ve--;                              /* OWS before the next "," */
+        if (ve == v || ve - v > 256)
+            return 0;
+        for (const char *c = v; c < ve; c++)
+            if (*c < 0x20 || *c > 0x7e || *c == ',' || *c == '=')
+                return 0;
+        if (++members > 32)
+            return 0;
+    }
+    return 1;
+}
+
 /* ------------------------------------------------------------------ UUIDs */
 
 static int hexval(char c)
@@ -420,6 +516,32 @@ static int check_short(const char *v, int required, const char *name, outbox_err
     return OUTBOX_OK;
 }
 
+/* traceparent / tracestate headers must be what consumers' tracing reads: the
+   lower-case key (AMQP header names are case-sensitive) and the W3C form. */
+static int check_trace_header(const outbox_header *hd, int batch, size_t i, size_t h,
+                              outbox_error *err)
+{
+    fld f;
+    static const char *const keys[] = { "traceparent", "tracestate" };
+    for (int t = 0; t < 2; t++) {
+        if (strcasecmp(hd->key, keys[t]) != 0)
+            continue;
+        if (strcmp(hd->key, keys[t]) != 0)
+            return outbox_i_err(err, OUTBOX_EINVAL, NULL,
+                                "%s: \"%s\": trace context keys are read in lower case "
+                                "(\"%s\")", hname(&f, batch, i, h, "key"), hd->key, keys[t]);
+        if (!(t == 0 ? outbox_i_traceparent_valid(hd->value)
+                     : outbox_i_tracestate_valid(hd->value)))
+            return outbox_i_err(err, OUTBOX_EINVAL, NULL,
+                                "%s: %s value is not in W3C Trace Context form (%s)",
+                                hname(&f, batch, i, h, "value"), keys[t], t == 0 ? "00-<32 hex trace-id>-<16 hex parent-id>-<2 hex "
+                                "flags>, lower case, ids not all zero" : "key=value list, "
+                                "at most 32 members and 512 bytes");
+        return OUTBOX_OK;
+    }
+    return OUTBOX_OK;
+}
+
 static int check_message(const outbox_queue *q, const outbox_message *m, size_t i, int batch,
                          outbox_i_msg *out, outbox_error *err)
 {
@@ -491,6 +613,8 @@ static int check_message(const outbox_queue *q, const outbox_message *m, size_t 
         if (bad >= 0)
             return outbox_i_err(err, OUTBOX_EINVAL, NULL, "%s: not valid UTF-8 (byte %ld)",
                                 hname(&f, batch, i, h, "value"), bad);
+        if ((rc = check_trace_header(hd, batch, i, h, err)))
+            return rc;
         for (size_t k = 0; k < h; k++) {
             if (strcmp(m->headers[k].key, hd->key) == 0)
                 return outbox_i_err(err, OUTBOX_EINVAL, NULL,

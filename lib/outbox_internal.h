@@ -66,6 +66,9 @@ OUTBOX_HIDDEN void outbox_i_json_string(outbox_i_buf *b, const char *s);
 
 /* 1 if s is a UUID in 8-4-4-4-12 hex form (either case), else 0. */
 OUTBOX_HIDDEN int outbox_i_uuid_valid(const char *s);
+/* W3C Trace Context header values: 1 valid, 0 not */
+OUTBOX_HIDDEN int outbox_i_traceparent_valid(const char *s);
+OUTBOX_HIDDEN int outbox_i_tracestate_valid(const char *s);
 
 /* One validated message, ready to bind. */
 typedef struct outbox_i_msg {

@@ -23,6 +23,8 @@ HEADERS = {
     "ctl": "line1\nline2\t\x01\x1f end",
     "ünïk": "çødé ✓ 😀",
     "empty": "",
+    "traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+    "tracestate": "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE",
 }
 
 INVALID = {  # sub-case → the text the error message must contain
@@ -52,6 +54,9 @@ INVALID = {  # sub-case → the text the error message must contain
     "header_value_null": "headers[0].value",
     "header_value_utf8": "headers[0].value",
     "header_key_dup": "headers[2].key",
+    "traceparent_bad": "headers[1].value: traceparent value is not in W3C",
+    "tracestate_bad": "headers[0].value: tracestate value is not in W3C",
+    "trace_key_case": "headers[0].key: \"TraceParent\": trace context keys are read in lower case",
     "delay_too_big": "delay_ms",
     "batch_second_bad": "messages[1].routing_key",
 }

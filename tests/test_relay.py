@@ -90,6 +90,31 @@ def test_10k_messages_100_keys(services, pgdb, relay_bin, build, tmp_path, on_se
         assert psql_rows(pgdb, "select count(*) from outbox.messages")[0][0] == 0
 
 
+def test_trace_context_reaches_the_consumer(services, pgdb, relay_bin, build, tmp_path):
+    """W3C trace context written by the producer (liboutbox headers traceparent/tracestate)
+    arrives as AMQP string headers of the same names, unchanged, so a consumer's span can
+    link to the producer's (the convention of OpenTelemetry's RabbitMQ instrumentation and
+    MassTransit)."""
+    q = f"qtr-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    r, cfg = start_relay(relay_bin, tmp_path, services, pgdb)
+    init_schema(relay_bin, cfg)
+    p = subprocess.run([str(build / "examples" / "producer"), "--dsn", pgdb.dsn, "--database",
+                        pgdb.name, "--count", "50", "--keys", "5", "--routing-key", q, "--trace"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    got = consume(ch, q, 50, timeout=30)
+    r.assert_clean_exit(r.stop())
+    conn.close()
+    assert len(got) == 50
+    for props, _, _ in got:
+        seq = int(props.headers["seq"])
+        assert props.headers["traceparent"] == f"00-{seq + 1:032x}-{seq + 1:016x}-01"
+        assert props.headers["tracestate"] == f"producer={seq}"
+        assert set(props.headers) == {"seq", "origin", "traceparent", "tracestate"}
+
+
 def test_retention_removes_marked_rows(services, pgdb, relay_bin, build, tmp_path):
     q = f"qret-{uuid.uuid4().hex[:6]}"
     conn, ch = amqp_channel(services)

@@ -192,6 +192,8 @@ static const outbox_header HEADERS[] = {
     { "ctl", "line1\nline2\t\x01\x1f end" },
     { "\xc3\xbcn\xc3\xafk", "\xc3\xa7\xc3\xb8\x64\xc3\xa9 \xe2\x9c\x93 \xf0\x9f\x98\x80" },
     { "empty", "" },
+    { "traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01" },
+    { "tracestate", "rojo=00f067aa0ba902b7,congo=t61rcWkgMzE" },
 };
 
 static outbox_message full_message(const char *id)
@@ -295,6 +297,16 @@ static const char *make_invalid(const char *name, outbox_message *m, outbox_head
         hs[0].key = "k"; hs[0].value = "1"; hs[1].key = "j"; hs[1].value = "2";
         hs[2].key = "k"; hs[2].value = "3"; m->headers = hs; m->n_headers = 3;
         return "headers[2].key"; }
+    CASE("traceparent_bad") {
+        hs[0].key = "k"; hs[0].value = "1";
+        hs[1].key = "traceparent"; hs[1].value = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7";
+        m->headers = hs; m->n_headers = 2; return "headers[1].value: traceparent value is not in W3C"; }
+    CASE("tracestate_bad") {
+        hs[0].key = "tracestate"; hs[0].value = "Rojo=1";
+        m->headers = hs; m->n_headers = 1; return "headers[0].value: tracestate value is not in W3C"; }
+    CASE("trace_key_case") {
+        hs[0].key = "TraceParent"; hs[0].value = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        m->headers = hs; m->n_headers = 1; return "lower case"; }
     CASE("delay_too_big") { m->delay_ms = 4000000000000ULL; return "delay_ms"; }
     CASE("batch_second_bad") { return "messages[1].routing_key"; }
 #undef CASE

@@ -131,6 +131,57 @@ static void uuid_format(void **state)
     assert_false(outbox_i_uuid_valid("6g1c3c9e-3b9a-4d4e-9d7b-1b2a3c4d5e6f"));
 }
 
+/* ------------------------------------------------------------ trace context */
+
+static void trace_context(void **state)
+{
+    (void)state;
+    /* the W3C spec's own examples */
+    assert_true(outbox_i_traceparent_valid("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+    assert_true(outbox_i_traceparent_valid("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-00"));
+    /* a later version may add fields after a "-" */
+    assert_true(outbox_i_traceparent_valid("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-xyz"));
+    assert_true(outbox_i_traceparent_valid("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+    assert_false(outbox_i_traceparent_valid(""));
+    assert_false(outbox_i_traceparent_valid("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-"));
+    assert_false(outbox_i_traceparent_valid("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01x"));
+    assert_false(outbox_i_traceparent_valid("ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+    assert_false(outbox_i_traceparent_valid("00-00000000000000000000000000000000-00f067aa0ba902b7-01"));
+    assert_false(outbox_i_traceparent_valid("00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01"));
+    assert_false(outbox_i_traceparent_valid("00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01"));
+    assert_false(outbox_i_traceparent_valid("00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01"));
+    assert_false(outbox_i_traceparent_valid("00_4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+    assert_false(outbox_i_traceparent_valid("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-0g"));
+    assert_false(outbox_i_traceparent_valid(" 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"));
+
+    assert_true(outbox_i_tracestate_valid("congo=t61rcWkgMzE"));
+    assert_true(outbox_i_tracestate_valid("rojo=00f067aa0ba902b7,congo=t61rcWkgMzE"));
+    assert_true(outbox_i_tracestate_valid("rojo=1 , congo=2 ,, "));
+    assert_true(outbox_i_tracestate_valid("fw529a3039@dt=b, 1tenant@vendor=x"));
+    assert_true(outbox_i_tracestate_valid(""));
+    assert_false(outbox_i_tracestate_valid("Rojo=1"));
+    assert_false(outbox_i_tracestate_valid("rojo"));
+    assert_false(outbox_i_tracestate_valid("rojo="));
+    assert_false(outbox_i_tracestate_valid("=1"));
+    assert_false(outbox_i_tracestate_valid("rojo=a=b"));
+    assert_false(outbox_i_tracestate_valid("rojo=\x01"));
+    assert_false(outbox_i_tracestate_valid("t@Vendor=1"));
+    assert_false(outbox_i_tracestate_valid("t@toolongsystemid=1"));
+    char many[32 * 6 + 8] = "";
+    for (int i = 0; i < 33; i++) {
+        char m[8];
+        snprintf(m, sizeof m, "%sk%c=1", i ? "," : "", 'a' + i % 26);
+        if (strlen(many) + strlen(m) < sizeof many)
+            strcat(many, m);
+    }
+    assert_false(outbox_i_tracestate_valid(many));     /* 33 members */
+    char big[600];
+    memset(big, 'v', sizeof big);
+    memcpy(big, "k=", 2);
+    big[sizeof big - 1] = '\0';
+    assert_false(outbox_i_tracestate_valid(big));      /* over 512 bytes */
+}
+
 /* ------------------------------------------------------------ table names */
 
 static void ident(void **state)
@@ -400,6 +451,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(utf8_invalid),
         cmocka_unit_test(json_escape),
         cmocka_unit_test(uuid_format),
+        cmocka_unit_test(trace_context),
         cmocka_unit_test(ident),
         cmocka_unit_test(table_parse),
         cmocka_unit_test(qualified_and_derived),
