@@ -27,6 +27,11 @@ What it measures (every figure printed is a median over BENCH_ROUNDS rounds, min
    conninfo, database, sink url and http_listen set): drain time, rows/s, peak RSS vs 16 MiB.
 4. Competing: BENCH_ROWS rows drained by one relay and by two relays (mode = competing, both
    sides), alternating per round; the two/one ratio against the target >= 1.
+5. Many outboxes: one relay with BENCH_MANY outboxes (default settings, one sink) spread over
+   BENCH_MANY_DBS databases, BENCH_MANY_ROWS rows in each table: the time until every table
+   is drained, then the relay's idle CPU over BENCH_MANY_IDLE_S seconds (user+sys, all
+   threads, from /proc/<pid>/task/*/schedstat) against <= 0.2% of a core, PostgreSQL's CPU
+   meanwhile (the idle polls' cost on the server side), and peak RSS against <= 30 MiB.
 
 Before each timed run the bench waits (at most 3 s) until the broker and PostgreSQL are idle,
 so a checkpoint or a purge does not land in the next measurement. A run is flagged
@@ -48,6 +53,10 @@ Environment (defaults in brackets):
   BENCH_BACKLOG_ROWS [1000000] backlog size; 0 skips the backlog
   BENCH_BACKLOG_KEYS [1000]    partition keys of the backlog rows
   BENCH_COMPETING_KEYS [100]   partition keys of the competing runs; -1 skips them
+  BENCH_MANY [50]              outboxes in the many-outboxes run; 0 skips it
+  BENCH_MANY_DBS [5]           databases they are spread over
+  BENCH_MANY_ROWS [1000]       rows per outbox table (20 keys)
+  BENCH_MANY_IDLE_S [30]       seconds of idle CPU measured
   BENCH_POLL_MS [5]            queue-depth poll interval
   BENCH_TIMEOUT [600]          seconds a key-skew/competing relay run may take; a run cut
                                short is reported as partial (rows sent / elapsed)
@@ -97,6 +106,12 @@ BACKLOG = env_int("BENCH_BACKLOG_ROWS", 1000000)
 BACKLOG_KEYS = env_int("BENCH_BACKLOG_KEYS", 1000)
 COMPETING_KEYS = env_int("BENCH_COMPETING_KEYS", 100)
 POLL_MS = env_int("BENCH_POLL_MS", 5)
+MANY = env_int("BENCH_MANY", 50)
+MANY_DBS = max(1, env_int("BENCH_MANY_DBS", 5))
+MANY_ROWS = env_int("BENCH_MANY_ROWS", 1000)
+MANY_IDLE_S = env_int("BENCH_MANY_IDLE_S", 30)
+MANY_CPU_TARGET = 0.002          # of one core, idle (issue 12)
+MANY_RSS_TARGET_KIB = 30 * 1024
 TIMEOUT = env_int("BENCH_TIMEOUT", 600)
 BACKLOG_TIMEOUT = env_int("BENCH_BACKLOG_TIMEOUT", 1800)
 SIZE = 256
@@ -218,6 +233,21 @@ def pid_ticks(pid):
         return int(fields[11]) + int(fields[12])
     except OSError:
         return 0
+
+
+def task_cpu_s(pid):
+    """CPU seconds (ns precision) of every thread of pid, from /proc/<pid>/task/*/schedstat."""
+    total = 0
+    try:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{t}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except OSError:
+                pass
+    except OSError:
+        return 0.0
+    return total / 1e9
 
 
 def vm_hwm_kib(pid):
@@ -840,6 +870,71 @@ def version_line():
     return v
 
 
+# ------------------------------------------------------------------ many outboxes
+def many_run(svc, broker, tmp):
+    """One relay, MANY outboxes over MANY_DBS databases (default settings): drain, idle, RSS."""
+    dbs = [f"{DB}_many{i}" for i in range(MANY_DBS)]
+    tables = [(dbs[i % MANY_DBS], f"outbox.m{i // MANY_DBS}") for i in range(MANY)]
+    port = free_port()
+    lines = ["[relay]", f"http_listen = 127.0.0.1:{port}", "[sink.main]", f"url = {svc.amqp_url}"]
+    for i, (db, table) in enumerate(tables):
+        lines += [f"[outbox.o{i}]", f"conninfo = host=127.0.0.1 port={svc.pg_port} dbname={db} "
+                  "user=postgres", f"database = {db}", f"table = {table}"]
+    cfg = tmp / "many.ini"
+    cfg.write_text("\n".join(lines) + "\n")
+    with svc.pg("postgres") as c:
+        for db in dbs:
+            c.execute(f"drop database if exists {db} with (force)")
+            c.execute(f"create database {db}")
+    try:
+        subprocess.run([str(BUILD / "outbox-relay"), "init", "-c", str(cfg)], check=True,
+                       stdout=subprocess.DEVNULL)
+        conns = {db: svc.pg(db) for db in dbs}
+        for db, table in tables:
+            conns[db].execute(f"""insert into {table} (routing_key, partition_key, payload)
+                select %s, 'k' || (g %% 20), convert_to(rpad(g::text || '|', {SIZE}, 'x'), 'UTF8')
+                from generate_series(1, {MANY_ROWS}) g""", (QUEUE,))
+        for c in conns.values():
+            c.execute("checkpoint")
+        broker.reset()
+        log = open(tmp / "many.log", "w")
+        t0 = time.monotonic()
+        p = spawn([str(BUILD / "outbox-relay"), "run", "-c", str(cfg)], stdout=log,
+                  stderr=subprocess.STDOUT)
+        deadline = t0 + TIMEOUT
+        pending = None
+        while time.monotonic() < deadline:
+            pending = sum(conns[db].execute(f"select count(*) from {table} where sent_at is null")
+                          .fetchone()[0] for db, table in tables)
+            if pending == 0 or p.poll() is not None:
+                break
+            time.sleep(0.2)
+        drained = time.monotonic() - t0
+        if pending != 0:
+            raise BenchError(f"many outboxes: {pending} rows still pending after {drained:.0f} s"
+                             f" (relay log: {tmp / 'many.log'})")
+        time.sleep(5)          # the claims that found nothing back off to poll_interval
+        a_relay, a = task_cpu_s(p.pid), Snapshot(svc)
+        time.sleep(MANY_IDLE_S)
+        b_relay, b = task_cpu_s(p.pid), Snapshot(svc)
+        secs = b.t - a.t
+        rss = vm_hwm_kib(p.pid)
+        rc = stop(p)
+        log.close()
+        broker.reset()
+        for c in conns.values():
+            c.close()
+        return {"outboxes": MANY, "dbs": MANY_DBS, "rows": MANY * MANY_ROWS, "drained": drained,
+                "idle_cpu": (b_relay - a_relay) / secs, "idle_pg": (b.pg - a.pg) / secs,
+                "idle_other": max((b.machine - a.machine) - (b.broker - a.broker) - (b.pg - a.pg)
+                                  - (b_relay - a_relay), 0.0) / secs,
+                "rss": rss, "rc": rc}
+    finally:
+        with svc.pg("postgres") as c:
+            for db in dbs:
+                c.execute(f"drop database if exists {db} with (force)")
+
+
 # ------------------------------------------------------------------ main
 def main():
     for f in ("outbox-relay", "tests/amqp_probe", "tests/queue_watch"):
@@ -859,7 +954,7 @@ def main():
     conn = broker = None
     ok = False
     results = {k: {"probe": [], "relay": []} for k in KEYS}
-    backlog = None
+    backlog = many = None
     competing = {"one": [], "two": []}
     try:
         init_cfg = write_cfg(tmp / "init.ini", svc, free_port(), name="bench-init")
@@ -938,6 +1033,15 @@ def main():
             broker.reset()
             conn.execute("truncate outbox.messages, outbox.messages_dead")
             sys.stdout.flush()
+
+        # ---- many outboxes in one process
+        if MANY > 0:
+            many = many_run(svc, broker, tmp)
+            print(f"  many outboxes: {many['outboxes']} over {many['dbs']} databases, "
+                  f"{many['rows']} rows drained in {many['drained']:.1f} s; idle: relay "
+                  f"{many['idle_cpu'] * 100:.3f}% of a core, PostgreSQL "
+                  f"{many['idle_pg'] * 100:.2f}%; peak RSS {(many['rss'] or 0) / 1024:.1f} MiB")
+            sys.stdout.flush()
         ok = True
     finally:
         for p in CHILDREN:
@@ -1006,6 +1110,17 @@ def main():
               f"{disturbed(competing['one'] + competing['two'])}")
         print(f"    one: {bound(competing['one'], COMPETING_KEYS)}")
         print(f"    two: {bound(competing['two'], COMPETING_KEYS, 2 * WINDOW)}")
+    if many is not None:
+        cpu_ok = many["idle_cpu"] <= MANY_CPU_TARGET
+        rss_ok = many["rss"] is not None and many["rss"] <= MANY_RSS_TARGET_KIB
+        print(f"  many outboxes ({many['outboxes']} over {many['dbs']} databases, default settings)"
+              f": {many['rows']} rows drained in {many['drained']:.1f} s; idle CPU of the relay "
+              f"{many['idle_cpu'] * 100:.3f}% of a core (target <= {MANY_CPU_TARGET * 100:.1f}%: "
+              f"{'PASS' if cpu_ok else 'ABOVE'}), PostgreSQL meanwhile "
+              f"{many['idle_pg'] * 100:.2f}% (the idle polls and LISTEN sessions); peak RSS "
+              f"{(many['rss'] or 0) / 1024:.1f} MiB (target <= {MANY_RSS_TARGET_KIB // 1024} MiB: "
+              f"{'PASS' if rss_ok else 'ABOVE'}); {2 * many['outboxes']} database connections "
+              f"(two per outbox){'; other load %.2f cores: noisy' % many['idle_other'] if many['idle_other'] > 0.2 else ''}")
     if backlog is not None:
         rss = backlog["rss"]
         print(f"  backlog {BACKLOG} rows ({BACKLOG_KEYS} keys), default settings: drained in "
