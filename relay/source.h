@@ -56,7 +56,8 @@ typedef struct src_stats {
     int64_t backlog;            /* rows with sent_at NULL */
     double  oldest_pending_s;   /* now - min(created_at) of pending rows; 0 when none */
     int64_t dead;               /* rows in the dead-letter table */
-    int64_t sent_kept;          /* marked rows awaiting retention */
+    int64_t sent_kept;          /* marked rows awaiting retention; -1 when not counted
+                                   (the periodic refresh; `stats` counts them) */
 } src_stats;
 
 typedef struct src_result {

@@ -194,7 +194,7 @@ static odbc_event *execute(wstate *w, const odbc_req *r)
                                 &e->res.n_deleted);
         break;
     case SRC_REQ_STATS:
-        rc = odbcsrc_db_stats(db, &e->res.stats);
+        rc = odbcsrc_db_stats(db, &e->res.stats, false);
         break;
     default:
         rc = -1;
@@ -602,7 +602,7 @@ static int odbcsrc_stats_sync(const cfg_outbox *oc, src_stats *out, char *err, s
     int rc;
     if (admin_open(oc, &conf, &db, false, true, err, errlen) < 0)
         return -1;
-    rc = odbcsrc_db_stats(&db, out);
+    rc = odbcsrc_db_stats(&db, out, true);
     if (rc < 0)
         snprintf(err, errlen, "%s", db.err);
     admin_close(&conf, &db);

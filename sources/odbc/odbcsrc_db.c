@@ -1442,25 +1442,31 @@ int odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, const
     return rc;
 }
 
-int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out)
+int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full)
 {
-    /* T-SQL: never waits for producers (READPAST; see the top of this file) */
+    /* T-SQL: never waits for producers (READPAST; see the top of this file). The
+       retained marked rows are counted only with `full` (else -1: the relay's periodic
+       refresh must not read every retained row; `outbox-relay stats` counts them). */
     static const char tsql[] =
         "SELECT (SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
         "WHERE sent_at IS NULL), "
         "CAST(COALESCE((SELECT DATEDIFF_BIG(microsecond, MIN(created_at), SYSUTCDATETIME()) "
         "FROM {T} WITH (READPAST, READCOMMITTEDLOCK) WHERE sent_at IS NULL), 0) AS float) / 1e6, "
-        "(SELECT COUNT_BIG(*) FROM {D} WITH (READPAST, READCOMMITTEDLOCK)), "
+        "(SELECT COUNT_BIG(*) FROM {D} WITH (READPAST, READCOMMITTEDLOCK)), ";
+    static const char tsql_kept[] =
         "(SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
         "WHERE sent_at IS NOT NULL)";
     static const char pg[] =
         "SELECT (SELECT count(*) FROM {T} WHERE sent_at IS NULL), "
         "greatest(coalesce((SELECT extract(epoch from now() - min(created_at)) FROM {T} "
         "WHERE sent_at IS NULL), 0), 0)::float8, "
-        "(SELECT count(*) FROM {D}), "
-        "(SELECT count(*) FROM {T} WHERE sent_at IS NOT NULL)";
+        "(SELECT count(*) FROM {D}), ";
+    static const char pg_kept[] = "(SELECT count(*) FROM {T} WHERE sent_at IS NOT NULL)";
+    char tmpl[sizeof tsql + sizeof tsql_kept];
+    snprintf(tmpl, sizeof tmpl, "%s%s", is_tsql(db) ? tsql : pg,
+             full ? (is_tsql(db) ? tsql_kept : pg_kept) : "CAST(-1 AS bigint)");
     SQLHSTMT h = SQL_NULL_HSTMT;
-    char *sql = sql_for(db, is_tsql(db) ? tsql : pg);
+    char *sql = sql_for(db, tmpl);
     int rc = -1;
     memset(out, 0, sizeof *out);
     if (!sql)

@@ -83,7 +83,7 @@ int  odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t
 int  odbcsrc_db_settle(odbcsrc_db *db, const char *json, size_t *applied);
 int  odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, const char *owner,
                         int64_t epoch, size_t *deleted);
-int  odbcsrc_db_stats(odbcsrc_db *db, src_stats *out);
+int  odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full);
 int  odbcsrc_db_init(odbcsrc_db *db);
 int  odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out);
 int  odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t n_ids,

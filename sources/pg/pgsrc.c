@@ -859,7 +859,7 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
     s->sql_claim_competing = pgsrc_sql_claim(&s->names, true);
     s->sql_settle = pgsrc_sql_settle(&s->names, ob->on_sent);
     s->sql_cleanup = pgsrc_sql_cleanup(&s->names);
-    s->sql_stats = pgsrc_sql_stats(&s->names);
+    s->sql_stats = pgsrc_sql_stats(&s->names, false);
     if (!s->sql_lead || !s->sql_claim || !s->sql_claim_competing || !s->sql_settle ||
         !s->sql_cleanup || !s->sql_stats)
         goto oom;

@@ -478,7 +478,7 @@ int pgsrc_stats_sync(const cfg_outbox *ob, src_stats *out, char *err, size_t err
     if (!c)
         return -1;
     pgsrc_names_init(ob, &n);
-    sql = pgsrc_sql_stats(&n);
+    sql = pgsrc_sql_stats(&n, true);
     if (!sql) {
         errf(ob, err, errlen, "out of memory");
         goto out;

@@ -406,15 +406,22 @@ char *pgsrc_sql_cleanup(const pgsrc_names *n)
         n->table, n->lease);
 }
 
-char *pgsrc_sql_stats(const pgsrc_names *n)
+/* Backlog, age of the oldest pending row, dead rows, and with `full` the marked rows
+ * kept for retention (-1 without: counting them reads every retained row — millions
+ * with a week of retention — too much for the relay's refresh every 5 s; `outbox-relay
+ * stats` counts them). */
+#define STATS_HEAD                                                                       \
+    "SELECT (SELECT count(*) FROM %1$s WHERE sent_at IS NULL), "                           \
+    "greatest(coalesce((SELECT extract(epoch from now() - min(created_at)) FROM %1$s "     \
+    "WHERE sent_at IS NULL), 0), 0)::float8, "                                              \
+    "(SELECT count(*) FROM %2$s), "
+
+char *pgsrc_sql_stats(const pgsrc_names *n, bool full)
 {
-    return fmt(
-        "SELECT (SELECT count(*) FROM %1$s WHERE sent_at IS NULL), "
-        "greatest(coalesce((SELECT extract(epoch from now() - min(created_at)) FROM %1$s "
-        "WHERE sent_at IS NULL), 0), 0)::float8, "
-        "(SELECT count(*) FROM %2$s), "
-        "(SELECT count(*) FROM %1$s WHERE sent_at IS NOT NULL)",
-        n->table, n->dead);
+    if (full)
+        return fmt(STATS_HEAD "(SELECT count(*) FROM %1$s WHERE sent_at IS NOT NULL)",
+                   n->table, n->dead);
+    return fmt(STATS_HEAD "-1::bigint", n->table, n->dead);
 }
 
 char *pgsrc_sql_dead_list(const pgsrc_names *n)
