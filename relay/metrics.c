@@ -111,6 +111,9 @@ static void hist(buf *b, ob_metrics *const *m, size_t n, const char *name, const
 char *metrics_render(ob_metrics *const *m, size_t n, size_t *len)
 {
     buf b = { 0 };
+    bprintf(&b, "# HELP outbox_relay_build_info The running relay's version (always 1).\n"
+                "# TYPE outbox_relay_build_info gauge\n"
+                "outbox_relay_build_info{version=\"%s\"} 1\n", OUTBOX_VERSION);
     counter(&b, m, n, "relayed_total", "Messages confirmed by the broker and settled as sent.", OFF(relayed));
     counter(&b, m, n, "failed_total", "Failed publish attempts (returned, nacked or rejected).", OFF(failed));
     counter(&b, m, n, "returned_total", "Messages returned as unroutable (mandatory).", OFF(returned));
