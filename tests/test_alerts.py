@@ -1,7 +1,9 @@
-"""The shipped Prometheus alert rules (deploy/prometheus-alerts.yaml) and the relay's /metrics
-(issue 12): promtool accepts both, each alert fires on synthetic series made for it and not on
-healthy ones (tests/alerts_test.yml), a rule that is wrong fails that test, and every metric
-the rules name is one a running relay really exposes."""
+"""The shipped Prometheus alert rules (deploy/prometheus-alerts.yaml), the Grafana dashboard
+(deploy/grafana-dashboard.json) and the relay's /metrics (issue 12): promtool accepts the rules
+and /metrics, each alert fires on synthetic series made for it and not on healthy ones
+(tests/alerts_test.yml), a rule that is wrong fails that test, and every metric the rules and
+the dashboard name is one a running relay really exposes."""
+import json
 import re
 import shutil
 import subprocess
@@ -13,6 +15,40 @@ from relay_util import Relay, free_port, write_config
 
 RULES = ROOT / "deploy" / "prometheus-alerts.yaml"
 RULE_TESTS = ROOT / "tests" / "alerts_test.yml"
+DASHBOARD = ROOT / "deploy" / "grafana-dashboard.json"
+
+
+def dashboard_exprs():
+    d = json.loads(DASHBOARD.read_text())
+    out = []
+    for p in d["panels"]:
+        assert p["targets"], p["title"]
+        assert p["datasource"]["uid"] == "${datasource}", p["title"]
+        for t in p["targets"]:
+            out.append(t["expr"])
+    for v in d["templating"]["list"]:
+        if v["type"] == "query":
+            out.append(v["definition"])
+    return d, out
+
+
+def metric_names(text):
+    """outbox_relay_* names in PromQL text, histogram series reduced to their family."""
+    return {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"\b(outbox_relay_\w+)", text)}
+
+
+def test_dashboard_structure():
+    d, exprs = dashboard_exprs()
+    assert d["uid"] and d["title"] and d["schemaVersion"] >= 30
+    ids = [p["id"] for p in d["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"
+    titles = " ".join(p["title"].lower() for p in d["panels"])
+    for topic in ("backlog", "oldest", "relayed", "failures", "latency", "dead", "connections"):
+        assert topic in titles, f"no panel about {topic}"
+    for e in exprs:
+        assert e.count("(") == e.count(")"), e
+        if "histogram_quantile" in e:
+            assert "_bucket" in e and "le)" in e, e
 
 
 def promtool(*args, stdin=None):
@@ -74,6 +110,11 @@ def test_relay_metrics_pass_promtool_and_cover_the_rules(services, pgdb, relay_b
     assert c.returncode == 0, c.stdout + c.stderr
     exposed = set(re.findall(r"^# TYPE (\w+) ", text, re.M))
     assert 'outbox_relay_build_info{version="' in text
-    used = set(re.findall(r"\b(outbox_relay_\w+)", RULES.read_text()))
+    used = metric_names(RULES.read_text())
     missing = sorted(m for m in used if m not in exposed)
     assert used and not missing, f"rules name metrics the relay does not expose: {missing}"
+    used = metric_names(" ".join(dashboard_exprs()[1]))
+    missing = sorted(m for m in used if m not in exposed)
+    assert len(used) >= 15 and not missing, f"the dashboard uses metrics the relay does not expose: {missing}"
+    for fam in ("confirm_latency_seconds", "settle_latency_seconds", "claim_latency_seconds"):
+        assert f"# TYPE outbox_relay_{fam} histogram" in text
