@@ -66,6 +66,7 @@ struct drain {
     double    leader_until;      /* monotonic: we may act as leader until then */
     double    lead_sent;         /* monotonic time the outstanding lead request was sent */
     size_t    claim_asked;
+    double    claim_sent;        /* monotonic time the outstanding claim was sent */
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
 
     bool      want_claim;        /* wake-up, poll tick or a full previous claim */
@@ -178,8 +179,12 @@ static void sink_on_result(void *ud, void *msg_ud, int outcome, const char *reas
     drain *d = ud;
     led_entry *e = msg_ud;
     double now = mono_now();
-    if (outcome == SINK_ACK)
+    if (outcome == SINK_ACK) {
         histogram_observe(&d->m.confirm_latency, now - ledger_published_at(e));
+        const row *r = ledger_row(e);
+        if (r->age_us >= 0)
+            histogram_observe(&d->m.e2e_latency, now - r->origin_mono);
+    }
     ledger_result(d->led, e, outcome, reason, now);
     pump(d);
     schedule_kick(d);
@@ -319,6 +324,8 @@ static void on_claimed(drain *d, const src_result *res)
         return;
     }
     d->m.claimed_rows += res->n_rows;
+    for (size_t i = 0; i < res->n_rows; i++)    /* for the end-to-end latency */
+        res->rows[i]->origin_mono = d->claim_sent - (double)res->rows[i]->age_us / 1e6;
     ledger_claimed(d->led, res->rows, res->n_rows, d->claim_deadline);   /* takes the rows */
     free(res->rows);
     if (d->stopping)
@@ -560,7 +567,8 @@ static bool main_request(drain *d, int req)
         break;
     }
     case SRC_REQ_CLAIM: {
-        d->claim_deadline = mono_now() + d->ob->lease_ms / 1000.0 - lease_margin(d);
+        d->claim_sent = mono_now();
+        d->claim_deadline = d->claim_sent + d->ob->lease_ms / 1000.0 - lease_margin(d);
         src_claim_args a = {
             .max_rows = d->resigned ? 0 : claim_size(d),
             .lease_ms = d->resigned ? 0 : d->ob->lease_ms,

@@ -7,7 +7,8 @@
 #include <string.h>
 
 const double metrics_bucket_bounds[METRICS_NBUCKETS] = {
-    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 0 /* +Inf */
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300,
+    0 /* +Inf */
 };
 
 void histogram_observe(histogram *h, double seconds)
@@ -159,6 +160,7 @@ char *metrics_render(ob_metrics *const *m, size_t n, size_t *len)
     hist(&b, m, n, "confirm_latency_seconds", "Publish to broker confirm.", OFF(confirm_latency));
     hist(&b, m, n, "claim_latency_seconds", "Claim query round trip.", OFF(claim_latency));
     hist(&b, m, n, "settle_latency_seconds", "Settle (mark, retry, dead letter) round trip, commit included.", OFF(settle_latency));
+    hist(&b, m, n, "end_to_end_latency_seconds", "Row created_at (producer's transaction) to broker confirm: the row's age when claimed, in the database's clock, plus our time from claim to confirm.", OFF(e2e_latency));
     if (b.oom) {
         free(b.p);
         return NULL;

@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define METRICS_NBUCKETS 14
+#define METRICS_NBUCKETS 17
 extern const double metrics_bucket_bounds[METRICS_NBUCKETS]; /* seconds; last = +Inf */
 
 typedef struct histogram {
@@ -47,6 +47,7 @@ typedef struct ob_metrics {
     histogram confirm_latency;
     histogram claim_latency;
     histogram settle_latency;
+    histogram e2e_latency;       /* row created_at -> broker confirm (database clock at claim) */
 } ob_metrics;
 
 void histogram_observe(histogram *h, double seconds);

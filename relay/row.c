@@ -60,6 +60,8 @@ row *row_new(const row_fields *f)
     r->lease_token = f->lease_token;
     r->attempts = f->attempts;
     r->created_at_us = f->created_at_us;
+    r->age_us = f->age_us;
+    r->origin_mono = 0;
     for (size_t i = 0; i < 36; i++)
         r->message_id[i] = (char)tolower((unsigned char)f->message_id.p[i]);
     r->message_id[36] = '\0';

@@ -15,6 +15,10 @@ typedef struct row {
     int64_t        lease_token;    /* the claim's token; settles must carry it */
     int            attempts;       /* failed attempts before this claim */
     int64_t        created_at_us;  /* unix epoch microseconds (AMQP timestamp = seconds) */
+    int64_t        age_us;         /* now() - created_at when claimed, in the database's
+                                      clock (no skew with ours); -1 unknown */
+    double         origin_mono;    /* core only: our monotonic time of created_at (claim
+                                      sent - age; meaningful when age_us >= 0) */
     char           message_id[37]; /* canonical lower-case UUID */
     const char    *exchange;       /* never NULL ("" = default exchange) */
     const char    *routing_key;    /* never NULL */
@@ -30,7 +34,7 @@ typedef struct row {
 /* Field values for row_new(); each string is (ptr, len), ptr NULL = SQL NULL. */
 typedef struct row_field { const char *p; size_t len; } row_field;
 typedef struct row_fields {
-    int64_t   id, lease_token, created_at_us;
+    int64_t   id, lease_token, created_at_us, age_us;
     int       attempts;
     row_field message_id, exchange, routing_key, partition_key, message_type,
               content_type, correlation_id, headers_json, payload;

@@ -43,7 +43,8 @@ def test_dashboard_structure():
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     titles = " ".join(p["title"].lower() for p in d["panels"])
-    for topic in ("backlog", "oldest", "relayed", "failures", "latency", "dead", "connections"):
+    for topic in ("backlog", "oldest", "relayed", "failures", "latency", "end-to-end", "dead",
+                  "connections"):
         assert topic in titles, f"no panel about {topic}"
     for e in exprs:
         assert e.count("(") == e.count(")"), e

@@ -1047,7 +1047,8 @@ static const char CLAIM_TSQL[] =
     "OUTPUT inserted.id, LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange, "
     "inserted.routing_key, inserted.partition_key, inserted.message_type, inserted.content_type, "
     "inserted.correlation_id, inserted.headers, inserted.payload, inserted.attempts, "
-    "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), inserted.created_at)";
+    "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), inserted.created_at), "
+    "DATEDIFF_BIG(microsecond, inserted.created_at, SYSUTCDATETIME())";
 
 static const char CLAIM_PG[] =
     "WITH c AS (SELECT m.id FROM {T} m WHERE m.sent_at IS NULL AND m.available_at <= now() "
@@ -1063,7 +1064,8 @@ static const char CLAIM_PG[] =
     "FROM c WHERE m.id = c.id "
     "RETURNING m.id, m.message_id::text, m.exchange, m.routing_key, m.partition_key, "
     "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
-    "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint";
+    "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
+    "(extract(epoch from now() - m.created_at) * 1000000)::bigint";
 
 /* Competing mode (see pgsrc_sql_claim): a key's rows only from its first pending
  * row on, and only when that head is ours already or locked by this claim; keys
@@ -1113,7 +1115,8 @@ static const char CLAIM_COMPETING_TSQL[] =
     "OUTPUT inserted.id, LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange, "
     "inserted.routing_key, inserted.partition_key, inserted.message_type, inserted.content_type, "
     "inserted.correlation_id, inserted.headers, inserted.payload, inserted.attempts, "
-    "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), inserted.created_at) "
+    "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), inserted.created_at), "
+    "DATEDIFF_BIG(microsecond, inserted.created_at, SYSUTCDATETIME()) "
     "FROM {T} m JOIN @c0 c ON m.id = c.id LEFT JOIN @g g ON g.partition_key = c.partition_key "
     "WHERE c.partition_key IS NULL OR g.gap IS NULL OR c.id < g.gap";
 
@@ -1140,7 +1143,8 @@ static const char CLAIM_COMPETING_PG[] =
     "FROM c WHERE m.id = c.id "
     "RETURNING m.id, m.message_id::text, m.exchange, m.routing_key, m.partition_key, "
     "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
-    "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint";
+    "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
+    "(extract(epoch from now() - m.created_at) * 1000000)::bigint";
 
 static int row_cmp(const void *a, const void *b)
 {
@@ -1222,6 +1226,7 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
             break;
         row_fields rf;
         int64_t attempts = 0;
+        bool age_null = false;
         memset(&rf, 0, sizeof rf);
         if (get_i64(db, h, 1, &rf.id, NULL) < 0)
             goto done;
@@ -1230,8 +1235,11 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
                 goto done;
         if (get_bin(db, h, 10, &pay, &pnull) < 0 ||
             get_i64(db, h, 11, &attempts, NULL) < 0 ||
-            get_i64(db, h, 12, &rf.created_at_us, NULL) < 0)
+            get_i64(db, h, 12, &rf.created_at_us, NULL) < 0 ||
+            get_i64(db, h, 13, &rf.age_us, &age_null) < 0)
             goto done;
+        if (age_null)
+            rf.age_us = -1;
         rf.lease_token = token;
         rf.attempts = (int)attempts;
         rf.message_id = fld(&txt[0], tnull[0]);

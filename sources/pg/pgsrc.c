@@ -401,7 +401,7 @@ static int decode_claim(const PGresult *r, int64_t token, row ***out, size_t *n_
     row **rows = NULL;
     *out = NULL;
     *n_out = 0;
-    if (PQnfields(r) != 12) {
+    if (PQnfields(r) != 13) {
         snprintf(err, errlen, "claim: unexpected result shape (%d columns)", PQnfields(r));
         return -1;
     }
@@ -443,6 +443,7 @@ static int decode_claim(const PGresult *r, int64_t token, row ***out, size_t *n_
         f.payload = bfield(r, i, 9);
         f.attempts = be32(PQgetvalue(r, i, 10));
         f.created_at_us = be64(PQgetvalue(r, i, 11));
+        f.age_us = PQgetisnull(r, i, 12) ? -1 : be64(PQgetvalue(r, i, 12));
         rows[i] = row_new(&f);
         if (!rows[i]) {
             snprintf(err, errlen, "claim: out of memory building row %" PRId64, f.id);

@@ -308,7 +308,8 @@ char *pgsrc_sql_claim(const pgsrc_names *n, bool competing)
     static const char ret[] =
         "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
         "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
-        "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint";
+        "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
+        "(extract(epoch from now() - m.created_at) * 1000000)::bigint";
     if (!competing)
         return fmt(
             "WITH c AS (SELECT m.id FROM %1$s m WHERE m.sent_at IS NULL AND m.available_at <= now() "
