@@ -28,9 +28,11 @@ def expected_payload(prefix, i, size):
 
 
 def write_config(path, services, db, *, outboxes=None, relay=None, sink=None, **outbox):
-    """Writes a relay ini for one outbox named 'main' (or `outboxes`: name -> dict)."""
-    relay_keys = {"name": "relay-test", "log_level": "debug", "http_listen": "",
-                  "shutdown_timeout": "10s"}
+    """Writes a relay ini for one outbox named 'main' (or `outboxes`: name -> dict).
+    log_level is not written, so the relay runs at its default level (info, config/cfg.c):
+    what an operator sees. A test that needs debug lines passes relay={"log_level": "debug"}
+    and says why."""
+    relay_keys = {"name": "relay-test", "http_listen": "", "shutdown_timeout": "10s"}
     relay_keys.update(relay or {})
     sink_keys = {"url": services.amqp_url, "publish_window": "1000", "heartbeat": "10s",
                  "confirm_timeout": "10s", "reconnect_max": "1s"}
@@ -76,6 +78,8 @@ class Relay:
             return f.read()
 
     def wait_log(self, pattern, timeout=20):
+        """Waits for pattern at ANY level: for progress lines ("became the active relay").
+        A failure the operator must see is checked with wait_log_at / assert_log_at."""
         rx = re.compile(pattern)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -620,22 +624,32 @@ def log_lines_at(text, pattern, levels=("WARN", "ERROR")):
     return [msg for lvl, msg in log_events(text) if lvl in levels and rx.search(msg)]
 
 
-def wait_log_at(relay, pattern, levels=("WARN", "ERROR"), timeout=20):
-    """Waits for a line matching pattern at one of levels (default WARN or ERROR) in a
-    Relay's log; returns the first such message. A match at another level does not count:
-    the failure message names the levels seen."""
+def wait_log_at(relay, pattern, levels=("WARN", "ERROR"), timeout=20, count=1):
+    """Waits until `count` lines matching pattern were logged at one of levels (default WARN
+    or ERROR: what an operator sees at the default level) in a Relay's log; returns the
+    count-th such message. A match at another level does not count: the failure message
+    names the levels seen. Also usable after the relay stopped (it reads the log file)."""
     deadline = time.monotonic() + timeout
     while True:
         text = relay.text()
         got = log_lines_at(text, pattern, levels)
-        if got:
-            return got[0]
+        if len(got) >= count:
+            return got[count - 1]
         if time.monotonic() >= deadline or relay.proc.poll() is not None:
             other = [f"{lvl} {msg}" for lvl, msg in log_events(text) if re.search(pattern, msg)]
             raise AssertionError(
-                f"no {'/'.join(levels)} line matched {pattern!r} within {timeout}s; "
-                f"at other levels: {other[:5]}; log:\n{text[-4000:]}")
+                f"{len(got)} of {count} {'/'.join(levels)} line(s) matched {pattern!r} within "
+                f"{timeout}s; at any level: {other[:8]}; log:\n{text[-4000:]}")
         time.sleep(0.05)
+
+
+def assert_log_at(relay, pattern, levels=("WARN", "ERROR"), count=1):
+    """wait_log_at without waiting: the log already holds `count` lines matching pattern at
+    one of levels (default WARN or ERROR); returns the count-th message."""
+    return wait_log_at(relay, pattern, levels, timeout=0, count=count)
+
+
+ANY_LEVEL = ("ERROR", "WARN", "INFO", "DEBUG")   # for checks that something was NOT logged
 
 
 class SilentListener:

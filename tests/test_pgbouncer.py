@@ -27,8 +27,9 @@ import psycopg
 import pytest
 
 from conftest import tail, wait_for
-from relay_util import (LiveConsumer, amqp_channel, consume, declare, delivery_report, free_port,
-                        insert_rows, order_report, run_producer, write_config, Relay)
+from relay_util import (ANY_LEVEL, LiveConsumer, amqp_channel, consume, declare,
+                        delivery_report, free_port, insert_rows, log_lines_at, order_report,
+                        run_producer, wait_log_at, write_config, Relay)
 from test_relay import init_schema
 from test_relay_multi import LEASE, POLL, audit_setup, first_order, marks, relay
 
@@ -141,7 +142,7 @@ def test_one_relay_drains_through_transaction_pooling(services, pgdb, pgb, relay
     conn.close()
     port = free_port()
     cfg = write_config(tmp_path / "r.ini", services, pgdb, conninfo=pgb.dsn(pgdb.name),
-                       relay={"http_listen": f"127.0.0.1:{port}", "log_level": "info"},
+                       relay={"http_listen": f"127.0.0.1:{port}"},
                        poll_interval="500ms", batch_size="200")
     init_schema(relay_bin, cfg)          # init through the pooler, too
     consumer = LiveConsumer(services, q)
@@ -168,8 +169,9 @@ def test_one_relay_drains_through_transaction_pooling(services, pgdb, pgb, relay
         default_timeout = c.execute("SHOW statement_timeout").fetchone()[0]
     leaked = [s for s in sessions if s[2] or s[1] != default_timeout]
     assert not leaked, f"session state left on pooled server connections: {leaked}"
-    warns = [l for l in text.splitlines() if NO_LISTEN in l]
-    assert len(warns) == 1 and "WARN" in warns[0], f"expected one WARN line, got {warns}"
+    warns = log_lines_at(text, re.escape(NO_LISTEN), levels=("WARN",))
+    assert len(warns) == 1 == len(log_lines_at(text, re.escape(NO_LISTEN), ANY_LEVEL)), \
+        f"expected one WARN line, got {warns}"
     assert "polling every poll_interval (0.5s)" in warns[0]
 
 
@@ -206,7 +208,7 @@ def test_leader_failover_through_transaction_pooling(services, pgdb, pgb, relay_
         time.sleep(max(0.0, LEASE + 5 - (time.monotonic() - t0)))
         t_wake = time.time()
         os.kill(a.proc.pid, signal.SIGCONT)
-        a.wait_log("lost leadership", timeout=15)
+        wait_log_at(a, "lost leadership", timeout=15)   # fenced: a WARN
     got += consume(ch, q, n - len(got), timeout=90, idle=2.0)
     audit = marks(pgdb)
     for r in (a, b):

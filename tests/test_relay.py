@@ -9,8 +9,8 @@ import uuid
 import pytest
 
 from conftest import wait_for
-from relay_util import (Relay, amqp_channel, consume, declare, expected_payload, free_port,
-                        psql_rows, run_producer, write_config)
+from relay_util import (Relay, amqp_channel, assert_log_at, consume, declare, expected_payload,
+                        free_port, psql_rows, run_producer, wait_log_at, write_config)
 
 
 def init_schema(relay_bin, cfg_path):
@@ -238,6 +238,12 @@ def _assert_failing_row_outcome(ch, q, pgdb, r, reason_rx):
     # per-key order of the waiting rows held
     seqs = [int(b.split(b"|")[1]) for b in bodies if b.startswith(b"k0|")]
     assert seqs == sorted(seqs)
+    # the operator sees it at the default level: each failed attempt at WARN, the
+    # dead-lettering (a row leaves the outbox undelivered) at ERROR, with the reason
+    assert_log_at(r, r"id=%d message_id=\S+: attempt 1/3 failed: " % dead[0][0])
+    line = assert_log_at(r, r"id=%d message_id=\S+: dead-lettered: " % dead[0][0],
+                         levels=("ERROR",))
+    assert re.search(reason_rx, line), line
     return dead[0][0]
 
 
@@ -292,8 +298,9 @@ def test_database_name_mismatch(services, pgdb, relay_bin, build, tmp_path):
     run_producer(build, pgdb.dsn, pgdb.name, count=10, keys=2, routing_key=q)
     wrong = pgdb.name.upper()
     r, cfg = start_relay(relay_bin, tmp_path, services, pgdb, database=wrong)
-    r.wait_log(re.escape(pgdb.name) + r".*" + re.escape(wrong) + "|" + re.escape(wrong) +
-               r".*" + re.escape(pgdb.name))
+    # refusing to drain is a failure the operator must see: WARN/ERROR naming both names
+    wait_log_at(r, r"database unavailable .*(" + re.escape(pgdb.name) + r".*" +
+                re.escape(wrong) + "|" + re.escape(wrong) + r".*" + re.escape(pgdb.name) + ")")
     time.sleep(1.5)
     assert consume(ch, q, 1, timeout=1) == []
     assert psql_rows(pgdb, "select count(*) from outbox.messages where sent_at is null")[0][0] == 10

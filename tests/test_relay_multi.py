@@ -14,7 +14,7 @@ import uuid
 import pytest
 
 from relay_util import (amqp_channel, consume, declare, delivery_report, free_port, psql_rows,
-                        run_producer, write_config, Relay)
+                        run_producer, wait_log_at, write_config, Relay)
 from test_relay import init_schema
 
 LEASE = 3.0
@@ -48,8 +48,7 @@ def relay(relay_bin, tmp_path, services, pgdb, name, **kw):
     port = free_port()
     kw.setdefault("lease", f"{LEASE:g}s")
     cfg = write_config(tmp_path / f"{name}.ini", services, pgdb,
-                       relay={"name": name, "http_listen": f"127.0.0.1:{port}",
-                              "log_level": "info"},
+                       relay={"name": name, "http_listen": f"127.0.0.1:{port}"},
                        sink={"publish_window": "100"},
                        poll_interval=f"{POLL:g}s", batch_size="100", **kw)
     return Relay(relay_bin, cfg, tmp_path / f"{name}.log", http_port=port), cfg
@@ -98,7 +97,7 @@ def test_leader_frozen_or_killed_is_replaced(services, pgdb, relay_bin, build, t
         time.sleep(max(0.0, LEASE + 5 - (time.monotonic() - t0)))
         t_wake = time.time()
         os.kill(a.proc.pid, signal.SIGCONT)
-        a.wait_log("lost leadership", timeout=15)
+        wait_log_at(a, "lost leadership", timeout=15)   # fenced: a WARN
     got += consume(ch, q, n - len(got), timeout=90, idle=2.0)
     audit = marks(pgdb)
     text_b = b.text()
@@ -141,7 +140,7 @@ def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, bu
         got = consume(ch, q, 500, timeout=30)
         proxy.blackhole()
         t0 = time.monotonic()
-        a.wait_log("lost leadership", timeout=LEASE + 5)
+        wait_log_at(a, "lost leadership", timeout=LEASE + 5)   # fenced: a WARN
         stopped = time.monotonic() - t0
         b.wait_log("became the active relay", timeout=20)
         took = time.monotonic() - t0

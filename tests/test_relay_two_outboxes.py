@@ -63,7 +63,7 @@ def test_two_outboxes_drain_independently_and_survive_a_stalled_database(
     declare(ch, "", qb, qb)
     port = free_port()
     cfg = write_config(tmp_path / "two.ini", services, pgdb,
-                       relay={"http_listen": f"127.0.0.1:{port}", "log_level": "info"},
+                       relay={"http_listen": f"127.0.0.1:{port}"},
                        sink={"publish_window": "500"},
                        outboxes={"alpha": _outbox(pgdb, "alpha"), "beta": _outbox(pgdb2, "beta")})
     init_schema(relay_bin, cfg)          # both databases
