@@ -530,13 +530,15 @@ static int check_trace_header(const outbox_header *hd, int batch, size_t i, size
             return outbox_i_err(err, OUTBOX_EINVAL, NULL,
                                 "%s: \"%s\": trace context keys are read in lower case "
                                 "(\"%s\")", hname(&f, batch, i, h, "key"), hd->key, keys[t]);
+        static const char *const forms[] = {
+            "00-<32 hex trace-id>-<16 hex parent-id>-<2 hex flags>, lower case, ids not all zero",
+            "key=value list, at most 32 members and 512 bytes",
+        };
         if (!(t == 0 ? outbox_i_traceparent_valid(hd->value)
                      : outbox_i_tracestate_valid(hd->value)))
             return outbox_i_err(err, OUTBOX_EINVAL, NULL,
                                 "%s: %s value is not in W3C Trace Context form (%s)",
-                                hname(&f, batch, i, h, "value"), keys[t], t == 0 ? "00-<32 hex trace-id>-<16 hex parent-id>-<2 hex "
-                                "flags>, lower case, ids not all zero" : "key=value list, "
-                                "at most 32 members and 512 bytes");
+                                hname(&f, batch, i, h, "value"), keys[t], forms[t]);
         return OUTBOX_OK;
     }
     return OUTBOX_OK;
