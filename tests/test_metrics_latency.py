@@ -26,9 +26,8 @@ def test_end_to_end_latency_uses_the_database_clock(services, pgdb, relay_bin, t
     init_schema(relay_bin, cfg)
     # 50 rows that the database says were created 20 s ago (a producer whose transaction
     # took that long, or a relay that was down), then 50 fresh ones once those are through
-    with pgdb.connect() as c, c.transaction():
-        insert_rows(pgdb, 50, 5, routing_key=q)
-        c.execute("UPDATE outbox.messages SET created_at = now() - interval '20 seconds'")
+    insert_rows(pgdb, 50, 5, routing_key=q)
+    pgdb.connect().execute("UPDATE outbox.messages SET created_at = now() - interval '20 seconds'")
     r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
     try:
         assert len(consume(ch, q, 50, timeout=30)) == 50

@@ -3,11 +3,11 @@ PostgreSQL databases (10 tables each), one sink. Every outbox drains completely,
 order, and /metrics carries all 50. Rows written after an idle period are found again (each
 outbox keeps its LISTEN and its poll). The idle CPU and peak RSS of such a process are
 figures, not assertions: `make bench` measures and prints them."""
-import secrets
+import contextlib
 import time
 import uuid
 
-from conftest import wait_for
+from conftest import scratch_database, wait_for
 from relay_util import Relay, amqp_channel, consume, declare, free_port, insert_rows, write_config
 from test_relay import init_schema
 
@@ -22,18 +22,14 @@ def _outbox(db, table):
 
 
 def test_fifty_outboxes_in_one_process(services, relay_bin, tmp_path):
-    from conftest import PgDb
-    names = [f"t_{secrets.token_hex(6)}" for _ in range(DBS)]
     q = f"q50-{uuid.uuid4().hex[:6]}"
     conn, ch = amqp_channel(services)
     declare(ch, "", q, q)
-    dbs = []
     relay = None
-    try:
-        with services.pg_connect() as admin:
-            for n in names:
-                admin.execute(f'CREATE DATABASE "{n}"')
-                dbs.append(PgDb(services, n))
+    with contextlib.ExitStack() as stack:
+        dbs = [stack.enter_context(contextlib.contextmanager(scratch_database)(services))
+               for _ in range(DBS)]
+        stack.callback(conn.close)
         outboxes = {f"d{d}_m{t}": _outbox(db, f"outbox.m{t}")
                     for d, db in enumerate(dbs) for t in range(TABLES)}
         port = free_port()
@@ -43,6 +39,7 @@ def test_fifty_outboxes_in_one_process(services, relay_bin, tmp_path):
                            sink={"publish_window": "200"})
         init_schema(relay_bin, cfg)
         relay = Relay(relay_bin, cfg, tmp_path / "many.log", http_port=port)
+        stack.callback(lambda: relay.proc.poll() is None and relay.stop())
         wait_for(lambda: relay.text().count("database connected") >= len(outboxes), 60,
                  desc="every outbox connected")
 
@@ -76,13 +73,3 @@ def test_fifty_outboxes_in_one_process(services, relay_bin, tmp_path):
         for name in outboxes:
             assert f'outbox_relay_relayed_total{{outbox="{name}"}} {2 * ROWS}' in text, name
         relay.assert_clean_exit(relay.stop())
-        relay = None
-    finally:
-        if relay is not None:
-            relay.stop()
-        conn.close()
-        for db in dbs:
-            db.close_all()
-        with services.pg_connect() as admin:
-            for n in names:
-                admin.execute(f'DROP DATABASE IF EXISTS "{n}" WITH (FORCE)')
