@@ -188,6 +188,43 @@ def test_postgres_ddl_applies_twice(pgdb, build):
                   " VALUES (gen_random_uuid(), 'rk', '', '[1]')")
 
 
+def test_postgres_fillfactor_leaves_room_for_hot_claims(pgdb, build):
+    """New outbox tables get fillfactor 50, so the claim's lease update finds room on the
+    row's page (a HOT update, no new index entries); a table made with the earlier default
+    (70) or none is moved to 50 by the DDL; a fillfactor chosen by hand is left alone."""
+    s = ddl(build, "postgres")
+    c = pgdb.connect()
+
+    def ff():
+        return c.execute("SELECT reloptions FROM pg_class "
+                         "WHERE oid = 'outbox.messages'::regclass").fetchone()[0]
+    pgdb.psql(s)
+    assert "fillfactor=50" in ff()
+    for before, after in (("70", "50"), (None, "50"), ("80", "80")):
+        if before:
+            c.execute(f"ALTER TABLE outbox.messages SET (fillfactor = {before})")
+        else:
+            c.execute("ALTER TABLE outbox.messages RESET (fillfactor)")
+        pgdb.psql(s)
+        assert f"fillfactor={after}" in ff(), (before, ff())
+        pgdb.psql(s)  # idempotent
+        assert f"fillfactor={after}" in ff(), (before, ff())
+    # on a table the DDL made, the claim's update is HOT: leasing every row writes no new
+    # index entries
+    c.execute("DROP TABLE outbox.messages CASCADE")
+    pgdb.psql(s)
+    c.execute("INSERT INTO outbox.messages (routing_key, partition_key, payload) "
+              "SELECT 'q', 'k' || (g % 10), convert_to(repeat('x', 256), 'UTF8') "
+              "FROM generate_series(1, 2000) g")
+    with c.transaction():
+        c.execute("UPDATE outbox.messages SET lease_owner = 'me', lease_token = 1, "
+                  "lease_until = now() + interval '1 minute'")
+        (hot, upd) = c.execute(
+            "SELECT pg_stat_get_xact_tuples_hot_updated('outbox.messages'::regclass), "
+            "pg_stat_get_xact_tuples_updated('outbox.messages'::regclass)").fetchone()
+    assert (hot, upd) == (2000, 2000)
+
+
 def collect(listener, timeout=10):
     """Notifications received by listener (an autocommit psycopg connection)."""
     got = []
