@@ -443,6 +443,30 @@ def test_settle_sent_delete_mode(drivers, schema):
     assert [r[0] for r in c.execute(f"SELECT id FROM {T}_dead").fetchall()] == [ids[2]]
 
 
+@pytest.mark.parametrize("on_sent", ["mark", "delete"])
+def test_settle_all_sent_applies_only_current_leases(drivers, schema, on_sent):
+    """A settle whose outcomes are all SENT (the usual case, sent as one plain statement)
+    applies exactly the rows whose lease token still matches, and counts them."""
+    c = schema.connect()
+    ids = insert(c, 4, partition_key="k")
+    d = drivers(schema, "--on-sent", on_sent)
+    d.send("start")
+    d.up()
+    st, rows = d.request("claim 10 60000 91 me")
+    assert len(rows) == 4
+    st, _ = d.request(f"settle {ids[0]}:91:S:0 {ids[1]}:92:S:0 {ids[2]}:91:S:0")
+    assert st["ok"] == 0 and st["applied"] == "2"
+    left = {r[0]: r[1:] for r in c.execute(
+        f"SELECT id, sent_at IS NOT NULL, lease_token, attempts FROM {T}").fetchall()}
+    if on_sent == "mark":
+        assert left[ids[0]] == (True, None, 0) and left[ids[2]] == (True, None, 0)
+    else:
+        assert ids[0] not in left and ids[2] not in left
+    assert left[ids[1]] == (False, 91, 0) and left[ids[3]] == (False, 91, 0)
+    st, _ = d.request(f"settle {ids[0]}:91:S:0")  # lease gone: nothing applies again
+    assert st["ok"] == 0 and st["applied"] == "0"
+
+
 def test_notify_wakeup_latency_and_filtering(driver_bin, drivers, schema, capsys):
     r = admin(driver_bin, schema, "init", opts=("--table", "other.messages"))
     assert r.returncode == 0, r.stderr

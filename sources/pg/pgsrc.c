@@ -46,7 +46,8 @@ struct source {
     cfg_outbox cfg;          /* scalar fields; the string pointers below are ours */
     char     *conninfo, *password, *database, *name;
     pgsrc_names names;
-    char     *sql_lead, *sql_claim, *sql_claim_competing, *sql_settle, *sql_cleanup, *sql_stats;
+    char     *sql_lead, *sql_claim, *sql_claim_competing, *sql_settle, *sql_settle_sent;
+    char     *sql_cleanup, *sql_stats;
 
     PGconn   *conn;
     int       phase;          /* enum phase */
@@ -93,6 +94,7 @@ static void src_free(source *s)
     free(s->sql_lead);
     free(s->sql_claim);
     free(s->sql_settle);
+    free(s->sql_settle_sent);
     free(s->sql_cleanup);
     free(s->sql_stats);
     free(s->sql_claim_competing);
@@ -859,10 +861,11 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
     s->sql_claim = pgsrc_sql_claim(&s->names, false);
     s->sql_claim_competing = pgsrc_sql_claim(&s->names, true);
     s->sql_settle = pgsrc_sql_settle(&s->names, ob->on_sent);
+    s->sql_settle_sent = pgsrc_sql_settle_sent(&s->names, ob->on_sent);
     s->sql_cleanup = pgsrc_sql_cleanup(&s->names);
     s->sql_stats = pgsrc_sql_stats(&s->names, false);
     if (!s->sql_lead || !s->sql_claim || !s->sql_claim_competing || !s->sql_settle ||
-        !s->sql_cleanup || !s->sql_stats)
+        !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats)
         goto oom;
     s->backoff_ms = BACKOFF_MIN_MS;
     s->rng = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid() ^ (uint64_t)(uintptr_t)s;
@@ -993,8 +996,15 @@ static int pgsrc_settle(source *s, const src_outcome *v, size_t n)
         req_defer(s, -1, "settle: out of memory");
         return 0;
     }
+    bool all_sent = true;
+    for (size_t i = 0; i < n && all_sent; i++)
+        all_sent = v[i].kind == SRC_SENT;
     const char *vals[5] = {arr[0].p, arr[1].p, arr[2].p, arr[3].p, arr[4].p};
-    req_send(s, s->sql_settle, 5, vals, 0);  /* libpq copied the parameters */
+    /* libpq copies the parameters */
+    if (all_sent)
+        req_send(s, s->sql_settle_sent, 2, vals, 0);
+    else
+        req_send(s, s->sql_settle, 5, vals, 0);
     for (int k = 0; k < 5; k++)
         pgsrc_buf_free(&arr[k]);
     return 0;

@@ -61,6 +61,7 @@ int  pgsrc_id_array(const int64_t *ids, size_t n, char **out);
 char *pgsrc_sql_lead(const pgsrc_names *n);
 char *pgsrc_sql_claim(const pgsrc_names *n, bool competing);
 char *pgsrc_sql_settle(const pgsrc_names *n, int on_sent);
+char *pgsrc_sql_settle_sent(const pgsrc_names *n, int on_sent);
 char *pgsrc_sql_cleanup(const pgsrc_names *n);
 char *pgsrc_sql_stats(const pgsrc_names *n, bool full);
 char *pgsrc_sql_dead_list(const pgsrc_names *n);

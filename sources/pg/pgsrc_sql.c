@@ -350,6 +350,23 @@ char *pgsrc_sql_claim(const pgsrc_names *n, bool competing)
         n->table, ret, n->lease);
 }
 
+/* The settle of a batch whose outcomes are all SENT (the usual case): $1 ids, $2 their
+ * lease tokens. One plain UPDATE (or DELETE) instead of the general statement below,
+ * which unpacks five arrays and runs four data-modifying CTEs even when three of them
+ * have nothing to do: PostgreSQL spends about a quarter less on it, and the settle's
+ * time is what confirmed rows wait in the publish window. Returns the rows applied. */
+char *pgsrc_sql_settle_sent(const pgsrc_names *n, int on_sent)
+{
+    if (on_sent == CFG_ON_SENT_DELETE)
+        return fmt("WITH s AS (DELETE FROM %s m USING unnest($1::bigint[], $2::bigint[]) "
+                   "AS u(id, token) WHERE m.id = u.id AND m.lease_token = u.token RETURNING 1) "
+                   "SELECT count(*) FROM s", n->table);
+    return fmt("WITH s AS (UPDATE %s m SET sent_at = now(), lease_owner = NULL, "
+               "lease_token = NULL, lease_until = NULL FROM unnest($1::bigint[], $2::bigint[]) "
+               "AS u(id, token) WHERE m.id = u.id AND m.lease_token = u.token RETURNING 1) "
+               "SELECT count(*) FROM s", n->table);
+}
+
 char *pgsrc_sql_settle(const pgsrc_names *n, int on_sent)
 {
     char sent[512];
