@@ -714,6 +714,7 @@ enum ktype {
 #define KF_MUST_TRUE  0x10  /* bool that may only be true */
 #define KF_WHOLE_SEC  0x20  /* duration in whole seconds */
 #define KF_READABLE   0x40  /* path that must be readable */
+#define KF_AUTO       0x80  /* KT_DUR: "auto" is accepted too and stored as 0 */
 
 typedef struct keydef {
     const char *key;
@@ -797,7 +798,8 @@ static const keydef outbox_keys[] = {
     { "sink",              KT_STR,  KF_NONEMPTY, "main", 0, 0, NULL, NULL, O(sink_name),
       "the NAME of a [sink.NAME] section" },
     { "batch_size",        KT_INT,  0, "500", 1, 100000, NULL, NULL, O(batch_size), NULL },
-    { "poll_interval",     KT_DUR,  0, "1s", 10, MS_D, NULL, NULL, O(poll_interval_ms), NULL },
+    { "poll_interval",     KT_DUR,  KF_AUTO, "auto", 10, MS_D, NULL, NULL, O(poll_interval_ms),
+      NULL },
     { "lease",             KT_DUR,  0, "30s", MS_S, MS_D, NULL, NULL, O(lease_ms), NULL },
     { "max_attempts",      KT_INT,  0, "10", 1, 1000000, NULL, NULL, O(max_attempts), NULL },
     { "retry_backoff",     KT_DUR,  0, "1s", 10, MS_D, NULL, NULL, O(retry_backoff_ms), NULL },
@@ -837,7 +839,8 @@ static void expect_text(const keydef *k, char *buf, size_t len)
     case KT_DUR:
         fmt_dur(k->min, a, sizeof a);
         fmt_dur(k->max, b, sizeof b);
-        snprintf(buf, len, "a duration like 250ms, 30s, 5m, 2h or 7d, %s%s..%s", 
+        snprintf(buf, len, "%sa duration like 250ms, 30s, 5m, 2h or 7d, %s%s..%s",
+                 (k->flags & KF_AUTO) ? "auto or " : "",
                  (k->flags & KF_WHOLE_SEC) ? "in whole seconds, " : "", a, b);
         break;
     case KT_SIZE:
@@ -987,6 +990,10 @@ static int apply_value(loader *L, const char *sec, const keydef *k, const char *
         *(int *)(void *)field = (int)i64;
         return 0;
     case KT_DUR:
+        if ((k->flags & KF_AUTO) && strcasecmp(v, "auto") == 0) {
+            *(int64_t *)(void *)field = 0;
+            return 0;
+        }
         if (cfg_parse_duration_ms(v, &i64) < 0 || i64 < k->min || i64 > k->max)
             BAD();
         if ((k->flags & KF_WHOLE_SEC) && i64 % MS_S != 0)
@@ -1672,4 +1679,11 @@ fail:
         iniparser_freedict(L.d);
     cfg_free(c);
     return -1;
+}
+
+int64_t cfg_poll_interval_ms(const cfg_outbox *ob, bool notified)
+{
+    if (ob->poll_interval_ms > 0)
+        return ob->poll_interval_ms;
+    return notified ? CFG_POLL_NOTIFIED_MS : CFG_POLL_UNNOTIFIED_MS;
 }

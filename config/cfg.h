@@ -71,7 +71,7 @@ typedef struct cfg_outbox {
     char   *sink_name;          /* default "main" */
     const struct cfg_sink *sink;/* resolved, points into cfg.sinks */
     int     batch_size;         /* default 500 */
-    int64_t poll_interval_ms;   /* default 1s */
+    int64_t poll_interval_ms;   /* 0: auto (cfg_poll_interval_ms) */
     int64_t lease_ms;           /* default 30s */
     int     max_attempts;       /* default 10 */
     int64_t retry_backoff_ms;   /* first retry delay, doubled per attempt; default 1s */
@@ -116,5 +116,14 @@ int cfg_parse_size(const char *s, size_t *out);           /* "1024", "64k", "16M
 int cfg_parse_amqp_url(const char *url, cfg_sink *s, char *err, size_t errlen);
 
 const char *cfg_log_level_name(int level);
+
+/* poll_interval = auto: how often an idle outbox looks for rows nothing announced. While
+   LISTEN/NOTIFY reaches the relay (PostgreSQL, not through a pooler) a notification
+   announces each commit, and the poll is only a safety net; without it (SQL Server, a
+   pooler) the poll is how rows are found. */
+#define CFG_POLL_NOTIFIED_MS   5000
+#define CFG_POLL_UNNOTIFIED_MS 1000
+/* The poll interval in force: the configured one, or auto's for the case given. */
+int64_t cfg_poll_interval_ms(const cfg_outbox *ob, bool notified);
 
 #endif

@@ -30,6 +30,8 @@
 #include "relay/source.h"
 
 #define DRAIN_MARGIN_MAX 10.0   /* seconds kept between a lease deadline and its expiry */
+#define STATS_BUSY_S     5.0    /* backlog and oldest-pending refresh while rows move */
+#define STATS_IDLE_S     30.0   /* ... and while nothing happened since the last one */
 
 /* One database connection (a source instance) and its request state. */
 typedef struct sconn {
@@ -70,6 +72,11 @@ struct drain {
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
 
     bool      want_claim;        /* wake-up, poll tick or a full previous claim */
+    bool      active;            /* rows claimed or settled, or a wake-up, since the last stats */
+    bool      due_asked;         /* a wake-up or a settle since: ask when rows fall due */
+    double    stats_at;          /* monotonic time of the last stats result, 0: none yet */
+    double    stats_age;         /* the oldest pending row's age it reported */
+    uint64_t  token_state;       /* splitmix64 state for lease tokens, seeded by getrandom */
     bool      lead_due;
     bool      cleanup_due;
     bool      stats_due;
@@ -83,6 +90,7 @@ struct drain {
 
     ev_timer  poll_timer;
     ev_timer  lead_timer;
+    ev_timer  deadline_timer;    /* fires at leader_until: the leadership lapses then */
     ev_timer  cleanup_timer;
     ev_timer  stats_timer;
     ev_idle   kick_idle;         /* runs kick() once the current callback chain is done */
@@ -104,17 +112,40 @@ static double mono_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static int64_t new_token(void)
+static uint64_t random_seed(void)
+{
+    uint64_t t = 0;
+    if (getrandom(&t, sizeof t, 0) != (ssize_t)sizeof t) {
+        /* getrandom on Linux >= 3.17 does not fail for 8 bytes; fall back anyway */
+        t = (uint64_t)(mono_now() * 1e9) * 1000003u ^ (uint64_t)(uintptr_t)&t;
+    }
+    return t;
+}
+
+/* A lease token: unique per claim and instance (a 63-bit splitmix64 sequence from a
+   random seed), never 0. No system call per claim: an idle relay claims often. */
+static int64_t new_token(drain *d)
 {
     uint64_t t = 0;
     while (t == 0) {
-        if (getrandom(&t, sizeof t, 0) != (ssize_t)sizeof t) {
-            /* getrandom on Linux ≥ 3.17 does not fail for 8 bytes; fall back anyway */
-            t = (uint64_t)(mono_now() * 1e9) * 1000003u ^ (uint64_t)(uintptr_t)&t;
-        }
-        t &= INT64_MAX;
+        uint64_t z = (d->token_state += 0x9e3779b97f4a7c15ull);
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        t = (z ^ (z >> 31)) & INT64_MAX;
     }
     return (int64_t)t;
+}
+
+/* Does each commit to the outbox wake us (LISTEN/NOTIFY up on the claiming connection)? */
+static bool notified(const drain *d)
+{
+    return d->sops->notifies != NULL && d->main.up && d->sops->notifies(d->main.src);
+}
+
+/* The poll interval in force now (poll_interval, or auto's value for this connection). */
+static double poll_s(const drain *d)
+{
+    return (double)cfg_poll_interval_ms(d->ob, notified(d)) / 1000.0;
 }
 
 static void schedule_kick(drain *d)
@@ -301,6 +332,8 @@ static void src_on_wake(void *ud)
 {
     drain *d = ((sconn *)ud)->d;
     d->want_claim = true;
+    d->active = true;
+    d->due_asked = true;
     schedule_kick(d);
 }
 
@@ -313,9 +346,7 @@ static void arm_poll(drain *d)
 
 static void on_claimed(drain *d, const src_result *res)
 {
-    double min_poll = d->ob->poll_interval_ms / 1000.0;
-    if (min_poll > 0.05)
-        min_poll = 0.05;
+    double max_poll = poll_s(d), min_poll = max_poll < 0.05 ? max_poll : 0.05;
     d->m.claims++;
     histogram_observe(&d->m.claim_latency, ev_now(d->loop) - d->main.req_started);
     if (res->ok != 0) {
@@ -324,6 +355,8 @@ static void on_claimed(drain *d, const src_result *res)
         return;
     }
     d->m.claimed_rows += res->n_rows;
+    if (res->n_rows > 0)
+        d->active = true;
     for (size_t i = 0; i < res->n_rows; i++)    /* for the end-to-end latency */
         res->rows[i]->origin_mono = d->claim_sent - (double)res->rows[i]->age_us / 1e6;
     ledger_claimed(d->led, res->rows, res->n_rows, d->claim_deadline);   /* takes the rows */
@@ -336,11 +369,18 @@ static void on_claimed(drain *d, const src_result *res)
     } else {
         d->want_claim = false;
         d->poll_delay = res->n_rows > 0 ? min_poll : d->poll_delay * 2;
-        if (d->poll_delay > d->ob->poll_interval_ms / 1000.0)
-            d->poll_delay = d->ob->poll_interval_ms / 1000.0;
+        if (d->poll_delay > max_poll)
+            d->poll_delay = max_poll;
         if (d->poll_delay < min_poll)
             d->poll_delay = min_poll;
         arm_poll(d);
+        if (res->n_rows == 0 && d->due_asked && notified(d)) {
+            /* woken, yet nothing to take: rows that are delayed, backing off or leased
+               elsewhere fall due later; the stats say when, so the poll wakes then and
+               not up to poll_interval late */
+            d->due_asked = false;
+            d->stats_due = true;
+        }
     }
     pump(d);
 }
@@ -350,6 +390,14 @@ static void on_settled(drain *d, const src_result *res)
     if (res->ok == 0)
         histogram_observe(&d->m.settle_latency, ev_now(d->loop) - d->settler.req_started);
     ledger_settle_done(d->led, res->ok == 0, res->n_applied);
+    if (res->ok == 0) {
+        /* what committed may make rows claimable that nothing announces (a key behind a
+           retried or dead-lettered row, rows given back): look again now rather than at
+           the next poll, which may be poll_interval away */
+        d->want_claim = true;
+        d->active = true;
+        d->due_asked = true;
+    }
     pump(d);     /* marks committed: the window has room again */
 }
 
@@ -401,6 +449,10 @@ static void on_lead(drain *d, const src_result *res)
     }
     if (res->leader) {
         d->leader_until = d->lead_sent + d->ob->lease_ms / 1000.0 - lease_margin(d);
+        /* without a renewal by then, stand by at that moment (not at the next tick) */
+        ev_timer_stop(d->loop, &d->deadline_timer);
+        ev_timer_set(&d->deadline_timer, d->leader_until - mono_now() + 0.001, 0.);
+        ev_timer_start(d->loop, &d->deadline_timer);
         if (!d->leader) {
             bool other = res->holder != NULL && strcmp(res->holder, d->owner) != 0;
             log_msg(LOG_INFO, "outbox=%s: became the active relay (epoch %" PRId64 "%s%s)%s",
@@ -473,6 +525,14 @@ static void src_on_done(void *ud, const src_result *res)
             d->m.backlog = res->stats.backlog;
             d->m.oldest_pending_s = res->stats.oldest_pending_s;
             d->m.dead_rows = res->stats.dead;
+            d->stats_at = mono_now();
+            d->stats_age = res->stats.oldest_pending_s;
+            double due = res->stats.next_due_s;
+            if (due >= 0 && notified(d) && ev_is_active(&d->poll_timer) &&
+                ev_timer_remaining(d->loop, &d->poll_timer) > due + 0.01) {
+                d->poll_delay = due + 0.005;
+                arm_poll(d);
+            }
         }
         break;
     default:
@@ -572,7 +632,7 @@ static bool main_request(drain *d, int req)
         src_claim_args a = {
             .max_rows = d->resigned ? 0 : claim_size(d),
             .lease_ms = d->resigned ? 0 : d->ob->lease_ms,
-            .lease_token = new_token(),
+            .lease_token = new_token(d),
             .owner = d->owner,
             .epoch = d->ob->mode == CFG_MODE_LEADER ? d->epoch : 0,
             .competing = d->ob->mode == CFG_MODE_COMPETING,
@@ -671,6 +731,14 @@ static void lead_cb(struct ev_loop *loop, ev_timer *w, int revents)
     schedule_kick(d);
 }
 
+static void deadline_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    drain *d = w->data;
+    if (d->leader && !lead_valid(d))   /* logs and stands by */
+        schedule_kick(d);
+}
+
 static void cleanup_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
     (void)loop; (void)revents;
@@ -679,10 +747,20 @@ static void cleanup_cb(struct ev_loop *loop, ev_timer *w, int revents)
     schedule_kick(d);
 }
 
+/* Every STATS_BUSY_S; while nothing happened (no rows claimed or settled, no wake-up)
+   only every STATS_IDLE_S, the oldest pending row's age running on meanwhile (nothing
+   drained it): fifty idle outboxes then cost the database next to nothing. */
 static void stats_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
     (void)loop; (void)revents;
     drain *d = w->data;
+    double now = mono_now();
+    if (!d->active && d->stats_at > 0 && now - d->stats_at < STATS_IDLE_S) {
+        if (d->m.backlog > 0)
+            d->m.oldest_pending_s = d->stats_age + (now - d->stats_at);
+        return;
+    }
+    d->active = false;
     d->stats_due = true;
     schedule_kick(d);
 }
@@ -700,12 +778,13 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
     d->c = c;
     d->ob = ob;
     d->sink_state = SINK_DOWN;
-    d->poll_delay = ob->poll_interval_ms / 1000.0;
+    d->poll_delay = (double)cfg_poll_interval_ms(ob, false) / 1000.0;
+    d->token_state = random_seed();
     d->m.outbox = ob->name;
     d->m.sink = ob->sink_name;
     d->m.backlog = -1;
     snprintf(d->owner, sizeof d->owner, "%s/%08x", c->relay.name,
-             (unsigned)((uint64_t)new_token() >> 20));
+             (unsigned)((uint64_t)new_token(d) >> 20));
     snprintf(d->conn_name, sizeof d->conn_name, "outbox-relay %s/%s", c->relay.name, ob->name);
 
     ledger_cfg lc = { .outbox = ob->name, .max_attempts = ob->max_attempts,
@@ -764,10 +843,12 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
     li = li < 0.1 ? 0.1 : li > 1 ? 1 : li;
     ev_timer_init(&d->lead_timer, lead_cb, li, li);
     d->lead_timer.data = d;
+    ev_timer_init(&d->deadline_timer, deadline_cb, 1., 0.);
+    d->deadline_timer.data = d;
     double ci = ob->cleanup_interval_ms / 1000.0;
     ev_timer_init(&d->cleanup_timer, cleanup_cb, ci, ci);
     d->cleanup_timer.data = d;
-    ev_timer_init(&d->stats_timer, stats_cb, 5., 5.);
+    ev_timer_init(&d->stats_timer, stats_cb, STATS_BUSY_S, STATS_BUSY_S);
     d->stats_timer.data = d;
     ev_idle_init(&d->kick_idle, kick_idle_cb);
     d->kick_idle.data = d;
@@ -799,6 +880,7 @@ void drain_stop(drain *d, void (*on_stopped)(void *ud), void *ud)
     sync_metrics(d);
     ev_timer_stop(d->loop, &d->poll_timer);
     ev_timer_stop(d->loop, &d->lead_timer);
+    ev_timer_stop(d->loop, &d->deadline_timer);
     ev_timer_stop(d->loop, &d->cleanup_timer);
     ev_timer_stop(d->loop, &d->stats_timer);
     schedule_kick(d);
@@ -810,6 +892,7 @@ void drain_free(drain *d)
         return;
     ev_timer_stop(d->loop, &d->poll_timer);
     ev_timer_stop(d->loop, &d->lead_timer);
+    ev_timer_stop(d->loop, &d->deadline_timer);
     ev_timer_stop(d->loop, &d->cleanup_timer);
     ev_timer_stop(d->loop, &d->stats_timer);
     ev_timer_stop(d->loop, &d->main.hold_timer);

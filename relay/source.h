@@ -58,6 +58,9 @@ typedef struct src_stats {
     int64_t dead;               /* rows in the dead-letter table */
     int64_t sent_kept;          /* marked rows awaiting retention; -1 when not counted
                                    (the periodic refresh; `stats` counts them) */
+    double  next_due_s;         /* seconds until the first pending row that is not claimable
+                                   now (delayed, backing off, leased) becomes so; -1: none
+                                   or not known */
 } src_stats;
 
 typedef struct src_result {
@@ -136,6 +139,9 @@ typedef struct source_ops {
     int  (*settle)(source *s, const src_outcome *v, size_t n);  /* v copied before return */
     int  (*cleanup)(source *s, const src_cleanup_args *a);
     int  (*stats)(source *s);
+    /* True while each commit to the outbox wakes this connection (LISTEN/NOTIFY is up
+       and reaches it); the core then polls only as a safety net. NULL: never. */
+    bool (*notifies)(const source *s);
 
     /* --- admin (synchronous, blocking with timeouts) --- */
     /* Connects, verifies database name and schema. 0 ok; -1 with one line per problem in err.

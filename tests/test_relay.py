@@ -1,5 +1,6 @@
 """Integration tests of `outbox-relay run` against the private PostgreSQL and RabbitMQ
 (issue: the relay). Each test gets a fresh database, its own queue names and its own relay."""
+import random
 import re
 import signal
 import subprocess
@@ -152,14 +153,16 @@ def test_retention_removes_marked_rows(services, pgdb, relay_bin, build, tmp_pat
     print(f"retention 2s: marked rows gone {elapsed:.2f}s after delivery")
 
 
-def _latency(ch, q, pgdb, n=7):
+def _latency(ch, q, pgdb, n=9):
     """Commits n single-row inserts (autocommit) while already consuming; returns the
-    commit -> delivery latencies in seconds."""
+    commit -> delivery latencies in seconds. The commits are 0.25-0.45 s apart (seeded
+    jitter), so they do not fall into step with the adaptive poll's schedule."""
     lat = []
+    rnd = random.Random(7)
     gen = ch.consume(q, auto_ack=True, inactivity_timeout=0.005)
     with pgdb.connect() as c:
         for i in range(n):
-            time.sleep(0.3)  # the relay is idle between messages
+            time.sleep(rnd.uniform(0.25, 0.45))  # the relay is idle between messages
             c.execute("insert into outbox.messages (message_id, routing_key, payload) "
                       "values (gen_random_uuid(), %s, %s)", (q, f"lat{i}".encode()))
             t_commit = time.monotonic()
@@ -200,11 +203,61 @@ def test_notify_latency_and_poll_fallback(services, pgdb, relay_bin, build, tmp_
     print(f"polling only (poll_interval 1s): latency median {med*1000:.0f} ms, max {lat[-1]*1000:.0f} ms")
     assert lat[-1] < 1.0 + 0.25, f"max latency {lat[-1]:.2f}s exceeds poll_interval"
     # the control, same spacing of commits: polling alone (the adaptive poll restarts at
-    # 50 ms after each row) gives ~50 ms, so the 50 ms bound above alone would barely tell
-    # NOTIFY from polling; NOTIFY must be several times faster than polling measured here
+    # 50 ms after each row and doubles) gives tens to hundreds of ms, so the 50 ms bound
+    # above alone would barely tell NOTIFY from polling; NOTIFY must be several times
+    # faster than polling measured here
     assert med_notify * 3 < med, (f"NOTIFY median {med_notify*1000:.1f} ms is not clearly "
                                   f"below polling alone ({med*1000:.1f} ms)")
     r.assert_clean_exit(r.stop())
+    conn.close()
+
+
+def _claims_during(r, seconds):
+    c0 = r.metric("outbox_relay_claims_total")
+    time.sleep(seconds)
+    return r.metric("outbox_relay_claims_total") - c0
+
+
+def test_poll_interval_auto_polls_rarely_when_notified_and_wakes_when_rows_fall_due(
+        services, pgdb, relay_bin, build, tmp_path):
+    """poll_interval = auto: while LISTEN/NOTIFY wakes the relay its idle poll is a safety
+    net every 5 s (fifty idle outboxes cost next to nothing); a row delayed by the producer
+    is still published as soon as it falls due, not up to a poll interval later; without
+    NOTIFY (the ODBC source) the idle poll is every second."""
+    q = f"qauto-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    r, cfg = start_relay(relay_bin, tmp_path, services, pgdb, poll_interval="auto")
+    init_schema(relay_bin, cfg)
+    r.wait_log("became the active relay")
+    time.sleep(8)  # the adaptive poll backs off to its ceiling
+    n = _claims_during(r, 10.5)
+    assert 1 <= n <= 4, f"{n} claims in 10.5 s of idling with NOTIFY up (auto: one per 5 s)"
+    # a delayed row: NOTIFY at commit finds it not yet due; the relay asks when it falls
+    # due and looks again then (the adaptive poll alone would find it at 3.15 s)
+    gen = ch.consume(q, auto_ack=True, inactivity_timeout=0.005)
+    with pgdb.connect() as c:
+        c.execute("insert into outbox.messages (routing_key, payload, available_at) "
+                  "values (%s, 'late', now() + interval '2 s')", (q,))
+        t_commit = time.monotonic()
+    while True:
+        method, _, body = next(gen)
+        if method is not None:
+            break
+        assert time.monotonic() - t_commit < 10, "the delayed row never arrived"
+    lat = time.monotonic() - t_commit
+    ch.cancel()
+    assert body == b"late"
+    assert 1.9 <= lat < 2.4, f"a row due 2 s after its commit arrived after {lat:.2f} s"
+    r.assert_clean_exit(r.stop())
+    # no NOTIFY reaches the ODBC source: auto polls every second there
+    r2, _ = start_relay(relay_bin, tmp_path, services, pgdb, name="r2", source="sqlserver",
+                        conninfo=pgdb.odbc, poll_interval="auto")
+    r2.wait_log("became the active relay")
+    time.sleep(3)
+    n = _claims_during(r2, 6)
+    assert 4 <= n <= 8, f"{n} claims in 6 s of idling without NOTIFY (auto: one per second)"
+    r2.assert_clean_exit(r2.stop())
     conn.close()
 
 

@@ -1493,6 +1493,7 @@ int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full)
         goto done;
     if (out->oldest_pending_s < 0)
         out->oldest_pending_s = 0;
+    out->next_due_s = -1;   /* not asked: the core uses it only where NOTIFY wakes it */
     rc = 0;
 done:
     st_free(db, h);

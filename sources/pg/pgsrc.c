@@ -620,7 +620,7 @@ static void warn_no_listen(source *s)
             "pooling?): the database connection goes through a pooler (server backend pid %d, "
             "announced %d), so the relay does not LISTEN; new rows are found by polling every "
             "poll_interval (%gs)", s->name, s->server_pid, PQbackendPID(s->conn),
-            (double)s->cfg.poll_interval_ms / 1000.0);
+            (double)cfg_poll_interval_ms(&s->cfg, false) / 1000.0);
 }
 
 static void set_up(source *s)
@@ -1031,6 +1031,11 @@ static int pgsrc_stats(source *s)
     return req_send(s, s->sql_stats, 0, NULL, 0);
 }
 
+static bool pgsrc_notifies(const source *s)
+{
+    return s->phase == PH_UP && !s->pooled;
+}
+
 const source_ops pgsrc_ops = {
     .name = "postgres",
     .create = pgsrc_create,
@@ -1041,6 +1046,7 @@ const source_ops pgsrc_ops = {
     .settle = pgsrc_settle,
     .cleanup = pgsrc_cleanup,
     .stats = pgsrc_stats,
+    .notifies = pgsrc_notifies,
     .check = pgsrc_check,
     .init = pgsrc_init,
     .stats_sync = pgsrc_stats_sync,

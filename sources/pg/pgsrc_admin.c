@@ -348,7 +348,7 @@ int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
     if (!t_ok || !d_ok)
         return -1;
     /* success: err carries warnings, if any (the caller prints them; exit status 0) */
-    double poll_s = (double)ob->poll_interval_ms / 1000.0;
+    double poll_s = (double)cfg_poll_interval_ms(ob, false) / 1000.0;
     if (path.pooled)
         errf(ob, err, errlen, "WARNING: LISTEN/NOTIFY does not reach this connection (transaction "
              "pooling?): new rows are found by polling every poll_interval (%gs); the connection "

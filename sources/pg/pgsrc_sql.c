@@ -424,22 +424,27 @@ char *pgsrc_sql_cleanup(const pgsrc_names *n)
         n->table, n->lease);
 }
 
-/* Backlog, age of the oldest pending row, dead rows, and with `full` the marked rows
- * kept for retention (-1 without: counting them reads every retained row — millions
- * with a week of retention — too much for the relay's refresh every 5 s; `outbox-relay
- * stats` counts them). */
-#define STATS_HEAD                                                                       \
-    "SELECT (SELECT count(*) FROM %1$s WHERE sent_at IS NULL), "                           \
-    "greatest(coalesce((SELECT extract(epoch from now() - min(created_at)) FROM %1$s "     \
-    "WHERE sent_at IS NULL), 0), 0)::float8, "                                              \
-    "(SELECT count(*) FROM %2$s), "
+/* Backlog, age of the oldest pending row, dead rows, with `full` the marked rows kept
+ * for retention (-1 without: counting them reads every retained row — millions with a
+ * week of retention — too much for the relay's periodic refresh; `outbox-relay stats`
+ * counts them), and the seconds until the first pending row that cannot be claimed now
+ * (delayed, backing off, leased) can be (NULL: none). One scan of the pending rows. */
+#define STATS_HEAD                                                                         \
+    "SELECT p.n, greatest(coalesce(extract(epoch from now() - p.oldest), 0), 0)::float8, "  \
+    "(SELECT count(*) FROM %2$s), %3$s, extract(epoch from p.due - now())::float8 "         \
+    "FROM (SELECT count(*) AS n, min(created_at) AS oldest, "                              \
+    "min(greatest(available_at, lease_until)) FILTER (WHERE available_at > now() "          \
+    "OR lease_until >= now()) AS due FROM %1$s WHERE sent_at IS NULL) p"
 
 char *pgsrc_sql_stats(const pgsrc_names *n, bool full)
 {
+    char kept[300];
     if (full)
-        return fmt(STATS_HEAD "(SELECT count(*) FROM %1$s WHERE sent_at IS NOT NULL)",
-                   n->table, n->dead);
-    return fmt(STATS_HEAD "-1::bigint", n->table, n->dead);
+        snprintf(kept, sizeof kept, "(SELECT count(*) FROM %s WHERE sent_at IS NOT NULL)",
+                 n->table);
+    else
+        snprintf(kept, sizeof kept, "-1::bigint");
+    return fmt(STATS_HEAD, n->table, n->dead, kept);
 }
 
 char *pgsrc_sql_dead_list(const pgsrc_names *n)
@@ -471,7 +476,7 @@ int pgsrc_parse_stats(const PGresult *r, src_stats *out)
 {
     char *end;
     memset(out, 0, sizeof *out);
-    if (PQntuples(r) != 1 || PQnfields(r) != 4)
+    if (PQntuples(r) != 1 || PQnfields(r) != 5)
         return -1;
     for (int c = 0; c < 4; c++)
         if (PQgetisnull(r, 0, c))
@@ -488,5 +493,13 @@ int pgsrc_parse_stats(const PGresult *r, src_stats *out)
     out->sent_kept = strtoll(PQgetvalue(r, 0, 3), &end, 10);
     if (*end)
         return -1;
+    out->next_due_s = -1;
+    if (!PQgetisnull(r, 0, 4)) {
+        out->next_due_s = strtod(PQgetvalue(r, 0, 4), &end);
+        if (*end)
+            return -1;
+        if (out->next_due_s < 0)
+            out->next_due_s = 0;
+    }
     return 0;
 }

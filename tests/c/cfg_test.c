@@ -82,7 +82,10 @@ static void dump(const cfg *c)
         printf("table = %s\n", s2s(o->table));
         printf("sink = %s\n", s2s(o->sink_name));
         printf("batch_size = %d\n", o->batch_size);
-        printf("poll_interval = %lldms\n", (long long)o->poll_interval_ms);
+        if (o->poll_interval_ms == 0)
+            printf("poll_interval = auto\n");
+        else
+            printf("poll_interval = %lldms\n", (long long)o->poll_interval_ms);
         printf("lease = %lldms\n", (long long)o->lease_ms);
         printf("max_attempts = %d\n", o->max_attempts);
         printf("retry_backoff = %lldms\n", (long long)o->retry_backoff_ms);
@@ -471,7 +474,9 @@ static void t_load_defaults(void **st)
     assert_string_equal(o->sink_name, "main");
     assert_ptr_equal(o->sink, &c->sinks[0]);
     assert_int_equal(o->batch_size, 500);
-    assert_true(o->poll_interval_ms == 1000);
+    assert_true(o->poll_interval_ms == 0);   /* auto */
+    assert_true(cfg_poll_interval_ms(o, true) == 5000);
+    assert_true(cfg_poll_interval_ms(o, false) == 1000);
     assert_true(o->lease_ms == 30000);
     assert_int_equal(o->max_attempts, 10);
     assert_true(o->retry_backoff_ms == 1000);
@@ -519,7 +524,9 @@ static void t_load_values(void **st)
                   "mode = competing\n"
                   "retry_backoff = 2s\n"
                   "retry_backoff_max = 2s\n"
+                  "poll_interval = 250ms\n"
                   "[outbox.b]\n"
+                  "poll_interval = AUTO\n"
                   "source = sqlserver\n"
                   "conninfo = \"Driver={x};Pwd=a;b\"\n"
                   "database = b\n"
@@ -547,6 +554,8 @@ static void t_load_values(void **st)
     assert_false(c->sinks[0].tls_verify);
     assert_int_equal(c->n_outboxes, 2);
     const cfg_outbox *a = &c->outboxes[0], *b = &c->outboxes[1];
+    assert_true(a->poll_interval_ms == 250 && cfg_poll_interval_ms(a, true) == 250);
+    assert_true(b->poll_interval_ms == 0 && cfg_poll_interval_ms(b, false) == 1000);
     assert_string_equal(a->name, "a");
     assert_int_equal(a->source, CFG_SOURCE_SQLSERVER);
     /* "value ;text" is a value and a comment */
