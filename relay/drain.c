@@ -157,7 +157,7 @@ static void sink_on_state(void *ud, int state, const char *msg)
             log_msg(LOG_INFO, "outbox=%s sink=%s: broker unblocked, publishing resumes",
                     d->ob->name, d->ob->sink_name);
         else
-            log_ok(&d->sink_log, LOG_INFO, "outbox=%s sink=%s: connected (%s)", d->ob->name,
+            log_ok(&d->sink_log, LOG_INFO, NULL, "outbox=%s sink=%s: connected (%s)", d->ob->name,
                    d->ob->sink_name, msg ? msg : "?");
         d->want_claim = true;
         pump(d);
@@ -168,7 +168,7 @@ static void sink_on_state(void *ud, int state, const char *msg)
         /* Buffered rows stay held (their leases run on; rows past their deadline are
            given back at the next pump). Unconfirmed ones come back as SINK_LOST and
            are published again, in id order per key, once the sink is up. */
-        log_fail(&d->sink_log, LOG_WARN, "outbox=%s sink=%s: down: %s",
+        log_fail(&d->sink_log, LOG_WARN, NULL, "outbox=%s sink=%s: down: %s",
                  d->ob->name, d->ob->sink_name, msg ? msg : "?");
     }
     schedule_kick(d);
@@ -241,14 +241,14 @@ static void log_conn_state(sconn *c, int state, const char *msg)
     peer_of_outbox(d->ob, peer, sizeof peer);
     if (state == SRC_UP) {
         if (c == &d->main)
-            log_ok(&c->down_log, LOG_INFO, "outbox=%s: database connected (%s, table %s)",
+            log_ok(&c->down_log, LOG_INFO, NULL, "outbox=%s: database connected (%s, table %s)",
                    d->ob->name, peer, d->ob->table);
         else if (c->down_log.failures > 0)
-            log_ok(&c->down_log, LOG_INFO, "outbox=%s: %s connection to the database %s restored",
+            log_ok(&c->down_log, LOG_INFO, NULL, "outbox=%s: %s connection to the database %s restored",
                    d->ob->name, c->role, peer);
         return;
     }
-    log_fail(&c->down_log, c->up ? LOG_WARN : LOG_ERROR,
+    log_fail(&c->down_log, c->up ? LOG_WARN : LOG_ERROR, NULL,
              "outbox=%s: database unavailable (%s connection): %s: %s", d->ob->name, c->role,
              peer, msg ? msg : "?");
 }
