@@ -145,7 +145,16 @@ static void sync_metrics(drain *d)
 
 /* ---------- sink callbacks ---------- */
 
-static void sink_on_state(void *ud, int state, const char *msg)
+/* The reason in a sink's message without the peer it starts with ("broker <peer>: "):
+   the peer is a field of its own. msg itself when it does not name the peer first. */
+static const char *sink_reason(const char *msg, const char *peer)
+{
+    const char *p = msg != NULL && peer != NULL && *peer != '\0' ? strstr(msg, peer) : NULL;
+    size_t n = peer != NULL ? strlen(peer) : 0;
+    return p != NULL && strncmp(p + n, ": ", 2) == 0 ? p + n + 2 : msg;
+}
+
+static void sink_on_state(void *ud, int state, const char *peer, const char *msg)
 {
     drain *d = ud;
     int was = d->sink_state;
@@ -154,21 +163,33 @@ static void sink_on_state(void *ud, int state, const char *msg)
     d->m.sink_blocked = state == SINK_BLOCKED;
     if (state == SINK_UP) {
         if (was == SINK_BLOCKED)
-            log_msg(LOG_INFO, "outbox=%s sink=%s: broker unblocked, publishing resumes",
-                    d->ob->name, d->ob->sink_name);
+            log_ev(LOG_INFO, &(log_fields){ .event = "broker_unblocked", .outbox = d->ob->name,
+                                            .sink = d->ob->sink_name, .peer = peer },
+                   "outbox=%s sink=%s: broker unblocked, publishing resumes",
+                   d->ob->name, d->ob->sink_name);
         else
-            log_ok(&d->sink_log, LOG_INFO, NULL, "outbox=%s sink=%s: connected (%s)", d->ob->name,
+            log_ok(&d->sink_log, LOG_INFO,
+                   &(log_fields){ .event = "broker_connected", .outbox = d->ob->name,
+                                  .sink = d->ob->sink_name, .peer = peer },
+                   "outbox=%s sink=%s: connected (%s)", d->ob->name,
                    d->ob->sink_name, msg ? msg : "?");
         d->want_claim = true;
         pump(d);
     } else if (state == SINK_BLOCKED) {
-        log_msg(LOG_WARN, "outbox=%s sink=%s: broker blocked the connection (%s); publishing paused",
-                d->ob->name, d->ob->sink_name, msg ? msg : "resource alarm");
+        log_ev(LOG_WARN, &(log_fields){ .event = "broker_blocked", .outbox = d->ob->name,
+                                        .sink = d->ob->sink_name, .peer = peer,
+                                        .error = sink_reason(msg, peer) },
+               "outbox=%s sink=%s: broker blocked the connection (%s); publishing paused",
+               d->ob->name, d->ob->sink_name, msg ? msg : "resource alarm");
     } else {
         /* Buffered rows stay held (their leases run on; rows past their deadline are
            given back at the next pump). Unconfirmed ones come back as SINK_LOST and
            are published again, in id order per key, once the sink is up. */
-        log_fail(&d->sink_log, LOG_WARN, NULL, "outbox=%s sink=%s: down: %s",
+        log_fail(&d->sink_log, LOG_WARN,
+                 &(log_fields){ .event = "broker_unavailable", .outbox = d->ob->name,
+                                .sink = d->ob->sink_name, .peer = peer,
+                                .error = sink_reason(msg, peer) },
+                 "outbox=%s sink=%s: down: %s",
                  d->ob->name, d->ob->sink_name, msg ? msg : "?");
     }
     schedule_kick(d);
