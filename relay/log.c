@@ -77,8 +77,10 @@ void log_setup(int level, int format, const char *file)
     log_path = path;   /* the logger owns it */
     pthread_mutex_unlock(&log_mu);
     if (file && *file && fd < 0)
-        log_msg(CFG_LOG_ERROR, "log_file: cannot open \"%s\": %s; logging to stderr", file,
-                strerror(saved_errno));
+        log_ev(CFG_LOG_ERROR, &(log_fields){ .event = "log_open_failed",
+                                             .error = strerror(saved_errno) },
+               "log_file: cannot open \"%s\": %s; logging to stderr", file,
+               strerror(saved_errno));
 }
 
 int log_reopen(void)
@@ -97,7 +99,8 @@ int log_reopen(void)
     fd = open_log(path);
     err = errno;
     if (fd < 0) {
-        log_msg(CFG_LOG_ERROR, "log_file: cannot reopen \"%s\": %s; keeping the old file", path, strerror(err));
+        log_ev(CFG_LOG_ERROR, &(log_fields){ .event = "log_reopen_failed", .error = strerror(err) },
+               "log_file: cannot reopen \"%s\": %s; keeping the old file", path, strerror(err));
         free(path);
         return -1;
     }
