@@ -176,7 +176,16 @@ static void sync_metrics(drain *d)
 
 /* ---------- sink callbacks ---------- */
 
-static void sink_on_state(void *ud, int state, const char *msg)
+/* The reason in a sink's message without the peer it starts with ("broker <peer>: "):
+   the peer is a field of its own. msg itself when it does not name the peer first. */
+static const char *sink_reason(const char *msg, const char *peer)
+{
+    const char *p = msg != NULL && peer != NULL && *peer != '\0' ? strstr(msg, peer) : NULL;
+    size_t n = peer != NULL ? strlen(peer) : 0;
+    return p != NULL && strncmp(p + n, ": ", 2) == 0 ? p + n + 2 : msg;
+}
+
+static void sink_on_state(void *ud, int state, const char *peer, const char *msg)
 {
     drain *d = ud;
     int was = d->sink_state;
@@ -185,21 +194,33 @@ static void sink_on_state(void *ud, int state, const char *msg)
     d->m.sink_blocked = state == SINK_BLOCKED;
     if (state == SINK_UP) {
         if (was == SINK_BLOCKED)
-            log_msg(LOG_INFO, "outbox=%s sink=%s: broker unblocked, publishing resumes",
-                    d->ob->name, d->ob->sink_name);
+            log_ev(LOG_INFO, &(log_fields){ .event = "broker_unblocked", .outbox = d->ob->name,
+                                            .sink = d->ob->sink_name, .peer = peer },
+                   "outbox=%s sink=%s: broker unblocked, publishing resumes",
+                   d->ob->name, d->ob->sink_name);
         else
-            log_ok(&d->sink_log, LOG_INFO, "outbox=%s sink=%s: connected (%s)", d->ob->name,
+            log_ok(&d->sink_log, LOG_INFO,
+                   &(log_fields){ .event = "broker_connected", .outbox = d->ob->name,
+                                  .sink = d->ob->sink_name, .peer = peer },
+                   "outbox=%s sink=%s: connected (%s)", d->ob->name,
                    d->ob->sink_name, msg ? msg : "?");
         d->want_claim = true;
         pump(d);
     } else if (state == SINK_BLOCKED) {
-        log_msg(LOG_WARN, "outbox=%s sink=%s: broker blocked the connection (%s); publishing paused",
-                d->ob->name, d->ob->sink_name, msg ? msg : "resource alarm");
+        log_ev(LOG_WARN, &(log_fields){ .event = "broker_blocked", .outbox = d->ob->name,
+                                        .sink = d->ob->sink_name, .peer = peer,
+                                        .error = sink_reason(msg, peer) },
+               "outbox=%s sink=%s: broker blocked the connection (%s); publishing paused",
+               d->ob->name, d->ob->sink_name, msg ? msg : "resource alarm");
     } else {
         /* Buffered rows stay held (their leases run on; rows past their deadline are
            given back at the next pump). Unconfirmed ones come back as SINK_LOST and
            are published again, in id order per key, once the sink is up. */
-        log_fail(&d->sink_log, LOG_WARN, "outbox=%s sink=%s: down: %s",
+        log_fail(&d->sink_log, LOG_WARN,
+                 &(log_fields){ .event = "broker_unavailable", .outbox = d->ob->name,
+                                .sink = d->ob->sink_name, .peer = peer,
+                                .error = sink_reason(msg, peer) },
+                 "outbox=%s sink=%s: down: %s",
                  d->ob->name, d->ob->sink_name, msg ? msg : "?");
     }
     schedule_kick(d);
@@ -270,16 +291,20 @@ static void log_conn_state(sconn *c, int state, const char *msg)
     drain *d = c->d;
     char peer[300];
     peer_of_outbox(d->ob, peer, sizeof peer);
+    log_fields f = { .event = "database_connected", .outbox = d->ob->name, .peer = peer };
     if (state == SRC_UP) {
         if (c == &d->main)
-            log_ok(&c->down_log, LOG_INFO, "outbox=%s: database connected (%s, table %s)",
+            log_ok(&c->down_log, LOG_INFO, &f, "outbox=%s: database connected (%s, table %s)",
                    d->ob->name, peer, d->ob->table);
         else if (c->down_log.failures > 0)
-            log_ok(&c->down_log, LOG_INFO, "outbox=%s: %s connection to the database %s restored",
+            log_ok(&c->down_log, LOG_INFO, &f,
+                   "outbox=%s: %s connection to the database %s restored",
                    d->ob->name, c->role, peer);
         return;
     }
-    log_fail(&c->down_log, c->up ? LOG_WARN : LOG_ERROR,
+    f.event = "database_unavailable";
+    f.error = msg;
+    log_fail(&c->down_log, c->up ? LOG_WARN : LOG_ERROR, &f,
              "outbox=%s: database unavailable (%s connection): %s: %s", d->ob->name, c->role,
              peer, msg ? msg : "?");
 }
@@ -413,8 +438,10 @@ static double lease_margin(const drain *d)
    leases were or will be reset by the new leader), stand by. */
 static void lose_leadership(drain *d, const char *why)
 {
-    log_msg(LOG_WARN, "outbox=%s: lost leadership (epoch %" PRId64 "): %s; publishing stopped, "
-            "standing by", d->ob->name, d->epoch, why);
+    log_ev(LOG_WARN, &(log_fields){ .event = "lost_leadership", .outbox = d->ob->name,
+                                    .error = why },
+           "outbox=%s: lost leadership (epoch %" PRId64 "): %s; publishing stopped, "
+           "standing by", d->ob->name, d->epoch, why);
     d->leader = false;
     d->epoch = 0;
     d->m.leader = 0;
@@ -441,8 +468,9 @@ static void on_lead(drain *d, const src_result *res)
 {
     if (d->resigned) {
         if (res->leader)
-            log_msg(LOG_INFO, "outbox=%s: leadership handed over (epoch %" PRId64 ")",
-                    d->ob->name, res->epoch);
+            log_ev(LOG_INFO, &(log_fields){ .event = "handed_over", .outbox = d->ob->name },
+                   "outbox=%s: leadership handed over (epoch %" PRId64 ")",
+                   d->ob->name, res->epoch);
         d->leader = false;
         d->m.leader = 0;
         return;
@@ -455,8 +483,10 @@ static void on_lead(drain *d, const src_result *res)
         ev_timer_start(d->loop, &d->deadline_timer);
         if (!d->leader) {
             bool other = res->holder != NULL && strcmp(res->holder, d->owner) != 0;
-            log_msg(LOG_INFO, "outbox=%s: became the active relay (epoch %" PRId64 "%s%s)%s",
-                    d->ob->name, res->epoch, other ? ", taking over from " : "",
+            log_ev(LOG_INFO, &(log_fields){ .event = other ? "took_over" : "became_leader",
+                                            .outbox = d->ob->name },
+                   "outbox=%s: became the active relay (epoch %" PRId64 "%s%s)%s",
+                   d->ob->name, res->epoch, other ? ", taking over from " : "",
                     other ? res->holder : "",
                     res->n_reset > 0 ? "; leases left by a previous one released" : "");
             d->m.takeovers++;
@@ -474,8 +504,9 @@ static void on_lead(drain *d, const src_result *res)
                  res->holder ? res->holder : "?");
         lose_leadership(d, why);
     } else if (!d->stopping) {
-        log_msg(d->m.standby_logged ? LOG_DEBUG : LOG_INFO,
-                "outbox=%s: standing by: epoch %" PRId64 " held by %s", d->ob->name,
+        log_ev(d->m.standby_logged ? LOG_DEBUG : LOG_INFO,
+               &(log_fields){ .event = "standing_by", .outbox = d->ob->name },
+               "outbox=%s: standing by: epoch %" PRId64 " held by %s", d->ob->name,
                 res->holder_epoch, res->holder ? res->holder : "?");
         d->m.standby_logged = 1;
     }
@@ -516,7 +547,8 @@ static void src_on_done(void *ud, const src_result *res)
         break;
     case SRC_REQ_CLEANUP:
         if (res->ok == 0 && res->n_deleted > 0)
-            log_msg(LOG_DEBUG, "outbox=%s: retention removed %zu rows", d->ob->name, res->n_deleted);
+            log_ev(LOG_DEBUG, &(log_fields){ .event = "retention", .outbox = d->ob->name },
+                   "outbox=%s: retention removed %zu rows", d->ob->name, res->n_deleted);
         if (res->ok == 0 && res->n_deleted >= (size_t)d->ob->cleanup_batch)
             d->cleanup_due = true;      /* more to do: continue after other work */
         break;
@@ -539,7 +571,9 @@ static void src_on_done(void *ud, const src_result *res)
         break;
     }
     if (res->ok != 0 && res->error != NULL)
-        log_msg(LOG_WARN, "outbox=%s: database request failed: %s", d->ob->name, res->error);
+        log_ev(LOG_WARN, &(log_fields){ .event = "database_error", .outbox = d->ob->name,
+                                        .error = res->error },
+               "outbox=%s: database request failed: %s", d->ob->name, res->error);
     schedule_kick(d);
 }
 
@@ -604,7 +638,8 @@ static void check_stopped(drain *d)
                 return;
         }
         d->stop_reported = true;
-        log_msg(LOG_INFO, "outbox=%s: drained and settled", d->ob->name);
+        log_ev(LOG_INFO, &(log_fields){ .event = "drained", .outbox = d->ob->name },
+               "outbox=%s: drained and settled", d->ob->name);
         if (d->on_stopped)
             d->on_stopped(d->stop_ud);
     }
@@ -874,8 +909,9 @@ void drain_stop(drain *d, void (*on_stopped)(void *ud), void *ud)
     if (d->stopping)
         return;
     d->stopping = true;
-    log_msg(LOG_INFO, "outbox=%s: stopping: %zu in flight, %zu buffered rows given back",
-            d->ob->name, ledger_n_inflight(d->led), ledger_n_buffered(d->led));
+    log_ev(LOG_INFO, &(log_fields){ .event = "stopping", .outbox = d->ob->name },
+           "outbox=%s: stopping: %zu in flight, %zu buffered rows given back",
+           d->ob->name, ledger_n_inflight(d->led), ledger_n_buffered(d->led));
     ledger_giveback_buffered(d->led);
     sync_metrics(d);
     ev_timer_stop(d->loop, &d->poll_timer);

@@ -161,7 +161,8 @@ static void accept_cb(struct ev_loop *loop, ev_io *w, int revents)
         int fd = accept4(s->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
             if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
-                log_msg(LOG_WARN, "http: accept: %s", strerror(errno));
+                log_ev(LOG_WARN, &(log_fields){ .event = "http_error", .error = strerror(errno) },
+                       "http: accept: %s", strerror(errno));
             return;
         }
         http_client *c = calloc(1, sizeof *c);

@@ -542,8 +542,10 @@ static void decide(ledger *l, led_entry *e, int kind, int64_t backoff_ms, const 
     free(e->reason);
     e->reason = NULL;
     if (reason != NULL && (e->reason = strdup(reason)) == NULL && !l->oom_warned) {
-        log_msg(LOG_ERROR, "outbox=%s id=%" PRId64 ": out of memory keeping the failure reason",
-                l->cfg.outbox, e->id);
+        log_ev(LOG_ERROR, &(log_fields){ .event = "out_of_memory", .outbox = l->cfg.outbox,
+                                         .id = e->id },
+               "outbox=%s id=%" PRId64 ": out of memory keeping the failure reason",
+               l->cfg.outbox, e->id);
         l->oom_warned = true;
     }
     row_free(e->r);
@@ -583,9 +585,12 @@ static void note_overtaken(ledger *l, led_entry *later, const led_entry *earlier
     l->st.overtaken++;
     if (earlier != NULL)
         snprintf(ids, sizeof ids, " id=%" PRId64, earlier->id);
-    log_msg(LOG_WARN, "outbox=%s partition_key=%s: id=%" PRId64 " %s while an earlier row of "
-            "its key%s was refused; that row goes after it (ordering = strict rules this out)",
-            l->cfg.outbox, later->k->key, later->id,
+    log_ev(LOG_WARN, &(log_fields){ .event = "overtaken", .outbox = l->cfg.outbox,
+                                    .id = later->id, .partition_key = later->k->key,
+                                    .message_id = later->r ? later->r->message_id : NULL },
+           "outbox=%s partition_key=%s: id=%" PRId64 " %s while an earlier row of "
+           "its key%s was refused; that row goes after it (ordering = strict rules this out)",
+           l->cfg.outbox, later->k->key, later->id,
             maybe ? "may have reached the broker (its confirm was lost with the connection)"
                   : "was accepted by the broker", ids);
 }
@@ -598,14 +603,20 @@ static void attempt_failed(ledger *l, led_entry *e, const char *reason)
     l->st.failed++;
     if (attempts >= l->cfg.max_attempts) {
         snprintf(why, sizeof why, "%s (after %d attempts)", reason, attempts);
-        log_msg(LOG_ERROR, "outbox=%s id=%" PRId64 " message_id=%s: dead-lettered: %s",
-                l->cfg.outbox, e->id, e->r->message_id, why);
+        log_ev(LOG_ERROR, &(log_fields){ .event = "dead_lettered", .outbox = l->cfg.outbox,
+                                         .id = e->id, .message_id = e->r->message_id,
+                                         .partition_key = e->r->partition_key, .error = why },
+               "outbox=%s id=%" PRId64 " message_id=%s: dead-lettered: %s",
+               l->cfg.outbox, e->id, e->r->message_id, why);
         l->st.dead++;
         decide(l, e, SRC_DEAD, 0, why);
     } else {
         int64_t b = backoff_for(&l->cfg, attempts);
-        log_msg(LOG_WARN, "outbox=%s id=%" PRId64 " message_id=%s: attempt %d/%d failed: %s; "
-                "retry in %" PRId64 " ms", l->cfg.outbox, e->id, e->r->message_id, attempts,
+        log_ev(LOG_WARN, &(log_fields){ .event = "retry", .outbox = l->cfg.outbox, .id = e->id,
+                                        .message_id = e->r->message_id,
+                                        .partition_key = e->r->partition_key, .error = reason },
+               "outbox=%s id=%" PRId64 " message_id=%s: attempt %d/%d failed: %s; "
+               "retry in %" PRId64 " ms", l->cfg.outbox, e->id, e->r->message_id, attempts,
                 l->cfg.max_attempts, reason, b);
         decide(l, e, SRC_RETRY, b, reason);
     }
@@ -714,8 +725,12 @@ void ledger_claimed(ledger *l, row **rows, size_t n, double deadline)
         if (e == NULL || ptab_put(&l->ids, mix64((uint64_t)r->id), e) != 0) {
             /* the row keeps its lease and becomes claimable again when it expires */
             if (!l->oom_warned)
-                log_msg(LOG_ERROR, "outbox=%s id=%" PRId64 ": out of memory holding a claimed "
-                        "row; its lease will expire instead", l->cfg.outbox, r->id);
+                log_ev(LOG_ERROR, &(log_fields){ .event = "out_of_memory",
+                                                 .outbox = l->cfg.outbox, .id = r->id,
+                                                 .message_id = r->message_id,
+                                                 .partition_key = r->partition_key },
+                       "outbox=%s id=%" PRId64 ": out of memory holding a claimed "
+                       "row; its lease will expire instead", l->cfg.outbox, r->id);
             l->oom_warned = true;
             free(e);
             key_release(l, k);
@@ -761,8 +776,9 @@ led_entry *ledger_next(ledger *l, double now)
     }
     if (expired > 0) {
         l->st.expired += expired;
-        log_msg(LOG_INFO, "outbox=%s: %zu buffered rows given back unpublished: their lease "
-                "ran out before the broker took them", l->cfg.outbox, expired);
+        log_ev(LOG_INFO, &(log_fields){ .event = "lease_expired", .outbox = l->cfg.outbox },
+               "outbox=%s: %zu buffered rows given back unpublished: their lease "
+               "ran out before the broker took them", l->cfg.outbox, expired);
     }
     return l->heap_n > 0 ? l->heap[0] : NULL;
 }
@@ -792,8 +808,11 @@ void ledger_published(ledger *l, led_entry *e, double now)
                        (k->failed.head != NULL && k->failed.head->id < e->id) ||
                        (k->n_inflight > 0 && (l->cfg.strict || k->dest != e->dest))))) {
         l->order_violations++;
-        log_msg(LOG_ERROR, "outbox=%s id=%" PRId64 ": published out of turn (a bug)",
-                l->cfg.outbox, e->id);
+        log_ev(LOG_ERROR, &(log_fields){ .event = "order_violation", .outbox = l->cfg.outbox,
+                                         .id = e->id, .partition_key = k ? k->key : NULL,
+                                         .message_id = e->r ? e->r->message_id : NULL },
+               "outbox=%s id=%" PRId64 ": published out of turn (a bug)",
+               l->cfg.outbox, e->id);
     }
     heap_remove(l, e);
     e->published_at = now;
@@ -834,8 +853,11 @@ void ledger_refused(ledger *l, led_entry *e, int why, const char *reason, double
         char msg[700];
         snprintf(msg, sizeof msg, "unpublishable: %s", reason && reason[0] ? reason
                  : "rejected by the sink");
-        log_msg(LOG_ERROR, "outbox=%s id=%" PRId64 " message_id=%s: dead-lettered: %s",
-                l->cfg.outbox, e->id, e->r->message_id, msg);
+        log_ev(LOG_ERROR, &(log_fields){ .event = "dead_lettered", .outbox = l->cfg.outbox,
+                                         .id = e->id, .message_id = e->r->message_id,
+                                         .partition_key = e->r->partition_key, .error = msg },
+               "outbox=%s id=%" PRId64 " message_id=%s: dead-lettered: %s",
+               l->cfg.outbox, e->id, e->r->message_id, msg);
         l->st.dead++;
         l->st.failed++;
         decide(l, e, SRC_DEAD, 0, msg);
@@ -950,9 +972,10 @@ void ledger_settle_done(ledger *l, bool ok, size_t n_applied)
     if (n_applied + again < n) {
         size_t lost = n - n_applied - again;
         l->st.lease_lost += lost;
-        log_msg(LOG_WARN, "outbox=%s: %zu of %zu outcomes not applied: the lease moved on "
-                "(another relay took the rows over, or a lost connection had already "
-                "applied them)", l->cfg.outbox, lost, n);
+        log_ev(LOG_WARN, &(log_fields){ .event = "lease_lost", .outbox = l->cfg.outbox },
+               "outbox=%s: %zu of %zu outcomes not applied: the lease moved on "
+               "(another relay took the rows over, or a lost connection had already "
+               "applied them)", l->cfg.outbox, lost, n);
     }
 }
 

@@ -2,16 +2,19 @@
  * log.c — one line per event, text or JSON, to stderr or log_file (log.h).
  *
  *   text: 2026-11-21T12:00:00.123Z INFO message
- *   json: {"ts":"2026-11-21T12:00:00.123Z","level":"info","msg":"message"}
+ *   json: {"ts":"2026-11-21T12:00:00.123Z","level":"info","msg":"message"[,"event":...]}
  *
  * Process state owned by the daemon's main. A mutex serialises writers (the
- * loop thread and ODBC worker threads); each line goes out in one write(2).
- * Control characters in messages are escaped so one event is always one line.
+ * loop thread and ODBC worker threads); each line is built in one static
+ * buffer under it (no allocation) and goes out in one write(2). Control
+ * characters are escaped so one event is always one line; in JSON, invalid
+ * UTF-8 becomes U+FFFD, so every line is valid JSON.
  */
 #include "relay/log.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -19,8 +22,6 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
-
-#define LOG_LINE_MAX 8192   /* longer messages are cut and end with "..." */
 
 static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
 static int   log_level_cur = CFG_LOG_INFO;
@@ -76,8 +77,10 @@ void log_setup(int level, int format, const char *file)
     log_path = path;   /* the logger owns it */
     pthread_mutex_unlock(&log_mu);
     if (file && *file && fd < 0)
-        log_msg(CFG_LOG_ERROR, "log_file: cannot open \"%s\": %s; logging to stderr", file,
-                strerror(saved_errno));
+        log_ev(CFG_LOG_ERROR, &(log_fields){ .event = "log_open_failed",
+                                             .error = strerror(saved_errno) },
+               "log_file: cannot open \"%s\": %s; logging to stderr", file,
+               strerror(saved_errno));
 }
 
 int log_reopen(void)
@@ -96,7 +99,8 @@ int log_reopen(void)
     fd = open_log(path);
     err = errno;
     if (fd < 0) {
-        log_msg(CFG_LOG_ERROR, "log_file: cannot reopen \"%s\": %s; keeping the old file", path, strerror(err));
+        log_ev(CFG_LOG_ERROR, &(log_fields){ .event = "log_reopen_failed", .error = strerror(err) },
+               "log_file: cannot reopen \"%s\": %s; keeping the old file", path, strerror(err));
         free(path);
         return -1;
     }
@@ -153,18 +157,37 @@ static size_t utf8_len(const unsigned char *p, size_t n)
     return len;
 }
 
+/* Room for a line: its head, its message part (LOG_LINE_MAX from the line's
+ * start), every field (LOG_FIELD_MAX each) with its key, "..." after each cut
+ * part and the closing. */
+#define LOG_BUF_MAX (LOG_LINE_MAX + 16 + 8 * (LOG_FIELD_MAX + 64))
+
 typedef struct lbuf {
-    char   b[LOG_LINE_MAX + 64];
+    char   b[LOG_BUF_MAX];
     size_t n;
-    bool   full;
+    size_t lim;    /* the part being written ends here at most */
+    bool   full;   /* it did not fit: it is cut */
 } lbuf;
 
+static lbuf log_line;                  /* under log_mu */
+static char log_text[LOG_LINE_MAX];    /* the formatted message, under log_mu */
+
+/* Escaped text, all or nothing: a chunk never splits an escape or a character. */
 static void put(lbuf *l, const char *s, size_t n)
 {
-    if (l->full || l->n + n > LOG_LINE_MAX) {
+    if (l->full || l->n + n > l->lim) {
         l->full = true;
         return;
     }
+    memcpy(l->b + l->n, s, n);
+    l->n += n;
+}
+
+/* Structure (keys, quotes, "..."): LOG_BUF_MAX has room for it past every limit. */
+static void put_raw(lbuf *l, const char *s, size_t n)
+{
+    if (l->n + n > sizeof l->b)
+        return;   /* cannot happen (LOG_BUF_MAX) */
     memcpy(l->b + l->n, s, n);
     l->n += n;
 }
@@ -217,27 +240,70 @@ static void put_escaped(lbuf *l, const char *msg, bool json)
     }
 }
 
-void log_msg(int level, const char *fmt, ...)
+/* Appends s escaped, the line ending at lim bytes at most; a cut part ends with "...". */
+static void put_part(lbuf *l, const char *s, size_t lim, bool json)
+{
+    l->lim = lim;
+    l->full = false;
+    put_escaped(l, s, json);
+    if (l->full)
+        put_raw(l, "...", 3);
+    l->full = false;
+}
+
+/* ,"key":"value" for a value that is set; the value is cut at LOG_FIELD_MAX bytes. */
+static void put_field(lbuf *l, const char *key, const char *val)
+{
+    if (val == NULL || *val == '\0')
+        return;
+    put_raw(l, ",\"", 2);
+    put_raw(l, key, strlen(key));
+    put_raw(l, "\":\"", 3);
+    put_part(l, val, l->n + LOG_FIELD_MAX, true);
+    put_raw(l, "\"", 1);
+}
+
+static void put_fields(lbuf *l, const log_fields *f)
+{
+    char id[32];
+    int  n;
+
+    put_field(l, "event", f->event);
+    put_field(l, "outbox", f->outbox);
+    put_field(l, "sink", f->sink);
+    if (f->id != 0) {
+        n = snprintf(id, sizeof id, ",\"id\":%" PRId64, f->id);
+        if (n > 0 && (size_t)n < sizeof id)
+            put_raw(l, id, (size_t)n);
+    }
+    put_field(l, "message_id", f->message_id);
+    put_field(l, "partition_key", f->partition_key);
+    put_field(l, "peer", f->peer);
+    put_field(l, "error", f->error);
+}
+
+static void vlog(int level, const log_fields *f, const char *fmt, va_list ap)
 {
     static const char *const upper[] = { "ERROR", "WARN", "INFO", "DEBUG" };
     static const char *const lower[] = { "error", "warn", "info", "debug" };
-    char msg[LOG_LINE_MAX], ts[96];
+    char ts[96];
     struct timespec now;
     struct tm tm;
-    lbuf *l;
-    va_list ap;
-    int saved_errno = errno, fmt_;
+    lbuf *l = &log_line;
+    int saved_errno = errno;
 
-    if (!log_enabled(level))
+    pthread_mutex_lock(&log_mu);
+    if (level > log_level_cur) {
+        pthread_mutex_unlock(&log_mu);
+        errno = saved_errno;
         return;
+    }
     if (level < CFG_LOG_ERROR)
         level = CFG_LOG_ERROR;
     if (level > CFG_LOG_DEBUG)
         level = CFG_LOG_DEBUG;
 
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
+    vsnprintf(log_text, sizeof log_text, fmt, ap);
 
     clock_gettime(CLOCK_REALTIME, &now);
     gmtime_r(&now.tv_sec, &tm);
@@ -245,44 +311,47 @@ void log_msg(int level, const char *fmt, ...)
              tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
              (int)((now.tv_nsec / 1000000L) % 1000));
 
-    if (!(l = malloc(sizeof *l))) {
-        errno = saved_errno;
-        return;
-    }
     l->n = 0;
-    l->full = false;
-
-    pthread_mutex_lock(&log_mu);
-    fmt_ = log_format_cur;
-    if (fmt_ == CFG_LOG_JSON) {
-        put(l, "{\"ts\":\"", 7);
-        put(l, ts, strlen(ts));
-        put(l, "\",\"level\":\"", 11);
-        put(l, lower[level], strlen(lower[level]));
-        put(l, "\",\"msg\":\"", 9);
-        put_escaped(l, msg, true);
-        if (l->full) {   /* cut: keep the JSON valid */
-            memcpy(l->b + l->n, "...", 3);   /* the buffer keeps room past LOG_LINE_MAX */
-            l->n += 3;
-        }
-        memcpy(l->b + l->n, "\"}\n", 3);
-        l->n += 3;
+    if (log_format_cur == CFG_LOG_JSON) {
+        put_raw(l, "{\"ts\":\"", 7);
+        put_raw(l, ts, strlen(ts));
+        put_raw(l, "\",\"level\":\"", 11);
+        put_raw(l, lower[level], strlen(lower[level]));
+        put_raw(l, "\",\"msg\":\"", 9);
+        put_part(l, log_text, LOG_LINE_MAX, true);
+        put_raw(l, "\"", 1);
+        if (f != NULL)
+            put_fields(l, f);
+        put_raw(l, "}\n", 2);
     } else {
-        put(l, ts, strlen(ts));
-        put(l, " ", 1);
-        put(l, upper[level], strlen(upper[level]));
-        put(l, " ", 1);
-        put_escaped(l, msg, false);
-        if (l->full) {
-            memcpy(l->b + l->n, "...", 3);   /* the buffer keeps room past LOG_LINE_MAX */
-            l->n += 3;
-        }
-        l->b[l->n++] = '\n';
+        put_raw(l, ts, strlen(ts));
+        put_raw(l, " ", 1);
+        put_raw(l, upper[level], strlen(upper[level]));
+        put_raw(l, " ", 1);
+        put_part(l, log_text, LOG_LINE_MAX, false);
+        put_raw(l, "\n", 1);
     }
     write_all(log_fd, l->b, l->n);
     pthread_mutex_unlock(&log_mu);
-    free(l);
     errno = saved_errno;
+}
+
+void log_msg(int level, const char *fmt, ...)
+{
+    va_list ap;
+
+    va_start(ap, fmt);
+    vlog(level, NULL, fmt, ap);
+    va_end(ap);
+}
+
+void log_ev(int level, const log_fields *f, const char *fmt, ...)
+{
+    va_list ap;
+
+    va_start(ap, fmt);
+    vlog(level, f, fmt, ap);
+    va_end(ap);
 }
 
 /* ------------------------------------------------------------ rate-limited failures */
@@ -295,12 +364,12 @@ static double mono_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-void log_fail_at(log_limit *ll, double now, int level, const char *msg)
+void log_fail_at(log_limit *ll, double now, int level, const log_fields *f, const char *msg)
 {
     ll->failures++;
     if (ll->last[0] == '\0' || strncmp(ll->last, msg, sizeof ll->last - 1) != 0) {
         /* a new reason: say it now (the count of the old one is in the next log_ok) */
-        log_msg(level, "%s", msg);
+        log_ev(level, f, "%s", msg);
         snprintf(ll->last, sizeof ll->last, "%s", msg);
         ll->since = now;
         ll->repeats = 0;
@@ -308,27 +377,27 @@ void log_fail_at(log_limit *ll, double now, int level, const char *msg)
     }
     ll->repeats++;
     if (now - ll->since >= LOG_REPEAT_INTERVAL) {
-        log_msg(level, "%s (repeated %u times in %.0f s)", msg, ll->repeats, now - ll->since);
+        log_ev(level, f, "%s (repeated %u times in %.0f s)", msg, ll->repeats, now - ll->since);
         ll->since = now;
         ll->repeats = 0;
         return;
     }
-    log_msg(LOG_DEBUG, "%s", msg);
+    log_ev(LOG_DEBUG, f, "%s", msg);
 }
 
-void log_ok_at(log_limit *ll, double now, int level, const char *msg)
+void log_ok_at(log_limit *ll, double now, int level, const log_fields *f, const char *msg)
 {
     (void)now;
     if (ll->failures > 0)
-        log_msg(level, "%s after %u failure%s", msg, ll->failures, ll->failures == 1 ? "" : "s");
+        log_ev(level, f, "%s after %u failure%s", msg, ll->failures, ll->failures == 1 ? "" : "s");
     else
-        log_msg(level, "%s", msg);
+        log_ev(level, f, "%s", msg);
     ll->last[0] = '\0';
     ll->repeats = 0;
     ll->failures = 0;
 }
 
-void log_fail(log_limit *ll, int level, const char *fmt, ...)
+void log_fail(log_limit *ll, int level, const log_fields *f, const char *fmt, ...)
 {
     char    msg[LOG_LINE_MAX];
     va_list ap;
@@ -337,11 +406,11 @@ void log_fail(log_limit *ll, int level, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    log_fail_at(ll, mono_s(), level, msg);
+    log_fail_at(ll, mono_s(), level, f, msg);
     errno = saved_errno;
 }
 
-void log_ok(log_limit *ll, int level, const char *fmt, ...)
+void log_ok(log_limit *ll, int level, const log_fields *f, const char *fmt, ...)
 {
     char    msg[LOG_LINE_MAX];
     va_list ap;
@@ -350,6 +419,6 @@ void log_ok(log_limit *ll, int level, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    log_ok_at(ll, mono_s(), level, msg);
+    log_ok_at(ll, mono_s(), level, f, msg);
     errno = saved_errno;
 }

@@ -82,7 +82,7 @@ static void on_drain_stopped(void *ud)
 {
     relay_state *st = ud;
     if (++st->stopped == st->n) {
-        log_msg(LOG_INFO, "all outboxes drained; exiting");
+        log_ev(LOG_INFO, &(log_fields){ .event = "exiting" }, "all outboxes drained; exiting");
         ev_break(st->loop, EVBREAK_ALL);
     }
 }
@@ -91,8 +91,9 @@ static void shutdown_timeout_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
     (void)revents;
     relay_state *st = w->data;
-    log_msg(LOG_WARN, "shutdown_timeout reached with messages still unconfirmed; their leases "
-            "are left to expire and they will be published again (same message_id)");
+    log_ev(LOG_WARN, &(log_fields){ .event = "shutdown_timeout" },
+           "shutdown_timeout reached with messages still unconfirmed; their leases "
+           "are left to expire and they will be published again (same message_id)");
     ev_break(loop, EVBREAK_ALL);
     (void)st;
 }
@@ -102,13 +103,14 @@ static void stop_signal_cb(struct ev_loop *loop, ev_signal *w, int revents)
     (void)revents;
     relay_state *st = w->data;
     if (++st->signals > 1) {
-        log_msg(LOG_WARN, "second signal: exiting at once");
+        log_ev(LOG_WARN, &(log_fields){ .event = "forced_exit" }, "second signal: exiting at once");
         st->exit_code = 1;
         ev_break(loop, EVBREAK_ALL);
         return;
     }
-    log_msg(LOG_INFO, "signal %d: stopping (shutdown_timeout %" PRId64 " ms)", w->signum,
-            st->c->relay.shutdown_timeout_ms);
+    log_ev(LOG_INFO, &(log_fields){ .event = "stopping" },
+           "signal %d: stopping (shutdown_timeout %" PRId64 " ms)", w->signum,
+           st->c->relay.shutdown_timeout_ms);
     ev_timer_init(&st->shutdown_timer, shutdown_timeout_cb,
                   st->c->relay.shutdown_timeout_ms / 1000.0, 0.);
     st->shutdown_timer.data = st;
@@ -121,9 +123,10 @@ static void hup_cb(struct ev_loop *loop, ev_signal *w, int revents)
 {
     (void)loop; (void)w; (void)revents;
     if (log_reopen() != 0)
-        log_msg(LOG_ERROR, "SIGHUP: could not reopen the log file");
+        log_ev(LOG_ERROR, &(log_fields){ .event = "log_reopen_failed" },
+               "SIGHUP: could not reopen the log file");
     else
-        log_msg(LOG_INFO, "SIGHUP: log reopened");
+        log_ev(LOG_INFO, &(log_fields){ .event = "log_reopened" }, "SIGHUP: log reopened");
 }
 
 static char *metrics_cb(void *ud, size_t *len)
@@ -160,13 +163,14 @@ static int cmd_run(const char *path)
     st.c = c;
     st.loop = ev_default_loop(EVFLAG_AUTO);
     if (st.loop == NULL) {
-        log_msg(LOG_ERROR, "libev: cannot initialise the loop");
+        log_ev(LOG_ERROR, &(log_fields){ .event = "startup_failed" },
+               "libev: cannot initialise the loop");
         cfg_free(c);
         return 1;
     }
     st.drains = calloc(c->n_outboxes, sizeof *st.drains);
     if (st.drains == NULL) {
-        log_msg(LOG_ERROR, "out of memory");
+        log_ev(LOG_ERROR, &(log_fields){ .event = "startup_failed" }, "out of memory");
         cfg_free(c);
         return 1;
     }
@@ -174,7 +178,8 @@ static int cmd_run(const char *path)
         char err[600] = "";
         st.drains[i] = drain_new(st.loop, c, &c->outboxes[i], err, sizeof err);
         if (st.drains[i] == NULL) {
-            log_msg(LOG_ERROR, "%s", err);
+            log_ev(LOG_ERROR, &(log_fields){ .event = "startup_failed",
+                                             .outbox = c->outboxes[i].name }, "%s", err);
             st.exit_code = 1;
             goto out;
         }
@@ -185,7 +190,7 @@ static int cmd_run(const char *path)
         http_handlers h = { .ud = &st, .metrics = metrics_cb, .ready = ready_cb };
         st.http = http_start(st.loop, c->relay.http_listen, &h, err, sizeof err);
         if (st.http == NULL) {
-            log_msg(LOG_ERROR, "%s", err);
+            log_ev(LOG_ERROR, &(log_fields){ .event = "startup_failed" }, "%s", err);
             st.exit_code = 1;
             goto out;
         }
@@ -198,13 +203,14 @@ static int cmd_run(const char *path)
     ev_signal_start(st.loop, &st.sigint);
     ev_signal_start(st.loop, &st.sighup);
 
-    log_msg(LOG_INFO, "outbox-relay %s starting as \"%s\": %zu outbox(es)%s%s", OUTBOX_VERSION,
-            c->relay.name, c->n_outboxes, c->relay.http_listen ? ", http on " : "",
-            c->relay.http_listen ? c->relay.http_listen : "");
+    log_ev(LOG_INFO, &(log_fields){ .event = "starting" },
+           "outbox-relay %s starting as \"%s\": %zu outbox(es)%s%s", OUTBOX_VERSION,
+           c->relay.name, c->n_outboxes, c->relay.http_listen ? ", http on " : "",
+           c->relay.http_listen ? c->relay.http_listen : "");
     for (size_t i = 0; i < st.n; i++)
         drain_start(st.drains[i]);
     ev_run(st.loop, 0);
-    log_msg(LOG_INFO, "outbox-relay stopped");
+    log_ev(LOG_INFO, &(log_fields){ .event = "stopped" }, "outbox-relay stopped");
 out:
     http_stop(st.http);
     for (size_t i = 0; i < st.n; i++)

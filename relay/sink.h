@@ -38,7 +38,10 @@ enum sink_outcome {
 
 typedef struct sink_cbs {
     void *ud;
-    void (*on_state)(void *ud, int state, const char *msg);
+    /* peer: the broker this is about, for logs ("127.0.0.1:5672 vhost /"); msg says what
+       happened and names the peer first ("broker <peer>: <reason>"). Both valid during
+       the callback only. */
+    void (*on_state)(void *ud, int state, const char *peer, const char *msg);
     /* reason: valid during the callback; NULL for SINK_ACK */
     void (*on_result)(void *ud, void *msg_ud, int outcome, const char *reason);
     /* Room again after publish returned SINK_EAGAIN (window/socket space freed). */

@@ -780,6 +780,120 @@ def test_json_logs_without_secrets(services, pgdb, relay_bin, build, tmp_path, b
     assert levels & {"warn", "error"}
 
 
+
+def json_objs(relay):
+    """Every line of a relay's JSON log, parsed (a line that is not JSON fails here)."""
+    return [json.loads(ln) for ln in relay.text().splitlines()]
+
+
+def wait_json(relay, pred, desc, timeout=20):
+    """The first JSON log line (a dict) for which pred holds, waiting for it."""
+    def find():
+        try:
+            objs = json_objs(relay)
+        except ValueError:   # a line being written: read again
+            return None
+        return next((o for o in objs if pred(o)), None)
+    try:
+        return wait_for(find, timeout * SLOW, desc=desc)
+    except AssertionError:
+        raise AssertionError(f"no JSON line with {desc}; log:\n{relay.text()[-4000:]}") from None
+
+
+def test_json_log_fields(services, pgdb, relay_bin, tmp_path):
+    """JSON lines carry fields besides "msg" (README, Observability): a poison row that is
+    dead-lettered names event, outbox, id, message_id, partition_key and error; a failed
+    attempt is event "retry"; a broker or a database that is down names event, peer and
+    error. Values are escaped (quote, backslash, control characters in a partition key),
+    empty fields are left out, and every line is one JSON object."""
+    key = 'k"q\\b\t\x01 caf\u00e9'
+    cfg = write_config(tmp_path / "fields.ini", services, pgdb, relay={"log_format": "json"})
+    init(relay_bin, cfg)
+    relay = Relay(relay_bin, cfg, tmp_path / "fields.log")
+    try:
+        wait_json(relay, lambda o: o.get("event") == "became_leader", "event became_leader")
+        with pgdb.connect() as c:
+            # nested headers (not a flat JSON object): unpublishable, dead-lettered at once
+            poison_id, poison_mid = c.execute(
+                "insert into outbox.messages (exchange, routing_key, partition_key, headers, "
+                "payload) values ('', 'q', %s, %s, 'x') returning id, message_id::text",
+                (key, '{"a": {"b": 1}}')).fetchone()
+            # a missing exchange: a failed attempt, retried (max_attempts = 3)
+            retry_id, retry_mid = c.execute(
+                "insert into outbox.messages (exchange, routing_key, payload) values "
+                "('no-such-exchange-fields', 'k', 'x') returning id, message_id::text").fetchone()
+        dead = wait_json(relay, lambda o: o.get("event") == "dead_lettered"
+                         and o.get("id") == poison_id, f"event dead_lettered, id {poison_id}")
+        retry = wait_json(relay, lambda o: o.get("event") == "retry" and o.get("id") == retry_id,
+                          f"event retry, id {retry_id}")
+    finally:
+        rc = relay.stop()
+    relay.assert_clean_exit(rc)
+    print(json.dumps(dead), json.dumps(retry), sep="\n")
+    assert dead["level"] == "error"
+    assert dead["outbox"] == "main" and dead["message_id"] == poison_mid, dead
+    assert dead["partition_key"] == key, dead
+    assert re.search(r"header", dead["error"]) and dead["error"] in dead["msg"], dead
+    assert f"id={poison_id} message_id={poison_mid}: dead-lettered: " in dead["msg"], dead
+    assert retry["level"] == "warn" and retry["message_id"] == retry_mid, retry
+    assert "partition_key" not in retry, "an empty field is left out: " + json.dumps(retry)
+    assert re.search(r"no-such-exchange-fields|NOT_FOUND|404", retry["error"]), retry
+    objs = json_objs(relay)
+    assert_json_lines(relay.text(), [])
+    events = {o.get("event") for o in objs}
+    assert {"starting", "broker_connected", "database_connected", "became_leader", "retry",
+            "dead_lettered", "stopping", "drained", "stopped"} <= events, events
+    connected = next(o for o in objs if o.get("event") == "broker_connected")
+    assert connected["peer"].endswith(f":{services.amqp_port} vhost /"), connected
+    assert connected["outbox"] == "main" and connected["sink"] == "main", connected
+    db = next(o for o in objs if o.get("event") == "database_connected")
+    assert re.fullmatch(rf".+:\d+/{re.escape(pgdb.name)}", db["peer"]), db
+    for o in objs:
+        for k, v in o.items():
+            assert v not in ("", None), f"empty field {k!r} in {o}"
+
+    # a broker and a database that are down: event, peer and the reason
+    bport, dport = free_port(), free_port()
+    cfg2 = write_config(tmp_path / "fields2.ini", services, pgdb, relay={"log_format": "json"},
+                        sink={"url": f"amqp://guest:guest@127.0.0.1:{bport}/%2f"},
+                        conninfo=f"host=127.0.0.1 port={dport} user=postgres "
+                                 f"dbname={pgdb.name} connect_timeout=2")
+    relay = Relay(relay_bin, cfg2, tmp_path / "fields2.log")
+    try:
+        broker = wait_json(relay, lambda o: o.get("event") == "broker_unavailable",
+                           "event broker_unavailable")
+        dbdown = wait_json(relay, lambda o: o.get("event") == "database_unavailable",
+                           "event database_unavailable")
+    finally:
+        rc = relay.stop()
+    relay.assert_clean_exit(rc)
+    print(json.dumps(broker), json.dumps(dbdown), sep="\n")
+    assert broker["level"] in ("warn", "error") and broker["outbox"] == "main", broker
+    assert broker["peer"] == f"127.0.0.1:{bport} vhost /", broker
+    assert re.search(r"connection refused", broker["error"]), broker
+    assert not broker["error"].startswith("broker "), "the peer is a field: " + broker["error"]
+    assert dbdown["level"] in ("warn", "error") and dbdown["outbox"] == "main", dbdown
+    assert dbdown["peer"] == f"127.0.0.1:{dport}/{pgdb.name}", dbdown
+    assert dbdown["error"] and dbdown["error"] in dbdown["msg"], dbdown
+    assert_json_lines(relay.text(), [])
+
+
+def test_readme_lists_every_log_event():
+    """Every event name the daemon's sources log (`.event = "..."`, relay/log.h) is in the
+    README's event table, and the table names no event the sources do not log."""
+    used = set()
+    for f in [*ROOT.glob("relay/*.c"), *ROOT.glob("sources/**/*.c"), *ROOT.glob("sinks/**/*.c")]:
+        for m in re.finditer(r"\.event\s*=\s*([^,}]+)", f.read_text()):
+            used |= set(re.findall(r'"([a-z_]+)"', m.group(1)))
+    assert {"dead_lettered", "retry", "broker_unavailable", "database_unavailable"} <= used, used
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("### Structured logs"):readme.index("### TLS to RabbitMQ")]
+    table = table[table.index("| event | level |"):]
+    listed = {name for row in table.splitlines() if row.startswith("| `")
+              for name in re.findall(r"`([a-z_]+)`", row.split("|")[1])}
+    assert used == listed, f"logged, not in README: {used - listed}; " \
+                           f"in README, not logged: {listed - used}"
+
 def test_text_log_format(services, pgdb, relay_bin, tmp_path):
     """Text lines "TS LEVEL msg"; log_level = info hides debug lines. Nothing listens where
     the broker should be, so the relay repeats one failure: the first at WARN, the repeats

@@ -5,6 +5,7 @@ certificate. Real servers only: the harness's PostgreSQL and RabbitMQ (with an e
 listener added at run time), a TCP listener that accepts and never answers, a port where
 nothing listens."""
 import http.client
+import json
 import os
 import re
 import secrets
@@ -298,7 +299,17 @@ def test_tls_failures_logged(services, pgdb, relay_bin, tmp_path, tls, case):
 
 
 # ---------------------------------------------------------------------------- rate limiting
-def test_log_limit_unit(build):
-    """relay/log.c's log_fail/log_ok with a fake clock (tests/c/log_test.c)."""
-    r = run_prog([build / "tests" / "log_test"], timeout=60)
+def test_log_limit_unit(build, tmp_path):
+    """relay/log.c's log_fail/log_ok with a fake clock, and the JSON encoding of a line's
+    fields (tests/c/log_test.c). Every JSON line the program produced must also parse here,
+    with a real JSON parser, as one object whose values are all non-empty."""
+    out = tmp_path / "json-lines"
+    r = run_prog([build / "tests" / "log_test"], timeout=60,
+                 env=dict(os.environ, LOG_TEST_JSON_OUT=str(out)))
     assert r.returncode == 0, r.stdout + r.stderr
+    lines = out.read_text(encoding="utf-8").splitlines()   # strict: valid UTF-8 only
+    assert len(lines) >= 10, lines
+    for ln in lines:
+        obj = json.loads(ln)
+        assert isinstance(obj, dict) and {"ts", "level", "msg"} <= set(obj), ln
+        assert all(v not in ("", None) for v in obj.values()), ln

@@ -283,6 +283,12 @@ static void set_ident(char *buf, size_t len, const cfg_sink *c)
              c->vhost ? c->vhost : "?");
 }
 
+/* The peer in an ident, without the word "broker": on_state's peer (a log field). */
+static const char *ident_peer(const char *ident)
+{
+    return strncmp(ident, "broker ", 7) == 0 ? ident + 7 : ident;
+}
+
 /* ------------------------------------------------------------ connecting */
 
 /* Builds the client-properties table in caller storage (no allocation). */
@@ -1116,7 +1122,7 @@ static bool emit_state(sink *s, const char *msg)
     int st = cur_state(s);
 
     s->reported = st;
-    s->cbs.on_state(s->cbs.ud, st, msg);
+    s->cbs.on_state(s->cbs.ud, st, ident_peer(s->ident), msg);
     return !s->dying;
 }
 

@@ -30,6 +30,7 @@
 #include <libpq-fe.h>
 #include "lib/outbox_schema.h"
 #include "relay/log.h"
+#include "relay/peer.h"
 #include "relay/row.h"
 #include "relay/source.h"
 #include "sources/pg/pgsrc_int.h"
@@ -616,11 +617,18 @@ static void warn_no_listen(source *s)
             return;
     if (n_warned < sizeof warned / sizeof warned[0])
         snprintf(warned[n_warned++], sizeof warned[0], "%s", s->name);
-    log_msg(LOG_WARN, "outbox=%s: LISTEN/NOTIFY does not reach this connection (transaction "
-            "pooling?): the database connection goes through a pooler (server backend pid %d, "
-            "announced %d), so the relay does not LISTEN; new rows are found by polling every "
-            "poll_interval (%gs)", s->name, s->server_pid, PQbackendPID(s->conn),
-            (double)cfg_poll_interval_ms(&s->cfg, false) / 1000.0);
+    cfg_outbox ob = s->cfg;   /* the peer as the relay's other lines name it */
+    char peer[300];
+    ob.conninfo = s->conninfo;
+    ob.database = s->database;
+    peer_of_outbox(&ob, peer, sizeof peer);
+    log_ev(LOG_WARN, &(log_fields){ .event = "notify_unavailable", .outbox = s->name,
+                                    .peer = peer },
+           "outbox=%s: LISTEN/NOTIFY does not reach this connection (transaction "
+           "pooling?): the database connection goes through a pooler (server backend pid %d, "
+           "announced %d), so the relay does not LISTEN; new rows are found by polling every "
+           "poll_interval (%gs)", s->name, s->server_pid, PQbackendPID(s->conn),
+           (double)cfg_poll_interval_ms(&s->cfg, false) / 1000.0);
 }
 
 static void set_up(source *s)

@@ -189,12 +189,18 @@ static void pump(drv *d)
     finish_check(d);
 }
 
-static void on_state(void *ud, int st, const char *text)
+static void on_state(void *ud, int st, const char *peer, const char *text)
 {
     drv *d = ud;
 
     if (d->destroyed) {
         printf("error: on_state after destroy\n");
+        exit(3);
+    }
+    /* relay/sink.h: the peer is given, and the message names it */
+    if (peer == NULL || peer[0] == '\0' || text == NULL || strstr(text, peer) == NULL) {
+        printf("error: on_state peer \"%s\" not named in \"%s\"\n", peer ? peer : "(null)",
+               text ? text : "(null)");
         exit(3);
     }
     d->sink_state = st;
