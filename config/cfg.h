@@ -117,4 +117,12 @@ int cfg_parse_amqp_url(const char *url, cfg_sink *s, char *err, size_t errlen);
 
 const char *cfg_log_level_name(int level);
 
+/* Reload (SIGHUP): whether a running drain configured by a can go on unchanged under
+   b. Every field is compared (secrets from password files included); for an outbox
+   also the settings of the sink it uses, so a sink change restarts its outboxes.
+   A field added to cfg_sink or cfg_outbox must be compared here too
+   (tests/test_config.py changes every key and expects a difference). */
+bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b);
+bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b);
+
 #endif
