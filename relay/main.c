@@ -344,22 +344,23 @@ static int cmd_run(const char *path)
     }
     dset_on_idle(st.set, on_reload_done, &st);
     char err[600] = "";
+    if (c->relay.http_listen != NULL) {
+        /* bound first: no drain starts (no connection thread either) if the port is taken */
+        http_handlers h = { .ud = &st, .metrics = metrics_cb, .ready = ready_cb };
+        st.http = http_start(st.loop, c->relay.http_listen, &h, err, sizeof err);
+        if (st.http == NULL) {
+            log_msg(LOG_ERROR, "%s", err);
+            st.exit_code = 1;
+            cfg_free(c);
+            goto out;
+        }
+    }
     if (dset_apply(st.set, c, NULL, err, sizeof err) != 0) {   /* takes c */
         log_msg(LOG_ERROR, "%s", err);
         st.exit_code = 1;
         goto out;
     }
-    c = NULL;
     const cfg *cur = dset_cfg(st.set);
-    if (cur->relay.http_listen != NULL) {
-        http_handlers h = { .ud = &st, .metrics = metrics_cb, .ready = ready_cb };
-        st.http = http_start(st.loop, cur->relay.http_listen, &h, err, sizeof err);
-        if (st.http == NULL) {
-            log_msg(LOG_ERROR, "%s", err);
-            st.exit_code = 1;
-            goto out;
-        }
-    }
     ev_signal_init(&st.sigterm, stop_signal_cb, SIGTERM);
     ev_signal_init(&st.sigint, stop_signal_cb, SIGINT);
     ev_signal_init(&st.sighup, hup_cb, SIGHUP);
