@@ -1687,3 +1687,53 @@ int64_t cfg_poll_interval_ms(const cfg_outbox *ob, bool notified)
         return ob->poll_interval_ms;
     return notified ? CFG_POLL_NOTIFIED_MS : CFG_POLL_UNNOTIFIED_MS;
 }
+
+/* ------------------------------------------------------------------ */
+/* comparison (reload)                                                 */
+/* ------------------------------------------------------------------ */
+
+static bool str_eq(const char *a, const char *b)
+{
+    if (a == NULL || b == NULL)
+        return a == b;
+    return strcmp(a, b) == 0;
+}
+
+bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b)
+{
+    if (a == NULL || b == NULL)
+        return a == b;
+    return str_eq(a->name, b->name) && a->type == b->type && str_eq(a->url, b->url) &&
+           str_eq(a->password, b->password) && str_eq(a->host, b->host) &&
+           a->port == b->port && str_eq(a->user, b->user) && str_eq(a->pass, b->pass) &&
+           str_eq(a->vhost, b->vhost) && a->tls == b->tls &&
+           str_eq(a->tls_ca_file, b->tls_ca_file) && a->tls_verify == b->tls_verify &&
+           str_eq(a->tls_cert, b->tls_cert) && str_eq(a->tls_key, b->tls_key) &&
+           a->publish_window == b->publish_window && a->heartbeat_ms == b->heartbeat_ms &&
+           a->confirm_timeout_ms == b->confirm_timeout_ms &&
+           a->connect_timeout_ms == b->connect_timeout_ms &&
+           a->reconnect_max_ms == b->reconnect_max_ms &&
+           a->max_message_size == b->max_message_size && a->confirms == b->confirms &&
+           a->mandatory == b->mandatory;
+}
+
+bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b)
+{
+    if (a == NULL || b == NULL)
+        return a == b;
+    return str_eq(a->name, b->name) && a->source == b->source &&
+           str_eq(a->conninfo, b->conninfo) && str_eq(a->password, b->password) &&
+           str_eq(a->database, b->database) && str_eq(a->table, b->table) &&
+           strcmp(a->schema_part, b->schema_part) == 0 &&
+           strcmp(a->table_part, b->table_part) == 0 &&
+           strcmp(a->dead_part, b->dead_part) == 0 && str_eq(a->sink_name, b->sink_name) &&
+           cfg_sink_equal(a->sink, b->sink) && a->batch_size == b->batch_size &&
+           a->poll_interval_ms == b->poll_interval_ms && a->lease_ms == b->lease_ms &&
+           a->max_attempts == b->max_attempts && a->retry_backoff_ms == b->retry_backoff_ms &&
+           a->retry_backoff_max_ms == b->retry_backoff_max_ms && a->on_sent == b->on_sent &&
+           a->retention_ms == b->retention_ms && a->cleanup_batch == b->cleanup_batch &&
+           a->cleanup_interval_ms == b->cleanup_interval_ms && a->mode == b->mode &&
+           a->ordering == b->ordering && a->query_timeout_ms == b->query_timeout_ms &&
+           a->connect_timeout_ms == b->connect_timeout_ms &&
+           a->reconnect_max_ms == b->reconnect_max_ms;
+}

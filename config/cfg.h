@@ -126,4 +126,12 @@ const char *cfg_log_level_name(int level);
 /* The poll interval in force: the configured one, or auto's for the case given. */
 int64_t cfg_poll_interval_ms(const cfg_outbox *ob, bool notified);
 
+/* Reload (SIGHUP): whether a running drain configured by a can go on unchanged under
+   b. Every field is compared (secrets from password files included); for an outbox
+   also the settings of the sink it uses, so a sink change restarts its outboxes.
+   A field added to cfg_sink or cfg_outbox must be compared here too
+   (tests/test_config.py changes every key and expects a difference). */
+bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b);
+bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b);
+
 #endif

@@ -4,17 +4,20 @@
  */
 #include <errno.h>
 #include <ev.h>
+#include <fcntl.h>
 #include <getopt.h>
 #include <inttypes.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "config/cfg.h"
 #include "outbox.h"
 #include "outbox_schema.h"
-#include "relay/drain.h"
+#include "relay/drainset.h"
 #include "relay/http.h"
 #include "relay/log.h"
 #include "relay/metrics.h"
@@ -67,35 +70,43 @@ static cfg *load_config(const char *path)
 
 typedef struct relay_state {
     struct ev_loop *loop;
-    cfg            *c;
-    drain         **drains;
-    size_t          n;
-    size_t          stopped;
+    dset           *set;         /* the drains and the configurations they run on */
     int             signals;
     int             exit_code;
+    bool            hup_pending; /* a SIGHUP came while a reload was still in progress */
     ev_signal       sigterm, sigint, sighup;
     ev_timer        shutdown_timer;
     http_server    *http;
+    relay_metrics   rm;
 } relay_state;
 
-static void on_drain_stopped(void *ud)
+static double wall_now(void)
+{
+    struct timespec ts;
+    if (clock_gettime(CLOCK_REALTIME, &ts) != 0)
+        return 0;
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static bool same_str(const char *a, const char *b)
+{
+    return (a == NULL || b == NULL) ? a == b : strcmp(a, b) == 0;
+}
+
+static void on_all_stopped(void *ud)
 {
     relay_state *st = ud;
-    if (++st->stopped == st->n) {
-        log_ev(LOG_INFO, &(log_fields){ .event = "exiting" }, "all outboxes drained; exiting");
-        ev_break(st->loop, EVBREAK_ALL);
-    }
+    log_ev(LOG_INFO, &(log_fields){ .event = "exiting" }, "all outboxes drained; exiting");
+    ev_break(st->loop, EVBREAK_ALL);
 }
 
 static void shutdown_timeout_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
-    (void)revents;
-    relay_state *st = w->data;
+    (void)revents; (void)w;
     log_ev(LOG_WARN, &(log_fields){ .event = "shutdown_timeout" },
            "shutdown_timeout reached with messages still unconfirmed; their leases "
            "are left to expire and they will be published again (same message_id)");
     ev_break(loop, EVBREAK_ALL);
-    (void)st;
 }
 
 static void stop_signal_cb(struct ev_loop *loop, ev_signal *w, int revents)
@@ -108,36 +119,213 @@ static void stop_signal_cb(struct ev_loop *loop, ev_signal *w, int revents)
         ev_break(loop, EVBREAK_ALL);
         return;
     }
+    int64_t timeout_ms = dset_cfg(st->set)->relay.shutdown_timeout_ms;
     log_ev(LOG_INFO, &(log_fields){ .event = "stopping" },
-           "signal %d: stopping (shutdown_timeout %" PRId64 " ms)", w->signum,
-           st->c->relay.shutdown_timeout_ms);
-    ev_timer_init(&st->shutdown_timer, shutdown_timeout_cb,
-                  st->c->relay.shutdown_timeout_ms / 1000.0, 0.);
+           "signal %d: stopping (shutdown_timeout %" PRId64 " ms)", w->signum, timeout_ms);
+    ev_timer_init(&st->shutdown_timer, shutdown_timeout_cb, (double)timeout_ms / 1000.0, 0.);
     st->shutdown_timer.data = st;
     ev_timer_start(loop, &st->shutdown_timer);
-    for (size_t i = 0; i < st->n; i++)
-        drain_stop(st->drains[i], on_drain_stopped, st);
+    dset_stop(st->set, on_all_stopped, st);
+}
+
+static void reload_failed(relay_state *st)
+{
+    st->rm.reloads_failed++;
+    st->rm.last_reload_ok = 0;
+}
+
+/* Can the relay write to log_file? Checked before a reload switches to it. */
+static int log_file_writable(const char *path, char *err, size_t errlen)
+{
+    int fd;
+    do {
+        fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NOCTTY, 0640);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
+        snprintf(err, errlen, "%s", strerror(errno));
+        return -1;
+    }
+    (void)close(fd);
+    return 0;
+}
+
+/* Keys that take effect only at start: the file's value is reported and the running
+   one kept, so every drain goes on with one identity and the probes stay where they are.
+   Returns -1 (out of memory) or 0. */
+static int keep_restart_only(const cfg *old, cfg *nc)
+{
+    const char *path = nc->path;
+    if (!same_str(old->relay.name, nc->relay.name)) {
+        char *keep = strdup(old->relay.name);
+        if (keep == NULL)
+            return -1;
+        log_ev(LOG_WARN, &(log_fields){ .event = "config_restart_needed" },
+               "SIGHUP: %s: [relay] name: changed to \"%s\", which takes effect "
+               "only after a restart; keeping \"%s\"", path, nc->relay.name, old->relay.name);
+        free(nc->relay.name);
+        nc->relay.name = keep;
+    }
+    if (!same_str(old->relay.http_listen, nc->relay.http_listen)) {
+        char *keep = NULL;
+        if (old->relay.http_listen != NULL && (keep = strdup(old->relay.http_listen)) == NULL)
+            return -1;
+        log_ev(LOG_WARN, &(log_fields){ .event = "config_restart_needed" },
+               "SIGHUP: %s: [relay] http_listen: changed to \"%s\", which takes "
+               "effect only after a restart; keeping \"%s\"", path,
+               nc->relay.http_listen ? nc->relay.http_listen : "",
+               old->relay.http_listen ? old->relay.http_listen : "");
+        free(nc->relay.http_listen);
+        nc->relay.http_listen = keep;
+    }
+    return 0;
+}
+
+/* SIGHUP: parse → validate → swap (STYLE.md). The new file goes through the same
+   loader as `check` and `run`; on any problem the running configuration stays, every
+   problem is logged at ERROR and nothing changes. */
+static void reload(relay_state *st)
+{
+    const cfg *old = dset_cfg(st->set);
+    char *path = strdup(old->path);   /* old may be freed by dset_apply */
+    if (path == NULL) {
+        log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
+               "SIGHUP: out of memory; keeping the running configuration");
+        reload_failed(st);
+        return;
+    }
+    cfg *nc = NULL;
+    cfg_errors errs = { 0 };
+    if (cfg_load(path, &nc, &errs) != 0) {
+        /* the lines `check` prints, each already naming the file */
+        for (size_t i = 0; i < errs.n; i++)
+            log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
+                   "SIGHUP: %s; keeping the running configuration", errs.lines[i]);
+        if (errs.n == 0)
+            log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
+                   "SIGHUP: %s: invalid configuration; keeping the running "
+                   "configuration", path);
+        cfg_errors_clear(&errs);
+        reload_failed(st);
+        free(path);
+        return;
+    }
+    cfg_errors_clear(&errs);
+    char err[600] = "";
+    if (nc->relay.log_file != NULL && !same_str(nc->relay.log_file, old->relay.log_file) &&
+        log_file_writable(nc->relay.log_file, err, sizeof err) != 0) {
+        log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
+               "SIGHUP: %s: [relay] log_file: cannot open \"%s\": %s; keeping the "
+               "running configuration", path, nc->relay.log_file, err);
+        cfg_free(nc);
+        reload_failed(st);
+        free(path);
+        return;
+    }
+    if (keep_restart_only(old, nc) != 0) {
+        log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
+               "SIGHUP: %s: out of memory; keeping the running configuration", path);
+        cfg_free(nc);
+        reload_failed(st);
+        free(path);
+        return;
+    }
+    char levels[80];
+    snprintf(levels, sizeof levels, "log_level %s%s%s", cfg_log_level_name(old->relay.log_level),
+             old->relay.log_level != nc->relay.log_level ? " -> " : "",
+             old->relay.log_level != nc->relay.log_level
+             ? cfg_log_level_name(nc->relay.log_level) : "");
+    bool log_changed = old->relay.log_level != nc->relay.log_level ||
+                       old->relay.log_format != nc->relay.log_format ||
+                       !same_str(old->relay.log_file, nc->relay.log_file);
+    int level = nc->relay.log_level, format = nc->relay.log_format;
+    char *log_file = nc->relay.log_file ? strdup(nc->relay.log_file) : NULL;
+    if (nc->relay.log_file != NULL && log_file == NULL) {
+        log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
+               "SIGHUP: %s: out of memory; keeping the running configuration", path);
+        cfg_free(nc);
+        reload_failed(st);
+        free(path);
+        return;
+    }
+    dset_diff df;
+    if (dset_apply(st->set, nc, &df, err, sizeof err) != 0) {   /* takes nc */
+        log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
+               "SIGHUP: %s: %s; keeping the running configuration", path, err);
+        reload_failed(st);
+        free(log_file);
+        free(path);
+        return;
+    }
+    /* old is gone from here on */
+    if (log_changed)
+        log_setup(level, format, log_file);
+    free(log_file);
+    st->rm.reloads_ok++;
+    st->rm.last_reload_ok = 1;
+    st->rm.last_reload_success_ts = wall_now();
+    log_ev(LOG_INFO, &(log_fields){ .event = "config_reloaded" },
+           "SIGHUP: %s: configuration reloaded: %zu outbox(es) added%s%s%s, %zu "
+            "removed%s%s%s, %zu restarted%s%s%s, %zu unchanged; %s", path,
+            df.added, df.added ? " (" : "", df.added_names, df.added ? ")" : "",
+            df.removed, df.removed ? " (" : "", df.removed_names, df.removed ? ")" : "",
+            df.restarted, df.restarted ? " (" : "", df.restarted_names, df.restarted ? ")" : "",
+            df.unchanged, levels);
+    if (dset_busy(st->set) == 0)
+        log_ev(LOG_INFO, &(log_fields){ .event = "config_reload_complete" },
+               "SIGHUP: reload complete: every outbox runs the new configuration");
+    free(path);
+}
+
+/* Every drain of the last reload stopped (and its successor started). */
+static void on_reload_done(void *ud)
+{
+    relay_state *st = ud;
+    log_ev(LOG_INFO, &(log_fields){ .event = "config_reload_complete" },
+           "SIGHUP: reload complete: every outbox runs the new configuration");
+    if (st->hup_pending && !st->signals) {
+        st->hup_pending = false;
+        log_ev(LOG_INFO, &(log_fields){ .event = "config_reload_deferred" },
+               "SIGHUP: applying the signal received during the reload");
+        reload(st);
+    }
 }
 
 static void hup_cb(struct ev_loop *loop, ev_signal *w, int revents)
 {
-    (void)loop; (void)w; (void)revents;
+    (void)loop; (void)revents;
+    relay_state *st = w->data;
     if (log_reopen() != 0)
         log_ev(LOG_ERROR, &(log_fields){ .event = "log_reopen_failed" },
                "SIGHUP: could not reopen the log file");
     else
         log_ev(LOG_INFO, &(log_fields){ .event = "log_reopened" }, "SIGHUP: log reopened");
+    if (st->signals) {
+        log_ev(LOG_INFO, &(log_fields){ .event = "config_reload_skipped" },
+               "SIGHUP: stopping; the configuration is not reloaded");
+        return;
+    }
+    size_t busy = dset_busy(st->set);
+    if (busy > 0) {
+        /* one reload at a time: this one reads the file once the last has settled */
+        st->hup_pending = true;
+        log_ev(LOG_INFO, &(log_fields){ .event = "config_reload_deferred" },
+               "SIGHUP: the previous reload is still in progress (%zu outbox(es) "
+               "stopping or waiting); %s will be read again once it is complete", busy,
+               dset_cfg(st->set)->path);
+        return;
+    }
+    reload(st);
 }
 
 static char *metrics_cb(void *ud, size_t *len)
 {
     relay_state *st = ud;
-    ob_metrics **m = calloc(st->n ? st->n : 1, sizeof *m);
+    size_t n = dset_count(st->set);
+    ob_metrics **m = calloc(n ? n : 1, sizeof *m);
     if (m == NULL)
         return NULL;
-    for (size_t i = 0; i < st->n; i++)
-        m[i] = drain_metrics(st->drains[i]);
-    char *body = metrics_render(m, st->n, len);
+    n = dset_metrics(st->set, m, n);
+    char *body = metrics_render(&st->rm, m, n, len);
     free(m);
     return body;
 }
@@ -145,10 +333,7 @@ static char *metrics_cb(void *ud, size_t *len)
 static bool ready_cb(void *ud)
 {
     relay_state *st = ud;
-    for (size_t i = 0; i < st->n; i++)
-        if (!drain_ready(st->drains[i]))
-            return false;
-    return !st->signals;
+    return dset_ready(st->set) && !st->signals;
 }
 
 static int cmd_run(const char *path)
@@ -159,8 +344,8 @@ static int cmd_run(const char *path)
     log_setup(c->relay.log_level, c->relay.log_format, c->relay.log_file);
     signal(SIGPIPE, SIG_IGN);
 
-    relay_state st = { .exit_code = 0 };
-    st.c = c;
+    relay_state st = { .exit_code = 0, .rm = { .last_reload_ok = 1 } };
+    st.rm.last_reload_success_ts = wall_now();
     st.loop = ev_default_loop(EVFLAG_AUTO);
     if (st.loop == NULL) {
         log_ev(LOG_ERROR, &(log_fields){ .event = "startup_failed" },
@@ -168,33 +353,32 @@ static int cmd_run(const char *path)
         cfg_free(c);
         return 1;
     }
-    st.drains = calloc(c->n_outboxes, sizeof *st.drains);
-    if (st.drains == NULL) {
+    st.set = dset_new(st.loop);
+    if (st.set == NULL) {
         log_ev(LOG_ERROR, &(log_fields){ .event = "startup_failed" }, "out of memory");
         cfg_free(c);
+        ev_loop_destroy(st.loop);
         return 1;
     }
-    for (size_t i = 0; i < c->n_outboxes; i++) {
-        char err[600] = "";
-        st.drains[i] = drain_new(st.loop, c, &c->outboxes[i], err, sizeof err);
-        if (st.drains[i] == NULL) {
-            log_ev(LOG_ERROR, &(log_fields){ .event = "startup_failed",
-                                             .outbox = c->outboxes[i].name }, "%s", err);
-            st.exit_code = 1;
-            goto out;
-        }
-        st.n++;
-    }
+    dset_on_idle(st.set, on_reload_done, &st);
+    char err[600] = "";
     if (c->relay.http_listen != NULL) {
-        char err[300] = "";
+        /* bound first: no drain starts (no connection thread either) if the port is taken */
         http_handlers h = { .ud = &st, .metrics = metrics_cb, .ready = ready_cb };
         st.http = http_start(st.loop, c->relay.http_listen, &h, err, sizeof err);
         if (st.http == NULL) {
             log_ev(LOG_ERROR, &(log_fields){ .event = "startup_failed" }, "%s", err);
             st.exit_code = 1;
+            cfg_free(c);
             goto out;
         }
     }
+    if (dset_apply(st.set, c, NULL, err, sizeof err) != 0) {   /* takes c */
+        log_ev(LOG_ERROR, &(log_fields){ .event = "startup_failed" }, "%s", err);
+        st.exit_code = 1;
+        goto out;
+    }
+    const cfg *cur = dset_cfg(st.set);
     ev_signal_init(&st.sigterm, stop_signal_cb, SIGTERM);
     ev_signal_init(&st.sigint, stop_signal_cb, SIGINT);
     ev_signal_init(&st.sighup, hup_cb, SIGHUP);
@@ -205,29 +389,27 @@ static int cmd_run(const char *path)
 
     log_ev(LOG_INFO, &(log_fields){ .event = "starting" },
            "outbox-relay %s starting as \"%s\": %zu outbox(es)%s%s", OUTBOX_VERSION,
-           c->relay.name, c->n_outboxes, c->relay.http_listen ? ", http on " : "",
-           c->relay.http_listen ? c->relay.http_listen : "");
-    for (size_t i = 0; i < st.n; i++)
-        drain_start(st.drains[i]);
+           cur->relay.name, cur->n_outboxes, cur->relay.http_listen ? ", http on " : "",
+           cur->relay.http_listen ? cur->relay.http_listen : "");
     ev_run(st.loop, 0);
     log_ev(LOG_INFO, &(log_fields){ .event = "stopped" }, "outbox-relay stopped");
 out:
     http_stop(st.http);
-    for (size_t i = 0; i < st.n; i++)
-        drain_free(st.drains[i]);
-    free(st.drains);
-    /* a broker connection attempt still running on a worker thread ends first */
-    for (size_t i = 0; i < c->n_sinks; i++) {
-        const sink_ops *so = sink_ops_for(&c->sinks[i]);
+    {
+        /* a broker connection attempt still running on a worker thread ends first */
+        int64_t quiesce_ms = dset_connect_timeout_max(st.set) + 1000;
+        const cfg *last = dset_cfg(st.set);
+        const sink_ops *so = last != NULL && last->n_sinks > 0
+                             ? sink_ops_for(&last->sinks[0]) : &amqpsink_ops;
+        dset_free(st.set);   /* every drain and configuration */
         if (so != NULL && so->quiesce != NULL)
-            so->quiesce(c->sinks[i].connect_timeout_ms + 1000);
+            so->quiesce(quiesce_ms);
     }
     ev_signal_stop(st.loop, &st.sigterm);
     ev_signal_stop(st.loop, &st.sigint);
     ev_signal_stop(st.loop, &st.sighup);
     ev_timer_stop(st.loop, &st.shutdown_timer);
     ev_loop_destroy(st.loop);
-    cfg_free(c);
     return st.exit_code;
 }
 

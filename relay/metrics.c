@@ -109,12 +109,24 @@ static void hist(buf *b, ob_metrics *const *m, size_t n, const char *name, const
 
 #define OFF(f) offsetof(ob_metrics, f)
 
-char *metrics_render(ob_metrics *const *m, size_t n, size_t *len)
+char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, size_t *len)
 {
     buf b = { 0 };
     bprintf(&b, "# HELP outbox_relay_build_info The running relay's version (always 1).\n"
                 "# TYPE outbox_relay_build_info gauge\n"
                 "outbox_relay_build_info{version=\"%s\"} 1\n", OUTBOX_VERSION);
+    bprintf(&b, "# HELP outbox_relay_config_reloads_total Configuration reloads (SIGHUP): ok = applied, error = refused, the running configuration kept.\n"
+                "# TYPE outbox_relay_config_reloads_total counter\n"
+                "outbox_relay_config_reloads_total{result=\"ok\"} %llu\n"
+                "outbox_relay_config_reloads_total{result=\"error\"} %llu\n",
+            (unsigned long long)r->reloads_ok, (unsigned long long)r->reloads_failed);
+    bprintf(&b, "# HELP outbox_relay_config_last_reload_successful 1 when the last configuration reload was applied (or none was tried), 0 when it was refused.\n"
+                "# TYPE outbox_relay_config_last_reload_successful gauge\n"
+                "outbox_relay_config_last_reload_successful %d\n"
+                "# HELP outbox_relay_config_last_reload_success_timestamp_seconds Unix time the running configuration was loaded (at start or by the last applied reload).\n"
+                "# TYPE outbox_relay_config_last_reload_success_timestamp_seconds gauge\n"
+                "outbox_relay_config_last_reload_success_timestamp_seconds %.3f\n",
+            r->last_reload_ok ? 1 : 0, r->last_reload_success_ts);
     counter(&b, m, n, "relayed_total", "Messages confirmed by the broker and settled as sent.", OFF(relayed));
     counter(&b, m, n, "failed_total", "Failed publish attempts (returned, nacked or rejected).", OFF(failed));
     counter(&b, m, n, "returned_total", "Messages returned as unroutable (mandatory).", OFF(returned));

@@ -50,9 +50,18 @@ typedef struct ob_metrics {
     histogram e2e_latency;       /* row created_at -> broker confirm (database clock at claim) */
 } ob_metrics;
 
+/* Process-wide: configuration reloads (SIGHUP). */
+typedef struct relay_metrics {
+    uint64_t reloads_ok;             /* reloads applied */
+    uint64_t reloads_failed;         /* reloads refused: the running configuration was kept */
+    int      last_reload_ok;         /* 1: the last reload was applied (or none was tried) */
+    double   last_reload_success_ts; /* Unix time the running configuration was loaded */
+} relay_metrics;
+
 void histogram_observe(histogram *h, double seconds);
 
-/* Appends the exposition text for all outboxes to a malloc'd buffer. NULL on OOM. */
-char *metrics_render(ob_metrics *const *m, size_t n, size_t *len);
+/* Appends the exposition text for the process (r) and all outboxes to a malloc'd
+   buffer. NULL on OOM. */
+char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, size_t *len);
 
 #endif

@@ -27,8 +27,10 @@ def expected_payload(prefix, i, size):
     return bytes(body)
 
 
-def write_config(path, services, db, *, outboxes=None, relay=None, sink=None, **outbox):
-    """Writes a relay ini for one outbox named 'main' (or `outboxes`: name -> dict).
+def write_config(path, services, db, *, outboxes=None, relay=None, sink=None, sinks=None,
+                 **outbox):
+    """Writes a relay ini for one outbox named 'main' (or `outboxes`: name -> dict), with
+    [sink.main] (keys in `sink`) and, after it, the sections of `sinks` (name -> dict).
     log_level is not written, so the relay runs at its default level (info, config/cfg.c):
     what an operator sees. A test that needs debug lines passes relay={"log_level": "debug"}
     and says why."""
@@ -51,6 +53,8 @@ def write_config(path, services, db, *, outboxes=None, relay=None, sink=None, **
         return f"{k} = {v}"
     lines = ["[relay]"] + [kv(k, v) for k, v in relay_keys.items()]
     lines += ["", "[sink.main]"] + [kv(k, v) for k, v in sink_keys.items()]
+    for name, keys in (sinks or {}).items():
+        lines += ["", f"[sink.{name}]"] + [kv(k, v) for k, v in keys.items()]
     for name, keys in outboxes.items():
         lines += ["", f"[outbox.{name}]"] + [kv(k, v) for k, v in keys.items()]
     path.write_text("\n".join(lines) + "\n")

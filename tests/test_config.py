@@ -285,3 +285,89 @@ def test_env_and_password_file_through_load(cfg_test, tmp_path):
     assert dump["outbox.orders"]["database"] == "shop"
     assert dump["outbox.orders"]["sink.resolved"] == "bus"
     assert "s3cret" not in r.stdout and "10.0.0.9 dbname" not in r.stdout
+
+
+# ---------------------------------------------------------------------------- reload (SIGHUP)
+# A reload keeps an outbox's drain only when nothing it runs on changed (cfg_outbox_equal).
+# Each [sink.*] and [outbox.*] key gets another valid value here; a key added to config/cfg.c
+# without one fails test_reload_table_covers_every_key, so it cannot be forgotten in the
+# comparison either.
+RELOAD_BASE = {
+    "sink": {"url": "amqps://guest:guest@127.0.0.1:5671/%2f", "tls_ca_file": "{ca}",
+             "tls_cert": "{cert}", "tls_key": "{key}"},
+    "outbox": {"conninfo": "host=127.0.0.1 dbname=app", "database": "app"},
+}
+RELOAD_CHANGE = {
+    "sink": {
+        "url": "amqps://guest:guest@127.0.0.1:5672/%2f",
+        "password_file": "{secret}",
+        "publish_window": "10", "heartbeat": "5s", "confirm_timeout": "5s",
+        "connect_timeout": "2s", "reconnect_max": "5s", "max_message_size": "1M",
+        "tls_ca_file": "{ca2}", "tls_verify": "false", "tls_cert": "{cert2}", "tls_key": "{key2}",
+    },
+    "outbox": {
+        "source": "sqlserver", "conninfo": "host=127.0.0.1 dbname=app user=other",
+        "password_file": "{secret}", "database": "app2", "table": "outbox.other",
+        "sink": "second", "batch_size": "7", "poll_interval": "2s", "lease": "9s",
+        "max_attempts": "4", "retry_backoff": "2s", "retry_backoff_max": "9m",
+        "on_sent": "delete", "retention": "1d", "cleanup_batch": "9", "cleanup_interval": "9s",
+        "mode": "competing", "ordering": "strict", "query_timeout": "9s",
+        "connect_timeout": "9s", "reconnect_max": "9s",
+    },
+}
+# keys with one accepted value: nothing to change
+RELOAD_FIXED = {"sink": {"type", "confirms", "mandatory"}, "outbox": set()}
+
+
+def _reload_ini(files, sink=None, outbox=None):
+    def section(name, keys):
+        return [f"[{name}]"] + [f"{k} = {v.format(**files)}" for k, v in keys.items()] + [""]
+    text = section("sink.main", dict(RELOAD_BASE["sink"], **(sink or {})))
+    text += section("sink.second", RELOAD_BASE["sink"])
+    text += section("outbox.orders", dict(RELOAD_BASE["outbox"], **(outbox or {})))
+    text += section("outbox.other", dict(RELOAD_BASE["outbox"], table="outbox.x"))
+    return "\n".join(text)
+
+
+def test_reload_table_covers_every_key():
+    from test_install import cfg_c_keys
+    keys = cfg_c_keys()
+    for kind in ("sink", "outbox"):
+        covered = set(RELOAD_CHANGE[kind]) | RELOAD_FIXED[kind]
+        assert covered == set(keys[kind]), (
+            f"[{kind}] keys without a changed value in RELOAD_CHANGE: "
+            f"{sorted(set(keys[kind]) - covered)}; not keys: {sorted(covered - set(keys[kind]))}")
+
+
+def _diff(cfg_test, old, new):
+    r = run_prog([cfg_test, "--diff", old, new], timeout=60, env=clean_env())
+    assert r.returncode == 0, r.stdout + r.stderr
+    return dict(line.split(": ", 1) for line in r.stdout.splitlines())
+
+
+@pytest.mark.parametrize("kind,key", [(k, key) for k in ("sink", "outbox")
+                                      for key in sorted(RELOAD_CHANGE[k])])
+def test_reload_sees_every_key_change(cfg_test, tmp_path, kind, key):
+    files = {}
+    for name in ("ca", "ca2", "cert", "cert2", "key", "key2", "secret"):
+        files[name] = tmp_path / f"{name}.pem"
+        files[name].write_text(f"{name}\n")
+    old, new = tmp_path / "old.ini", tmp_path / "new.ini"
+    old.write_text(_reload_ini(files))
+    change = {key: RELOAD_CHANGE[kind][key]}
+    if kind == "outbox" and key == "source":
+        change["conninfo"] = "Driver={{x}}"    # an ODBC string for sqlserver
+    new.write_text(_reload_ini(files, **{kind: change}))
+    assert _diff(cfg_test, old, old) == {"orders": "unchanged", "other": "unchanged"}
+    # a [sink.main] change restarts orders (on main), not other (on main too: both)
+    want = {"orders": "changed", "other": "changed" if kind == "sink" else "unchanged"}
+    assert _diff(cfg_test, old, new) == want, new.read_text()
+
+
+def test_reload_added_and_removed(cfg_test, tmp_path):
+    a, b = tmp_path / "a.ini", tmp_path / "b.ini"
+    a.write_text("[sink.main]\n[outbox.one]\nconninfo = dbname=d\ndatabase = d\n"
+                 "[outbox.two]\nconninfo = dbname=d\ndatabase = d\n")
+    b.write_text("[sink.main]\n[outbox.two]\nconninfo = dbname=d\ndatabase = d\n"
+                 "[outbox.three]\nconninfo = dbname=d\ndatabase = d\n")
+    assert _diff(cfg_test, a, b) == {"two": "unchanged", "three": "added", "one": "removed"}

@@ -5,6 +5,8 @@
  *   cfg_test --load FILE     load FILE: print each error line to stdout and exit 1,
  *                            or print a normalized dump of the config and exit 0
  *                            (driven by tests/test_config.py)
+ *   cfg_test --diff OLD NEW  what a reload from OLD to NEW does to each outbox: one line
+ *                            "NAME: unchanged|changed|added|removed" (cfg_outbox_equal)
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -120,6 +122,40 @@ static int load_mode(const char *path)
     dump(c);
     cfg_free(c);
     return 0;
+}
+
+static int diff_mode(const char *old_path, const char *new_path)
+{
+    cfg *a = NULL, *b = NULL;
+    cfg_errors e = { 0 };
+    int rc = 1;
+
+    if (cfg_load(old_path, &a, &e) < 0 || cfg_load(new_path, &b, &e) < 0) {
+        for (size_t i = 0; i < e.n; i++)
+            printf("%s\n", e.lines[i]);
+        goto out;
+    }
+    for (size_t i = 0; i < b->n_outboxes; i++) {
+        const cfg_outbox *nb = &b->outboxes[i], *ob = NULL;
+        for (size_t j = 0; j < a->n_outboxes; j++)
+            if (strcmp(a->outboxes[j].name, nb->name) == 0)
+                ob = &a->outboxes[j];
+        printf("%s: %s\n", nb->name, ob == NULL ? "added" : cfg_outbox_equal(ob, nb) ? "unchanged"
+               : "changed");
+    }
+    for (size_t j = 0; j < a->n_outboxes; j++) {
+        bool found = false;
+        for (size_t i = 0; i < b->n_outboxes; i++)
+            found = found || strcmp(a->outboxes[j].name, b->outboxes[i].name) == 0;
+        if (!found)
+            printf("%s: removed\n", a->outboxes[j].name);
+    }
+    rc = 0;
+out:
+    cfg_errors_clear(&e);
+    cfg_free(a);
+    cfg_free(b);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ */
@@ -885,8 +921,10 @@ int main(int argc, char **argv)
 
     if (argc == 3 && strcmp(argv[1], "--load") == 0)
         return load_mode(argv[2]);
+    if (argc == 4 && strcmp(argv[1], "--diff") == 0)
+        return diff_mode(argv[2], argv[3]);
     if (argc != 1) {
-        fprintf(stderr, "usage: %s [--load FILE]\n", argv[0]);
+        fprintf(stderr, "usage: %s [--load FILE | --diff OLD NEW]\n", argv[0]);
         return 2;
     }
     snprintf(tmpdir, sizeof tmpdir, "/tmp/cfg_test.XXXXXX");
