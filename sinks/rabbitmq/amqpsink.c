@@ -217,6 +217,7 @@ struct sink {
 
     ev_io           rio, wio;
     ev_timer        tick, retry, wretry, failt;
+    ev_timer        nackt;        /* nack_reopen after the first nack of a run */
     double          backoff;
     uint64_t        rnd;
 
@@ -1195,10 +1196,16 @@ static bool settle(sink *s, uint64_t tag, int outcome, const char *reason)
     /* Does the channel work? An ack (returned or not) says so; nacks in a row,
      * and no ack, say it may not (nack_check). */
     if (outcome == SINK_NACKED) {
-        if (s->nack_run++ == 0)
+        if (s->nack_run++ == 0 && s->cfg.nack_reopen_ms > 0) {
+            /* look again when nack_reopen is over, also if no nack comes then */
             s->nack_since = ev_now(s->loop);
+            ev_timer_stop(s->loop, &s->nackt);
+            ev_timer_set(&s->nackt, (double)s->cfg.nack_reopen_ms / 1000. + 0.001, 0.);
+            ev_timer_start(s->loop, &s->nackt);
+        }
     } else if (outcome == SINK_ACK) {
         s->nack_run = 0;
+        ev_timer_stop(s->loop, &s->nackt);
         if (s->pch == PCH_DRAIN) {   /* it does after all: publish on it again */
             s->pch = PCH_OPEN;
             s->want_writable = true;
@@ -1297,7 +1304,7 @@ static void schedule_reconnect(sink *s)
     ev_timer_start(s->loop, &s->retry);
 }
 
-/* " (next: broker ADDR)" when the list has another address to try, else "". */
+/* "; next: broker ADDR" when the list has another address to try, else "". */
 static void next_note(const sink *s, char *buf, size_t len)
 {
     if (s->cfg.n_brokers > 1)
@@ -1320,6 +1327,7 @@ static bool conn_fail(sink *s, const char *why)
     ev_timer_stop(s->loop, &s->wretry);
     ev_timer_stop(s->loop, &s->tick);
     ev_timer_stop(s->loop, &s->failt);
+    ev_timer_stop(s->loop, &s->nackt);
     if (s->conn != NULL) {
         amqp_destroy_connection(s->conn);
         s->conn = NULL;
@@ -1575,6 +1583,21 @@ static void failt_cb(struct ev_loop *loop, ev_timer *w, int revents)
     if (s->conn != NULL && s->broken) {
         snprintf(why, sizeof why, "%s", s->broken_why);
         (void)conn_fail(s, why);
+    }
+    LEAVE(s);
+}
+
+/* nack_reopen is over since the first nack of a run: reopen now if it still holds. */
+static void nackt_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    sink *s = w->data;
+
+    (void)loop;
+    (void)revents;
+    ENTER(s);
+    if (s->conn != NULL) {
+        nack_check(s);
+        (void)pch_kick(s);
     }
     LEAVE(s);
 }
@@ -2291,6 +2314,7 @@ static void sink_free(sink *s)
     ev_timer_stop(s->loop, &s->retry);
     ev_timer_stop(s->loop, &s->wretry);
     ev_timer_stop(s->loop, &s->failt);
+    ev_timer_stop(s->loop, &s->nackt);
     conn_close(s->conn, !s->broken);
     s->conn = NULL;
     x_clear(s);
@@ -2366,8 +2390,9 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
     ev_timer_init(&s->retry, retry_cb, 0., 0.);
     ev_timer_init(&s->wretry, wretry_cb, 0., 0.);
     ev_timer_init(&s->failt, failt_cb, 0., 0.);
+    ev_timer_init(&s->nackt, nackt_cb, 0., 0.);
     s->rio.data = s->wio.data = s->tick.data = s->retry.data = s->wretry.data =
-        s->failt.data = s;
+        s->failt.data = s->nackt.data = s;
     *out = s;   /* ownership to the caller: amqpsink_destroy */
     return 0;
 oom:
@@ -2392,6 +2417,7 @@ static void amqpsink_destroy(sink *s)
         ev_timer_stop(s->loop, &s->retry);
         ev_timer_stop(s->loop, &s->wretry);
         ev_timer_stop(s->loop, &s->failt);
+        ev_timer_stop(s->loop, &s->nackt);
         return;
     }
     sink_free(s);
