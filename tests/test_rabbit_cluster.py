@@ -26,7 +26,7 @@ import pytest
 
 from conftest import tail, wait_for
 from relay_util import (Relay, consume, delivery_report, free_port, log_lines_at, run_producer,
-                        wait_log_at, write_config)
+                        write_config)
 from test_relay import init_schema
 
 RMQ_LIBBIN = "/usr/lib/rabbitmq/bin"   # Debian's /usr/sbin wrappers would su to rabbitmq
@@ -133,10 +133,16 @@ class RabbitCluster:
         return f"amqp://guest:guest@127.0.0.1:{self.nodes[i]['amqp']}/%2f"
 
     def pid(self, i):
+        """The node's Erlang VM (its pid file), or None when it is not running: a pid file
+        left by a killed node may name a reused pid, so the process must be ours (its
+        command line carries this cluster's private HOME)."""
         try:
-            return int((self.nodes[i]["dir"] / "pid").read_text().strip())
+            pid = int((self.nodes[i]["dir"] / "pid").read_text().strip())
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
         except (OSError, ValueError):
             return None
+        return pid if str(self.home).encode() in args else None
 
     def alive(self, i):
         p = self.procs.get(i)
@@ -193,20 +199,25 @@ class RabbitCluster:
         """kill -9 every node (a throwaway cluster: no graceful stop needed), then the private
         epmd, then the files. Never raises."""
         for i, p in self.procs.items():
-            for pid in (self.pid(i),):
-                if pid:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except OSError:
-                        pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)   # the rabbitmq-server script and its children
-            except OSError:
-                pass
+            pid = self.pid(i)
+            if pid:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if p.poll() is None:   # the rabbitmq-server script and its children
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except OSError:
+                    pass
             try:
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+            if pid:
+                deadline = time.monotonic() + 30
+                while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+                    time.sleep(0.05)
         env = dict(os.environ, ERL_EPMD_PORT=str(self.epmd), ERL_EPMD_ADDRESS="127.0.0.1")
         try:
             subprocess.run(["epmd", "-kill"], env=env, capture_output=True, timeout=10,
