@@ -161,6 +161,15 @@ const char *cfg_log_level_name(int level)
     }
 }
 
+/* Frees a string that may hold a secret, overwriting it first. */
+static void free_secret(char *s)
+{
+    if (s) {
+        explicit_bzero(s, strlen(s));
+        free(s);
+    }
+}
+
 /* ------------------------------------------------------------------ */
 /* AMQP URL                                                            */
 /* ------------------------------------------------------------------ */
@@ -409,6 +418,189 @@ fail:
     if (err && errlen)
         snprintf(err, errlen, "%s", why ? why : "invalid URL");
     return -1;
+}
+
+void cfg_brokers_free(cfg_sink *s)
+{
+    for (size_t i = 0; i < s->n_brokers; i++) {
+        free(s->brokers[i].host);
+        free(s->brokers[i].addr);
+    }
+    free(s->brokers);
+    s->brokers = NULL;
+    s->n_brokers = 0;
+}
+
+/* "host:port", IPv6 in brackets; NULL when out of memory. */
+static char *broker_addr(const char *host, int port)
+{
+    char *a = NULL;
+
+    if (asprintf(&a, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port) < 0)
+        return NULL;
+    return a;
+}
+
+static bool same_secret(const char *a, const char *b)
+{
+    size_t la = strlen(a), lb = strlen(b);
+    unsigned char d = (unsigned char)(la != lb);
+
+    /* no early exit on the first difference: the comparison's time says nothing */
+    for (size_t i = 0; i < la && i < lb; i++)
+        d |= (unsigned char)(a[i] ^ b[i]);
+    return d == 0;
+}
+
+int cfg_parse_amqp_urls(const char *list, cfg_sink *s, char *err, size_t errlen)
+{
+    cfg_sink    first, t;
+    cfg_broker *br = NULL;
+    size_t      n = 0, total = 1, idx = 0;
+    const char *p;
+    char        why[200], *elem = NULL;
+    int         rc = -2;
+    bool        cut = false;   /* some element does not start like a URL */
+
+    memset(&first, 0, sizeof first);
+    memset(&t, 0, sizeof t);
+    if (list == NULL || strchr(list, ',') == NULL) {
+        /* one URL: its own words */
+        if (cfg_parse_amqp_url(list, &first, err, errlen) < 0)
+            return -1;
+        if ((br = calloc(1, sizeof *br)) == NULL || (br[0].host = strdup(first.host)) == NULL ||
+            (br[0].addr = broker_addr(first.host, first.port)) == NULL) {
+            snprintf(err, errlen, "out of memory");
+            rc = -1;
+            n = br ? 1 : 0;
+            goto fail;
+        }
+        br[0].port = first.port;
+        n = 1;
+        goto done;
+    }
+    for (p = list; *p; p++) {
+        total += *p == ',';
+        if (p == list || p[-1] == ',') {   /* an element that is no URL: a comma inside one? */
+            const char *b = p;
+
+            while (*b == ' ' || *b == '\t')
+                b++;
+            if (*b != ',' && *b != '\0' && strncasecmp(b, "amqp://", 7) != 0 &&
+                strncasecmp(b, "amqps://", 8) != 0)
+                cut = true;
+        }
+    }
+    if (total > CFG_MAX_BROKERS) {
+        snprintf(err, errlen, "%zu URLs, at most %d", total, CFG_MAX_BROKERS);
+        return -2;
+    }
+    if ((br = calloc(total, sizeof *br)) == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -2;
+    }
+    for (p = list; idx < total; idx++) {
+        const char *e = strchr(p, ','), *b = p;
+        size_t      len;
+
+        if (e == NULL)
+            e = p + strlen(p);
+        p = *e ? e + 1 : e;
+        while (b < e && (*b == ' ' || *b == '\t'))
+            b++;
+        len = (size_t)(e - b);
+        while (len > 0 && (b[len - 1] == ' ' || b[len - 1] == '\t'))
+            len--;
+        if (len == 0) {
+            snprintf(err, errlen, "URL %zu of %zu is empty (a comma with no URL %s it)", idx + 1,
+                     total, idx == 0 ? "before" : "after");
+            goto fail;
+        }
+        free(elem);
+        if ((elem = strndup(b, len)) == NULL) {
+            snprintf(err, errlen, "out of memory");
+            goto fail;
+        }
+        if (cfg_parse_amqp_url(elem, &t, why, sizeof why) < 0) {
+            snprintf(err, errlen, "URL %zu of %zu: %s%s", idx + 1, total, why,
+                     cut ? "; URLs are separated by commas: a comma inside one is written %2C" : "");
+            goto fail;
+        }
+        if (idx == 0) {
+            first = t;   /* takes the strings */
+            memset(&t, 0, sizeof t);
+        } else if (t.tls != first.tls) {
+            snprintf(err, errlen, "URL %zu of %zu is %s:// and URL 1 %s:// (every URL of the list "
+                     "must use the same scheme)", idx + 1, total, t.tls ? "amqps" : "amqp",
+                     first.tls ? "amqps" : "amqp");
+            goto fail;
+        } else if (strcmp(t.user, first.user) != 0 || !same_secret(t.pass, first.pass)) {
+            snprintf(err, errlen, "URL %zu of %zu has another user or password than URL 1 (the nodes "
+                     "of a cluster share them: write the same in every URL; none means guest:guest)",
+                     idx + 1, total);
+            goto fail;
+        } else if (strcmp(t.vhost, first.vhost) != 0) {
+            snprintf(err, errlen, "URL %zu of %zu names another vhost than URL 1 (every URL of the "
+                     "list must name the same vhost)", idx + 1, total);
+            goto fail;
+        }
+        {
+            const char *host = idx == 0 ? first.host : t.host;
+            int         port = idx == 0 ? first.port : t.port;
+
+            for (size_t j = 0; j < n; j++) {
+                if (strcasecmp(br[j].host, host) == 0 && br[j].port == port) {
+                    snprintf(err, errlen, "URL %zu of %zu repeats the address of URL %zu (%s)",
+                             idx + 1, total, j + 1, br[j].addr);
+                    goto fail;
+                }
+            }
+            if ((br[n].host = strdup(host)) == NULL || (br[n].addr = broker_addr(host, port)) == NULL) {
+                n++;   /* freed below */
+                snprintf(err, errlen, "out of memory");
+                goto fail;
+            }
+            br[n++].port = port;
+        }
+        free(t.host);
+        free(t.user);
+        free_secret(t.pass);
+        free(t.vhost);
+        memset(&t, 0, sizeof t);
+    }
+done:
+    /* success: the sink takes ownership of the new strings */
+    free(elem);
+    free(s->host);
+    free(s->user);
+    free_secret(s->pass);
+    free(s->vhost);
+    cfg_brokers_free(s);
+    s->host = first.host;
+    s->user = first.user;
+    s->pass = first.pass;
+    s->vhost = first.vhost;
+    s->port = first.port;
+    s->tls = first.tls;
+    s->brokers = br;
+    s->n_brokers = n;
+    return 0;
+fail:
+    free(elem);
+    for (size_t j = 0; j < n; j++) {
+        free(br[j].host);
+        free(br[j].addr);
+    }
+    free(br);
+    free(first.host);
+    free(first.user);
+    free_secret(first.pass);
+    free(first.vhost);
+    free(t.host);
+    free(t.user);
+    free_secret(t.pass);
+    free(t.vhost);
+    return rc;
 }
 
 /* ------------------------------------------------------------------ */
@@ -683,14 +875,6 @@ fail:
     return NULL;
 }
 
-static void free_secret(char *s)
-{
-    if (s) {
-        explicit_bzero(s, strlen(s));
-        free(s);
-    }
-}
-
 /* ------------------------------------------------------------------ */
 /* the key tables                                                      */
 /* ------------------------------------------------------------------ */
@@ -762,7 +946,7 @@ static const keydef relay_keys[] = {
 static const keydef sink_keys[] = {
     { "type",             KT_ENUM, 0, "rabbitmq", 0, 0, ENUM(sink_type), S(type), NULL },
     { "url",              KT_STR,  KF_SECRET | KF_NONEMPTY, DEFAULT_AMQP_URL, 0, 0, NULL, NULL, S(url),
-      "an amqp:// or amqps:// URL" },
+      "an amqp:// or amqps:// URL, or a comma-separated list of them" },
     { "password_file",    KT_SECRET_FILE, KF_EMPTY_NULL, "", 0, 0, NULL, NULL, S(password), NULL },
     { "publish_window",   KT_INT,  0, "1000", 1, 65535, NULL, NULL, S(publish_window), NULL },
     { "heartbeat",        KT_DUR,  KF_WHOLE_SEC, "30s", 0, 65535 * MS_S, NULL, NULL, S(heartbeat_ms), NULL },
@@ -782,6 +966,7 @@ static const keydef sink_keys[] = {
       "a readable PEM client certificate file" },
     { "tls_key",          KT_STR,  KF_EMPTY_NULL | KF_READABLE, "", 0, 0, NULL, NULL,
       S(tls_key), "a readable PEM private key file" },
+    { "nack_reopen",      KT_DUR,  0, "1s", 0, MS_H, NULL, NULL, S(nack_reopen_ms), NULL },
 };
 #undef S
 
@@ -1116,9 +1301,17 @@ static void finish_sink(loader *L, const char *sec, cfg_sink *s)
 
     if (!s->url)
         return;   /* already reported */
-    if (cfg_parse_amqp_url(s->url, s, why, sizeof why) < 0) {
+    switch (cfg_parse_amqp_urls(s->url, s, why, sizeof why)) {
+    case 0:
+        break;
+    case -1:
         lerr(L, sec, "url", "expected an amqp:// or amqps:// URL like amqp://user:pass@host:5672/vhost, "
              "got <secret> (%s)", why);
+        return;
+    default:
+        lerr(L, sec, "url", "expected a comma-separated list of amqp:// or amqps:// URLs naming the "
+             "nodes of one cluster, like amqp://user:pass@node1:5672/vhost, "
+             "amqp://user:pass@node2:5672/vhost, got <secret> (%s)", why);
         return;
     }
     if (s->password) {
@@ -1225,6 +1418,7 @@ static void free_sink(cfg_sink *s)
     free(s->user);
     free_secret(s->pass);
     free(s->vhost);
+    cfg_brokers_free(s);
     free(s->tls_ca_file);
     free(s->tls_cert);
     free(s->tls_key);
@@ -1699,6 +1893,17 @@ static bool str_eq(const char *a, const char *b)
     return strcmp(a, b) == 0;
 }
 
+static bool brokers_equal(const cfg_sink *a, const cfg_sink *b)
+{
+    if (a->n_brokers != b->n_brokers)
+        return false;
+    for (size_t i = 0; i < a->n_brokers; i++)
+        if (!str_eq(a->brokers[i].host, b->brokers[i].host) ||
+            a->brokers[i].port != b->brokers[i].port)
+            return false;
+    return true;
+}
+
 bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b)
 {
     if (a == NULL || b == NULL)
@@ -1714,7 +1919,8 @@ bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b)
            a->connect_timeout_ms == b->connect_timeout_ms &&
            a->reconnect_max_ms == b->reconnect_max_ms &&
            a->max_message_size == b->max_message_size && a->confirms == b->confirms &&
-           a->mandatory == b->mandatory;
+           a->mandatory == b->mandatory && a->nack_reopen_ms == b->nack_reopen_ms &&
+           brokers_equal(a, b);
 }
 
 bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b)

@@ -32,14 +32,27 @@ typedef struct cfg_relay {
     int64_t shutdown_timeout_ms;/* default 10s */
 } cfg_relay;
 
+/* One broker address of a sink's url (a list names the nodes of one cluster). */
+typedef struct cfg_broker {
+    char   *host;               /* decoded; an IPv6 address without brackets */
+    int     port;
+    char   *addr;               /* "host:port" ("[v6]:port") for logs and metrics */
+} cfg_broker;
+
+#define CFG_MAX_BROKERS 16      /* URLs in one sink's url list */
+
 typedef struct cfg_sink {
     char   *name;               /* the part after "sink." */
     int     type;               /* enum cfg_sink_type; only rabbitmq */
-    char   *url;                /* amqp[s]://user:pass@host:port/vhost, default amqp://guest:guest@127.0.0.1:5672/%2f */
+    char   *url;                /* amqp[s]://user:pass@host:port/vhost, default amqp://guest:guest@127.0.0.1:5672/%2f;
+                                   or a comma-separated list of such URLs (one cluster) */
     char   *password;           /* from password_file (overrides the URL's), or NULL */
-    /* parsed URL (password applied) */
+    /* parsed URL (password applied); with a list, host/port are those of the first URL
+       and user/pass/vhost/tls are common to all (the loader refuses a list that differs) */
     char   *host;
     int     port;
+    cfg_broker *brokers;        /* every address of url, in list order; n_brokers >= 1 once loaded */
+    size_t  n_brokers;
     char   *user;
     char   *pass;               /* secret: never log */
     char   *vhost;              /* decoded */
@@ -56,7 +69,11 @@ typedef struct cfg_sink {
     size_t  max_message_size;   /* default 128 MiB (RabbitMQ's default); bigger rows are dead-lettered */
     bool    confirms;           /* must be true: a sink without publisher confirms is refused */
     bool    mandatory;          /* default true; false is refused too (unroutable would be lost) */
+    int64_t nack_reopen_ms;     /* reopen a publishing channel that got only nacks for this long
+                                   (at least CFG_NACK_REOPEN_MIN, no ack); 0: never; default 1s */
 } cfg_sink;
+
+#define CFG_NACK_REOPEN_MIN 3   /* nacks in a row (no ack) before nack_reopen may apply */
 
 typedef struct cfg_outbox {
     char   *name;               /* the part after "outbox." */
@@ -114,6 +131,16 @@ int cfg_parse_bool(const char *s, bool *out);             /* true/false/yes/no/o
 int cfg_parse_size(const char *s, size_t *out);           /* "1024", "64k", "16M", "1G" */
 /* Parses an AMQP URL into the sink's host/port/user/pass/vhost/tls fields. */
 int cfg_parse_amqp_url(const char *url, cfg_sink *s, char *err, size_t errlen);
+/* Parses url: one AMQP URL or a comma-separated list of them (spaces around the commas
+ * allowed) naming the nodes of one cluster: the same scheme, user, password and vhost,
+ * distinct addresses, at most CFG_MAX_BROKERS. Fills host/port/user/pass/vhost/tls (those
+ * of the first URL) and brokers/n_brokers (each address in order). Returns 0; -1 when
+ * the only URL is invalid (err: why, as cfg_parse_amqp_url); -2 when a list is (err: why,
+ * naming the URL by its position). The value is a secret: err never quotes it. On error s
+ * is unchanged. */
+int cfg_parse_amqp_urls(const char *list, cfg_sink *s, char *err, size_t errlen);
+/* Frees a sink's brokers array (and sets it to NULL, 0). */
+void cfg_brokers_free(cfg_sink *s);
 
 const char *cfg_log_level_name(int level);
 

@@ -63,6 +63,10 @@ struct drain {
 
     int       sink_state;
     log_limit sink_log;          /* broker connection failures, rate-limited (relay/log.h) */
+    const char *broker_addrs[CFG_MAX_BROKERS]; /* borrowed from the config, for the metrics */
+    long      last_broker;       /* the address connected last (failover count), -1 none */
+    double    nack_logged_at;    /* monotonic: the last nack_reopen logged at WARN */
+    unsigned  nack_quiet;        /* nack_reopens logged at debug since */
     bool      leader;            /* we hold the leadership lease (leader mode) */
     int64_t   epoch;             /* its epoch (fencing token), 0 when not leader */
     double    leader_until;      /* monotonic: we may act as leader until then */
@@ -192,6 +196,12 @@ static void sink_on_state(void *ud, int state, const char *peer, const char *msg
     d->sink_state = state;
     d->m.sink_up = state != SINK_DOWN;
     d->m.sink_blocked = state == SINK_BLOCKED;
+    d->m.broker = d->kops->broker != NULL ? d->kops->broker(d->snk) : -1;
+    if (d->m.broker >= 0) {
+        if (d->last_broker >= 0 && d->last_broker != d->m.broker)
+            d->m.failovers++;
+        d->last_broker = d->m.broker;
+    }
     if (state == SINK_UP) {
         if (was == SINK_BLOCKED)
             log_ev(LOG_INFO, &(log_fields){ .event = "broker_unblocked", .outbox = d->ob->name,
@@ -224,6 +234,36 @@ static void sink_on_state(void *ud, int state, const char *peer, const char *msg
                  d->ob->name, d->ob->sink_name, msg ? msg : "?");
     }
     schedule_kick(d);
+}
+
+/* Only the nack_reopen event exists. The channel is reopened each time; the log
+   says so at WARN at most once a minute (a full reject-publish queue, which also
+   nacks everything, may reopen it every nack_reopen), with the count in between. */
+static void sink_on_event(void *ud, int event, const char *msg)
+{
+    drain *d = ud;
+    double now = mono_now();
+
+    if (event != SINK_EV_NACK_REOPEN)
+        return;
+    d->m.nack_reopens++;
+    log_fields f = { .event = "nack_reopen", .outbox = d->ob->name, .sink = d->ob->sink_name,
+                     .error = msg };
+    if (d->nack_logged_at == 0 || now - d->nack_logged_at >= LOG_REPEAT_INTERVAL) {
+        if (d->nack_quiet > 0)
+            log_ev(LOG_WARN, &f, "outbox=%s sink=%s: %s (%u more reopen%s in %.0f s)",
+                   d->ob->name, d->ob->sink_name, msg ? msg : "?", d->nack_quiet,
+                   d->nack_quiet == 1 ? "" : "s", now - d->nack_logged_at);
+        else
+            log_ev(LOG_WARN, &f, "outbox=%s sink=%s: %s", d->ob->name, d->ob->sink_name,
+                   msg ? msg : "?");
+        d->nack_logged_at = now;
+        d->nack_quiet = 0;
+    } else {
+        d->nack_quiet++;
+        log_ev(LOG_DEBUG, &f, "outbox=%s sink=%s: %s", d->ob->name, d->ob->sink_name,
+               msg ? msg : "?");
+    }
 }
 
 static void sink_on_result(void *ud, void *msg_ud, int outcome, const char *reason)
@@ -818,6 +858,11 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
     d->m.outbox = ob->name;
     d->m.sink = ob->sink_name;
     d->m.backlog = -1;
+    for (size_t i = 0; i < ob->sink->n_brokers && i < CFG_MAX_BROKERS; i++)
+        d->broker_addrs[d->m.n_brokers++] = ob->sink->brokers[i].addr;
+    d->m.brokers = d->broker_addrs;
+    d->m.broker = -1;
+    d->last_broker = -1;
     snprintf(d->owner, sizeof d->owner, "%s/%08x", c->relay.name,
              (unsigned)((uint64_t)new_token(d) >> 20));
     snprintf(d->conn_name, sizeof d->conn_name, "outbox-relay %s/%s", c->relay.name, ob->name);
@@ -859,8 +904,8 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
             return NULL;
         }
     }
-    sink_cbs kcb = { .ud = d, .on_state = sink_on_state, .on_result = sink_on_result,
-                     .on_writable = sink_on_writable };
+    sink_cbs kcb = { .ud = d, .on_state = sink_on_state, .on_event = sink_on_event,
+                     .on_result = sink_on_result, .on_writable = sink_on_writable };
     if (d->kops->create(loop, ob->sink, d->conn_name, &kcb, &d->snk, e2, sizeof e2) != 0) {
         snprintf(err, errlen, "outbox=%s sink=%s: %s", ob->name, ob->sink_name, e2);
         d->sops->destroy(d->main.src);

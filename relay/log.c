@@ -364,22 +364,46 @@ static double mono_s(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
+static uint64_t text_hash(const char *s)
+{
+    uint64_t h = 14695981039346656037ULL;   /* FNV-1a */
+
+    for (const unsigned char *p = (const unsigned char *)s; *p != '\0'; p++) {
+        h ^= *p;
+        h *= 1099511628211ULL;
+    }
+    return h != 0 ? h : 1;   /* 0 marks a free slot */
+}
+
 void log_fail_at(log_limit *ll, double now, int level, const log_fields *f, const char *msg)
 {
+    uint64_t  h = text_hash(msg);
+    log_seen *e = NULL, *victim = &ll->seen[0];
+
     ll->failures++;
-    if (ll->last[0] == '\0' || strncmp(ll->last, msg, sizeof ll->last - 1) != 0) {
+    for (size_t i = 0; i < LOG_LIMIT_SEEN; i++) {
+        log_seen *x = &ll->seen[i];
+
+        if (x->hash == h) {
+            e = x;
+            break;
+        }
+        if (victim->hash != 0 && (x->hash == 0 || x->since < victim->since))
+            victim = x;   /* a free slot, else the one logged longest ago */
+    }
+    if (e == NULL) {
         /* a new reason: say it now (the count of the old one is in the next log_ok) */
         log_ev(level, f, "%s", msg);
-        snprintf(ll->last, sizeof ll->last, "%s", msg);
-        ll->since = now;
-        ll->repeats = 0;
+        victim->hash = h;
+        victim->since = now;
+        victim->repeats = 0;
         return;
     }
-    ll->repeats++;
-    if (now - ll->since >= LOG_REPEAT_INTERVAL) {
-        log_ev(level, f, "%s (repeated %u times in %.0f s)", msg, ll->repeats, now - ll->since);
-        ll->since = now;
-        ll->repeats = 0;
+    e->repeats++;
+    if (now - e->since >= LOG_REPEAT_INTERVAL) {
+        log_ev(level, f, "%s (repeated %u times in %.0f s)", msg, e->repeats, now - e->since);
+        e->since = now;
+        e->repeats = 0;
         return;
     }
     log_ev(LOG_DEBUG, f, "%s", msg);
@@ -392,8 +416,7 @@ void log_ok_at(log_limit *ll, double now, int level, const log_fields *f, const 
         log_ev(level, f, "%s after %u failure%s", msg, ll->failures, ll->failures == 1 ? "" : "s");
     else
         log_ev(level, f, "%s", msg);
-    ll->last[0] = '\0';
-    ll->repeats = 0;
+    memset(ll->seen, 0, sizeof ll->seen);
     ll->failures = 0;
 }
 

@@ -58,19 +58,26 @@ void log_ev(int level, const log_fields *f, const char *fmt, ...)
  *   log_ok(&ll, LOG_INFO, &f, "outbox=%s sink=%s: connected (%s)", ob, sk, peer);  on success
  *
  * log_fail logs the first failure, and every failure whose text differs from the
- * last one, at level at once. An identical repeat is logged at debug only; once
- * it has repeated for LOG_REPEAT_INTERVAL seconds it goes out at level again with
- * " (repeated N times in T s)". log_ok logs at its level and appends " after N
- * failures" (N counts every failed attempt since the last success); without a
- * preceding failure it logs the message as is. The fields go with every line.
+ * ones logged since the last success (the last LOG_LIMIT_SEEN different texts: a
+ * list of brokers tried in turn fails with one text per address), at level at
+ * once. An identical repeat is logged at debug only; once it has repeated for
+ * LOG_REPEAT_INTERVAL seconds it goes out at level again with " (repeated N
+ * times in T s)". log_ok logs at its level and appends " after N failures" (N
+ * counts every failed attempt since the last success); without a preceding
+ * failure it logs the message as is, and it forgets the texts seen. The fields go
+ * with every line.
  */
 #define LOG_REPEAT_INTERVAL 60.0   /* seconds */
-#define LOG_LIMIT_TEXT      512
+#define LOG_LIMIT_SEEN      8
 
-typedef struct log_limit {
-    char     last[LOG_LIMIT_TEXT];  /* the failure last logged at level */
+typedef struct log_seen {
+    uint64_t hash;                  /* of the text (FNV-1a); 0: free slot */
     double   since;                 /* monotonic time it was logged at level */
     unsigned repeats;               /* identical failures since then */
+} log_seen;
+
+typedef struct log_limit {
+    log_seen seen[LOG_LIMIT_SEEN];  /* texts logged at level since the last log_ok */
     unsigned failures;              /* failed attempts since the last log_ok */
 } log_limit;
 

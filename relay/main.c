@@ -432,12 +432,25 @@ static int cmd_check(const char *path)
             fprintf(stderr, "%s: [outbox.%s] %s\n", path, ob->name, err);
         }
     }
+    char (*notes)[1024] = calloc(c->n_sinks ? c->n_sinks : 1, sizeof *notes);
+    if (notes == NULL) {
+        fprintf(stderr, "%s: out of memory\n", path);
+        cfg_free(c);
+        return 1;
+    }
     for (size_t i = 0; i < c->n_sinks; i++) {
         const cfg_sink *sk = &c->sinks[i];
-        char err[1024] = "";
+        char err[4096] = "";
         if (sink_ops_for(sk)->check(sk, err, sizeof err) != 0) {
-            fprintf(stderr, "%s: [sink.%s] %s\n", path, sk->name, err);
-            problems++;
+            /* one line per problem: a cluster list may have several */
+            for (char *ln = err, *nl; ln != NULL; ln = nl) {
+                if ((nl = strchr(ln, '\n')) != NULL)
+                    *nl++ = '\0';
+                fprintf(stderr, "%s: [sink.%s] %s\n", path, sk->name, ln);
+                problems++;
+            }
+        } else {
+            snprintf(notes[i], sizeof notes[i], "%s", err);
         }
     }
     if (problems == 0) {
@@ -452,8 +465,13 @@ static int cmd_check(const char *path)
                 printf("; [outbox.%s] mode leader (one active relay, the others stand by, "
                        "lease %gs in %s_lease)", ob->name, (double)ob->lease_ms / 1000.0, ob->table);
         }
+        for (size_t i = 0; i < c->n_sinks; i++) {
+            if (notes[i][0] != '\0')
+                printf("; [sink.%s] %s", c->sinks[i].name, notes[i]);
+        }
         putchar('\n');
     }
+    free(notes);
     cfg_free(c);
     return problems ? 1 : 0;
 }

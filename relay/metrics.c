@@ -150,6 +150,15 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
     gauge_int(&b, m, n, "source_up", "1 when the database connection is up and verified.", OFF(source_up), 1);
     gauge_int(&b, m, n, "sink_up", "1 when the broker connection is up.", OFF(sink_up), 1);
     gauge_int(&b, m, n, "sink_blocked", "1 while the broker has blocked the connection.", OFF(sink_blocked), 1);
+    bprintf(&b, "# HELP outbox_relay_broker_connected 1 for the broker address (of the sink's url "
+                "list) the outbox's connection is up to, 0 for the others.\n"
+                "# TYPE outbox_relay_broker_connected gauge\n");
+    for (size_t i = 0; i < n; i++)
+        for (size_t k = 0; k < m[i]->n_brokers; k++)
+            bprintf(&b, "outbox_relay_broker_connected{outbox=\"%s\",broker=\"%s\"} %d\n",
+                    m[i]->outbox, m[i]->brokers[k], m[i]->broker == (long)k);
+    counter(&b, m, n, "broker_failovers_total", "Broker connections made to another address of the sink's url list than the one before (failover).", OFF(failovers));
+    counter(&b, m, n, "nack_reopens_total", "Publishing channels reopened because they got only nacks for nack_reopen (a quorum queue's channel stuck after a leader's node went down).", OFF(nack_reopens));
     gauge_int(&b, m, n, "leader", "1 when this relay is the active one for the outbox.", OFF(leader), 1);
     gauge_int(&b, m, n, "leader_epoch", "Leadership epoch (fencing token) this relay holds; 0 none.", OFF(epoch), 0);
     counter(&b, m, n, "takeovers_total", "Times this relay became the active one.", OFF(takeovers));

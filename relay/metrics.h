@@ -44,6 +44,11 @@ typedef struct ob_metrics {
     uint64_t in_flight;
     uint64_t buffered;
     uint64_t unmarked;       /* confirmed, mark not committed yet (counts against the window) */
+    const char *const *brokers; /* borrowed: each address of the sink's url list ("host:port") */
+    size_t   n_brokers;
+    long     broker;         /* index of the address the broker connection is up to, -1 down */
+    uint64_t failovers;      /* broker connections made to another address than the one before */
+    uint64_t nack_reopens;   /* publishing channels reopened because they got only nacks */
     histogram confirm_latency;
     histogram claim_latency;
     histogram settle_latency;

@@ -36,12 +36,20 @@ enum sink_outcome {
                            message's fault; give it back without counting an attempt */
 };
 
+/* Events worth a log line and a counter that change no state (on_event). */
+enum sink_event {
+    SINK_EV_NACK_REOPEN = 0   /* the publishing channel got only nacks for a while
+                                 (nack_reopen): it is reopened; the sink stays UP */
+};
+
 typedef struct sink_cbs {
     void *ud;
     /* peer: the broker this is about, for logs ("127.0.0.1:5672 vhost /"); msg says what
        happened and names the peer first ("broker <peer>: <reason>"). Both valid during
        the callback only. */
     void (*on_state)(void *ud, int state, const char *peer, const char *msg);
+    /* enum sink_event; msg names the peer and the reason. May be NULL. */
+    void (*on_event)(void *ud, int event, const char *msg);
     /* reason: valid during the callback; NULL for SINK_ACK */
     void (*on_result)(void *ud, void *msg_ud, int outcome, const char *reason);
     /* Room again after publish returned SINK_EAGAIN (window/socket space freed). */
@@ -72,12 +80,16 @@ typedef struct sink_ops {
     /* row stays owned by the caller and must stay valid until on_result. */
     int  (*publish)(sink *s, const row *r, void *msg_ud, char *err, size_t errlen);
     size_t (*in_flight)(const sink *s);
-    /* Admin: blocking login + confirm.select + close, bounded by timeouts. */
+    /* Admin: blocking login + confirm.select + close, bounded by timeouts, to every
+       address of the configuration. On failure err holds one line per problem
+       ('\n'-separated); on success it may hold a note for the OK line ("" if none). */
     int  (*check)(const cfg_sink *cfg, char *err, size_t errlen);
     /* Before the process exits, after every sink is destroyed: waits (at most
        timeout_ms) for background work the implementation still runs, such as a
        connection attempt on a worker thread, to end. NULL: nothing to wait for. */
     void (*quiesce)(int64_t timeout_ms);
+    /* Which address of cfg->brokers the connection is up to: its index, -1 when down. */
+    long (*broker)(const sink *s);
 } sink_ops;
 
 extern const sink_ops amqpsink_ops;   /* sinks/rabbitmq */

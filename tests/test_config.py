@@ -287,6 +287,27 @@ def test_env_and_password_file_through_load(cfg_test, tmp_path):
     assert "s3cret" not in r.stdout and "10.0.0.9 dbname" not in r.stdout
 
 
+def test_url_list_through_load(cfg_test, tmp_path):
+    """A sink's url may list the nodes of one cluster: each address in order, the shared
+    user/vhost, password_file applied to all; nothing secret in the dump."""
+    pw = tmp_path / "amqp.pw"
+    pw.write_text("s3cret\n")
+    p = tmp_path / "cluster.ini"
+    p.write_text("[sink.main]\n"
+                 "url = amqp://relay:x@10.0.0.1/prod, amqp://relay:x@rabbit-2:5673/prod ,"
+                 "amqp://relay:x@[fd00::3]/prod\n"
+                 f"password_file = {pw}\nnack_reopen = 250ms\n"
+                 "[outbox.orders]\nconninfo = host=127.0.0.1 dbname=app\ndatabase = app\n")
+    r = load(cfg_test, p)
+    assert r.returncode == 0, r.stdout + r.stderr
+    s = parse_dump(r.stdout)["sink.main"]
+    assert s["url.brokers"] == "10.0.0.1:5672,rabbit-2:5673,[fd00::3]:5672"
+    assert (s["url.host"], s["url.port"], s["url.user"], s["url.vhost"]) == \
+        ("10.0.0.1", "5672", "relay", "prod")
+    assert s["nack_reopen"] == "250ms"
+    assert "s3cret" not in r.stdout and "relay:x" not in r.stdout
+
+
 # ---------------------------------------------------------------------------- reload (SIGHUP)
 # A reload keeps an outbox's drain only when nothing it runs on changed (cfg_outbox_equal).
 # Each [sink.*] and [outbox.*] key gets another valid value here; a key added to config/cfg.c
@@ -304,6 +325,7 @@ RELOAD_CHANGE = {
         "publish_window": "10", "heartbeat": "5s", "confirm_timeout": "5s",
         "connect_timeout": "2s", "reconnect_max": "5s", "max_message_size": "1M",
         "tls_ca_file": "{ca2}", "tls_verify": "false", "tls_cert": "{cert2}", "tls_key": "{key2}",
+        "nack_reopen": "3s",
     },
     "outbox": {
         "source": "sqlserver", "conninfo": "host=127.0.0.1 dbname=app user=other",

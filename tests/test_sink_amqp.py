@@ -980,3 +980,120 @@ def test_amqp_probe(services, build):
         c = services.amqp_connect()
         c.channel().queue_delete(q)
         c.close()
+
+
+# ---------------------------------------------------------------------------- url lists
+def test_check_names_every_unreachable_address_of_a_list(services, build):
+    """check connects to every node of a cluster list: one line per node it cannot reach,
+    naming it (not the password); all reachable → a note naming them."""
+    port = services.amqp_port
+    good = f"amqp://guest:guest@127.0.0.1:{port}/%2f"
+    dead = "amqp://guest:guest@127.0.0.1:1/%2f"
+    r = run_prog([driver(build), f"{dead},{good}, amqp://guest:guest@127.0.0.1:2/%2f", "x,y,1"],
+                 timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "check failed: broker 127.0.0.1:1 vhost /: connect: connection refused\n" \
+           "broker 127.0.0.1:2 vhost /: connect: connection refused" in r.stdout, r.stdout
+    assert f"127.0.0.1:{port}" not in r.stdout, r.stdout
+    p1, p2 = Proxy(port), Proxy(port)
+    try:
+        r = run_prog([driver(build), f"{p1.url()},{p2.url()}", "x,y,0"], timeout=60)
+    finally:
+        p1.close()
+        p2.close()
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (f"check ok: every broker of the cluster list answers (127.0.0.1:{p1.port}, "
+            f"127.0.0.1:{p2.port})") in r.stdout, r.stdout
+
+
+def test_url_list_skips_an_address_that_refuses(services, build, names):
+    """The first address refuses: the next one is tried at once (no back-off within a
+    round), the failure names the address and the next one."""
+    good = services.amqp_url
+    t0 = time.monotonic()
+    r = run_prog([driver(build), f"amqp://guest:guest@127.0.0.1:1/%2f,{good}", "--no-check",
+                  "--tag", names.tag, f"{names.ex},{names.rk},50"], timeout=60)
+    took = time.monotonic() - t0
+    run = Run(r.returncode, r.stdout, r.stderr)
+    assert run.rc == 0, run
+    assert run.summary["acked"] == 50, run
+    assert run.states[0] == ("DOWN", "broker 127.0.0.1:1 vhost /: connect: connection refused; "
+                                     f"next: broker 127.0.0.1:{services.amqp_port}"), run
+    assert run.states[1] == ("UP", f"broker 127.0.0.1:{services.amqp_port} vhost /"), run
+    assert took < 20, took
+
+
+def test_failover_to_the_next_address_mid_flight(services, build, names):
+    """Two addresses (proxies to the same broker). The connection to the first is cut and
+    it refuses from then on: the sink goes to the second at once, says which it left and
+    which it reached, and what was in flight comes back LOST (retried), never lost."""
+    a, b = Proxy(services.amqp_port), Proxy(services.amqp_port)
+    try:
+        bg = drive_bg(build, f"{a.url()}, {b.url()}", "--tag", names.tag, "--window", "50",
+                      "--rate", "400", f"{names.ex},{names.rk},800")
+        try:
+            wait_for(lambda: bg.count(r"^result \d+ ACK") >= 50, 60, desc="first acks")
+            a.hold()   # acks pile up unread: the window fills
+            time.sleep(0.5)
+            a.refuse = True
+            a.cut()
+            r = bg.finish(120)
+        finally:
+            bg.kill()
+    finally:
+        a.close()
+        b.close()
+    assert r.rc == 0, r
+    assert r.summary["acked"] == 800, r
+    assert r.summary["lost"] >= 1, r
+    assert [s for s, _ in r.states] == ["UP", "DOWN", "UP"], r
+    assert r.states[0][1] == f"broker 127.0.0.1:{a.port} vhost /", r
+    assert r.states[1][1].startswith(f"broker 127.0.0.1:{a.port} vhost /: "), r
+    assert r.states[1][1].endswith(f"; next: broker 127.0.0.1:{b.port}"), r
+    assert r.states[2][1] == (f"broker 127.0.0.1:{b.port} vhost /, failed over from broker "
+                              f"127.0.0.1:{a.port}"), r
+    assert all(r.final(i) == "ACK" for i in range(800))
+    assert {p.message_id for p, _ in get_all(services, names.q)} == \
+        {mid(names.tag, i) for i in range(800)}
+
+
+def test_nack_only_channel_is_reopened(services, build, names):
+    """A channel that gets only nacks (here: a full reject-publish queue) for nack_reopen is
+    closed and a new one opened on the same connection: an event, never a DOWN, nothing
+    LOST; the nacks stay NACKED. Once the queue has room, the new channel's publishes are
+    acked."""
+    q = f"{names.q}.full"
+    names.extra_queues.append(q)
+    c = services.amqp_connect()
+    ch = c.channel()
+    ch.queue_declare(q, durable=True, arguments={"x-max-length": 1, "x-overflow": "reject-publish"})
+    ch.basic_publish("", q, b"filler")   # full from the start: every publish is nacked
+    c.close()
+    bg = Background(services, build, "--tag", names.tag, "--nack-reopen", "300", "--rate", "40",
+                    "--window", "5", f"-,{q},120")
+    try:
+        wait_for(lambda: bg.count(r"^event NACK_REOPEN") >= 2 or bg.p.poll() is not None, 60,
+                 desc="two reopens")
+        c = services.amqp_connect()
+        c.channel().queue_purge(q)   # room again: the next publish is acked, then full
+        c.close()
+        r = bg.finish(120)
+    finally:
+        bg.kill()
+    assert r.rc == 0, r
+    events = [ln for ln in r.lines if ln.startswith("event ")]
+    assert len(events) >= 2, r
+    m = re.match(r"event NACK_REOPEN broker 127\.0\.0\.1:\d+ vhost /: channel (\d+) got only "
+                 r"nacks \((\d+) in ([0-9.]+) s, no ack\): reopening it as channel (\d+)$",
+                 events[0])
+    assert m, events[0]
+    assert int(m.group(4)) == int(m.group(1)) + 1 and int(m.group(2)) >= 3, events[0]
+    assert float(m.group(3)) >= 0.3, events[0]
+    # the connection never went down, nothing was given back
+    assert [s for s, _ in r.states] == ["UP"], r
+    assert r.summary["lost"] == 0, r
+    assert r.summary["acked"] >= 1 and r.summary["nacked"] >= 6, r
+    assert r.summary["acked"] + r.summary["nacked"] == 120, r
+    assert all(r.final(i) in ("ACK", "NACKED") for i in range(120)), r
+    # the first ack came on a reopened channel, after the purge
+    assert min(i for i in range(120) if r.final(i) == "ACK") > 5, r

@@ -123,6 +123,20 @@ enum ckstate {
     CK_BUSY         /* exchange.declare (passive) of ck_cur in flight */
 };
 
+/* The publishing channel, while the connection is up. It is reopened without
+ * waiting on the loop: after the broker closed it (chan_ok false: the sink is
+ * DOWN meanwhile), or when it got only nacks for nack_reopen (the sink stays
+ * UP; publish() says SINK_EAGAIN until it is open again). */
+enum pchstate {
+    PCH_OPEN = 0,   /* in confirm mode: publish */
+    PCH_DRAIN,      /* only nacks lately: nothing new is published; once every message
+                       in flight is answered, the channel is closed and reopened */
+    PCH_WANT_OPEN,  /* channel.open not sent yet (waiting for room in the socket) */
+    PCH_OPENING,    /* channel.open sent on ch */
+    PCH_WANT_SELECT,/* channel.open-ok came; confirm.select not sent yet (socket room) */
+    PCH_SELECTING   /* confirm.select sent on ch */
+};
+
 typedef struct entry {
     const row    *r;           /* borrowed: the caller keeps it valid until on_result */
     void         *msg_ud;
@@ -166,6 +180,19 @@ struct sink {
     amqp_connection_state_t conn; /* NULL when down */
     amqp_channel_t  ch;
     bool            chan_ok;
+    int             pch;          /* enum pchstate */
+    ev_tstamp       pch_sent_at;  /* when channel.open / confirm.select was sent */
+    uint32_t        nack_run;     /* messages nacked in a row on this channel (no ack since) */
+    ev_tstamp       nack_since;   /* when the first of them was nacked */
+    char            nack_why[200];/* why the channel is being reopened (PCH_DRAIN) */
+
+    /* Broker addresses (cfg.brokers, at least one). cur is the one connected, or
+     * tried next; a failed attempt or a lost connection moves it on, and the
+     * back-off grows once per round in which every address failed. */
+    size_t          cur;
+    size_t          round_fails;  /* failed attempts in the current round */
+    long            connected;    /* index connected now, -1 none */
+    long            last_up;      /* index of the last connection made, -1 none */
     bool            blocked;
     ev_tstamp       unblocked_at;  /* confirms are not awaited while blocked: clock restarts here */
     bool            broken;       /* publish hit a socket error: failing soon */
@@ -190,6 +217,7 @@ struct sink {
 
     ev_io           rio, wio;
     ev_timer        tick, retry, wretry, failt;
+    ev_timer        nackt;        /* nack_reopen after the first nack of a run */
     double          backoff;
     uint64_t        rnd;
 
@@ -276,11 +304,15 @@ static int heartbeat_s(const cfg_sink *c)
 }
 
 /* The peer, as every message about this sink's connection names it (run and
- * check alike): "broker 127.0.0.1:5672 vhost /". */
-static void set_ident(char *buf, size_t len, const cfg_sink *c)
+ * check alike): "broker 127.0.0.1:5672 vhost /"; i: which address of the list. */
+static void set_ident(char *buf, size_t len, const cfg_sink *c, size_t i)
 {
-    snprintf(buf, len, "broker %s:%d vhost %s", c->host ? c->host : "?", c->port,
-             c->vhost ? c->vhost : "?");
+    if (i < c->n_brokers)
+        snprintf(buf, len, "broker %s vhost %s", c->brokers[i].addr,
+                 c->vhost ? c->vhost : "?");
+    else
+        snprintf(buf, len, "broker %s:%d vhost %s", c->host ? c->host : "?", c->port,
+                 c->vhost ? c->vhost : "?");
 }
 
 /* The peer in an ident, without the word "broker": on_state's peer (a log field). */
@@ -778,6 +810,7 @@ static void cfg_strings_free(cfg_sink *c)
     free(c->tls_key);
     c->name = c->host = c->user = c->pass = c->vhost = NULL;
     c->tls_ca_file = c->tls_cert = c->tls_key = NULL;
+    cfg_brokers_free(c);
 }
 
 static int dupstr(char **dst, const char *src)
@@ -790,20 +823,44 @@ static int dupstr(char **dst, const char *src)
 }
 
 /* Deep copy of the strings a connection needs (url and password are not kept:
- * they may carry the password; pass is the one copy). -1 when out of memory
- * (dst then holds whatever was copied: free it with cfg_strings_free). */
+ * they may carry the password; pass is the one copy), and of the broker list:
+ * a cfg_sink filled by hand, without one (a test driver), gets its host:port
+ * as the only address. -1 when out of memory (dst then holds whatever was
+ * copied: free it with cfg_strings_free). */
 static int cfg_strings_dup(cfg_sink *dst, const cfg_sink *src)
 {
+    size_t n = src->n_brokers > 0 ? src->n_brokers : 1;
+
     *dst = *src;
     dst->url = NULL;
     dst->password = NULL;
     dst->name = dst->host = dst->user = dst->pass = dst->vhost = NULL;
     dst->tls_ca_file = dst->tls_cert = dst->tls_key = NULL;
+    dst->brokers = NULL;
+    dst->n_brokers = 0;
     if (dupstr(&dst->name, src->name) < 0 || dupstr(&dst->host, src->host) < 0 ||
         dupstr(&dst->user, src->user) < 0 || dupstr(&dst->pass, src->pass) < 0 ||
         dupstr(&dst->vhost, src->vhost) < 0 || dupstr(&dst->tls_ca_file, src->tls_ca_file) < 0 ||
         dupstr(&dst->tls_cert, src->tls_cert) < 0 || dupstr(&dst->tls_key, src->tls_key) < 0)
         return -1;
+    if ((dst->brokers = calloc(n, sizeof *dst->brokers)) == NULL)
+        return -1;
+    dst->n_brokers = n;   /* cfg_brokers_free frees what was copied */
+    for (size_t i = 0; i < n; i++) {
+        cfg_broker *b = &dst->brokers[i];
+        const char *h = src->n_brokers > 0 ? src->brokers[i].host : src->host;
+
+        b->port = src->n_brokers > 0 ? src->brokers[i].port : src->port;
+        if (h == NULL || dupstr(&b->host, h) < 0)
+            return -1;
+        if (src->n_brokers > 0) {
+            if (dupstr(&b->addr, src->brokers[i].addr) < 0)
+                return -1;
+        } else if (asprintf(&b->addr, strchr(h, ':') ? "[%s]:%d" : "%s:%d", h, b->port) < 0) {
+            b->addr = NULL;
+            return -1;
+        }
+    }
     return 0;
 }
 
@@ -925,6 +982,15 @@ static int job_start(sink *s, char *err, size_t errlen)
     jb->wake = &s->jobw;
     jb->ch = s->ch;
     if (cfg_strings_dup(&jb->cfg, &s->cfg) < 0 || dupstr(&jb->conn_name, s->conn_name) < 0) {
+        job_free(jb);
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    /* this attempt's address */
+    free(jb->cfg.host);
+    jb->cfg.host = NULL;
+    jb->cfg.port = s->cfg.brokers[s->cur].port;
+    if (dupstr(&jb->cfg.host, s->cfg.brokers[s->cur].host) < 0) {
         job_free(jb);
         snprintf(err, errlen, "out of memory");
         return -1;
@@ -1133,6 +1199,25 @@ static bool settle(sink *s, uint64_t tag, int outcome, const char *reason)
     char  *ret = e->ret_reason;   /* freed after the callback */
     bool   alive;
 
+    /* Does the channel work? An ack (returned or not) says so; nacks in a row,
+     * and no ack, say it may not (nack_check). */
+    if (outcome == SINK_NACKED) {
+        if (s->nack_run++ == 0 && s->cfg.nack_reopen_ms > 0) {
+            /* look again when nack_reopen is over, also if no nack comes then */
+            s->nack_since = ev_now(s->loop);
+            ev_timer_stop(s->loop, &s->nackt);
+            ev_timer_set(&s->nackt, (double)s->cfg.nack_reopen_ms / 1000. + 0.001, 0.);
+            ev_timer_start(s->loop, &s->nackt);
+        }
+    } else if (outcome == SINK_ACK) {
+        s->nack_run = 0;
+        ev_timer_stop(s->loop, &s->nackt);
+        if (s->pch == PCH_DRAIN) {   /* it does after all: publish on it again */
+            s->pch = PCH_OPEN;
+            s->want_writable = true;
+        }
+    }
+
     if (outcome == SINK_ACK && e->returned) {
         outcome = SINK_RETURNED;
         reason = ret ? ret : "unroutable (basic.return)";
@@ -1183,7 +1268,7 @@ static bool maybe_writable(sink *s)
         s->cbs.on_writable(s->cbs.ud);
         return !s->dying;
     }
-    if (!s->want_writable || cur_state(s) == SINK_DOWN || broker_silent(s))
+    if (!s->want_writable || cur_state(s) == SINK_DOWN || broker_silent(s) || s->pch != PCH_OPEN)
         return true;
     if (s->inflight >= (size_t)s->cfg.publish_window ||
         s->next_tag - s->tail_tag > s->ring_mask)
@@ -1195,41 +1280,68 @@ static bool maybe_writable(sink *s)
     return !s->dying;
 }
 
+/* An attempt failed or the connection was lost at address cur: the next
+ * attempt goes to the next address of the list (the same one when there is
+ * only one). Within a round of the list it follows at the shortest delay;
+ * after a round in which every address failed, after the back-off, which then
+ * doubles up to reconnect_max (with one address: after every failure, as
+ * before lists existed). */
 static void schedule_reconnect(sink *s)
 {
-    double d;
+    double d, base = AMQPSINK_BACKOFF_MIN;
 
-    /* xorshift64 jitter: delay in [backoff/2, backoff) */
+    s->cur = (s->cur + 1) % s->cfg.n_brokers;
+    if (++s->round_fails >= s->cfg.n_brokers) {
+        s->round_fails = 0;
+        base = s->backoff;
+        s->backoff *= 2;
+        if (s->backoff > (double)s->cfg.reconnect_max_ms / 1000.)
+            s->backoff = (double)s->cfg.reconnect_max_ms / 1000.;
+        if (s->backoff < AMQPSINK_BACKOFF_MIN)
+            s->backoff = AMQPSINK_BACKOFF_MIN;
+    }
+    /* xorshift64 jitter: delay in [base/2, base) */
     s->rnd ^= s->rnd << 13;
     s->rnd ^= s->rnd >> 7;
     s->rnd ^= s->rnd << 17;
-    d = s->backoff * (0.5 + 0.5 * (double)(s->rnd % 1000000) / 1e6);
+    d = base * (0.5 + 0.5 * (double)(s->rnd % 1000000) / 1e6);
     ev_timer_stop(s->loop, &s->retry);
     ev_timer_set(&s->retry, d, 0.);
     ev_timer_start(s->loop, &s->retry);
-    s->backoff *= 2;
-    if (s->backoff > (double)s->cfg.reconnect_max_ms / 1000.)
-        s->backoff = (double)s->cfg.reconnect_max_ms / 1000.;
-    if (s->backoff < AMQPSINK_BACKOFF_MIN)
-        s->backoff = AMQPSINK_BACKOFF_MIN;
 }
 
-/* Tears the connection down: on_state(DOWN), every in-flight → LOST, reconnect later. */
+/* "; next: broker ADDR" when the list has another address to try, else "". */
+static void next_note(const sink *s, char *buf, size_t len)
+{
+    if (s->cfg.n_brokers > 1)
+        snprintf(buf, len, "; next: broker %s",
+                 s->cfg.brokers[(s->cur + 1) % s->cfg.n_brokers].addr);
+    else if (len > 0)
+        buf[0] = '\0';
+}
+
+/* Tears the connection down: on_state(DOWN), every in-flight → LOST, reconnect
+ * later (to the next address of a list: failover). */
 static bool conn_fail(sink *s, const char *why)
 {
-    char reason[512];
+    char reason[700], next[340];
 
-    snprintf(reason, sizeof reason, "%s: %s", s->ident, why);
+    next_note(s, next, sizeof next);
+    snprintf(reason, sizeof reason, "%s: %s%s", s->ident, why, next);
     ev_io_stop(s->loop, &s->rio);
     ev_io_stop(s->loop, &s->wio);
     ev_timer_stop(s->loop, &s->wretry);
     ev_timer_stop(s->loop, &s->tick);
     ev_timer_stop(s->loop, &s->failt);
+    ev_timer_stop(s->loop, &s->nackt);
     if (s->conn != NULL) {
         amqp_destroy_connection(s->conn);
         s->conn = NULL;
     }
     s->chan_ok = false;
+    s->pch = PCH_OPEN;
+    s->nack_run = 0;
+    s->connected = -1;
     s->blocked = false;
     s->broken = false;
     s->ret_stage = 0;
@@ -1283,6 +1395,9 @@ static void set_sock_opts(sink *s)
 static bool drain(sink *s);
 static void ck_kick(sink *s);
 static bool check_timeout(sink *s);
+static void nack_check(sink *s);
+static bool pch_kick(sink *s);
+static bool pch_timeout(sink *s);
 static amqp_channel_t check_channel(amqp_connection_state_t conn);
 
 static void sink_free(sink *s);
@@ -1299,9 +1414,10 @@ static void sink_free(sink *s);
 /* A connect attempt failed (reason in words, without the peer). */
 static void connect_failed(sink *s, const char *err)
 {
-    char msg[1100];
+    char msg[1500], next[340];
 
-    snprintf(msg, sizeof msg, "%s: %s", s->ident, err);
+    next_note(s, next, sizeof next);
+    snprintf(msg, sizeof msg, "%s: %s%s", s->ident, err, next);
     if (emit_state(s, msg))
         schedule_reconnect(s);
 }
@@ -1318,6 +1434,7 @@ static void retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
         return;
     ENTER(s);
     s->ch = 1;
+    set_ident(s->ident, sizeof s->ident, &s->cfg, s->cur);   /* this attempt's peer */
     if (job_start(s, err, sizeof err) < 0)
         connect_failed(s, err);
     LEAVE(s);
@@ -1355,7 +1472,10 @@ static void jobw_cb(struct ev_loop *loop, ev_async *w, int revents)
     }
     s->conn = conn;
     s->backoff = AMQPSINK_BACKOFF_MIN;
+    s->round_fails = 0;
     s->chan_ok = true;
+    s->pch = PCH_OPEN;
+    s->nack_run = 0;
     s->blocked = false;
     s->broken = false;
     s->next_tag = s->tail_tag = 1;
@@ -1372,9 +1492,16 @@ static void jobw_cb(struct ev_loop *loop, ev_async *w, int revents)
     ev_io_set(&s->wio, amqp_get_sockfd(s->conn), EV_WRITE);
     ev_timer_again(s->loop, &s->tick);
     {
-        char msg[400];
+        char msg[700];
+        long was = s->last_up;
 
-        snprintf(msg, sizeof msg, "%s", s->ident);
+        s->connected = (long)s->cur;
+        s->last_up = (long)s->cur;
+        if (was >= 0 && was != (long)s->cur)
+            snprintf(msg, sizeof msg, "%s, failed over from broker %s", s->ident,
+                     s->cfg.brokers[was].addr);
+        else
+            snprintf(msg, sizeof msg, "%s", s->ident);
         if (!emit_state(s, msg))
             goto out;
     }
@@ -1440,6 +1567,11 @@ static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
     }
     if (!check_timeout(s) || s->conn == NULL)
         goto out;
+    if (!pch_timeout(s) || s->conn == NULL)
+        goto out;
+    nack_check(s);   /* only nacks for long enough, also when no more come */
+    if (!pch_kick(s) || s->conn == NULL)   /* a reopen held back for socket room */
+        goto out;
     ck_kick(s);   /* a check held back for socket room */
     (void)maybe_writable(s);
 out:
@@ -1457,6 +1589,21 @@ static void failt_cb(struct ev_loop *loop, ev_timer *w, int revents)
     if (s->conn != NULL && s->broken) {
         snprintf(why, sizeof why, "%s", s->broken_why);
         (void)conn_fail(s, why);
+    }
+    LEAVE(s);
+}
+
+/* nack_reopen is over since the first nack of a run: reopen now if it still holds. */
+static void nackt_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    sink *s = w->data;
+
+    (void)loop;
+    (void)revents;
+    ENTER(s);
+    if (s->conn != NULL) {
+        nack_check(s);
+        (void)pch_kick(s);
     }
     LEAVE(s);
 }
@@ -1733,6 +1880,179 @@ static bool on_check_frame(sink *s, const amqp_frame_t *f)
     }
 }
 
+/* ------------------------------------------------------------ channel reopen */
+
+/* The next publishing channel number: they cycle below the check channel. */
+static amqp_channel_t next_channel(const sink *s)
+{
+    int max = amqp_get_channel_max(s->conn);
+
+    if (max <= 0 || max > 65535)
+        max = 65535;
+    if (s->ck_ch != 0)
+        max = s->ck_ch - 1;   /* the check channel is the highest */
+    return (amqp_channel_t)(s->ch >= max ? 1 : s->ch + 1);
+}
+
+static bool emit_event(sink *s, int ev, const char *msg)
+{
+    if (s->cbs.on_event != NULL) {
+        s->cbs.on_event(s->cbs.ud, ev, msg);
+        return !s->dying;
+    }
+    return true;
+}
+
+/* A channel that got only nacks for nack_reopen (at least CFG_NACK_REOPEN_MIN,
+ * no ack) is reopened: RabbitMQ 3.10 nacks every publish of a channel that
+ * first published to a quorum queue while its leader's node was down, until
+ * that node returns, while a channel opened after the new leader was elected
+ * works. Here it only stops publishing on it (PCH_DRAIN); pch_kick does the
+ * rest. The nacks themselves stay failed attempts: the broker refused those
+ * messages, and a queue that is full (reject-publish) nacks the same way. */
+static void nack_check(sink *s)
+{
+    ev_tstamp now = ev_now(s->loop);
+
+    if (s->cfg.nack_reopen_ms <= 0 || s->conn == NULL || !s->chan_ok || s->broken ||
+        s->pch != PCH_OPEN || s->nack_run < CFG_NACK_REOPEN_MIN ||
+        now - s->nack_since < (double)s->cfg.nack_reopen_ms / 1000.)
+        return;
+    snprintf(s->nack_why, sizeof s->nack_why, "channel %u got only nacks (%u in %.1f s, no ack)",
+             (unsigned)s->ch, s->nack_run, now - s->nack_since);
+    s->pch = PCH_DRAIN;
+}
+
+/* Moves the publishing channel's reopen on as far as it can go now, without
+ * waiting for the broker: PCH_DRAIN → once nothing is in flight, channel.close
+ * and the next channel number; PCH_WANT_OPEN → channel.open; PCH_WANT_SELECT →
+ * confirm.select; each when the socket has room for it (else the tick tries
+ * again: rabbitmq-c's send would wait without a deadline). The answers come
+ * through handle_frame (on_reopen_frame). A failed send fails the connection
+ * from the loop. Returns false when the sink was destroyed from a callback. */
+static bool pch_kick(sink *s)
+{
+    int rc;
+
+    if (s->conn == NULL || s->broken || s->pch == PCH_OPEN || s->pch == PCH_OPENING ||
+        s->pch == PCH_SELECTING || !sock_room(s, AMQPSINK_CHECK_BYTES))
+        return true;
+    if (s->pch == PCH_DRAIN) {
+        amqp_channel_close_t m;
+        amqp_channel_t       old = s->ch;
+        char                 msg[700];
+
+        if (s->inflight > 0)
+            return true;   /* their nacks (or acks) come first */
+        memset(&m, 0, sizeof m);
+        m.reply_code = AMQP_REPLY_SUCCESS;
+        m.reply_text = cbytes("outbox-relay: reopening a channel that got only nacks");
+        rc = amqp_send_method(s->conn, old, AMQP_CHANNEL_CLOSE_METHOD, &m);
+        if (rc != AMQP_STATUS_OK) {
+            mark_broken(s, "channel.close", rc);
+            return true;
+        }
+        /* the close-ok (and anything else) on the old number is ignored from now */
+        s->ch = next_channel(s);
+        s->next_tag = s->tail_tag = 1;
+        s->nack_run = 0;
+        s->pch = PCH_WANT_OPEN;
+        snprintf(msg, sizeof msg, "%s: %s: reopening it as channel %u", s->ident, s->nack_why,
+                 (unsigned)s->ch);
+        if (!emit_event(s, SINK_EV_NACK_REOPEN, msg))
+            return false;
+        if (s->conn == NULL || !sock_room(s, AMQPSINK_CHECK_BYTES))
+            return true;
+    }
+    if (s->pch == PCH_WANT_OPEN) {
+        amqp_channel_open_t m;
+
+        memset(&m, 0, sizeof m);
+        m.out_of_band = amqp_empty_bytes;
+        rc = amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_OPEN_METHOD, &m);
+        s->pch = PCH_OPENING;
+    } else {   /* PCH_WANT_SELECT */
+        amqp_confirm_select_t m;
+
+        memset(&m, 0, sizeof m);   /* nowait = 0: confirm.select-ok answers */
+        rc = amqp_send_method(s->conn, s->ch, AMQP_CONFIRM_SELECT_METHOD, &m);
+        s->pch = PCH_SELECTING;
+    }
+    s->pch_sent_at = ev_now(s->loop);
+    if (rc != AMQP_STATUS_OK) {
+        mark_broken(s, s->pch == PCH_OPENING ? "channel.open" : "confirm.select", rc);
+        return true;
+    }
+    /* a send may read from the socket (heartbeat check): frames it queued
+     * would never wake the read watcher */
+    if (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn))
+        ev_feed_event(s->loop, &s->rio, EV_READ);
+    return true;
+}
+
+/* channel.open or confirm.select without an answer within connect_timeout (the
+ * bound the blocking reopen had; the clock stops while the broker blocks the
+ * connection). Returns false when the sink was destroyed. */
+static bool pch_timeout(sink *s)
+{
+    ev_tstamp since;
+    char      why[300];
+
+    if (s->conn == NULL || s->blocked || (s->pch != PCH_OPENING && s->pch != PCH_SELECTING))
+        return true;
+    since = s->pch_sent_at > s->unblocked_at ? s->pch_sent_at : s->unblocked_at;
+    if (ev_now(s->loop) - since <= (double)s->cfg.connect_timeout_ms / 1000.)
+        return true;
+    snprintf(why, sizeof why, "reopening the publishing channel: no answer to %s of channel %u "
+             "within %lld ms", s->pch == PCH_OPENING ? "channel.open" : "confirm.select",
+             (unsigned)s->ch, (long long)s->cfg.connect_timeout_ms);
+    return conn_fail(s, why);
+}
+
+/* A frame on the publishing channel's new number while it is being opened. */
+static bool on_reopen_frame(sink *s, const amqp_frame_t *f)
+{
+    if (f->frame_type != AMQP_FRAME_METHOD)
+        return true;
+    switch (f->payload.method.id) {
+    case AMQP_CHANNEL_OPEN_OK_METHOD:
+        if (s->pch == PCH_OPENING) {
+            s->pch = PCH_WANT_SELECT;
+            return pch_kick(s);
+        }
+        return true;
+    case AMQP_CONFIRM_SELECT_OK_METHOD:
+        if (s->pch != PCH_SELECTING)
+            return true;
+        s->pch = PCH_OPEN;
+        s->nack_run = 0;
+        s->next_tag = s->tail_tag = 1;
+        if (!s->chan_ok) {   /* closed by the broker: DOWN until now */
+            char st[400];
+
+            s->chan_ok = true;
+            snprintf(st, sizeof st, "channel %u reopened on %s", (unsigned)s->ch, s->ident);
+            return emit_state(s, st);
+        }
+        s->want_writable = true;   /* rows held back with SINK_EAGAIN: on_writable */
+        return true;
+    case AMQP_CHANNEL_CLOSE_METHOD: {
+        const amqp_channel_close_t *m = f->payload.method.decoded;
+        amqp_channel_close_ok_t     ok;
+        char                        why[700];
+
+        memset(&ok, 0, sizeof ok);
+        (void)amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
+        snprintf(why, sizeof why, "reopening the publishing channel: the broker closed channel "
+                 "%u: %u %.*s", (unsigned)s->ch, (unsigned)m->reply_code, (int)m->reply_text.len,
+                 (const char *)m->reply_text.bytes);
+        return conn_fail(s, why);
+    }
+    default:
+        return true;
+    }
+}
+
 /* ------------------------------------------------------------ frame handling */
 
 static bool on_ack(sink *s, uint64_t tag, bool multiple, int outcome, const char *reason)
@@ -1790,7 +2110,6 @@ static bool on_channel_close(sink *s, unsigned code, const char *text)
 {
     char                    msg[700];
     amqp_channel_close_ok_t ok;
-    amqp_rpc_reply_t        r;
     uint64_t                culprit = 0;
     unsigned long long      size = 0;
     const char             *sz;
@@ -1845,37 +2164,12 @@ static bool on_channel_close(sink *s, unsigned code, const char *text)
         return false;
     if (s->conn == NULL)
         return true;
-    /* Reopen on the next channel number. Blocking, bounded by the rpc timeout. */
-    {
-        int max = amqp_get_channel_max(s->conn);
-
-        if (max <= 0 || max > 65535)
-            max = 65535;
-        if (s->ck_ch != 0)
-            max = s->ck_ch - 1;   /* the check channel is the highest */
-        s->ch = (amqp_channel_t)(s->ch >= max ? 1 : s->ch + 1);
-    }
-    amqp_channel_open(s->conn, s->ch);
-    r = amqp_get_rpc_reply(s->conn);
-    if (r.reply_type == AMQP_RESPONSE_NORMAL) {
-        amqp_confirm_select(s->conn, s->ch);
-        r = amqp_get_rpc_reply(s->conn);
-    }
-    if (r.reply_type != AMQP_RESPONSE_NORMAL) {
-        char why[700];
-
-        fmt_reply(r, "reopening the channel", why, sizeof why);
-        return conn_fail(s, why);
-    }
-    s->chan_ok = true;
+    /* Reopen on the next channel number, without waiting here: DOWN until
+     * confirm.select-ok (on_reopen_frame), bounded by connect_timeout. */
+    s->ch = next_channel(s);
     s->next_tag = s->tail_tag = 1;
-    ev_now_update(s->loop);   /* the reopen blocked for a while */
-    {
-        char st[400];
-
-        snprintf(st, sizeof st, "channel %u reopened on %s", (unsigned)s->ch, s->ident);
-        return emit_state(s, st);
-    }
+    s->pch = PCH_WANT_OPEN;
+    return pch_kick(s);
 }
 
 static bool handle_frame(sink *s, const amqp_frame_t *f)
@@ -1921,8 +2215,12 @@ static bool handle_frame(sink *s, const amqp_frame_t *f)
     }
     if (s->ck_ch != 0 && f->channel == s->ck_ch)
         return on_check_frame(s, f);
-    if (f->channel != s->ch || !s->chan_ok)
+    if (f->channel != s->ch)
         return true;   /* leftovers of a closed channel */
+    if (s->pch == PCH_OPENING || s->pch == PCH_SELECTING || s->pch == PCH_WANT_SELECT)
+        return on_reopen_frame(s, f);
+    if (!s->chan_ok)
+        return true;
     switch (f->frame_type) {
     case AMQP_FRAME_METHOD:
         switch (f->payload.method.id) {
@@ -1932,8 +2230,12 @@ static bool handle_frame(sink *s, const amqp_frame_t *f)
         }
         case AMQP_BASIC_NACK_METHOD: {
             const amqp_basic_nack_t *m = f->payload.method.decoded;
-            return on_ack(s, m->delivery_tag, m->multiple != 0, SINK_NACKED,
-                          "nacked by the broker (basic.nack)");
+
+            if (!on_ack(s, m->delivery_tag, m->multiple != 0, SINK_NACKED,
+                        "nacked by the broker (basic.nack)"))
+                return false;
+            nack_check(s);
+            return pch_kick(s);   /* a channel draining for its reopen: its last answer? */
         }
         case AMQP_BASIC_RETURN_METHOD: {
             const amqp_basic_return_t *m = f->payload.method.decoded;
@@ -2018,6 +2320,7 @@ static void sink_free(sink *s)
     ev_timer_stop(s->loop, &s->retry);
     ev_timer_stop(s->loop, &s->wretry);
     ev_timer_stop(s->loop, &s->failt);
+    ev_timer_stop(s->loop, &s->nackt);
     conn_close(s->conn, !s->broken);
     s->conn = NULL;
     x_clear(s);
@@ -2072,7 +2375,9 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
     s->rnd = (uint64_t)(uintptr_t)s ^ ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid();
     if (s->rnd == 0)
         s->rnd = 88172645463325252ULL;
-    set_ident(s->ident, sizeof s->ident, sc);
+    s->cur = 0;
+    s->connected = s->last_up = -1;
+    set_ident(s->ident, sizeof s->ident, &s->cfg, 0);
 
     ev_io_init(&s->rio, rio_cb, 0, EV_READ);
     ev_io_init(&s->wio, wio_cb, 0, EV_WRITE);
@@ -2091,8 +2396,9 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
     ev_timer_init(&s->retry, retry_cb, 0., 0.);
     ev_timer_init(&s->wretry, wretry_cb, 0., 0.);
     ev_timer_init(&s->failt, failt_cb, 0., 0.);
+    ev_timer_init(&s->nackt, nackt_cb, 0., 0.);
     s->rio.data = s->wio.data = s->tick.data = s->retry.data = s->wretry.data =
-        s->failt.data = s;
+        s->failt.data = s->nackt.data = s;
     *out = s;   /* ownership to the caller: amqpsink_destroy */
     return 0;
 oom:
@@ -2117,6 +2423,7 @@ static void amqpsink_destroy(sink *s)
         ev_timer_stop(s->loop, &s->retry);
         ev_timer_stop(s->loop, &s->wretry);
         ev_timer_stop(s->loop, &s->failt);
+        ev_timer_stop(s->loop, &s->nackt);
         return;
     }
     sink_free(s);
@@ -2176,6 +2483,11 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
     if (cur_state(s) != SINK_UP) {
         free(hmem);
         return SINK_EAGAIN;   /* on_state(SINK_UP) follows */
+    }
+    if (s->pch != PCH_OPEN) {   /* the channel is being reopened (nack_reopen) */
+        s->want_writable = true;
+        free(hmem);
+        return SINK_EAGAIN;   /* on_writable follows */
     }
     /* Does the exchange exist? Asked before the window: a refusal or a wait
      * needs no room, and the check starts early. */
@@ -2254,22 +2566,57 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
     return SINK_QUEUED;
 }
 
+/* Connects to every address of the list in turn (a node that cannot be
+ * reached is found now, not at failover). err: one line per address that
+ * failed, separated by '\n', each naming its peer; on success with several
+ * addresses, a note naming them. */
 static int amqpsink_check(const cfg_sink *sc, char *err, size_t errlen)
 {
     amqp_connection_state_t conn;
+    cfg_sink                one;
     char                    ident[300], why[800];
+    size_t                  n = sc->n_brokers > 0 ? sc->n_brokers : 1, bad = 0, o = 0;
 
-    set_ident(ident, sizeof ident, sc);
+    if (errlen > 0)
+        err[0] = '\0';
+    set_ident(ident, sizeof ident, sc, 0);
     if (!sc->confirms || !sc->mandatory) {
         snprintf(err, errlen, "%s: publisher confirms and mandatory are required", ident);
         return -1;
     }
-    if (conn_open(sc, "outbox-relay check", 1, NULL, &conn, why, sizeof why) < 0) {
-        snprintf(err, errlen, "%s: %s", ident, why);   /* run logs the same words */
-        return -1;
+    for (size_t i = 0; i < n; i++) {
+        one = *sc;   /* borrowed strings; only host and port change */
+        if (sc->n_brokers > 0) {
+            one.host = sc->brokers[i].host;
+            one.port = sc->brokers[i].port;
+        }
+        set_ident(ident, sizeof ident, sc, i);
+        if (conn_open(&one, "outbox-relay check", 1, NULL, &conn, why, sizeof why) < 0) {
+            /* run logs the same words */
+            if (o < errlen)
+                o += (size_t)snprintf(err + o, errlen - o, "%s%s: %s", bad > 0 ? "\n" : "", ident,
+                                      why);
+            bad++;
+            continue;
+        }
+        conn_close(conn, true);
     }
-    conn_close(conn, true);
+    if (bad > 0)
+        return -1;
+    if (n > 1) {
+        o = (size_t)snprintf(err, errlen, "every broker of the cluster list answers (");
+        for (size_t i = 0; i < n && o < errlen; i++)
+            o += (size_t)snprintf(err + o, errlen - o, "%s%s", i > 0 ? ", " : "",
+                                  sc->brokers[i].addr);
+        if (o < errlen)
+            snprintf(err + o, errlen - o, ")");
+    }
     return 0;
+}
+
+static long amqpsink_broker(const sink *s)
+{
+    return s->connected;
 }
 
 const sink_ops amqpsink_ops = {
@@ -2281,4 +2628,5 @@ const sink_ops amqpsink_ops = {
     .in_flight = amqpsink_in_flight,
     .check     = amqpsink_check,
     .quiesce   = amqpsink_quiesce,
+    .broker    = amqpsink_broker,
 };

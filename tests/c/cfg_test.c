@@ -67,12 +67,17 @@ static void dump(const cfg *c)
         printf("tls_verify = %s\n", b2s(s->tls_verify));
         printf("tls_cert = %s\n", s2s(s->tls_cert));
         printf("tls_key = %s\n", s2s(s->tls_key));
+        printf("nack_reopen = %lldms\n", (long long)s->nack_reopen_ms);
         printf("url.host = %s\n", s2s(s->host));
         printf("url.port = %d\n", s->port);
         printf("url.user = %s\n", s2s(s->user));
         printf("url.pass = %s\n", secret(s->pass));
         printf("url.vhost = %s\n", s2s(s->vhost));
         printf("url.tls = %s\n", b2s(s->tls));
+        printf("url.brokers = ");
+        for (size_t k = 0; k < s->n_brokers; k++)
+            printf("%s%s", k ? "," : "", s->brokers[k].addr);
+        printf("\n");
     }
     for (size_t i = 0; i < c->n_outboxes; i++) {
         const cfg_outbox *o = &c->outboxes[i];
@@ -445,6 +450,99 @@ static void t_amqp_url_bad(void **st)
     assert_int_equal(cfg_parse_amqp_url(NULL, &s, err, sizeof err), -1);
 }
 
+static void t_amqp_url_list_ok(void **st)
+{
+    cfg_sink s;
+    char err[400];
+    (void)st;
+
+    memset(&s, 0, sizeof s);
+    /* one URL: one address, as before lists */
+    assert_int_equal(cfg_parse_amqp_urls("amqps://u:p@[::1]/v", &s, err, sizeof err), 0);
+    assert_int_equal(s.n_brokers, 1);
+    assert_string_equal(s.brokers[0].host, "::1");
+    assert_int_equal(s.brokers[0].port, 5671);
+    assert_string_equal(s.brokers[0].addr, "[::1]:5671");
+
+    /* a list: every address in order, spaces around the commas; the rest is common */
+    assert_int_equal(cfg_parse_amqp_urls("amqp://relay:pw@n1:5672/prod , amqp://relay:pw@n2/prod,"
+                                         "\tamqp://relay:pw@[fe80::2]:5673/prod", &s, err,
+                                         sizeof err), 0);
+    assert_int_equal(s.n_brokers, 3);
+    assert_string_equal(s.brokers[0].addr, "n1:5672");
+    assert_string_equal(s.brokers[1].addr, "n2:5672");
+    assert_string_equal(s.brokers[2].addr, "[fe80::2]:5673");
+    assert_string_equal(s.brokers[2].host, "fe80::2");
+    assert_int_equal(s.brokers[2].port, 5673);
+    assert_string_equal(s.host, "n1");   /* the first URL's */
+    assert_int_equal(s.port, 5672);
+    assert_string_equal(s.user, "relay");
+    assert_string_equal(s.pass, "pw");
+    assert_string_equal(s.vhost, "prod");
+    assert_false(s.tls);
+
+    /* defaults apply per URL: guest:guest, "/" and the scheme's port */
+    assert_int_equal(cfg_parse_amqp_urls("amqps://a,amqps://b:5671/%2f", &s, err, sizeof err), 0);
+    assert_int_equal(s.n_brokers, 2);
+    assert_string_equal(s.brokers[1].addr, "b:5671");
+    assert_true(s.tls);
+
+    /* the same host on other ports is another node (one machine, one cluster) */
+    assert_int_equal(cfg_parse_amqp_urls("amqp://h:1,amqp://h:2,amqp://h:3,amqp://h:4,amqp://h:5,"
+                                         "amqp://h:6,amqp://h:7,amqp://h:8,amqp://h:9,amqp://h:10,"
+                                         "amqp://h:11,amqp://h:12,amqp://h:13,amqp://h:14,"
+                                         "amqp://h:15,amqp://h:16", &s, err, sizeof err), 0);
+    assert_int_equal(s.n_brokers, CFG_MAX_BROKERS);
+    cfg_brokers_free(&s);
+    sink_clear(&s);
+}
+
+static void t_amqp_url_list_bad(void **st)
+{
+    static const struct { const char *url, *why; int rc; } bad[] = {
+        { "amqp://a,", "URL 2 of 2 is empty (a comma with no URL after it)", -2 },
+        { ",amqp://a", "URL 1 of 2 is empty (a comma with no URL before it)", -2 },
+        { "amqp://a, ,amqp://b", "URL 2 of 3 is empty", -2 },
+        { "amqp://a,,amqp://b", "URL 2 of 3 is empty", -2 },
+        { "amqp://a,http://b", "URL 2 of 2: unsupported scheme; URLs are separated by commas: "
+                               "a comma inside one is written %2C", -2 },
+        { "amqp://u:pa,ss@a/", "URL 1 of 2: bad port (expected 1..65535); URLs are separated", -2 },
+        { "amqp://a,amqp://b:0", "URL 2 of 2: bad port (expected 1..65535)", -2 },
+        { "amqp://a,amqps://b", "URL 2 of 2 is amqps:// and URL 1 amqp://", -2 },
+        { "amqp://u:p@a,amqp://u:q@b", "URL 2 of 2 has another user or password than URL 1", -2 },
+        { "amqp://u:p@a,amqp://b", "URL 2 of 2 has another user or password", -2 },
+        { "amqp://u:p@a,amqp://v:p@b", "URL 2 of 2 has another user or password", -2 },
+        { "amqp://a/x,amqp://b/y", "URL 2 of 2 names another vhost than URL 1", -2 },
+        { "amqp://a/%2f,amqp://b/x", "URL 2 of 2 names another vhost", -2 },
+        { "amqp://a:5672,amqp://b,amqp://A", "URL 3 of 3 repeats the address of URL 1 (a:5672)", -2 },
+        { "amqp://a:1,amqp://a:2,amqp://a:3,amqp://a:4,amqp://a:5,amqp://a:6,amqp://a:7,"
+          "amqp://a:8,amqp://a:9,amqp://a:10,amqp://a:11,amqp://a:12,amqp://a:13,amqp://a:14,"
+          "amqp://a:15,amqp://a:16,amqp://a:17", "17 URLs, at most 16", -2 },
+        /* a single URL keeps its own words */
+        { "http://a", "unsupported scheme", -1 },
+        { "", "empty", -1 },
+    };
+    cfg_sink s;
+    char err[400];
+    (void)st;
+
+    memset(&s, 0, sizeof s);
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int rc;
+
+        err[0] = '\0';
+        rc = cfg_parse_amqp_urls(bad[i].url, &s, err, sizeof err);
+        if (rc != bad[i].rc)
+            fail_msg("URL list \"%s\": returned %d, not %d (%s)", bad[i].url, rc, bad[i].rc, err);
+        if (!strstr(err, bad[i].why))
+            fail_msg("URL list \"%s\": reason \"%s\" lacks \"%s\"", bad[i].url, err, bad[i].why);
+        if (strstr(err, "pa,ss") || strstr(err, "u:q"))
+            fail_msg("URL list \"%s\": the reason quotes the secret: %s", bad[i].url, err);
+        assert_null(s.host);   /* untouched on error */
+        assert_null(s.brokers);
+    }
+}
+
 /* ------------------------------------------------------------------ */
 /* whole files                                                         */
 /* ------------------------------------------------------------------ */
@@ -495,6 +593,11 @@ static void t_load_defaults(void **st)
     assert_true(s->max_message_size == 128u * 1024 * 1024);
     assert_true(s->confirms);
     assert_true(s->mandatory);
+    assert_int_equal(s->n_brokers, 1);
+    assert_string_equal(s->brokers[0].host, "127.0.0.1");
+    assert_int_equal(s->brokers[0].port, 5672);
+    assert_string_equal(s->brokers[0].addr, "127.0.0.1:5672");
+    assert_true(s->nack_reopen_ms == 1000);
 
     assert_int_equal(c->n_outboxes, 1);
     const cfg_outbox *o = &c->outboxes[0];
@@ -907,6 +1010,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(t_size),
         cmocka_unit_test(t_amqp_url_ok),
         cmocka_unit_test(t_amqp_url_bad),
+        cmocka_unit_test(t_amqp_url_list_ok),
+        cmocka_unit_test(t_amqp_url_list_bad),
         cmocka_unit_test(t_load_defaults),
         cmocka_unit_test(t_load_values),
         cmocka_unit_test(t_env_and_secret_files),

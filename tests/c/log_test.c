@@ -115,6 +115,47 @@ static void test_first_failure_then_rate_limited(void **state)
     assert_string_equal(lines(), "INFO broker b connected after 1 failure");
 }
 
+/* A list of brokers tried in turn fails with one text per address: each is news
+ * once, then a repeat, although it differs from the text just before it. */
+static void test_rotating_reasons_are_repeats(void **state)
+{
+    static const char *const texts[3] = { "broker a:1: connection refused; next: broker b:2",
+                                          "broker b:2: connection refused; next: broker c:3",
+                                          "broker c:3: connection refused; next: broker a:1" };
+    log_limit ll;
+
+    (void)state;
+    memset(&ll, 0, sizeof ll);
+    for (int i = 0; i < 3; i++)
+        log_fail_at(&ll, 100.0 + i, LOG_WARN, NULL, texts[i]);
+    assert_string_equal(lines(), "WARN broker a:1: connection refused; next: broker b:2|"
+                                 "WARN broker b:2: connection refused; next: broker c:3|"
+                                 "WARN broker c:3: connection refused; next: broker a:1");
+    for (int round = 1; round <= 10; round++)
+        for (int i = 0; i < 3; i++)
+            log_fail_at(&ll, 100.0 + 3 * round + i, LOG_WARN, NULL, texts[i]);
+    assert_string_equal(lines(), "");
+    /* each at level again once its own interval is over, with its count */
+    log_fail_at(&ll, 160.0, LOG_WARN, NULL, texts[0]);
+    assert_string_equal(lines(), "WARN broker a:1: connection refused; next: broker b:2 "
+                                 "(repeated 11 times in 60 s)");
+    /* more different texts than remembered: the oldest is forgotten, not a newer one */
+    for (int i = 0; i < LOG_LIMIT_SEEN; i++) {
+        char t[64];
+
+        snprintf(t, sizeof t, "other reason %d", i);
+        log_fail_at(&ll, 161.0 + i, LOG_WARN, NULL, t);
+    }
+    (void)lines();
+    log_fail_at(&ll, 170.0, LOG_WARN, NULL, "other reason 7");
+    assert_string_equal(lines(), "");
+    log_ok_at(&ll, 171.0, LOG_INFO, NULL, "connected");
+    assert_string_equal(lines(), "INFO connected after 43 failures");
+    /* a success forgets them all */
+    log_fail_at(&ll, 172.0, LOG_WARN, NULL, texts[1]);
+    assert_string_equal(lines(), "WARN broker b:2: connection refused; next: broker c:3");
+}
+
 static void test_repeats_at_debug(void **state)
 {
     log_limit ll;
@@ -261,6 +302,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_first_failure_then_rate_limited),
+        cmocka_unit_test(test_rotating_reasons_are_repeats),
         cmocka_unit_test(test_repeats_at_debug),
         cmocka_unit_test(test_json_fields),
         cmocka_unit_test(test_json_fields_omitted),
