@@ -187,13 +187,14 @@ static void reload(relay_state *st)
 {
     const cfg *old = dset_cfg(st->set);
     char *path = strdup(old->path);   /* old may be freed by dset_apply */
+    cfg *nc = NULL;
+    char *log_file = NULL;
+    char err[600] = "";
     if (path == NULL) {
         log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
                "SIGHUP: out of memory; keeping the running configuration");
-        reload_failed(st);
-        return;
+        goto refused;
     }
-    cfg *nc = NULL;
     cfg_errors errs = { 0 };
     if (cfg_load(path, &nc, &errs) != 0) {
         /* the lines `check` prints, each already naming the file */
@@ -205,29 +206,21 @@ static void reload(relay_state *st)
                    "SIGHUP: %s: invalid configuration; keeping the running "
                    "configuration", path);
         cfg_errors_clear(&errs);
-        reload_failed(st);
-        free(path);
-        return;
+        goto refused;
     }
     cfg_errors_clear(&errs);
-    char err[600] = "";
     if (nc->relay.log_file != NULL && !same_str(nc->relay.log_file, old->relay.log_file) &&
         log_file_writable(nc->relay.log_file, err, sizeof err) != 0) {
         log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
                "SIGHUP: %s: [relay] log_file: cannot open \"%s\": %s; keeping the "
                "running configuration", path, nc->relay.log_file, err);
-        cfg_free(nc);
-        reload_failed(st);
-        free(path);
-        return;
+        goto refused;
     }
-    if (keep_restart_only(old, nc) != 0) {
+    if (keep_restart_only(old, nc) != 0 ||
+        (nc->relay.log_file != NULL && (log_file = strdup(nc->relay.log_file)) == NULL)) {
         log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
                "SIGHUP: %s: out of memory; keeping the running configuration", path);
-        cfg_free(nc);
-        reload_failed(st);
-        free(path);
-        return;
+        goto refused;
     }
     char levels[80];
     snprintf(levels, sizeof levels, "log_level %s%s%s", cfg_log_level_name(old->relay.log_level),
@@ -238,23 +231,13 @@ static void reload(relay_state *st)
                        old->relay.log_format != nc->relay.log_format ||
                        !same_str(old->relay.log_file, nc->relay.log_file);
     int level = nc->relay.log_level, format = nc->relay.log_format;
-    char *log_file = nc->relay.log_file ? strdup(nc->relay.log_file) : NULL;
-    if (nc->relay.log_file != NULL && log_file == NULL) {
-        log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
-               "SIGHUP: %s: out of memory; keeping the running configuration", path);
-        cfg_free(nc);
-        reload_failed(st);
-        free(path);
-        return;
-    }
     dset_diff df;
-    if (dset_apply(st->set, nc, &df, err, sizeof err) != 0) {   /* takes nc */
+    int applied = dset_apply(st->set, nc, &df, err, sizeof err);   /* takes nc */
+    nc = NULL;
+    if (applied != 0) {
         log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
                "SIGHUP: %s: %s; keeping the running configuration", path, err);
-        reload_failed(st);
-        free(log_file);
-        free(path);
-        return;
+        goto refused;
     }
     /* old is gone from here on */
     if (log_changed)
@@ -274,6 +257,12 @@ static void reload(relay_state *st)
         log_ev(LOG_INFO, &(log_fields){ .event = "config_reload_complete" },
                "SIGHUP: reload complete: every outbox runs the new configuration");
     free(path);
+    return;
+refused:   /* nothing changed */
+    cfg_free(nc);
+    free(log_file);
+    free(path);
+    reload_failed(st);
 }
 
 /* Every drain of the last reload stopped (and its successor started). */
