@@ -232,18 +232,65 @@ def broker_connections(services, connection_name):
     return pids
 
 
-def close_broker_connections(services, connection_name, reason="test"):
-    """Closes the broker connections named connection_name in one rabbitmqctl call (about
-    0.4 s, half of list_connections + close_connection); returns how many."""
-    name = connection_name.replace("\\", "\\\\").replace('"', '\\"')
-    expr = ('N = <<"%s">>, length([rabbit_networking:close_connection(P, "%s") '
-            '|| P <- rabbit_networking:connections(), '
-            'case catch rabbit_networking:connection_info(P, [client_properties]) of '
-            '[{client_properties, CP}] -> lists:keyfind(<<"connection_name">>, 1, CP) =:= '
-            '{<<"connection_name">>, longstr, N}; _ -> false end]).' % (name, reason))
-    p = services.rabbitmqctl("eval", expr)
-    assert p.returncode == 0, p.stdout + p.stderr
-    return int(p.stdout.strip())
+class BrokerCloser:
+    """Closes the broker connection named connection_name `times` times, each one once that
+    connection has received `after_bytes` bytes from the relay (publishes), from inside the
+    broker: one `rabbitmqctl eval` started in a background thread watches the connections
+    every few milliseconds, so a close lands mid-drain however slow the CLI is on a loaded
+    machine (a CLI call per close takes 0.4 s on a quiet machine and several seconds on a
+    busy one, by which time a fast relay may have drained everything). Each new connection
+    of that name is closed once. The constructor returns once the watch runs (the broker
+    writes ready_file, a path it can write). wait() -> [bytes the connection had received
+    when closed] (shorter than `times` when the deadline passed first)."""
+
+    def __init__(self, services, connection_name, times, after_bytes, ready_file,
+                 reason="test", deadline_s=120):
+        import threading
+        name = connection_name.replace("\\", "\\\\").replace('"', '\\"')
+        expr = (
+            'ok = file:write_file("%s", <<"ready">>), '
+            'N = <<"%s">>, Times = %d, After = %d, '
+            'Deadline = erlang:monotonic_time(millisecond) + %d, '
+            'Named = fun() -> [P || P <- rabbit_networking:connections(), '
+            '  case catch rabbit_networking:connection_info(P, [client_properties]) of '
+            '  [{client_properties, CP}] when is_list(CP) -> '
+            '    lists:keyfind(<<"connection_name">>, 1, CP) =:= '
+            '    {<<"connection_name">>, longstr, N}; _ -> false end] end, '
+            'Loop = fun L(Seen, Acc) -> '
+            '  case length(Acc) >= Times orelse erlang:monotonic_time(millisecond) > Deadline of '
+            '  true -> lists:reverse(Acc); '
+            '  false -> '
+            '    Big = [{P, O} || P <- Named(), not lists:member(P, Seen), '
+            '           [{recv_oct, O}] <- [catch rabbit_networking:connection_info(P, [recv_oct])], '
+            '           O >= After], '
+            '    case Big of '
+            '    [{P1, O1} | _] -> rabbit_networking:close_connection(P1, "%s"), '
+            '                      L([P1 | Seen], [O1 | Acc]); '
+            '    [] -> timer:sleep(3), L(Seen, Acc) '
+            '    end '
+            '  end '
+            'end, '
+            'Loop([], []).' % (ready_file, name, times, after_bytes, deadline_s * 1000, reason))
+        self.result = None
+        self._p = None
+
+        def run():
+            self._p = services.rabbitmqctl("eval", expr, timeout=deadline_s + 60)
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        # watching once the broker wrote ready_file (the CLI's start-up is the slow part)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(ready_file):
+            assert self._thread.is_alive() or self._p is None or self._p.returncode == 0, \
+                f"rabbitmqctl eval failed: {self._p.stdout}{self._p.stderr}"
+            assert time.monotonic() < deadline, "the broker-side closer did not start in 60 s"
+            time.sleep(0.02)
+
+    def wait(self, timeout=200):
+        self._thread.join(timeout)
+        assert self._p is not None, "rabbitmqctl eval did not return"
+        assert self._p.returncode == 0, self._p.stdout + self._p.stderr
+        return [int(x) for x in re.findall(r"\d+", self._p.stdout)]
 
 
 def queue_depth(services, queue):

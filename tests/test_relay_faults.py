@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from conftest import wait_for
-from relay_util import (BlackholeProxy, Relay, amqp_channel, close_broker_connections, consume,
+from relay_util import (BlackholeProxy, BrokerCloser, Relay, amqp_channel, consume,
                         declare, delivery_report, free_port, log_events, log_lines_at, order_report, pg_ctl, proc_cpu_seconds,
                         queue_depth, run_producer, services_start, wait_log_at, write_config)
 from test_relay import init_schema
@@ -215,25 +215,20 @@ def test_postgres_restart_mid_drain(services, pgdb, relay_bin, build, tmp_path):
 # ---------------------------------------------------------------------------- 3
 def test_broker_connections_closed_mid_drain(services, pgdb, relay_bin, build, tmp_path):
     n, keys = 30000, 100
-    # a smaller window slows the drain (~5k msg/s) so that three closes (~1 s of rabbitmqctl
-    # each) land mid-drain
     c = Case(services, pgdb, relay_bin, build, tmp_path, "amqpclose", reconnect_max="1s",
              sink={"publish_window": "100"}, batch_size="100")
     c.produce(n, keys, size=256, batch=1000)
-    r = c.start()
-    closes = []
     conn_name = f"outbox-relay {c.name}/main"
+    # only this relay's connections (another session uses the same broker), each closed from
+    # inside the broker after ~2,000 publishes (>= 256 bytes each): mid-drain however loaded
+    # the machine is
+    closer = BrokerCloser(services, conn_name, 3, 2000 * 400, str(tmp_path / "closer.ready"),
+                          "fault test")
+    r = c.start()
     try:
-        r.wait_log("became the active relay")
         t0 = time.monotonic()
-        for thr in (2000, 7000, 12000):
-            wait_relayed(r, thr)
-            at = relayed(r)
-            # only this relay's connections: another session uses the same broker
-            k = close_broker_connections(services, conn_name, "fault test")
-            closes.append((at, relayed(r), k))
-            assert k >= 1, f"no broker connection named {conn_name!r}"
-            wait_log_at(r, r"sink=main: connected", INFO, count=len(closes) + 1)
+        closes = closer.wait()
+        wait_log_at(r, r"sink=main: connected", INFO, count=len(closes) + 1)
         took = c.wait_all_sent(n)
         t_all = time.monotonic() - t0
         text = r.text()
@@ -244,10 +239,11 @@ def test_broker_connections_closed_mid_drain(services, pgdb, relay_bin, build, t
     dups, _ = delivery_report(got, n, keys)
     downs = log_lines_at(text, r"sink=main: down: ")   # WARN/ERROR only
     recovered = recovery_counts(text, r"sink=main: connected")
-    print(f"broker connection closed 3x (relayed before/after close, connections: {closes}); drained "
-          f"in {t_all:.1f}s, {took:.1f}s after the last; {dups} duplicates; lost_total {lost}; "
-          f"first down line: {downs[0] if downs else None!r}")
-    assert all(after < n for _, after, _ in closes), "faults should happen mid-drain"
+    print(f"broker connection closed {len(closes)}x (bytes received on each connection when "
+          f"closed: {closes}); drained in {t_all:.1f}s, {took:.1f}s after the last; {dups} "
+          f"duplicates; lost_total {lost}; first down line: {downs[0] if downs else None!r}")
+    assert len(closes) == 3, f"the broker closed the relay's connection {len(closes)}x, not 3x"
+    assert sum(closes) < n * 256, f"faults should happen mid-drain: {closes}"
     assert len(downs) >= 3, f"each close must be a WARN: {downs}\n{text[-3000:]}"
     assert len(recovered) >= 3, f"each reconnect must say after how many failures: {recovered}"
     assert dups <= len(closes) * c.window
