@@ -898,7 +898,7 @@ enum ktype {
 #define KF_MUST_TRUE  0x10  /* bool that may only be true */
 #define KF_WHOLE_SEC  0x20  /* duration in whole seconds */
 #define KF_READABLE   0x40  /* path that must be readable */
-#define KF_AUTO       0x80  /* KT_DUR: "auto" is accepted too and stored as 0 */
+#define KF_AUTO       0x80  /* KT_DUR, KT_INT: "auto" is accepted too and stored as 0 */
 
 typedef struct keydef {
     const char *key;
@@ -939,6 +939,8 @@ static const keydef relay_keys[] = {
     { "log_file",         KT_STR,    KF_EMPTY_NULL, "", 0, 0, NULL, NULL, R(log_file), "a file path" },
     { "http_listen",      KT_LISTEN, KF_EMPTY_NULL, "127.0.0.1:9187", 0, 0, NULL, NULL, R(http_listen), NULL },
     { "shutdown_timeout", KT_DUR,    0, "10s", 0, 24 * MS_H, NULL, NULL, R(shutdown_timeout_ms), NULL },
+    { "max_rows_in_memory", KT_INT,  KF_AUTO, "auto", 1, 10000000, NULL, NULL,
+      R(max_rows_in_memory), NULL },
 };
 #undef R
 
@@ -1019,7 +1021,8 @@ static void expect_text(const keydef *k, char *buf, size_t len)
             o += (size_t)snprintf(buf + o, len - o, "%s%s", i ? " | " : "", k->names[i]);
         break;
     case KT_INT:
-        snprintf(buf, len, "an integer %lld..%lld", (long long)k->min, (long long)k->max);
+        snprintf(buf, len, "%san integer %lld..%lld", (k->flags & KF_AUTO) ? "auto or " : "",
+                 (long long)k->min, (long long)k->max);
         break;
     case KT_DUR:
         fmt_dur(k->min, a, sizeof a);
@@ -1170,6 +1173,10 @@ static int apply_value(loader *L, const char *sec, const keydef *k, const char *
         }
         BAD();
     case KT_INT:
+        if ((k->flags & KF_AUTO) && strcasecmp(v, "auto") == 0) {
+            *(int *)(void *)field = 0;
+            return 0;
+        }
         if (cfg_parse_int(v, k->min, k->max, &i64) < 0)
             BAD();
         *(int *)(void *)field = (int)i64;
@@ -1880,6 +1887,20 @@ int64_t cfg_poll_interval_ms(const cfg_outbox *ob, bool notified)
     if (ob->poll_interval_ms > 0)
         return ob->poll_interval_ms;
     return notified ? CFG_POLL_NOTIFIED_MS : CFG_POLL_UNNOTIFIED_MS;
+}
+
+size_t cfg_max_rows_in_memory(const cfg *c)
+{
+    if (c->relay.max_rows_in_memory > 0)
+        return (size_t)c->relay.max_rows_in_memory;
+    size_t rows = CFG_ROWS_IN_MEMORY_AUTO;
+    for (size_t i = 0; i < c->n_outboxes; i++) {
+        const cfg_outbox *ob = &c->outboxes[i];
+        size_t own = (size_t)ob->sink->publish_window + 2 * (size_t)ob->batch_size;
+        if (own > rows)
+            rows = own;
+    }
+    return rows;
 }
 
 /* ------------------------------------------------------------------ */

@@ -30,6 +30,7 @@ typedef struct cfg_relay {
     char   *log_file;           /* NULL: stderr; reopened on SIGHUP */
     char   *http_listen;        /* "127.0.0.1:9187" default; NULL when empty (disabled) */
     int64_t shutdown_timeout_ms;/* default 10s */
+    int     max_rows_in_memory; /* 0: auto (cfg_max_rows_in_memory) */
 } cfg_relay;
 
 /* One broker address of a sink's url (a list names the nodes of one cluster). */
@@ -152,6 +153,13 @@ const char *cfg_log_level_name(int level);
 #define CFG_POLL_UNNOTIFIED_MS 1000
 /* The poll interval in force: the configured one, or auto's for the case given. */
 int64_t cfg_poll_interval_ms(const cfg_outbox *ob, bool notified);
+
+/* max_rows_in_memory = auto: rows all outboxes of the process hold at once (claimed and
+   buffered, or in flight): CFG_ROWS_IN_MEMORY_AUTO, or the largest outbox's own bound
+   (its sink's publish_window + 2 x batch_size) when that is larger, so that the default
+   never narrows a single outbox. */
+#define CFG_ROWS_IN_MEMORY_AUTO 10000
+size_t cfg_max_rows_in_memory(const cfg *c);
 
 /* Reload (SIGHUP): whether a running drain configured by a can go on unchanged under
    b. Every field is compared (secrets from password files included); for an outbox

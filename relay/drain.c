@@ -23,6 +23,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "relay/budget.h"
 #include "relay/ledger.h"
 #include "relay/log.h"
 #include "relay/peer.h"
@@ -58,6 +59,8 @@ struct drain {
     const sink_ops   *kops;
     sink             *snk;
     ledger           *led;       /* every row held, from claim to settled */
+    rbudget          *budget;    /* the process's rows in memory, shared by every drain */
+    rb_member         rb;        /* this drain's part of it */
     char              owner[200];    /* this instance: "<relay name>/<random hex>" */
     char              conn_name[200];
 
@@ -158,9 +161,21 @@ static void schedule_kick(drain *d)
         ev_idle_start(d->loop, &d->kick_idle);
 }
 
-/* Copies the ledger's counters into the metrics the HTTP endpoint renders. */
+/* Rows this drain holds in memory for the budget: buffered and in flight, and what a
+   running claim asked for (the budget is taken before the rows arrive). */
+static size_t rows_held(const drain *d)
+{
+    size_t n = ledger_n_inflight(d->led) + ledger_n_buffered(d->led);
+    if (d->main.busy && d->main.busy_req == SRC_REQ_CLAIM)
+        n += d->claim_asked;
+    return n;
+}
+
+/* Copies the ledger's counters into the metrics the HTTP endpoint renders, and what the
+   drain holds into the row budget. */
 static void sync_metrics(drain *d)
 {
+    rbudget_hold(d->budget, &d->rb, rows_held(d));
     const ledger_stats *st = ledger_get_stats(d->led);
     d->m.relayed = st->relayed;
     d->m.failed = st->failed;
@@ -627,18 +642,18 @@ static bool may_drain(drain *d)
 /* Rows to claim now. A claim costs about the same round trip for 100 rows as for
    500, so claims are whole batches, issued while up to two batches beyond the
    window are still buffered: the window stays full while the database answers.
-   Memory stays bounded by publish_window + 2 * batch_size rows. */
-static size_t claim_size(const drain *d)
+   Memory stays bounded by publish_window + 2 * batch_size rows per outbox, and by
+   max_rows_in_memory for the process (rbudget_claim_size). */
+static size_t claim_size(drain *d)
 {
     size_t batch = (size_t)d->ob->batch_size;
     size_t limit = (size_t)d->ob->sink->publish_window + 2 * batch;
-    size_t used = ledger_n_inflight(d->led) + ledger_n_buffered(d->led);
-    if (used >= limit || ledger_n_outcomes(d->led) >= limit)
+    if (ledger_n_outcomes(d->led) >= limit) {
+        rbudget_unwait(d->budget, &d->rb);
         return 0;    /* outcomes waiting for the database count too: memory stays bounded */
-    size_t room = limit - used;
-    if (used > 0 && room < batch)
-        return 0;    /* wait for a whole batch */
-    return room < batch ? room : batch;
+    }
+    size_t used = ledger_n_inflight(d->led) + ledger_n_buffered(d->led);
+    return rbudget_claim_size(d->budget, &d->rb, used, limit, batch);
 }
 
 static bool start_settle(drain *d)
@@ -717,6 +732,8 @@ static bool main_request(drain *d, int req)
         rc = d->sops->claim(c->src, &a);
         if (rc != 0)
             ledger_claim_failed(d->led);
+        else
+            rbudget_hold(d->budget, &d->rb, rows_held(d));   /* the rows asked for */
         break;
     }
     case SRC_REQ_CLEANUP:
@@ -743,9 +760,13 @@ static void kick(drain *d)
     sconn *st = &d->settler, *mc = &d->main;
     if (ledger_n_pending(d->led) > 0 && st->up && !st->busy && !st->holding)
         start_settle(d);
+    rbudget_hold(d->budget, &d->rb, rows_held(d));    /* a claim may have ended */
     if (mc->up && !mc->busy && !mc->holding) {
-        bool claim_ok = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
-                        ledger_n_old(d->led) == 0 && d->want_claim && claim_size(d) > 0;
+        bool may_claim = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
+                         ledger_n_old(d->led) == 0 && d->want_claim;
+        bool claim_ok = may_claim && claim_size(d) > 0;
+        if (!may_claim)
+            rbudget_unwait(d->budget, &d->rb);
         if (d->ob->mode == CFG_MODE_LEADER && !d->stopping && d->lead_due &&
             (d->leader || (ledger_n_old(d->led) == 0 && ledger_n_pending(d->led) == 0 &&
                            !st->busy))) {
@@ -842,7 +863,13 @@ static void stats_cb(struct ev_loop *loop, ev_timer *w, int revents)
 
 /* ---------- public ---------- */
 
-drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char *err, size_t errlen)
+static void budget_wake(void *ud)
+{
+    schedule_kick(ud);
+}
+
+drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudget *budget,
+                 char *err, size_t errlen)
 {
     drain *d = calloc(1, sizeof *d);
     if (d == NULL) {
@@ -852,6 +879,7 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
     d->loop = loop;
     d->c = c;
     d->ob = ob;
+    d->budget = budget;
     d->sink_state = SINK_DOWN;
     d->poll_delay = (double)cfg_poll_interval_ms(ob, false) / 1000.0;
     d->token_state = random_seed();
@@ -932,6 +960,7 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char 
     d->stats_timer.data = d;
     ev_idle_init(&d->kick_idle, kick_idle_cb);
     d->kick_idle.data = d;
+    rbudget_join(budget, &d->rb, budget_wake, d);
     return d;
 }
 
@@ -979,6 +1008,7 @@ void drain_free(drain *d)
     ev_timer_stop(d->loop, &d->main.hold_timer);
     ev_timer_stop(d->loop, &d->settler.hold_timer);
     ev_idle_stop(d->loop, &d->kick_idle);
+    rbudget_leave(d->budget, &d->rb);
     d->kops->destroy(d->snk);
     d->sops->destroy(d->main.src);
     d->sops->destroy(d->settler.src);

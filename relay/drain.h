@@ -11,20 +11,24 @@
  *    row holds back the later rows of its key until its outcome has committed;
  *    other keys keep flowing;
  *  - no row is published past its lease deadline;
- *  - memory is bounded by publish_window + 2 x batch_size rows, not by the backlog.
+ *  - memory is bounded by publish_window + 2 x batch_size rows, not by the backlog,
+ *    and every drain of the process shares max_rows_in_memory (relay/budget.h).
  */
 #ifndef RELAY_DRAIN_H
 #define RELAY_DRAIN_H
 
 #include <stdbool.h>
 #include "config/cfg.h"
+#include "relay/budget.h"
 #include "relay/metrics.h"
 
 struct ev_loop;
 typedef struct drain drain;
 
-/* Creates the drain and its source and sink (not started). NULL + err on failure. */
-drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, char *err, size_t errlen);
+/* Creates the drain and its source and sink (not started); it takes part in budget
+   (which must outlive it). NULL + err on failure. */
+drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudget *budget,
+                 char *err, size_t errlen);
 void   drain_start(drain *d);
 /* Graceful stop: no more claims, give back unpublished rows, wait for in-flight
    confirms and settle them. on_stopped(ud) runs once when nothing is left. */

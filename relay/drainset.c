@@ -47,6 +47,7 @@ struct dset {
     void          (*on_idle)(void *ud);
     void           *idle_ud;
     int64_t         connect_timeout_max;
+    rbudget         budget;       /* rows in memory, shared by every drain */
     ev_timer        reap;         /* frees stopped entries, starts their successors */
 };
 
@@ -158,6 +159,7 @@ dset *dset_new(struct ev_loop *loop)
     if (s == NULL)
         return NULL;
     s->loop = loop;
+    rbudget_init(&s->budget, 0);   /* set by each apply */
     ev_timer_init(&s->reap, reap_cb, 0., 0.);
     s->reap.data = s;
     return s;
@@ -230,7 +232,7 @@ int dset_apply(dset *s, cfg *c, dset_diff *df, char *err, size_t errlen)
             snprintf(err, errlen, "outbox=%s: out of memory", ob->name);
             goto fail;
         }
-        e->d = drain_new(s->loop, c, ob, err, errlen);
+        e->d = drain_new(s->loop, c, ob, &s->budget, err, errlen);
         if (e->d == NULL) {
             free(e);
             goto fail;
@@ -245,6 +247,7 @@ int dset_apply(dset *s, cfg *c, dset_diff *df, char *err, size_t errlen)
     }
 
     /* commit: nothing below fails */
+    rbudget_set_limit(&s->budget, cfg_max_rows_in_memory(c));
     double timeout_s = (double)c->relay.shutdown_timeout_ms / 1000.0;
     for (size_t j = 0; j < s->n; j++) {
         dentry *e = s->v[j];
@@ -346,6 +349,11 @@ size_t dset_metrics(dset *s, ob_metrics **out, size_t max)
         if (s->v[i]->state != E_WAITING)
             out[k++] = drain_metrics(s->v[i]->d);
     return k;
+}
+
+const rbudget *dset_budget(const dset *s)
+{
+    return &s->budget;
 }
 
 size_t dset_count(const dset *s)

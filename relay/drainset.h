@@ -26,6 +26,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "config/cfg.h"
+#include "relay/budget.h"
 #include "relay/metrics.h"
 
 struct ev_loop;
@@ -64,6 +65,7 @@ void dset_stop(dset *s, void (*on_stopped)(void *ud), void *ud);
    stay valid until the loop runs again. */
 size_t dset_metrics(dset *s, ob_metrics **out, size_t max);
 size_t dset_count(const dset *s);     /* an upper bound for dset_metrics */
+const rbudget *dset_budget(const dset *s);   /* the drains' row budget */
 bool   dset_ready(const dset *s);     /* every running drain is connected */
 
 /* The largest sink connect_timeout of every configuration installed (for

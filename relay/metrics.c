@@ -127,6 +127,13 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
                 "# TYPE outbox_relay_config_last_reload_success_timestamp_seconds gauge\n"
                 "outbox_relay_config_last_reload_success_timestamp_seconds %.3f\n",
             r->last_reload_ok ? 1 : 0, r->last_reload_success_ts);
+    bprintf(&b, "# HELP outbox_relay_rows_in_memory Rows every outbox of the process holds (claimed and buffered, in flight, or asked for by a running claim).\n"
+                "# TYPE outbox_relay_rows_in_memory gauge\n"
+                "outbox_relay_rows_in_memory %zu\n"
+                "# HELP outbox_relay_rows_in_memory_limit The process-wide limit on those rows (max_rows_in_memory).\n"
+                "# TYPE outbox_relay_rows_in_memory_limit gauge\n"
+                "outbox_relay_rows_in_memory_limit %zu\n",
+            r->rows_in_memory, r->rows_in_memory_limit);
     counter(&b, m, n, "relayed_total", "Messages confirmed by the broker and settled as sent.", OFF(relayed));
     counter(&b, m, n, "failed_total", "Failed publish attempts (returned, nacked or rejected).", OFF(failed));
     counter(&b, m, n, "returned_total", "Messages returned as unroutable (mandatory).", OFF(returned));

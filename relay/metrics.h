@@ -61,6 +61,8 @@ typedef struct relay_metrics {
     uint64_t reloads_failed;         /* reloads refused: the running configuration was kept */
     int      last_reload_ok;         /* 1: the last reload was applied (or none was tried) */
     double   last_reload_success_ts; /* Unix time the running configuration was loaded */
+    size_t   rows_in_memory;         /* rows every outbox holds (relay/budget.h) */
+    size_t   rows_in_memory_limit;   /* max_rows_in_memory in force */
 } relay_metrics;
 
 void histogram_observe(histogram *h, double seconds);

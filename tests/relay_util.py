@@ -99,7 +99,9 @@ class Relay:
             return r.read().decode()
 
     def metric(self, name, outbox="main"):
-        m = re.search(rf'^{name}{{outbox="{outbox}"}} (\S+)$', self.metrics(), re.M)
+        """A per-outbox metric's value; outbox=None: a process-wide one (no labels)."""
+        labels = "" if outbox is None else f'{{outbox="{outbox}"}}'
+        m = re.search(rf'^{name}{labels} (\S+)$', self.metrics(), re.M)
         return float(m.group(1)) if m else None
 
     def stop(self, sig=signal.SIGTERM, timeout=30):

@@ -8,7 +8,8 @@ import time
 import uuid
 
 from conftest import scratch_database, wait_for
-from relay_util import Relay, amqp_channel, consume, declare, free_port, insert_rows, write_config
+from relay_util import (MetricSampler, Relay, amqp_channel, consume, declare, free_port,
+                        insert_rows, write_config)
 from test_relay import init_schema
 
 DBS, TABLES, KEYS, ROWS = 5, 10, 7, 60
@@ -72,4 +73,78 @@ def test_fifty_outboxes_in_one_process(services, relay_bin, tmp_path):
         text = relay.metrics()
         for name in outboxes:
             assert f'outbox_relay_relayed_total{{outbox="{name}"}} {2 * ROWS}' in text, name
+        relay.assert_clean_exit(relay.stop())
+
+
+def test_rows_in_memory_shared_by_outboxes(services, relay_bin, tmp_path):
+    """max_rows_in_memory caps the rows all outboxes hold at once (claimed and buffered, or in
+    flight), below what each would hold alone (publish_window + 2 x batch_size = 400 here):
+    six busy outboxes never hold more than 240 rows together (outbox_relay_rows_in_memory,
+    sampled while they drain), each drains completely and in per-key order. Then one busy
+    outbox among five idle ones gets more than an equal sixth of the budget: shares go to the
+    outboxes that hold rows."""
+    limit, n, keys = 240, 1500, 5
+    q = f"qmem-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    with contextlib.ExitStack() as stack:
+        dbs = [stack.enter_context(contextlib.contextmanager(scratch_database)(services))
+               for _ in range(2)]
+        stack.callback(conn.close)
+        outboxes = {f"d{d}_m{t}": _outbox(db, f"outbox.m{t}")
+                    for d, db in enumerate(dbs) for t in range(3)}
+        port = free_port()
+        cfg = write_config(tmp_path / "mem.ini", services, dbs[0], outboxes=outboxes,
+                           relay={"name": "mem", "http_listen": f"127.0.0.1:{port}",
+                                  "max_rows_in_memory": str(limit)},
+                           sink={"publish_window": "200"})
+        init_schema(relay_bin, cfg)
+        relay = Relay(relay_bin, cfg, tmp_path / "mem.log", http_port=port)
+        stack.callback(lambda: relay.proc.poll() is None and relay.stop())
+        wait_for(lambda: relay.text().count("database connected") >= len(outboxes), 60,
+                 desc="every outbox connected")
+        assert relay.metric("outbox_relay_rows_in_memory_limit", None) == limit
+
+        def delivered(got, which, start, count):
+            last, seen = {}, {}
+            for props, body, _ in got:
+                ob, seq = body.split(b"|")[0].decode(), int(props.headers["seq"])
+                seen.setdefault(ob, set()).add(seq)
+                k = (ob, seq % keys)
+                assert last.get(k, -1) < seq, f"{ob} key {seq % keys}: {seq} after {last[k]}"
+                last[k] = seq
+            want = set(range(start, start + count))
+            assert set(seen) == set(which), f"outboxes delivered: {sorted(seen)}"
+            short = {ob: len(want - s) for ob, s in seen.items() if want - s}
+            assert not short, f"rows missing per outbox: {short}"
+
+        sampler = MetricSampler(relay, "outbox_relay_rows_in_memory", outbox=None)
+        try:
+            wait_for(lambda: sampler.samples, 30, interval=0.01, desc="a first sample")
+            for d, db in enumerate(dbs):
+                for t in range(3):
+                    insert_rows(db, n, keys, routing_key=q, prefix=f"d{d}m{t}",
+                                table=f"outbox.m{t}")
+            got = consume(ch, q, len(outboxes) * n, timeout=120, idle=1.0)
+        finally:
+            all_busy = sampler.stop()
+        delivered(got, [f"d{d}m{t}" for d in range(2) for t in range(3)], 0, n)
+        print(f"six busy outboxes: rows in memory max {max(all_busy):.0f} of {limit} "
+              f"({len(all_busy)} samples)")
+        assert max(all_busy) <= limit, f"rows in memory {max(all_busy):.0f} > {limit}"
+        assert max(all_busy) > limit / 2, "the budget was never used: was anything drained?"
+
+        sampler = MetricSampler(relay, "outbox_relay_rows_in_memory", outbox=None)
+        try:
+            wait_for(lambda: sampler.samples, 30, interval=0.01, desc="a first sample")
+            insert_rows(dbs[0], 4 * n, keys, start=n, routing_key=q, prefix="d0m0",
+                        table="outbox.m0")
+            got = consume(ch, q, 4 * n, timeout=120, idle=1.0)
+        finally:
+            one_busy = sampler.stop()
+        delivered(got, ["d0m0"], n, 4 * n)
+        print(f"one busy outbox: rows in memory max {max(one_busy):.0f} of {limit}")
+        assert max(one_busy) <= limit
+        assert max(one_busy) > limit / len(outboxes), \
+            f"one busy outbox held at most {max(one_busy):.0f} rows: an equal sixth, not the budget"
         relay.assert_clean_exit(relay.stop())

@@ -1,5 +1,6 @@
 """cmocka tests of the relay core's pure pieces: the ledger (relay/ledger.c), with its
-scripted cases and seeded randomized runs against a fake database and a fake broker."""
+scripted cases and seeded randomized runs against a fake database and a fake broker, and
+the process-wide row budget (relay/budget.c) with simulated drains."""
 from conftest import run_prog
 
 
@@ -9,3 +10,11 @@ def test_ledger(build):
     assert r.returncode == 0, out[-4000:]
     assert "9 test(s) run" in out
     assert "600 seeded runs ok" in out
+
+
+def test_row_budget(build):
+    r = run_prog([str(build / "tests" / "budget_test")], timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "4 test(s) run" in out
+    assert "500 seeded runs ok" in out

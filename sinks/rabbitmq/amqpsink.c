@@ -77,7 +77,9 @@
 #define OUTBOX_VERSION "dev"
 #endif
 
-#define AMQPSINK_FRAME_MAX     131072
+#define AMQPSINK_FRAME_MAX     32768   /* asked at login; rabbitmq-c keeps buffers of this size per
+                                          connection and channel (131072 cost fifty outboxes
+                                          3 MiB), and larger bodies are split in frames */
 #define AMQPSINK_SNDBUF        (4 * 1024 * 1024)
 #define AMQPSINK_BACKOFF_MIN   0.1
 #define AMQPSINK_DRAIN_MAX     4096   /* frames per readable event before yielding */

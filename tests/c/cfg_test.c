@@ -49,6 +49,10 @@ static void dump(const cfg *c)
     printf("log_file = %s\n", s2s(c->relay.log_file));
     printf("http_listen = %s\n", s2s(c->relay.http_listen));
     printf("shutdown_timeout = %lldms\n", (long long)c->relay.shutdown_timeout_ms);
+    if (c->relay.max_rows_in_memory == 0)
+        printf("max_rows_in_memory = auto\n");
+    else
+        printf("max_rows_in_memory = %d\n", c->relay.max_rows_in_memory);
     for (size_t i = 0; i < c->n_sinks; i++) {
         const cfg_sink *s = &c->sinks[i];
         printf("[sink.%s]\n", s->name);
@@ -570,6 +574,8 @@ static void t_load_defaults(void **st)
     assert_null(c->relay.log_file);
     assert_string_equal(c->relay.http_listen, "127.0.0.1:9187");
     assert_true(c->relay.shutdown_timeout_ms == 10000);
+    assert_int_equal(c->relay.max_rows_in_memory, 0);   /* auto */
+    assert_int_equal(cfg_max_rows_in_memory(c), 10000);
 
     assert_int_equal(c->n_sinks, 1);
     const cfg_sink *s = &c->sinks[0];
@@ -645,6 +651,7 @@ static void t_load_values(void **st)
                   "log_file = /tmp/x.log\n"
                   "http_listen =\n"
                   "shutdown_timeout = 250ms\n"
+                  "max_rows_in_memory = 50000\n"
                   "[sink.bus]\n"
                   "url = \"amqps://app:pw%3Bx@[::1]:5999/prod\" ; quoted\n"
                   "publish_window = 65535\n"
@@ -679,6 +686,9 @@ static void t_load_values(void **st)
     assert_string_equal(c->relay.log_file, "/tmp/x.log");
     assert_null(c->relay.http_listen);
     assert_true(c->relay.shutdown_timeout_ms == 250);
+    assert_int_equal(cfg_max_rows_in_memory(c), 50000);       /* as set, even below an outbox's */
+    c->relay.max_rows_in_memory = 0;                          /* auto: the largest outbox's own */
+    assert_int_equal(cfg_max_rows_in_memory(c), 65535 + 2 * 100000);
     assert_int_equal(c->n_sinks, 1);
     assert_string_equal(c->sinks[0].name, "bus");
     assert_string_equal(c->sinks[0].host, "::1");

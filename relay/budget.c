@@ -1,0 +1,137 @@
+/*
+ * budget.c — the process-wide row budget of the drains (budget.h).
+ *
+ * A waiting member stays counted as busy after it is woken, until it asks
+ * again (rbudget_avail, then rbudget_hold or rbudget_wait) or gives up
+ * (rbudget_unwait): otherwise a releasing drain, seeing one busy member fewer,
+ * could take the released rows back before the woken one runs.
+ */
+#include "relay/budget.h"
+
+#include <stdint.h>
+
+static bool is_busy(const rb_member *m)
+{
+    return m->held > 0 || m->waiting;
+}
+
+static void set_member(rbudget *b, rb_member *m, size_t held, bool waiting)
+{
+    bool was = is_busy(m);
+    b->used = b->used - m->held + held;
+    b->n_waiting = b->n_waiting - (m->waiting ? 1 : 0) + (waiting ? 1 : 0);
+    m->held = held;
+    m->waiting = waiting;
+    bool now = is_busy(m);
+    if (now && !was)
+        b->n_busy++;
+    else if (was && !now)
+        b->n_busy--;
+}
+
+static void wake_waiting(rbudget *b)
+{
+    if (b->n_waiting == 0)
+        return;
+    for (rb_member *m = b->head; m != NULL; m = m->next)
+        if (m->waiting && m->wake != NULL)
+            m->wake(m->ud);    /* schedules its drain's next look: never re-enters */
+}
+
+void rbudget_init(rbudget *b, size_t limit)
+{
+    *b = (rbudget){ .limit = limit };
+}
+
+void rbudget_set_limit(rbudget *b, size_t limit)
+{
+    b->limit = limit;
+    wake_waiting(b);
+}
+
+void rbudget_join(rbudget *b, rb_member *m, void (*wake)(void *ud), void *ud)
+{
+    *m = (rb_member){ .next = b->head, .wake = wake, .ud = ud };
+    if (b->head != NULL)
+        b->head->prev = m;
+    b->head = m;
+}
+
+void rbudget_leave(rbudget *b, rb_member *m)
+{
+    bool released = m->held > 0;
+    set_member(b, m, 0, false);
+    if (m->prev != NULL)
+        m->prev->next = m->next;
+    else
+        b->head = m->next;
+    if (m->next != NULL)
+        m->next->prev = m->prev;
+    m->prev = m->next = NULL;
+    if (released)
+        wake_waiting(b);
+}
+
+size_t rbudget_share(const rbudget *b, const rb_member *m)
+{
+    if (b->limit == 0)
+        return SIZE_MAX;
+    size_t busy = b->n_busy + (is_busy(m) ? 0 : 1);   /* m asking counts */
+    size_t share = b->limit / busy;
+    return share > 0 ? share : 1;   /* more drains than rows: one each, the sum may pass */
+}
+
+size_t rbudget_avail(const rbudget *b, const rb_member *m)
+{
+    if (b->limit == 0)
+        return SIZE_MAX;
+    size_t share = rbudget_share(b, m);
+    size_t mine = share > m->held ? share - m->held : 0;
+    size_t left = b->limit > b->used ? b->limit - b->used : 0;
+    if (left == 0 && m->held == 0 && share == 1)
+        left = 1;        /* the one-row floor of a share */
+    return mine < left ? mine : left;
+}
+
+void rbudget_wait(rbudget *b, rb_member *m)
+{
+    set_member(b, m, m->held, true);
+}
+
+void rbudget_unwait(rbudget *b, rb_member *m)
+{
+    if (m->waiting)
+        set_member(b, m, m->held, false);
+}
+
+void rbudget_hold(rbudget *b, rb_member *m, size_t n)
+{
+    bool released = n < m->held;
+    set_member(b, m, n, n > m->held ? false : m->waiting);
+    if (released)
+        wake_waiting(b);
+}
+
+size_t rbudget_claim_size(rbudget *b, rb_member *m, size_t used, size_t own, size_t batch)
+{
+    if (used >= own) {
+        rbudget_unwait(b, m);
+        return 0;
+    }
+    size_t room = own - used;
+    size_t share = rbudget_share(b, m);
+    size_t avail = rbudget_avail(b, m);
+    if (share < own && batch > share / 2)
+        batch = share / 2 > 0 ? share / 2 : 1;
+    bool budgeted = avail < room;
+    if (budgeted)
+        room = avail;
+    if (room == 0 || (used > 0 && room < batch)) {   /* wait for a whole batch */
+        if (budgeted)
+            rbudget_wait(b, m);
+        else
+            rbudget_unwait(b, m);
+        return 0;
+    }
+    return room < batch ? room : batch;
+}

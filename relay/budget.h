@@ -1,0 +1,66 @@
+/*
+ * budget.h — the rows every drain of one process holds in memory, within
+ * [relay] max_rows_in_memory.
+ *
+ * A drain holds at most publish_window + 2 x batch_size rows of its own
+ * (claimed and buffered, or in flight). With many outboxes in one process that
+ * alone lets memory grow with the number of outboxes; the budget caps the sum.
+ * A drain asks before each claim (rbudget_avail) and reports what it holds
+ * after every change (rbudget_hold), a running claim's requested rows
+ * included, so the sum never exceeds the limit.
+ *
+ * Fair shares: a drain may hold at most limit / (the drains that hold rows or
+ * wait for room). One busy outbox among idle ones gets all of it; fifty busy
+ * ones get a fiftieth each. A drain refused room waits and is woken (its wake
+ * callback, from the releasing drain's call) once rows are released.
+ * Everything runs on the loop thread.
+ */
+#ifndef RELAY_BUDGET_H
+#define RELAY_BUDGET_H
+
+#include <stdbool.h>
+#include <stddef.h>
+
+typedef struct rb_member {
+    struct rb_member *prev, *next;
+    size_t held;          /* rows held, or asked for by a running claim */
+    bool   waiting;       /* refused room: woken when rows are released */
+    void (*wake)(void *ud);
+    void  *ud;
+} rb_member;
+
+typedef struct rbudget {
+    size_t     limit;     /* 0: no process-wide limit */
+    size_t     used;      /* the members' held rows */
+    size_t     n_busy;    /* members holding rows or waiting */
+    size_t     n_waiting;
+    rb_member *head;
+} rbudget;
+
+void   rbudget_init(rbudget *b, size_t limit);
+void   rbudget_set_limit(rbudget *b, size_t limit);   /* a reload; wakes the waiting */
+void   rbudget_join(rbudget *b, rb_member *m, void (*wake)(void *ud), void *ud);
+void   rbudget_leave(rbudget *b, rb_member *m);       /* releases what m held */
+
+/* What m may hold in all now (its fair share, within what the others leave):
+   SIZE_MAX without a limit. */
+size_t rbudget_share(const rbudget *b, const rb_member *m);
+/* How many more rows m may take now (0: none). */
+size_t rbudget_avail(const rbudget *b, const rb_member *m);
+/* m could not take the rows it needs: it counts as busy (the others' shares
+   shrink) and is woken once rows are released. */
+void   rbudget_wait(rbudget *b, rb_member *m);
+/* m no longer needs rows (it stopped asking). */
+void   rbudget_unwait(rbudget *b, rb_member *m);
+/* m now holds n rows. */
+void   rbudget_hold(rbudget *b, rb_member *m, size_t n);
+
+/* The rows a drain may claim now: it holds `used` of its own bound `own`
+   (publish_window + 2 x batch_size) and claims whole batches while it holds
+   rows (a claim costs about the same for 100 rows as for 500), up to half its
+   fair share at a time when that share is smaller than `own`. 0: not now —
+   when the budget is why, m waits for a wake-up (rbudget_wait). A drain that
+   claims reports the rows asked for with rbudget_hold before the claim runs. */
+size_t rbudget_claim_size(rbudget *b, rb_member *m, size_t used, size_t own, size_t batch);
+
+#endif
