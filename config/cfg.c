@@ -18,7 +18,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <iniparser.h>
-#include <libpq-fe.h>
 #include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -33,7 +32,6 @@
 #define MS_H   (60LL * MS_M)
 #define MS_D   (24LL * MS_H)
 
-#define DEFAULT_AMQP_URL "amqp://guest:guest@127.0.0.1:5672/%2f"
 #define SECRET_FILE_MAX  65536
 #define NAME_MAX_LEN     63
 
@@ -161,263 +159,17 @@ const char *cfg_log_level_name(int level)
     }
 }
 
-/* Frees a string that may hold a secret, overwriting it first. */
-static void free_secret(char *s)
+bool cfg_host_char_ok(int c)
+{
+    return isalnum(c) || c == '.' || c == '-' || c == '_';
+}
+
+void cfg_free_secret(char *s)
 {
     if (s) {
         explicit_bzero(s, strlen(s));
         free(s);
     }
-}
-
-/* ------------------------------------------------------------------ */
-/* AMQP URL                                                            */
-/* ------------------------------------------------------------------ */
-
-static int hexval(int c)
-{
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
-    return -1;
-}
-
-/* Percent-decodes [p, p+n) into a new string (caller owns it).
- * NULL with *why set on bad encoding or out of memory. */
-static char *pct_decode(const char *p, size_t n, const char **why)
-{
-    char *out = malloc(n + 1);
-    size_t o = 0;
-
-    if (!out) {
-        *why = "out of memory";
-        return NULL;
-    }
-    for (size_t i = 0; i < n; i++) {
-        if (p[i] == '%') {
-            int hi = i + 2 < n ? hexval((unsigned char)p[i + 1]) : -1;
-            int lo = i + 2 < n ? hexval((unsigned char)p[i + 2]) : -1;
-            if (hi < 0 || lo < 0) {
-                *why = "bad percent-encoding (expected %XX with two hex digits)";
-                free(out);
-                return NULL;
-            }
-            if (hi == 0 && lo == 0) {
-                *why = "percent-encoded NUL byte";
-                free(out);
-                return NULL;
-            }
-            out[o++] = (char)(hi * 16 + lo);
-            i += 2;
-        } else {
-            out[o++] = p[i];
-        }
-    }
-    out[o] = '\0';
-    return out;
-}
-
-static bool host_char_ok(int c)
-{
-    return isalnum(c) || c == '.' || c == '-' || c == '_';
-}
-
-int cfg_parse_amqp_url(const char *url, cfg_sink *s, char *err, size_t errlen)
-{
-    char *user = NULL, *pass = NULL, *host = NULL, *vhost = NULL;
-    const char *why = NULL, *p, *auth_end, *at, *hp, *port_s = NULL;
-    size_t alen, hlen, port_len = 0;
-    int port;
-    bool tls;
-
-    if (!url || !*url) {
-        why = "empty URL";
-        goto fail;
-    }
-    for (p = url; *p; p++) {
-        if ((unsigned char)*p <= 0x20 || (unsigned char)*p == 0x7f) {
-            why = "contains whitespace or control characters";
-            goto fail;
-        }
-    }
-    if (strncasecmp(url, "amqps://", 8) == 0) {
-        tls = true;
-        port = 5671;
-        p = url + 8;
-    } else if (strncasecmp(url, "amqp://", 7) == 0) {
-        tls = false;
-        port = 5672;
-        p = url + 7;
-    } else {
-        why = "unsupported scheme";
-        goto fail;
-    }
-
-    alen = strcspn(p, "/?#");
-    auth_end = p + alen;
-    if (*auth_end == '?' || (*auth_end == '/' && strchr(auth_end, '?'))) {
-        why = "query parameters are not supported (use the sink's keys)";
-        goto fail;
-    }
-    if (strchr(p, '#')) {
-        why = "fragments are not supported";
-        goto fail;
-    }
-
-    /* user info */
-    at = memchr(p, '@', alen);
-    if (at) {
-        const char *colon;
-        size_t ulen = (size_t)(at - p);
-
-        if (memchr(at + 1, '@', (size_t)(auth_end - at - 1))) {
-            why = "unencoded '@' in the user info (percent-encode it as %40)";
-            goto fail;
-        }
-        colon = memchr(p, ':', ulen);
-        if (colon) {
-            if (!(user = pct_decode(p, (size_t)(colon - p), &why)))
-                goto fail;
-            if (!(pass = pct_decode(colon + 1, (size_t)(at - colon - 1), &why)))
-                goto fail;
-        } else if (!(user = pct_decode(p, ulen, &why))) {
-            goto fail;
-        }
-        if (!*user) {
-            why = "empty user name";
-            goto fail;
-        }
-        hp = at + 1;
-    } else {
-        hp = p;
-    }
-    hlen = (size_t)(auth_end - hp);
-
-    /* host[:port] */
-    if (hlen > 0 && hp[0] == '[') {
-        const char *close = memchr(hp, ']', hlen);
-        if (!close) {
-            why = "unterminated [IPv6] address";
-            goto fail;
-        }
-        if (close == hp + 1) {
-            why = "missing host";
-            goto fail;
-        }
-        for (const char *c = hp + 1; c < close; c++) {
-            if (!isxdigit((unsigned char)*c) && *c != ':' && *c != '.') {
-                why = "bad character in [IPv6] address";
-                goto fail;
-            }
-        }
-        if (!memchr(hp + 1, ':', (size_t)(close - hp - 1))) {
-            why = "bracketed host is not an IPv6 address";
-            goto fail;
-        }
-        if (!(host = strndup(hp + 1, (size_t)(close - hp - 1)))) {
-            why = "out of memory";
-            goto fail;
-        }
-        if (close + 1 < auth_end) {
-            if (close[1] != ':') {
-                why = "unexpected characters after ]";
-                goto fail;
-            }
-            port_s = close + 2;
-            port_len = (size_t)(auth_end - port_s);
-        }
-    } else {
-        const char *colon = memchr(hp, ':', hlen);
-        size_t nlen = colon ? (size_t)(colon - hp) : hlen;
-
-        if (colon && memchr(colon + 1, ':', (size_t)(auth_end - colon - 1))) {
-            why = "IPv6 addresses must be written in brackets, e.g. [::1]";
-            goto fail;
-        }
-        if (nlen == 0) {
-            why = "missing host";
-            goto fail;
-        }
-        for (size_t i = 0; i < nlen; i++) {
-            if (!host_char_ok((unsigned char)hp[i])) {
-                why = "bad character in host name";
-                goto fail;
-            }
-        }
-        if (!(host = strndup(hp, nlen))) {
-            why = "out of memory";
-            goto fail;
-        }
-        if (colon) {
-            port_s = colon + 1;
-            port_len = (size_t)(auth_end - port_s);
-        }
-    }
-    if (port_s) {
-        int64_t v;
-        char buf[8];
-
-        if (port_len == 0 || port_len >= sizeof buf) {
-            why = "bad port (expected 1..65535)";
-            goto fail;
-        }
-        memcpy(buf, port_s, port_len);
-        buf[port_len] = '\0';
-        if (!isdigit((unsigned char)buf[0]) || cfg_parse_int(buf, 1, 65535, &v) < 0) {
-            why = "bad port (expected 1..65535)";
-            goto fail;
-        }
-        port = (int)v;
-    }
-
-    /* vhost: one path segment, percent-decoded; none or empty means "/" */
-    if (*auth_end == '/') {
-        const char *path = auth_end + 1;
-        if (strchr(path, '/')) {
-            why = "the vhost must be a single path segment (encode '/' as %2f)";
-            goto fail;
-        }
-        if (!(vhost = pct_decode(path, strlen(path), &why)))
-            goto fail;
-        if (!*vhost) {
-            free(vhost);
-            vhost = NULL;
-        }
-    }
-    if (!vhost && !(vhost = strdup("/"))) {
-        why = "out of memory";
-        goto fail;
-    }
-    if (!user && !(user = strdup("guest"))) {
-        why = "out of memory";
-        goto fail;
-    }
-    if (!pass && !(pass = strdup("guest"))) {
-        why = "out of memory";
-        goto fail;
-    }
-
-    /* success: the sink takes ownership of the new strings */
-    free(s->host);
-    free(s->user);
-    free(s->pass);
-    free(s->vhost);
-    s->host = host;
-    s->user = user;
-    s->pass = pass;
-    s->vhost = vhost;
-    s->port = port;
-    s->tls = tls;
-    return 0;
-
-fail:
-    free(user);
-    free(pass);
-    free(host);
-    free(vhost);
-    if (err && errlen)
-        snprintf(err, errlen, "%s", why ? why : "invalid URL");
-    return -1;
 }
 
 void cfg_brokers_free(cfg_sink *s)
@@ -429,178 +181,6 @@ void cfg_brokers_free(cfg_sink *s)
     free(s->brokers);
     s->brokers = NULL;
     s->n_brokers = 0;
-}
-
-/* "host:port", IPv6 in brackets; NULL when out of memory. */
-static char *broker_addr(const char *host, int port)
-{
-    char *a = NULL;
-
-    if (asprintf(&a, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port) < 0)
-        return NULL;
-    return a;
-}
-
-static bool same_secret(const char *a, const char *b)
-{
-    size_t la = strlen(a), lb = strlen(b);
-    unsigned char d = (unsigned char)(la != lb);
-
-    /* no early exit on the first difference: the comparison's time says nothing */
-    for (size_t i = 0; i < la && i < lb; i++)
-        d |= (unsigned char)(a[i] ^ b[i]);
-    return d == 0;
-}
-
-int cfg_parse_amqp_urls(const char *list, cfg_sink *s, char *err, size_t errlen)
-{
-    cfg_sink    first, t;
-    cfg_broker *br = NULL;
-    size_t      n = 0, total = 1, idx = 0;
-    const char *p;
-    char        why[200], *elem = NULL;
-    int         rc = -2;
-    bool        cut = false;   /* some element does not start like a URL */
-
-    memset(&first, 0, sizeof first);
-    memset(&t, 0, sizeof t);
-    if (list == NULL || strchr(list, ',') == NULL) {
-        /* one URL: its own words */
-        if (cfg_parse_amqp_url(list, &first, err, errlen) < 0)
-            return -1;
-        if ((br = calloc(1, sizeof *br)) == NULL || (br[0].host = strdup(first.host)) == NULL ||
-            (br[0].addr = broker_addr(first.host, first.port)) == NULL) {
-            snprintf(err, errlen, "out of memory");
-            rc = -1;
-            n = br ? 1 : 0;
-            goto fail;
-        }
-        br[0].port = first.port;
-        n = 1;
-        goto done;
-    }
-    for (p = list; *p; p++) {
-        total += *p == ',';
-        if (p == list || p[-1] == ',') {   /* an element that is no URL: a comma inside one? */
-            const char *b = p;
-
-            while (*b == ' ' || *b == '\t')
-                b++;
-            if (*b != ',' && *b != '\0' && strncasecmp(b, "amqp://", 7) != 0 &&
-                strncasecmp(b, "amqps://", 8) != 0)
-                cut = true;
-        }
-    }
-    if (total > CFG_MAX_BROKERS) {
-        snprintf(err, errlen, "%zu URLs, at most %d", total, CFG_MAX_BROKERS);
-        return -2;
-    }
-    if ((br = calloc(total, sizeof *br)) == NULL) {
-        snprintf(err, errlen, "out of memory");
-        return -2;
-    }
-    for (p = list; idx < total; idx++) {
-        const char *e = strchr(p, ','), *b = p;
-        size_t      len;
-
-        if (e == NULL)
-            e = p + strlen(p);
-        p = *e ? e + 1 : e;
-        while (b < e && (*b == ' ' || *b == '\t'))
-            b++;
-        len = (size_t)(e - b);
-        while (len > 0 && (b[len - 1] == ' ' || b[len - 1] == '\t'))
-            len--;
-        if (len == 0) {
-            snprintf(err, errlen, "URL %zu of %zu is empty (a comma with no URL %s it)", idx + 1,
-                     total, idx == 0 ? "before" : "after");
-            goto fail;
-        }
-        free(elem);
-        if ((elem = strndup(b, len)) == NULL) {
-            snprintf(err, errlen, "out of memory");
-            goto fail;
-        }
-        if (cfg_parse_amqp_url(elem, &t, why, sizeof why) < 0) {
-            snprintf(err, errlen, "URL %zu of %zu: %s%s", idx + 1, total, why,
-                     cut ? "; URLs are separated by commas: a comma inside one is written %2C" : "");
-            goto fail;
-        }
-        if (idx == 0) {
-            first = t;   /* takes the strings */
-            memset(&t, 0, sizeof t);
-        } else if (t.tls != first.tls) {
-            snprintf(err, errlen, "URL %zu of %zu is %s:// and URL 1 %s:// (every URL of the list "
-                     "must use the same scheme)", idx + 1, total, t.tls ? "amqps" : "amqp",
-                     first.tls ? "amqps" : "amqp");
-            goto fail;
-        } else if (strcmp(t.user, first.user) != 0 || !same_secret(t.pass, first.pass)) {
-            snprintf(err, errlen, "URL %zu of %zu has another user or password than URL 1 (the nodes "
-                     "of a cluster share them: write the same in every URL; none means guest:guest)",
-                     idx + 1, total);
-            goto fail;
-        } else if (strcmp(t.vhost, first.vhost) != 0) {
-            snprintf(err, errlen, "URL %zu of %zu names another vhost than URL 1 (every URL of the "
-                     "list must name the same vhost)", idx + 1, total);
-            goto fail;
-        }
-        {
-            const char *host = idx == 0 ? first.host : t.host;
-            int         port = idx == 0 ? first.port : t.port;
-
-            for (size_t j = 0; j < n; j++) {
-                if (strcasecmp(br[j].host, host) == 0 && br[j].port == port) {
-                    snprintf(err, errlen, "URL %zu of %zu repeats the address of URL %zu (%s)",
-                             idx + 1, total, j + 1, br[j].addr);
-                    goto fail;
-                }
-            }
-            if ((br[n].host = strdup(host)) == NULL || (br[n].addr = broker_addr(host, port)) == NULL) {
-                n++;   /* freed below */
-                snprintf(err, errlen, "out of memory");
-                goto fail;
-            }
-            br[n++].port = port;
-        }
-        free(t.host);
-        free(t.user);
-        free_secret(t.pass);
-        free(t.vhost);
-        memset(&t, 0, sizeof t);
-    }
-done:
-    /* success: the sink takes ownership of the new strings */
-    free(elem);
-    free(s->host);
-    free(s->user);
-    free_secret(s->pass);
-    free(s->vhost);
-    cfg_brokers_free(s);
-    s->host = first.host;
-    s->user = first.user;
-    s->pass = first.pass;
-    s->vhost = first.vhost;
-    s->port = first.port;
-    s->tls = first.tls;
-    s->brokers = br;
-    s->n_brokers = n;
-    return 0;
-fail:
-    free(elem);
-    for (size_t j = 0; j < n; j++) {
-        free(br[j].host);
-        free(br[j].addr);
-    }
-    free(br);
-    free(first.host);
-    free(first.user);
-    free_secret(first.pass);
-    free(first.vhost);
-    free(t.host);
-    free(t.user);
-    free_secret(t.pass);
-    free(t.vhost);
-    return rc;
 }
 
 /* ------------------------------------------------------------------ */
@@ -876,6 +456,56 @@ fail:
 }
 
 /* ------------------------------------------------------------------ */
+/* backends                                                            */
+/* ------------------------------------------------------------------ */
+
+static const cfg_backend *backends[CFG_MAX_BACKENDS];
+static size_t n_backends;
+
+int cfg_register(const cfg_backend *b)
+{
+    for (size_t i = 0; i < n_backends; i++) {
+        if (backends[i] == b)
+            return 0;
+        if (backends[i]->kind == b->kind && strcasecmp(backends[i]->name, b->name) == 0)
+            return -1;
+    }
+    if (n_backends == CFG_MAX_BACKENDS)
+        return -1;
+    backends[n_backends++] = b;
+    return 0;
+}
+
+const cfg_backend *cfg_backend_find(int kind, const char *name)
+{
+    for (size_t i = 0; i < n_backends; i++)
+        if (backends[i]->kind == kind && (name == NULL || strcasecmp(backends[i]->name, name) == 0))
+            return backends[i];
+    return NULL;   /* name NULL: the first of that kind (the default) */
+}
+
+struct cfg_report {
+    loader     *L;
+    const char *sec;
+};
+
+void cfg_report_error(cfg_report *r, const char *key, const char *fmt, ...)
+{
+    char msg[1024];
+    va_list ap;
+
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    lerr(r->L, r->sec, key, "%s", msg);
+}
+
+const char *cfg_quote(const char *v, char *buf, size_t len)
+{
+    return q(v, buf, len);
+}
+
+/* ------------------------------------------------------------------ */
 /* the key tables                                                      */
 /* ------------------------------------------------------------------ */
 
@@ -884,6 +514,7 @@ enum ktype {
     KT_NAME,     /* char *, printable without spaces, 1..128 bytes */
     KT_LISTEN,   /* char *, host:port, empty → NULL */
     KT_ENUM,     /* int */
+    KT_BACKEND,  /* const cfg_backend *, a registered backend of kind `min` */
     KT_INT,      /* int, min..max */
     KT_DUR,      /* int64_t ms, min..max */
     KT_SIZE,     /* size_t, min..max */
@@ -899,6 +530,7 @@ enum ktype {
 #define KF_WHOLE_SEC  0x20  /* duration in whole seconds */
 #define KF_READABLE   0x40  /* path that must be readable */
 #define KF_AUTO       0x80  /* KT_DUR, KT_INT: "auto" is accepted too and stored as 0 */
+#define KF_EXPECT_SOURCES 0x100  /* expected: what the registered sources' conninfo holds */
 
 typedef struct keydef {
     const char *key;
@@ -916,10 +548,6 @@ static const char *const log_level_names[] = { "error", "warn", "info", "debug",
 static const int log_level_vals[] = { CFG_LOG_ERROR, CFG_LOG_WARN, CFG_LOG_INFO, CFG_LOG_DEBUG };
 static const char *const log_format_names[] = { "text", "json", NULL };
 static const int log_format_vals[] = { CFG_LOG_TEXT, CFG_LOG_JSON };
-static const char *const sink_type_names[] = { "rabbitmq", NULL };
-static const int sink_type_vals[] = { CFG_SINK_RABBITMQ };
-static const char *const source_names[] = { "postgres", "sqlserver", "odbc", NULL };
-static const int source_vals[] = { CFG_SOURCE_POSTGRES, CFG_SOURCE_SQLSERVER, CFG_SOURCE_SQLSERVER };
 static const char *const on_sent_names[] = { "mark", "delete", NULL };
 static const int on_sent_vals[] = { CFG_ON_SENT_MARK, CFG_ON_SENT_DELETE };
 static const char *const mode_names[] = { "leader", "competing", NULL };
@@ -946,9 +574,9 @@ static const keydef relay_keys[] = {
 
 #define S(f) offsetof(cfg_sink, f)
 static const keydef sink_keys[] = {
-    { "type",             KT_ENUM, 0, "rabbitmq", 0, 0, ENUM(sink_type), S(type), NULL },
-    { "url",              KT_STR,  KF_SECRET | KF_NONEMPTY, DEFAULT_AMQP_URL, 0, 0, NULL, NULL, S(url),
-      "an amqp:// or amqps:// URL, or a comma-separated list of them" },
+    { "type",             KT_BACKEND, 0, NULL, CFG_BACKEND_SINK, 0, NULL, NULL, S(type), NULL },
+    { "url",              KT_STR,  KF_SECRET | KF_NONEMPTY, NULL, 0, 0, NULL, NULL, S(url),
+      "the broker's URL, or a comma-separated list of URLs of one cluster" },
     { "password_file",    KT_SECRET_FILE, KF_EMPTY_NULL, "", 0, 0, NULL, NULL, S(password), NULL },
     { "publish_window",   KT_INT,  0, "1000", 1, 65535, NULL, NULL, S(publish_window), NULL },
     { "heartbeat",        KT_DUR,  KF_WHOLE_SEC, "30s", 0, 65535 * MS_S, NULL, NULL, S(heartbeat_ms), NULL },
@@ -974,9 +602,9 @@ static const keydef sink_keys[] = {
 
 #define O(f) offsetof(cfg_outbox, f)
 static const keydef outbox_keys[] = {
-    { "source",            KT_ENUM, 0, "postgres", 0, 0, ENUM(source), O(source), NULL },
-    { "conninfo",          KT_STR,  KF_REQUIRED | KF_SECRET | KF_NONEMPTY, NULL, 0, 0, NULL, NULL, O(conninfo),
-      "a libpq conninfo or ODBC connection string" },
+    { "source",            KT_BACKEND, 0, NULL, CFG_BACKEND_SOURCE, 0, NULL, NULL, O(source), NULL },
+    { "conninfo",          KT_STR,  KF_REQUIRED | KF_SECRET | KF_NONEMPTY | KF_EXPECT_SOURCES, NULL,
+      0, 0, NULL, NULL, O(conninfo), NULL },
     { "password_file",     KT_SECRET_FILE, KF_EMPTY_NULL, "", 0, 0, NULL, NULL, O(password), NULL },
     { "database",          KT_STR,  KF_REQUIRED | KF_NONEMPTY, NULL, 0, 0, NULL, NULL, O(database),
       "the database name the connection must be in" },
@@ -1014,12 +642,41 @@ static void expect_text(const keydef *k, char *buf, size_t len)
     char a[32], b[32];
     size_t o = 0;
 
+    if (k->flags & KF_EXPECT_SOURCES) {
+        /* "a libpq conninfo or an ODBC connection string": each text once */
+        for (size_t i = 0; i < n_backends && o < len; i++) {
+            const char *t = backends[i]->conninfo_expect;
+            bool dup = false;
+            if (backends[i]->kind != CFG_BACKEND_SOURCE || t == NULL)
+                continue;
+            for (size_t j = 0; j < i && !dup; j++)
+                dup = backends[j]->kind == CFG_BACKEND_SOURCE &&
+                      backends[j]->conninfo_expect != NULL &&
+                      strcmp(backends[j]->conninfo_expect, t) == 0;
+            if (!dup)
+                o += (size_t)snprintf(buf + o, len - o, "%s%s", o ? " or " : "", t);
+        }
+        if (o == 0)
+            snprintf(buf, len, "a connection string");
+        return;
+    }
     switch (k->type) {
     case KT_ENUM:
         o += (size_t)snprintf(buf + o, len - o, "one of ");
         for (size_t i = 0; k->names[i] && o < len; i++)
             o += (size_t)snprintf(buf + o, len - o, "%s%s", i ? " | " : "", k->names[i]);
         break;
+    case KT_BACKEND: {
+        bool first = true;
+        o += (size_t)snprintf(buf + o, len - o, "one of ");
+        for (size_t i = 0; i < n_backends && o < len; i++) {
+            if (backends[i]->kind != (int)k->min)
+                continue;
+            o += (size_t)snprintf(buf + o, len - o, "%s%s", first ? "" : " | ", backends[i]->name);
+            first = false;
+        }
+        break;
+    }
     case KT_INT:
         snprintf(buf, len, "%san integer %lld..%lld", (k->flags & KF_AUTO) ? "auto or " : "",
                  (long long)k->min, (long long)k->max);
@@ -1083,7 +740,7 @@ static bool listen_ok(const char *v)
         if (!colon || colon == v)
             return false;
         for (const char *c = v; c < colon; c++)
-            if (!host_char_ok((unsigned char)*c))
+            if (!cfg_host_char_ok((unsigned char)*c))
                 return false;
         host_end = colon;
     }
@@ -1143,7 +800,7 @@ static int apply_value(loader *L, const char *sec, const keydef *k, const char *
             return -1;
         }
         if (k->flags & KF_SECRET)
-            free_secret(*dst);
+            cfg_free_secret(*dst);
         else
             free(*dst);
         *dst = copy;   /* the cfg owns it */
@@ -1154,13 +811,13 @@ static int apply_value(loader *L, const char *sec, const keydef *k, const char *
         char *content;
 
         if (*v == '\0') {
-            free_secret(*dst);
+            cfg_free_secret(*dst);
             *dst = NULL;
             return 0;
         }
         if (!(content = read_secret_file(L, sec, k->key, v)))
             return -1;
-        free_secret(*dst);
+        cfg_free_secret(*dst);
         *dst = content;
         return 0;
     }
@@ -1172,6 +829,13 @@ static int apply_value(loader *L, const char *sec, const keydef *k, const char *
             }
         }
         BAD();
+    case KT_BACKEND: {
+        const cfg_backend *be = cfg_backend_find((int)k->min, v);
+        if (be == NULL)
+            BAD();
+        *(const cfg_backend **)(void *)field = be;
+        return 0;
+    }
     case KT_INT:
         if ((k->flags & KF_AUTO) && strcasecmp(v, "auto") == 0) {
             *(int *)(void *)field = 0;
@@ -1262,12 +926,16 @@ static void apply_section(loader *L, const char *sec, const keydef *t, size_t n,
             }
             if (k->def)
                 apply_value(L, sec, k, k->def, base);
+            else if (k->type == KT_BACKEND &&   /* the default: the first registered */
+                     !(*(const cfg_backend **)(void *)((char *)base + k->off) =
+                       cfg_backend_find((int)k->min, NULL)))
+                lerr(L, sec, k->key, "no implementation is built in");
             continue;
         }
         if (!(v = expand_env(L, sec, k->key, raw)))
             continue;
         apply_value(L, sec, k, v, base);
-        free_secret(v);
+        cfg_free_secret(v);
     }
 }
 
@@ -1304,75 +972,17 @@ static void default_relay_name(loader *L, cfg_relay *r)
 
 static void finish_sink(loader *L, const char *sec, cfg_sink *s)
 {
-    char why[200];
+    cfg_report r = { L, sec };
 
-    if (!s->url)
+    if (s->type == NULL)
         return;   /* already reported */
-    switch (cfg_parse_amqp_urls(s->url, s, why, sizeof why)) {
-    case 0:
-        break;
-    case -1:
-        lerr(L, sec, "url", "expected an amqp:// or amqps:// URL like amqp://user:pass@host:5672/vhost, "
-             "got <secret> (%s)", why);
-        return;
-    default:
-        lerr(L, sec, "url", "expected a comma-separated list of amqp:// or amqps:// URLs naming the "
-             "nodes of one cluster, like amqp://user:pass@node1:5672/vhost, "
-             "amqp://user:pass@node2:5672/vhost, got <secret> (%s)", why);
+    if (s->url == NULL && s->type->url_default != NULL &&
+        (s->url = strdup(s->type->url_default)) == NULL) {
+        lerr(L, sec, "url", "out of memory");
         return;
     }
-    if (s->password) {
-        char *p = strdup(s->password);
-        if (!p) {
-            lerr(L, sec, "password_file", "out of memory");
-            return;
-        }
-        free_secret(s->pass);
-        s->pass = p;   /* password_file overrides the URL's password */
-    }
-    if (s->tls_ca_file && !s->tls) {
-        char qb[300];
-        lerr(L, sec, "tls_ca_file", "expected an amqps:// url when tls_ca_file is set, got %s with an amqp:// url",
-             q(s->tls_ca_file, qb, sizeof qb));
-    }
-    if ((s->tls_cert || s->tls_key) && !s->tls)
-        lerr(L, sec, s->tls_cert ? "tls_cert" : "tls_key",
-             "expected an amqps:// url when a client certificate is set, got an amqp:// url");
-    else if ((s->tls_cert != NULL) != (s->tls_key != NULL))
-        lerr(L, sec, s->tls_cert ? "tls_key" : "tls_cert",
-             "expected both tls_cert and tls_key (a client certificate needs its key), got only %s",
-             s->tls_cert ? "tls_cert" : "tls_key");
-}
-
-/* True if an ODBC connection string has KEY= as one of its attributes (case-insensitive). */
-static bool odbc_has_key(const char *cs, const char *key)
-{
-    size_t kl = strlen(key);
-    const char *p = cs;
-    while (*p) {
-        while (*p == ' ' || *p == ';')
-            p++;
-        if (strncasecmp(p, key, kl) == 0) {
-            const char *e = p + kl;
-            while (*e == ' ')
-                e++;
-            if (*e == '=')
-                return true;
-        }
-        /* skip to the next attribute; {...} values may contain ';' */
-        while (*p && *p != ';') {
-            if (*p == '{') {
-                p++;
-                while (*p && !(*p == '}' && p[1] != '}'))
-                    p += (*p == '}' ? 2 : 1);
-                if (*p)
-                    p++;
-            } else {
-                p++;
-            }
-        }
-    }
-    return false;
+    if (s->type->finish_sink != NULL)
+        s->type->finish_sink(s, &r);
 }
 
 static void finish_outbox(loader *L, const char *sec, cfg_outbox *o)
@@ -1394,36 +1004,26 @@ static void finish_outbox(loader *L, const char *sec, cfg_outbox *o)
             snprintf(o->dead_part, sizeof o->dead_part, "%s", tn.dead);
         }
     }
-    if (o->conninfo && o->source == CFG_SOURCE_POSTGRES) {
-        char *perr = NULL;
-        PQconninfoOption *opts = PQconninfoParse(o->conninfo, &perr);
-
-        if (!opts)   /* libpq's message may quote the string: never echo it */
-            lerr(L, sec, "conninfo", "expected a libpq conninfo (key=value ... or postgresql:// URI), "
-                 "got <secret> (libpq cannot parse it)");
-        PQconninfoFree(opts);
-        PQfreemem(perr);
-    }
-    /* ODBC keeps the first PWD=: a password_file appended after one would be ignored */
-    if (o->conninfo && o->password && o->source == CFG_SOURCE_SQLSERVER &&
-        odbc_has_key(o->conninfo, "PWD"))
-        lerr(L, sec, "password_file", "expected either password_file or PWD= in conninfo, not both");
     if (o->retry_backoff_ms > o->retry_backoff_max_ms) {
         char a[32], b[32];
         fmt_dur(o->retry_backoff_ms, a, sizeof a);
         fmt_dur(o->retry_backoff_max_ms, b, sizeof b);
         lerr(L, sec, "retry_backoff_max", "expected a duration of at least retry_backoff (%s), got \"%s\"", a, b);
     }
+    if (o->source != NULL && o->source->finish_outbox != NULL) {
+        cfg_report r = { L, sec };
+        o->source->finish_outbox(o, &r);
+    }
 }
 
 static void free_sink(cfg_sink *s)
 {
     free(s->name);
-    free_secret(s->url);
-    free_secret(s->password);
+    cfg_free_secret(s->url);
+    cfg_free_secret(s->password);
     free(s->host);
     free(s->user);
-    free_secret(s->pass);
+    cfg_free_secret(s->pass);
     free(s->vhost);
     cfg_brokers_free(s);
     free(s->tls_ca_file);
@@ -1434,8 +1034,8 @@ static void free_sink(cfg_sink *s)
 static void free_outbox(cfg_outbox *o)
 {
     free(o->name);
-    free_secret(o->conninfo);
-    free_secret(o->password);
+    cfg_free_secret(o->conninfo);
+    cfg_free_secret(o->password);
     free(o->database);
     free(o->table);
     free(o->sink_name);

@@ -17,11 +17,11 @@
 
 enum cfg_log_level  { CFG_LOG_ERROR = 0, CFG_LOG_WARN, CFG_LOG_INFO, CFG_LOG_DEBUG };
 enum cfg_log_format { CFG_LOG_TEXT = 0, CFG_LOG_JSON };
-enum cfg_source     { CFG_SOURCE_POSTGRES = 0, CFG_SOURCE_SQLSERVER };
 enum cfg_on_sent    { CFG_ON_SENT_MARK = 0, CFG_ON_SENT_DELETE };
 enum cfg_mode       { CFG_MODE_LEADER = 0, CFG_MODE_COMPETING };
 enum cfg_ordering   { CFG_ORDER_PIPELINED = 0, CFG_ORDER_STRICT };
-enum cfg_sink_type  { CFG_SINK_RABBITMQ = 0 };
+
+typedef struct cfg_backend cfg_backend;
 
 typedef struct cfg_relay {
     char   *name;               /* default: hostname:pid */
@@ -44,12 +44,13 @@ typedef struct cfg_broker {
 
 typedef struct cfg_sink {
     char   *name;               /* the part after "sink." */
-    int     type;               /* enum cfg_sink_type; only rabbitmq */
-    char   *url;                /* amqp[s]://user:pass@host:port/vhost, default amqp://guest:guest@127.0.0.1:5672/%2f;
-                                   or a comma-separated list of such URLs (one cluster) */
+    const cfg_backend *type;    /* the registered sink of `type =` (default: the first one) */
+    char   *url;                /* the broker's URL, or a comma-separated list of them (one
+                                   cluster); default: the backend's url_default */
     char   *password;           /* from password_file (overrides the URL's), or NULL */
-    /* parsed URL (password applied); with a list, host/port are those of the first URL
-       and user/pass/vhost/tls are common to all (the loader refuses a list that differs) */
+    /* the parsed URL, filled by the sink backend's finish_sink (password applied); with a
+       list, host/port are those of the first URL and user/pass/vhost/tls are common to
+       all (the backend refuses a list that differs) */
     char   *host;
     int     port;
     cfg_broker *brokers;        /* every address of url, in list order; n_brokers >= 1 once loaded */
@@ -78,8 +79,8 @@ typedef struct cfg_sink {
 
 typedef struct cfg_outbox {
     char   *name;               /* the part after "outbox." */
-    int     source;             /* enum cfg_source */
-    char   *conninfo;           /* libpq conninfo or ODBC connection string (secret-bearing: never log) */
+    const cfg_backend *source;  /* the registered source of `source =` (default: the first one) */
+    char   *conninfo;           /* the source's connection string (secret-bearing: never log) */
     char   *password;           /* from password_file, or NULL; the source applies it */
     char   *database;           /* required; compared byte for byte */
     char   *table;              /* "schema.table" as configured, default outbox.messages */
@@ -130,18 +131,49 @@ int cfg_parse_duration_ms(const char *s, int64_t *out);   /* "250ms" "1s" "5m" "
 int cfg_parse_int(const char *s, int64_t min, int64_t max, int64_t *out);
 int cfg_parse_bool(const char *s, bool *out);             /* true/false/yes/no/on/off/1/0 */
 int cfg_parse_size(const char *s, size_t *out);           /* "1024", "64k", "16M", "1G" */
-/* Parses an AMQP URL into the sink's host/port/user/pass/vhost/tls fields. */
-int cfg_parse_amqp_url(const char *url, cfg_sink *s, char *err, size_t errlen);
-/* Parses url: one AMQP URL or a comma-separated list of them (spaces around the commas
- * allowed) naming the nodes of one cluster: the same scheme, user, password and vhost,
- * distinct addresses, at most CFG_MAX_BROKERS. Fills host/port/user/pass/vhost/tls (those
- * of the first URL) and brokers/n_brokers (each address in order). Returns 0; -1 when
- * the only URL is invalid (err: why, as cfg_parse_amqp_url); -2 when a list is (err: why,
- * naming the URL by its position). The value is a secret: err never quotes it. On error s
- * is unchanged. */
-int cfg_parse_amqp_urls(const char *list, cfg_sink *s, char *err, size_t errlen);
 /* Frees a sink's brokers array (and sets it to NULL, 0). */
 void cfg_brokers_free(cfg_sink *s);
+
+/* ---- backends ------------------------------------------------------------------
+ * config/ knows sections, value types, durations, sizes, secrets and how to report a
+ * problem; what a value means to a database or a broker (a libpq conninfo, an ODBC
+ * connection string, AMQP URLs) is checked by the backend that uses it. Each source and
+ * sink registers one cfg_backend under the name `source =` / `type =` takes
+ * (sources/sources.h, sinks/sinks.h: the program registers them before cfg_load), and
+ * relay/ finds a section's implementation through the same entry (ops). */
+typedef struct cfg_report cfg_report;   /* the section being finished, for error lines */
+
+enum cfg_backend_kind { CFG_BACKEND_SOURCE = 1, CFG_BACKEND_SINK };
+
+struct cfg_backend {
+    int          kind;              /* enum cfg_backend_kind */
+    const char  *name;              /* the value of `source =` or `type =` */
+    const char  *conninfo_expect;   /* sources: what conninfo holds ("a libpq conninfo") */
+    const char  *url_default;       /* sinks: the url when none is given */
+    /* Checks and completes what only the backend understands, once the section's keys
+       are parsed; reports each problem with cfg_report_error. NULL: nothing to do. */
+    void       (*finish_outbox)(cfg_outbox *o, cfg_report *r);
+    void       (*finish_sink)(cfg_sink *s, cfg_report *r);
+    const void  *ops;               /* relay/'s source_ops or sink_ops for this backend */
+};
+
+#define CFG_MAX_BACKENDS 16
+/* Registers b (static storage). Registering the same entry again does nothing.
+   -1 when the table is full or another entry of that kind has the name. */
+int cfg_register(const cfg_backend *b);
+/* The registered backend of kind named name, or NULL. */
+const cfg_backend *cfg_backend_find(int kind, const char *name);
+
+/* One error line for the section being finished: "FILE: [SECTION] KEY: message". */
+void cfg_report_error(cfg_report *r, const char *key, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* Frees a string that may hold a secret, overwriting it first. */
+void cfg_free_secret(char *s);
+/* A character of a host name (letters, digits, '.', '-', '_'). */
+bool cfg_host_char_ok(int c);
+/* A value quoted for an error line ("..." with control characters escaped, long values
+   shortened) in buf; returns buf. Never for a secret. */
+const char *cfg_quote(const char *v, char *buf, size_t len);
 
 const char *cfg_log_level_name(int level);
 

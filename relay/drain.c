@@ -26,7 +26,6 @@
 #include "relay/budget.h"
 #include "relay/ledger.h"
 #include "relay/log.h"
-#include "relay/peer.h"
 #include "relay/sink.h"
 #include "relay/source.h"
 
@@ -345,7 +344,7 @@ static void log_conn_state(sconn *c, int state, const char *msg)
 {
     drain *d = c->d;
     char peer[300];
-    peer_of_outbox(d->ob, peer, sizeof peer);
+    d->sops->peer(d->ob, peer, sizeof peer);
     log_fields f = { .event = "database_connected", .outbox = d->ob->name, .peer = peer };
     if (state == SRC_UP) {
         if (c == &d->main)
@@ -905,8 +904,8 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
         free(d);
         return NULL;
     }
-    d->sops = source_ops_for(ob);
-    d->kops = sink_ops_for(ob->sink);
+    d->sops = source_ops_of(ob);
+    d->kops = sink_ops_of(ob->sink);
     if (d->sops == NULL || d->kops == NULL) {
         snprintf(err, errlen, "outbox=%s: no source or sink implementation", ob->name);
         ledger_free(d->led);

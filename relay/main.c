@@ -23,6 +23,8 @@
 #include "relay/metrics.h"
 #include "relay/sink.h"
 #include "relay/source.h"
+#include "sinks/sinks.h"       /* the composition root: the one place naming the backends */
+#include "sources/sources.h"
 
 #define EXIT_USAGE 2
 
@@ -390,11 +392,20 @@ out:
         /* a broker connection attempt still running on a worker thread ends first */
         int64_t quiesce_ms = dset_connect_timeout_max(st.set) + 1000;
         const cfg *last = dset_cfg(st.set);
-        const sink_ops *so = last != NULL && last->n_sinks > 0
-                             ? sink_ops_for(&last->sinks[0]) : &amqpsink_ops;
+        const sink_ops *so[CFG_MAX_BACKENDS];   /* each sink implementation once */
+        size_t n_so = 0;
+        for (size_t i = 0; last != NULL && i < last->n_sinks; i++) {
+            const sink_ops *o = sink_ops_of(&last->sinks[i]);
+            bool seen = false;
+            for (size_t j = 0; j < n_so && !seen; j++)
+                seen = so[j] == o;
+            if (!seen && n_so < CFG_MAX_BACKENDS)
+                so[n_so++] = o;
+        }
         dset_free(st.set);   /* every drain and configuration */
-        if (so != NULL && so->quiesce != NULL)
-            so->quiesce(quiesce_ms);
+        for (size_t j = 0; j < n_so; j++)
+            if (so[j]->quiesce != NULL)
+                so[j]->quiesce(quiesce_ms);
     }
     ev_signal_stop(st.loop, &st.sigterm);
     ev_signal_stop(st.loop, &st.sigint);
@@ -415,7 +426,7 @@ static int cmd_check(const char *path)
     for (size_t i = 0; i < c->n_outboxes; i++) {
         const cfg_outbox *ob = &c->outboxes[i];
         char err[1024] = "";
-        if (source_ops_for(ob)->check(ob, err, sizeof err) != 0) {
+        if (source_ops_of(ob)->check(ob, err, sizeof err) != 0) {
             fprintf(stderr, "%s: [outbox.%s] %s\n", path, ob->name, err);
             problems++;
         } else if (err[0]) {
@@ -432,7 +443,7 @@ static int cmd_check(const char *path)
     for (size_t i = 0; i < c->n_sinks; i++) {
         const cfg_sink *sk = &c->sinks[i];
         char err[4096] = "";
-        if (sink_ops_for(sk)->check(sk, err, sizeof err) != 0) {
+        if (sink_ops_of(sk)->check(sk, err, sizeof err) != 0) {
             /* one line per problem: a cluster list may have several */
             for (char *ln = err, *nl; ln != NULL; ln = nl) {
                 if ((nl = strchr(ln, '\n')) != NULL)
@@ -522,7 +533,7 @@ static int cmd_init(const char *path)
     for (size_t i = 0; i < c->n_outboxes; i++) {
         const cfg_outbox *ob = &c->outboxes[i];
         char err[1024] = "";
-        if (source_ops_for(ob)->init(ob, err, sizeof err) != 0) {
+        if (source_ops_of(ob)->init(ob, err, sizeof err) != 0) {
             fprintf(stderr, "%s: [outbox.%s] init failed: %s\n", path, ob->name, err);
             failed++;
         } else {
@@ -547,7 +558,7 @@ static int cmd_stats(const char *path)
         const cfg_outbox *ob = &c->outboxes[i];
         src_stats s = { 0 };
         char err[1024] = "";
-        if (source_ops_for(ob)->stats_sync(ob, &s, err, sizeof err) != 0) {
+        if (source_ops_of(ob)->stats_sync(ob, &s, err, sizeof err) != 0) {
             fprintf(stderr, "%s: [outbox.%s] %s\n", path, ob->name, err);
             failed++;
             continue;
@@ -612,7 +623,7 @@ static int cmd_dead(const char *path, const char *only, int argc, char **argv)
         if (only != NULL && strcmp(only, ob->name) != 0)
             continue;
         matched++;
-        const source_ops *ops = source_ops_for(ob);
+        const source_ops *ops = source_ops_of(ob);
         char err[1024] = "";
         size_t affected = 0;
         int rc;
@@ -659,6 +670,10 @@ int main(int argc, char **argv)
     }
     if (strcmp(cmd, "schema") == 0)
         return cmd_schema(argc - 1, argv + 1);
+    if (sources_register() != 0 || sinks_register() != 0) {
+        fprintf(stderr, "outbox-relay: cannot register the built-in sources and sinks\n");
+        return 1;
+    }
 
     const char *path = NULL, *only = NULL;
     static const struct option opts[] = {

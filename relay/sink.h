@@ -92,8 +92,10 @@ typedef struct sink_ops {
     long (*broker)(const sink *s);
 } sink_ops;
 
-extern const sink_ops amqpsink_ops;   /* sinks/rabbitmq */
-
-const sink_ops *sink_ops_for(const cfg_sink *cfg);
+/* The ops of a sink's implementation (registered by sinks/, found by config/). */
+static inline const sink_ops *sink_ops_of(const cfg_sink *sc)
+{
+    return (const sink_ops *)sc->type->ops;
+}
 
 #endif

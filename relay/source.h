@@ -142,6 +142,9 @@ typedef struct source_ops {
     /* True while each commit to the outbox wakes this connection (LISTEN/NOTIFY is up
        and reaches it); the core then polls only as a safety net. NULL: never. */
     bool (*notifies)(const source *s);
+    /* host:port/database (or what names the server) of cfg's connection for log lines:
+       nothing secret. Always writes a string. */
+    void (*peer)(const cfg_outbox *cfg, char *buf, size_t len);
 
     /* --- admin (synchronous, blocking with timeouts) --- */
     /* Connects, verifies database name and schema. 0 ok; -1 with one line per problem in err.
@@ -161,10 +164,10 @@ typedef struct source_ops {
                        size_t *affected, char *err, size_t errlen);
 } source_ops;
 
-extern const source_ops pgsrc_ops;    /* sources/pg */
-extern const source_ops odbcsrc_ops;  /* sources/odbc */
-
-/* The ops for cfg->source. */
-const source_ops *source_ops_for(const cfg_outbox *cfg);
+/* The ops of an outbox's source (registered by sources/, found by config/). */
+static inline const source_ops *source_ops_of(const cfg_outbox *ob)
+{
+    return (const source_ops *)ob->source->ops;
+}
 
 #endif

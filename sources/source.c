@@ -1,18 +1,24 @@
 /*
- * source.c — picks the source implementation for an outbox.
+ * source.c — registers the sources this relay is built with (sources.h).
+ * The first one registered is the default of `source =`.
  */
-#include "relay/source.h"
+#include "sources/sources.h"
 
-const source_ops *source_ops_for(const cfg_outbox *ob)
+static const cfg_backend backends[] = {
+    { .kind = CFG_BACKEND_SOURCE, .name = "postgres", .conninfo_expect = "a libpq conninfo",
+      .finish_outbox = pgsrc_finish_cfg, .ops = &pgsrc_ops },
+    { .kind = CFG_BACKEND_SOURCE, .name = "sqlserver",
+      .conninfo_expect = "an ODBC connection string",
+      .finish_outbox = odbcsrc_finish_cfg, .ops = &odbcsrc_ops },
+    /* the same source under its driver's name (psqlODBC against PostgreSQL, say) */
+    { .kind = CFG_BACKEND_SOURCE, .name = "odbc", .conninfo_expect = "an ODBC connection string",
+      .finish_outbox = odbcsrc_finish_cfg, .ops = &odbcsrc_ops },
+};
+
+int sources_register(void)
 {
-    if (!ob)
-        return NULL;
-    switch (ob->source) {
-    case CFG_SOURCE_POSTGRES:
-        return &pgsrc_ops;
-    case CFG_SOURCE_SQLSERVER:
-        return &odbcsrc_ops;
-    default:
-        return NULL;
-    }
+    for (size_t i = 0; i < sizeof backends / sizeof backends[0]; i++)
+        if (cfg_register(&backends[i]) != 0)
+            return -1;
+    return 0;
 }

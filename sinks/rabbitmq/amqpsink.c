@@ -43,6 +43,7 @@
  * a time; names wait in a bounded FIFO.
  */
 #include "relay/sink.h"
+#include "sinks/sinks.h"
 #include "sinks/rabbitmq/json.h"
 
 #include <amqp.h>

@@ -665,6 +665,7 @@ const source_ops odbcsrc_ops = {
     .settle     = odbcsrc_settle,
     .cleanup    = odbcsrc_cleanup,
     .stats      = odbcsrc_stats,
+    .peer       = odbcsrc_peer,
     .check      = odbcsrc_check,
     .init       = odbcsrc_init,
     .stats_sync = odbcsrc_stats_sync,

@@ -20,6 +20,7 @@
 #include "lib/outbox_schema.h"
 #include "relay/row.h"
 #include "relay/source.h"
+#include "sources/sources.h"
 
 /* What a session needs from the configuration (copied: the worker thread
  * must not read the core's cfg, which a reload may free). */

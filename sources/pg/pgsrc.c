@@ -30,7 +30,6 @@
 #include <libpq-fe.h>
 #include "lib/outbox_schema.h"
 #include "relay/log.h"
-#include "relay/peer.h"
 #include "relay/row.h"
 #include "relay/source.h"
 #include "sources/pg/pgsrc_int.h"
@@ -621,7 +620,7 @@ static void warn_no_listen(source *s)
     char peer[300];
     ob.conninfo = s->conninfo;
     ob.database = s->database;
-    peer_of_outbox(&ob, peer, sizeof peer);
+    pgsrc_peer(&ob, peer, sizeof peer);
     log_ev(LOG_WARN, &(log_fields){ .event = "notify_unavailable", .outbox = s->name,
                                     .peer = peer },
            "outbox=%s: LISTEN/NOTIFY does not reach this connection (transaction "
@@ -1055,6 +1054,7 @@ const source_ops pgsrc_ops = {
     .cleanup = pgsrc_cleanup,
     .stats = pgsrc_stats,
     .notifies = pgsrc_notifies,
+    .peer = pgsrc_peer,
     .check = pgsrc_check,
     .init = pgsrc_init,
     .stats_sync = pgsrc_stats_sync,

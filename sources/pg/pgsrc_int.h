@@ -12,6 +12,7 @@
 #include <libpq-fe.h>
 #include "config/cfg.h"
 #include "relay/source.h"
+#include "sources/sources.h"
 
 #define PGSRC_APP_NAME "outbox-relay"
 

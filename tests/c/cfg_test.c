@@ -24,6 +24,9 @@
 
 #include "config/cfg.h"
 #include "relay/log.h"
+#include "sinks/rabbitmq/amqpurl.h"
+#include "sinks/sinks.h"
+#include "sources/sources.h"
 #include "relay/row.h"
 
 /* ------------------------------------------------------------------ */
@@ -37,7 +40,6 @@ static const char *secret(const char *s) { return s ? "<secret>" : ""; }
 static void dump(const cfg *c)
 {
     static const char *const fmts[] = { "text", "json" };
-    static const char *const srcs[] = { "postgres", "sqlserver" };
     static const char *const sent[] = { "mark", "delete" };
     static const char *const modes[] = { "leader", "competing" };
     static const char *const orderings[] = { "pipelined", "strict" };
@@ -56,7 +58,7 @@ static void dump(const cfg *c)
     for (size_t i = 0; i < c->n_sinks; i++) {
         const cfg_sink *s = &c->sinks[i];
         printf("[sink.%s]\n", s->name);
-        printf("type = rabbitmq\n");
+        printf("type = %s\n", s->type->name);
         printf("url = %s\n", secret(s->url));
         printf("password_file = %s\n", secret(s->password));
         printf("publish_window = %d\n", s->publish_window);
@@ -86,7 +88,7 @@ static void dump(const cfg *c)
     for (size_t i = 0; i < c->n_outboxes; i++) {
         const cfg_outbox *o = &c->outboxes[i];
         printf("[outbox.%s]\n", o->name);
-        printf("source = %s\n", srcs[o->source]);
+        printf("source = %s\n", o->source->name);
         printf("conninfo = %s\n", secret(o->conninfo));
         printf("password_file = %s\n", secret(o->password));
         printf("database = %s\n", s2s(o->database));
@@ -354,7 +356,7 @@ static void t_amqp_url_ok(void **st)
     (void)st;
 
     memset(&s, 0, sizeof s);
-    assert_int_equal(cfg_parse_amqp_url("amqp://guest:guest@127.0.0.1:5672/%2f", &s, err, sizeof err), 0);
+    assert_int_equal(amqp_url_parse("amqp://guest:guest@127.0.0.1:5672/%2f", &s, err, sizeof err), 0);
     assert_string_equal(s.host, "127.0.0.1");
     assert_int_equal(s.port, 5672);
     assert_string_equal(s.user, "guest");
@@ -363,7 +365,7 @@ static void t_amqp_url_ok(void **st)
     assert_false(s.tls);
 
     /* re-parse into the same sink: old strings freed (valgrind/ASan check it) */
-    assert_int_equal(cfg_parse_amqp_url("amqps://broker.example.com", &s, err, sizeof err), 0);
+    assert_int_equal(amqp_url_parse("amqps://broker.example.com", &s, err, sizeof err), 0);
     assert_string_equal(s.host, "broker.example.com");
     assert_int_equal(s.port, 5671);
     assert_true(s.tls);
@@ -371,35 +373,35 @@ static void t_amqp_url_ok(void **st)
     assert_string_equal(s.pass, "guest");
     assert_string_equal(s.vhost, "/");
 
-    assert_int_equal(cfg_parse_amqp_url("AMQPS://h:1234/", &s, err, sizeof err), 0);
+    assert_int_equal(amqp_url_parse("AMQPS://h:1234/", &s, err, sizeof err), 0);
     assert_int_equal(s.port, 1234);
     assert_true(s.tls);
     assert_string_equal(s.vhost, "/");   /* empty path segment → "/" */
 
-    assert_int_equal(cfg_parse_amqp_url("amqp://us%40er:p%3Ass%2Fw%25rd@h/my%20vhost", &s, err, sizeof err), 0);
+    assert_int_equal(amqp_url_parse("amqp://us%40er:p%3Ass%2Fw%25rd@h/my%20vhost", &s, err, sizeof err), 0);
     assert_string_equal(s.user, "us@er");
     assert_string_equal(s.pass, "p:ss/w%rd");
     assert_string_equal(s.vhost, "my vhost");
     assert_int_equal(s.port, 5672);
 
-    assert_int_equal(cfg_parse_amqp_url("amqp://u:a:b@h/a%2Fb", &s, err, sizeof err), 0);
+    assert_int_equal(amqp_url_parse("amqp://u:a:b@h/a%2Fb", &s, err, sizeof err), 0);
     assert_string_equal(s.pass, "a:b");
     assert_string_equal(s.vhost, "a/b");
 
-    assert_int_equal(cfg_parse_amqp_url("amqp://alice@h", &s, err, sizeof err), 0);
+    assert_int_equal(amqp_url_parse("amqp://alice@h", &s, err, sizeof err), 0);
     assert_string_equal(s.user, "alice");
     assert_string_equal(s.pass, "guest");
 
-    assert_int_equal(cfg_parse_amqp_url("amqp://u:@h/v", &s, err, sizeof err), 0);
+    assert_int_equal(amqp_url_parse("amqp://u:@h/v", &s, err, sizeof err), 0);
     assert_string_equal(s.pass, "");
     assert_string_equal(s.vhost, "v");
 
-    assert_int_equal(cfg_parse_amqp_url("amqp://[::1]:5673/prod", &s, err, sizeof err), 0);
+    assert_int_equal(amqp_url_parse("amqp://[::1]:5673/prod", &s, err, sizeof err), 0);
     assert_string_equal(s.host, "::1");
     assert_int_equal(s.port, 5673);
     assert_string_equal(s.vhost, "prod");
 
-    assert_int_equal(cfg_parse_amqp_url("amqps://u:p@[fe80::1:2]", &s, err, sizeof err), 0);
+    assert_int_equal(amqp_url_parse("amqps://u:p@[fe80::1:2]", &s, err, sizeof err), 0);
     assert_string_equal(s.host, "fe80::1:2");
     assert_int_equal(s.port, 5671);
     sink_clear(&s);
@@ -445,13 +447,13 @@ static void t_amqp_url_bad(void **st)
     memset(&s, 0, sizeof s);
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         err[0] = '\0';
-        if (cfg_parse_amqp_url(bad[i].url, &s, err, sizeof err) == 0)
+        if (amqp_url_parse(bad[i].url, &s, err, sizeof err) == 0)
             fail_msg("URL \"%s\" accepted", bad[i].url);
         if (!strstr(err, bad[i].why))
             fail_msg("URL \"%s\": reason \"%s\" lacks \"%s\"", bad[i].url, err, bad[i].why);
         assert_null(s.host);   /* untouched on error */
     }
-    assert_int_equal(cfg_parse_amqp_url(NULL, &s, err, sizeof err), -1);
+    assert_int_equal(amqp_url_parse(NULL, &s, err, sizeof err), -1);
 }
 
 static void t_amqp_url_list_ok(void **st)
@@ -462,14 +464,14 @@ static void t_amqp_url_list_ok(void **st)
 
     memset(&s, 0, sizeof s);
     /* one URL: one address, as before lists */
-    assert_int_equal(cfg_parse_amqp_urls("amqps://u:p@[::1]/v", &s, err, sizeof err), 0);
+    assert_int_equal(amqp_urls_parse("amqps://u:p@[::1]/v", &s, err, sizeof err), 0);
     assert_int_equal(s.n_brokers, 1);
     assert_string_equal(s.brokers[0].host, "::1");
     assert_int_equal(s.brokers[0].port, 5671);
     assert_string_equal(s.brokers[0].addr, "[::1]:5671");
 
     /* a list: every address in order, spaces around the commas; the rest is common */
-    assert_int_equal(cfg_parse_amqp_urls("amqp://relay:pw@n1:5672/prod , amqp://relay:pw@n2/prod,"
+    assert_int_equal(amqp_urls_parse("amqp://relay:pw@n1:5672/prod , amqp://relay:pw@n2/prod,"
                                          "\tamqp://relay:pw@[fe80::2]:5673/prod", &s, err,
                                          sizeof err), 0);
     assert_int_equal(s.n_brokers, 3);
@@ -486,13 +488,13 @@ static void t_amqp_url_list_ok(void **st)
     assert_false(s.tls);
 
     /* defaults apply per URL: guest:guest, "/" and the scheme's port */
-    assert_int_equal(cfg_parse_amqp_urls("amqps://a,amqps://b:5671/%2f", &s, err, sizeof err), 0);
+    assert_int_equal(amqp_urls_parse("amqps://a,amqps://b:5671/%2f", &s, err, sizeof err), 0);
     assert_int_equal(s.n_brokers, 2);
     assert_string_equal(s.brokers[1].addr, "b:5671");
     assert_true(s.tls);
 
     /* the same host on other ports is another node (one machine, one cluster) */
-    assert_int_equal(cfg_parse_amqp_urls("amqp://h:1,amqp://h:2,amqp://h:3,amqp://h:4,amqp://h:5,"
+    assert_int_equal(amqp_urls_parse("amqp://h:1,amqp://h:2,amqp://h:3,amqp://h:4,amqp://h:5,"
                                          "amqp://h:6,amqp://h:7,amqp://h:8,amqp://h:9,amqp://h:10,"
                                          "amqp://h:11,amqp://h:12,amqp://h:13,amqp://h:14,"
                                          "amqp://h:15,amqp://h:16", &s, err, sizeof err), 0);
@@ -535,7 +537,7 @@ static void t_amqp_url_list_bad(void **st)
         int rc;
 
         err[0] = '\0';
-        rc = cfg_parse_amqp_urls(bad[i].url, &s, err, sizeof err);
+        rc = amqp_urls_parse(bad[i].url, &s, err, sizeof err);
         if (rc != bad[i].rc)
             fail_msg("URL list \"%s\": returned %d, not %d (%s)", bad[i].url, rc, bad[i].rc, err);
         if (!strstr(err, bad[i].why))
@@ -580,7 +582,7 @@ static void t_load_defaults(void **st)
     assert_int_equal(c->n_sinks, 1);
     const cfg_sink *s = &c->sinks[0];
     assert_string_equal(s->name, "main");
-    assert_int_equal(s->type, CFG_SINK_RABBITMQ);
+    assert_string_equal(s->type->name, "rabbitmq");
     assert_string_equal(s->url, "amqp://guest:guest@127.0.0.1:5672/%2f");
     assert_null(s->password);
     assert_string_equal(s->host, "127.0.0.1");
@@ -608,7 +610,7 @@ static void t_load_defaults(void **st)
     assert_int_equal(c->n_outboxes, 1);
     const cfg_outbox *o = &c->outboxes[0];
     assert_string_equal(o->name, "orders");   /* iniparser lower-cases section names */
-    assert_int_equal(o->source, CFG_SOURCE_POSTGRES);
+    assert_string_equal(o->source->name, "postgres");
     assert_string_equal(o->conninfo, "host=127.0.0.1 dbname=app user=postgres");
     assert_null(o->password);
     assert_string_equal(o->database, "app");
@@ -706,7 +708,8 @@ static void t_load_values(void **st)
     assert_true(a->poll_interval_ms == 250 && cfg_poll_interval_ms(a, true) == 250);
     assert_true(b->poll_interval_ms == 0 && cfg_poll_interval_ms(b, false) == 1000);
     assert_string_equal(a->name, "a");
-    assert_int_equal(a->source, CFG_SOURCE_SQLSERVER);
+    assert_string_equal(a->source->name, "odbc");
+    assert_ptr_equal(a->source->ops, cfg_backend_find(CFG_BACKEND_SOURCE, "sqlserver")->ops);
     /* "value ;text" is a value and a comment */
     assert_string_equal(a->conninfo, "Driver={PostgreSQL Unicode}");
     assert_string_equal(a->database, "App");   /* values keep their case */
@@ -718,7 +721,7 @@ static void t_load_values(void **st)
     assert_true(a->retention_ms == 0);
     assert_int_equal(a->mode, CFG_MODE_COMPETING);
     assert_string_equal(b->conninfo, "Driver={x};Pwd=a;b");
-    assert_int_equal(b->source, CFG_SOURCE_SQLSERVER);
+    assert_string_equal(b->source->name, "sqlserver");
     assert_string_equal(b->schema_part, "outbox");
     assert_string_equal(b->table_part, "only_table");
     cfg_free(c);
@@ -848,7 +851,7 @@ static void t_collects_all_errors(void **st)
             ("[sink.main] confirms: expected true (publisher confirms are required: a sink without "
              "confirms could lose messages), got \"false\""),
             "[sink.main] mandatory: expected true",
-            "[outbox.o] conninfo: expected a libpq conninfo or ODBC connection string (required), got nothing",
+            "[outbox.o] conninfo: expected a libpq conninfo or an ODBC connection string (required), got nothing",
             "[outbox.o] database: expected the database name the connection must be in (required), got nothing",
             "[outbox.o] batch_size: expected an integer 1..100000, got \"010abc\"",
             "[outbox.o] retry_backoff_max: expected a duration of at least retry_backoff (10s), got \"1s\"",
@@ -1034,6 +1037,10 @@ int main(int argc, char **argv)
     };
     int rc;
 
+    if (sources_register() != 0 || sinks_register() != 0) {
+        fprintf(stderr, "cannot register the sources and sinks\n");
+        return 2;
+    }
     if (argc == 3 && strcmp(argv[1], "--load") == 0)
         return load_mode(argv[2]);
     if (argc == 4 && strcmp(argv[1], "--diff") == 0)

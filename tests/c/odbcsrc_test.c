@@ -40,6 +40,7 @@
 #include "lib/outbox_schema.h"
 #include "relay/row.h"
 #include "relay/source.h"
+#include "sources/sources.h"
 
 static struct ev_loop *g_loop;
 static source *g_src;
@@ -656,7 +657,9 @@ int main(int argc, char **argv)
     }
     memset(&g_oc, 0, sizeof g_oc);
     g_oc.name = (char *)(uintptr_t)"test";
-    g_oc.source = CFG_SOURCE_SQLSERVER;
+    if (sources_register() != 0)
+        return 2;
+    g_oc.source = cfg_backend_find(CFG_BACKEND_SOURCE, "sqlserver");
     g_oc.conninfo = (char *)(uintptr_t)conn;
     g_oc.password = (char *)(uintptr_t)password;
     g_oc.database = (char *)(uintptr_t)database;

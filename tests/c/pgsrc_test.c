@@ -27,6 +27,7 @@
 #include "lib/outbox_schema.h"
 #include "relay/row.h"
 #include "relay/source.h"
+#include "sources/sources.h"
 
 typedef struct app {
     struct ev_loop *loop;
@@ -363,7 +364,9 @@ int main(int argc, char **argv)
     int i;
 
     a.ob.name = (char *)"test";
-    a.ob.source = CFG_SOURCE_POSTGRES;
+    if (sources_register() != 0)
+        return 2;
+    a.ob.source = cfg_backend_find(CFG_BACKEND_SOURCE, "postgres");
     a.ob.query_timeout_ms = 30000;
     a.ob.connect_timeout_ms = 5000;
     a.ob.reconnect_max_ms = 1000;

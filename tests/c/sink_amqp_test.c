@@ -39,6 +39,8 @@
  */
 #include "relay/row.h"
 #include "relay/sink.h"
+#include "sinks/rabbitmq/amqpurl.h"
+#include "sinks/sinks.h"
 #include "sinks/rabbitmq/json.h"
 
 #include <amqp.h>
@@ -447,7 +449,9 @@ int main(int argc, char **argv)
     memset(&c, 0, sizeof c);
     d.retry_lost = 1;
     c.name = (char *)"test";
-    c.type = CFG_SINK_RABBITMQ;
+    if (sinks_register() != 0)
+        return 1;
+    c.type = cfg_backend_find(CFG_BACKEND_SINK, "rabbitmq");
     c.publish_window = 1000;
     c.heartbeat_ms = 10000;
     c.confirm_timeout_ms = 30000;
@@ -460,7 +464,7 @@ int main(int argc, char **argv)
     if (strchr(argv[1], ',') != NULL) {
         /* a cluster list: as the relay's config loader reads it (c owns the strings) */
         list = 1;
-        if (cfg_parse_amqp_urls(argv[1], &c, err, sizeof err) < 0) {
+        if (amqp_urls_parse(argv[1], &c, err, sizeof err) < 0) {
             fprintf(stderr, "bad url list: %s\n", err);
             return 1;
         }
@@ -586,9 +590,9 @@ int main(int argc, char **argv)
     d.loop = ev_loop_new(EVFLAG_AUTO);
     if (d.loop == NULL)
         goto out;
-    d.ops = sink_ops_for(&c);
+    d.ops = sink_ops_of(&c);
     if (d.ops == NULL || strcmp(d.ops->name, "rabbitmq") != 0) {
-        fprintf(stderr, "sink_ops_for failed\n");
+        fprintf(stderr, "no rabbitmq sink registered\n");
         goto out;
     }
     if (!no_check) {

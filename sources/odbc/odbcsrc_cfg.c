@@ -1,52 +1,16 @@
 /*
- * peer.c — host:port/database of an outbox's database, for log lines (peer.h).
- *
- * PostgreSQL: the conninfo (key=value or URI) through PQconninfoParse, with
- * libpq's environment defaults (PGHOST, PGPORT) and built-in ones (the Unix
- * socket directory, 5432). ODBC: the Server / Servername / Host / Address and
- * Port attributes of the connection string ("Server=tcp:db,1433"), or its DSN.
- * The database is always the configured one (the relay refuses any other).
+ * odbcsrc_cfg.c — what only the ODBC source understands of an outbox's settings
+ * (registered with config/ as the "sqlserver" and "odbc" backends, source.c):
+ * ODBC connection string attributes, the password_file rule, and the peer its
+ * log lines name: Server / Servername / Host / Address and Port of the string
+ * ("Server=tcp:db,1433"), or its DSN. Nothing secret is ever copied out.
  */
-#include "relay/peer.h"
+#include "sources/odbc/odbcsrc_int.h"
 
-#include <libpq-fe.h>
 #include <stdbool.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
-
-#define PEER_PG_SOCKET_DIR "/var/run/postgresql"   /* Debian's libpq default */
-
-static const char *nz(const char *s)
-{
-    return s != NULL && *s != '\0' ? s : NULL;
-}
-
-static void pg_peer(const char *conninfo, const char *db, char *buf, size_t len)
-{
-    PQconninfoOption *opts = PQconninfoParse(conninfo, NULL);   /* NULL: no error text */
-    const char       *host = NULL, *hostaddr = NULL, *port = NULL;
-
-    if (opts != NULL) {
-        for (PQconninfoOption *o = opts; o->keyword != NULL; o++) {
-            if (strcmp(o->keyword, "host") == 0)
-                host = nz(o->val);
-            else if (strcmp(o->keyword, "hostaddr") == 0)
-                hostaddr = nz(o->val);
-            else if (strcmp(o->keyword, "port") == 0)
-                port = nz(o->val);
-        }
-    }
-    if (host == NULL)
-        host = hostaddr;
-    if (host == NULL)
-        host = nz(getenv("PGHOST"));
-    if (port == NULL)
-        port = nz(getenv("PGPORT"));
-    snprintf(buf, len, "%s:%s/%s", host ? host : PEER_PG_SOCKET_DIR, port ? port : "5432", db);
-    PQconninfoFree(opts);
-}
 
 /* The value of attribute key in an ODBC connection string, copied into out
  * ({braced} values unbraced); false when absent. */
@@ -104,7 +68,7 @@ static bool odbc_attr(const char *cs, const char *key, char *out, size_t outlen)
     return false;
 }
 
-static void odbc_peer(const char *cs, const char *db, char *buf, size_t len)
+static void peer_of(const char *cs, const char *db, char *buf, size_t len)
 {
     static const char *const hostkeys[] = { "Server", "Servername", "Host", "Address", "Addr" };
     char host[256] = "", port[32] = "";
@@ -135,7 +99,17 @@ static void odbc_peer(const char *cs, const char *db, char *buf, size_t len)
         snprintf(buf, len, "%s/%s", host, db);
 }
 
-void peer_of_outbox(const cfg_outbox *ob, char *buf, size_t len)
+void odbcsrc_finish_cfg(cfg_outbox *o, cfg_report *r)
+{
+    char v[2];   /* only whether PWD= is there */
+
+    /* ODBC keeps the first PWD=: a password_file appended after one would be ignored */
+    if (o->conninfo && o->password && odbc_attr(o->conninfo, "PWD", v, sizeof v))
+        cfg_report_error(r, "password_file",
+                         "expected either password_file or PWD= in conninfo, not both");
+}
+
+void odbcsrc_peer(const cfg_outbox *ob, char *buf, size_t len)
 {
     const char *db = ob->database ? ob->database : "?";
 
@@ -143,8 +117,6 @@ void peer_of_outbox(const cfg_outbox *ob, char *buf, size_t len)
         return;
     if (ob->conninfo == NULL)
         snprintf(buf, len, "?/%s", db);
-    else if (ob->source == CFG_SOURCE_POSTGRES)
-        pg_peer(ob->conninfo, db, buf, len);
     else
-        odbc_peer(ob->conninfo, db, buf, len);
+        peer_of(ob->conninfo, db, buf, len);
 }
