@@ -27,10 +27,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define MS_S   1000LL
-#define MS_M   (60LL * MS_S)
-#define MS_H   (60LL * MS_M)
-#define MS_D   (24LL * MS_H)
+#define MS_S   CFG_MS_S
+#define MS_M   CFG_MS_M
+#define MS_H   CFG_MS_H
+#define MS_D   CFG_MS_D
 
 #define SECRET_FILE_MAX  65536
 #define NAME_MAX_LEN     63
@@ -509,41 +509,6 @@ const char *cfg_quote(const char *v, char *buf, size_t len)
 /* the key tables                                                      */
 /* ------------------------------------------------------------------ */
 
-enum ktype {
-    KT_STR,      /* char *, any text (KF_NONEMPTY / KF_EMPTY_NULL) */
-    KT_NAME,     /* char *, printable without spaces, 1..128 bytes */
-    KT_LISTEN,   /* char *, host:port, empty → NULL */
-    KT_ENUM,     /* int */
-    KT_BACKEND,  /* const cfg_backend *, a registered backend of kind `min` */
-    KT_INT,      /* int, min..max */
-    KT_DUR,      /* int64_t ms, min..max */
-    KT_SIZE,     /* size_t, min..max */
-    KT_BOOL,     /* bool */
-    KT_SECRET_FILE /* char *, the file's contents */
-};
-
-#define KF_REQUIRED   0x01  /* no default: must be present */
-#define KF_SECRET     0x02  /* never echo the value */
-#define KF_EMPTY_NULL 0x04  /* an empty value stores NULL */
-#define KF_NONEMPTY   0x08  /* an empty value is an error */
-#define KF_MUST_TRUE  0x10  /* bool that may only be true */
-#define KF_WHOLE_SEC  0x20  /* duration in whole seconds */
-#define KF_READABLE   0x40  /* path that must be readable */
-#define KF_AUTO       0x80  /* KT_DUR, KT_INT: "auto" is accepted too and stored as 0 */
-#define KF_EXPECT_SOURCES 0x100  /* expected: what the registered sources' conninfo holds */
-
-typedef struct keydef {
-    const char *key;
-    int         type;
-    unsigned    flags;
-    const char *def;                 /* default, parsed like a value; NULL: none */
-    int64_t     min, max;
-    const char *const *names;        /* KT_ENUM: NULL-terminated */
-    const int  *vals;                /* KT_ENUM: value per name */
-    size_t      off;
-    const char *expect;              /* KT_STR/KT_NAME/KF_MUST_TRUE: what is expected */
-} keydef;
-
 static const char *const log_level_names[] = { "error", "warn", "info", "debug", NULL };
 static const int log_level_vals[] = { CFG_LOG_ERROR, CFG_LOG_WARN, CFG_LOG_INFO, CFG_LOG_DEBUG };
 static const char *const log_format_names[] = { "text", "json", NULL };
@@ -559,75 +524,66 @@ static const int ordering_vals[] = { CFG_ORDER_PIPELINED, CFG_ORDER_STRICT };
 #define ENUM(n)   n##_names, n##_vals
 
 #define R(f) offsetof(cfg_relay, f)
-static const keydef relay_keys[] = {
-    { "name",             KT_NAME,   KF_EMPTY_NULL, NULL, 0, 0, NULL, NULL, R(name),
+static const cfg_key relay_keys[] = {
+    { "name",             CFG_KT_NAME,   CFG_KF_EMPTY_NULL, NULL, 0, 0, NULL, NULL, R(name),
       "a relay name of 1..128 printable characters without spaces" },
-    { "log_level",        KT_ENUM,   0, "info", 0, 0, ENUM(log_level), R(log_level), NULL },
-    { "log_format",       KT_ENUM,   0, "text", 0, 0, ENUM(log_format), R(log_format), NULL },
-    { "log_file",         KT_STR,    KF_EMPTY_NULL, "", 0, 0, NULL, NULL, R(log_file), "a file path" },
-    { "http_listen",      KT_LISTEN, KF_EMPTY_NULL, "127.0.0.1:9187", 0, 0, NULL, NULL, R(http_listen), NULL },
-    { "shutdown_timeout", KT_DUR,    0, "10s", 0, 24 * MS_H, NULL, NULL, R(shutdown_timeout_ms), NULL },
-    { "max_rows_in_memory", KT_INT,  KF_AUTO, "auto", 1, 10000000, NULL, NULL,
+    { "log_level",        CFG_KT_ENUM,   0, "info", 0, 0, ENUM(log_level), R(log_level), NULL },
+    { "log_format",       CFG_KT_ENUM,   0, "text", 0, 0, ENUM(log_format), R(log_format), NULL },
+    { "log_file",         CFG_KT_STR,    CFG_KF_EMPTY_NULL, "", 0, 0, NULL, NULL, R(log_file), "a file path" },
+    { "http_listen",      CFG_KT_LISTEN, CFG_KF_EMPTY_NULL, "127.0.0.1:9187", 0, 0, NULL, NULL, R(http_listen), NULL },
+    { "shutdown_timeout", CFG_KT_DUR,    0, "10s", 0, 24 * MS_H, NULL, NULL, R(shutdown_timeout_ms), NULL },
+    { "max_rows_in_memory", CFG_KT_INT,  CFG_KF_AUTO, "auto", 1, 10000000, NULL, NULL,
       R(max_rows_in_memory), NULL },
 };
 #undef R
 
 #define S(f) offsetof(cfg_sink, f)
-static const keydef sink_keys[] = {
-    { "type",             KT_BACKEND, 0, NULL, CFG_BACKEND_SINK, 0, NULL, NULL, S(type), NULL },
-    { "url",              KT_STR,  KF_SECRET | KF_NONEMPTY, NULL, 0, 0, NULL, NULL, S(url),
+static const cfg_key sink_keys[] = {
+    { "type",             CFG_KT_BACKEND, 0, NULL, CFG_BACKEND_SINK, 0, NULL, NULL, S(type), NULL },
+    { "url",              CFG_KT_STR,  CFG_KF_SECRET | CFG_KF_NONEMPTY, NULL, 0, 0, NULL, NULL, S(url),
       "the broker's URL, or a comma-separated list of URLs of one cluster" },
-    { "password_file",    KT_SECRET_FILE, KF_EMPTY_NULL, "", 0, 0, NULL, NULL, S(password), NULL },
-    { "publish_window",   KT_INT,  0, "1000", 1, 65535, NULL, NULL, S(publish_window), NULL },
-    { "heartbeat",        KT_DUR,  KF_WHOLE_SEC, "30s", 0, 65535 * MS_S, NULL, NULL, S(heartbeat_ms), NULL },
-    { "confirm_timeout",  KT_DUR,  0, "30s", 10, 24 * MS_H, NULL, NULL, S(confirm_timeout_ms), NULL },
-    { "connect_timeout",  KT_DUR,  0, "5s", 100, MS_H, NULL, NULL, S(connect_timeout_ms), NULL },
-    { "reconnect_max",    KT_DUR,  0, "30s", 10, MS_D, NULL, NULL, S(reconnect_max_ms), NULL },
-    { "max_message_size", KT_SIZE, 0, "128M", 1, 512LL * 1024 * 1024, NULL, NULL, S(max_message_size), NULL },
-    { "confirms",         KT_BOOL, KF_MUST_TRUE, "true", 0, 0, NULL, NULL, S(confirms),
+    { "password_file",    CFG_KT_SECRET_FILE, CFG_KF_EMPTY_NULL, "", 0, 0, NULL, NULL, S(password), NULL },
+    { "publish_window",   CFG_KT_INT,  0, "1000", 1, 65535, NULL, NULL, S(publish_window), NULL },
+    { "confirm_timeout",  CFG_KT_DUR,  0, "30s", 10, 24 * MS_H, NULL, NULL, S(confirm_timeout_ms), NULL },
+    { "connect_timeout",  CFG_KT_DUR,  0, "5s", 100, MS_H, NULL, NULL, S(connect_timeout_ms), NULL },
+    { "reconnect_max",    CFG_KT_DUR,  0, "30s", 10, MS_D, NULL, NULL, S(reconnect_max_ms), NULL },
+    { "max_message_size", CFG_KT_SIZE, 0, "128M", 1, 512LL * 1024 * 1024, NULL, NULL, S(max_message_size), NULL },
+    { "confirms",         CFG_KT_BOOL, CFG_KF_MUST_TRUE, "true", 0, 0, NULL, NULL, S(confirms),
       "true (publisher confirms are required: a sink without confirms could lose messages)" },
-    { "mandatory",        KT_BOOL, KF_MUST_TRUE, "true", 0, 0, NULL, NULL, S(mandatory),
+    { "mandatory",        CFG_KT_BOOL, CFG_KF_MUST_TRUE, "true", 0, 0, NULL, NULL, S(mandatory),
       "true (mandatory publishing is required: without it an unroutable message would be "
       "acknowledged and lost)" },
-    { "tls_ca_file",      KT_STR,  KF_EMPTY_NULL | KF_READABLE, "", 0, 0, NULL, NULL, S(tls_ca_file),
-      "a readable CA bundle file" },
-    { "tls_verify",       KT_BOOL, 0, "true", 0, 0, NULL, NULL, S(tls_verify), NULL },
-    { "tls_cert",         KT_STR,  KF_EMPTY_NULL | KF_READABLE, "", 0, 0, NULL, NULL, S(tls_cert),
-      "a readable PEM client certificate file" },
-    { "tls_key",          KT_STR,  KF_EMPTY_NULL | KF_READABLE, "", 0, 0, NULL, NULL,
-      S(tls_key), "a readable PEM private key file" },
-    { "nack_reopen",      KT_DUR,  0, "1s", 0, MS_H, NULL, NULL, S(nack_reopen_ms), NULL },
 };
 #undef S
 
 #define O(f) offsetof(cfg_outbox, f)
-static const keydef outbox_keys[] = {
-    { "source",            KT_BACKEND, 0, NULL, CFG_BACKEND_SOURCE, 0, NULL, NULL, O(source), NULL },
-    { "conninfo",          KT_STR,  KF_REQUIRED | KF_SECRET | KF_NONEMPTY | KF_EXPECT_SOURCES, NULL,
+static const cfg_key outbox_keys[] = {
+    { "source",            CFG_KT_BACKEND, 0, NULL, CFG_BACKEND_SOURCE, 0, NULL, NULL, O(source), NULL },
+    { "conninfo",          CFG_KT_STR,  CFG_KF_REQUIRED | CFG_KF_SECRET | CFG_KF_NONEMPTY | CFG_KF_EXPECT_SOURCES, NULL,
       0, 0, NULL, NULL, O(conninfo), NULL },
-    { "password_file",     KT_SECRET_FILE, KF_EMPTY_NULL, "", 0, 0, NULL, NULL, O(password), NULL },
-    { "database",          KT_STR,  KF_REQUIRED | KF_NONEMPTY, NULL, 0, 0, NULL, NULL, O(database),
+    { "password_file",     CFG_KT_SECRET_FILE, CFG_KF_EMPTY_NULL, "", 0, 0, NULL, NULL, O(password), NULL },
+    { "database",          CFG_KT_STR,  CFG_KF_REQUIRED | CFG_KF_NONEMPTY, NULL, 0, 0, NULL, NULL, O(database),
       "the database name the connection must be in" },
-    { "table",             KT_STR,  KF_NONEMPTY, "outbox.messages", 0, 0, NULL, NULL, O(table),
+    { "table",             CFG_KT_STR,  CFG_KF_NONEMPTY, "outbox.messages", 0, 0, NULL, NULL, O(table),
       "schema.table" },
-    { "sink",              KT_STR,  KF_NONEMPTY, "main", 0, 0, NULL, NULL, O(sink_name),
+    { "sink",              CFG_KT_STR,  CFG_KF_NONEMPTY, "main", 0, 0, NULL, NULL, O(sink_name),
       "the NAME of a [sink.NAME] section" },
-    { "batch_size",        KT_INT,  0, "500", 1, 100000, NULL, NULL, O(batch_size), NULL },
-    { "poll_interval",     KT_DUR,  KF_AUTO, "auto", 10, MS_D, NULL, NULL, O(poll_interval_ms),
+    { "batch_size",        CFG_KT_INT,  0, "500", 1, 100000, NULL, NULL, O(batch_size), NULL },
+    { "poll_interval",     CFG_KT_DUR,  CFG_KF_AUTO, "auto", 10, MS_D, NULL, NULL, O(poll_interval_ms),
       NULL },
-    { "lease",             KT_DUR,  0, "30s", MS_S, MS_D, NULL, NULL, O(lease_ms), NULL },
-    { "max_attempts",      KT_INT,  0, "10", 1, 1000000, NULL, NULL, O(max_attempts), NULL },
-    { "retry_backoff",     KT_DUR,  0, "1s", 10, MS_D, NULL, NULL, O(retry_backoff_ms), NULL },
-    { "retry_backoff_max", KT_DUR,  0, "5m", 10, 30 * MS_D, NULL, NULL, O(retry_backoff_max_ms), NULL },
-    { "on_sent",           KT_ENUM, 0, "mark", 0, 0, ENUM(on_sent), O(on_sent), NULL },
-    { "retention",         KT_DUR,  0, "7d", 0, DUR_MAX, NULL, NULL, O(retention_ms), NULL },
-    { "cleanup_batch",     KT_INT,  0, "1000", 1, 100000, NULL, NULL, O(cleanup_batch), NULL },
-    { "cleanup_interval",  KT_DUR,  0, "10s", 10, MS_D, NULL, NULL, O(cleanup_interval_ms), NULL },
-    { "mode",              KT_ENUM, 0, "leader", 0, 0, ENUM(mode), O(mode), NULL },
-    { "ordering",          KT_ENUM, 0, "pipelined", 0, 0, ENUM(ordering), O(ordering), NULL },
-    { "query_timeout",     KT_DUR,  0, "30s", 10, 24 * MS_H, NULL, NULL, O(query_timeout_ms), NULL },
-    { "connect_timeout",   KT_DUR,  0, "5s", 100, MS_H, NULL, NULL, O(connect_timeout_ms), NULL },
-    { "reconnect_max",     KT_DUR,  0, "30s", 10, MS_D, NULL, NULL, O(reconnect_max_ms), NULL },
+    { "lease",             CFG_KT_DUR,  0, "30s", MS_S, MS_D, NULL, NULL, O(lease_ms), NULL },
+    { "max_attempts",      CFG_KT_INT,  0, "10", 1, 1000000, NULL, NULL, O(max_attempts), NULL },
+    { "retry_backoff",     CFG_KT_DUR,  0, "1s", 10, MS_D, NULL, NULL, O(retry_backoff_ms), NULL },
+    { "retry_backoff_max", CFG_KT_DUR,  0, "5m", 10, 30 * MS_D, NULL, NULL, O(retry_backoff_max_ms), NULL },
+    { "on_sent",           CFG_KT_ENUM, 0, "mark", 0, 0, ENUM(on_sent), O(on_sent), NULL },
+    { "retention",         CFG_KT_DUR,  0, "7d", 0, DUR_MAX, NULL, NULL, O(retention_ms), NULL },
+    { "cleanup_batch",     CFG_KT_INT,  0, "1000", 1, 100000, NULL, NULL, O(cleanup_batch), NULL },
+    { "cleanup_interval",  CFG_KT_DUR,  0, "10s", 10, MS_D, NULL, NULL, O(cleanup_interval_ms), NULL },
+    { "mode",              CFG_KT_ENUM, 0, "leader", 0, 0, ENUM(mode), O(mode), NULL },
+    { "ordering",          CFG_KT_ENUM, 0, "pipelined", 0, 0, ENUM(ordering), O(ordering), NULL },
+    { "query_timeout",     CFG_KT_DUR,  0, "30s", 10, 24 * MS_H, NULL, NULL, O(query_timeout_ms), NULL },
+    { "connect_timeout",   CFG_KT_DUR,  0, "5s", 100, MS_H, NULL, NULL, O(connect_timeout_ms), NULL },
+    { "reconnect_max",     CFG_KT_DUR,  0, "30s", 10, MS_D, NULL, NULL, O(reconnect_max_ms), NULL },
 };
 #undef O
 
@@ -637,12 +593,12 @@ static const keydef outbox_keys[] = {
 /* generic value parsing                                               */
 /* ------------------------------------------------------------------ */
 
-static void expect_text(const keydef *k, char *buf, size_t len)
+static void expect_text(const cfg_key *k, char *buf, size_t len)
 {
     char a[32], b[32];
     size_t o = 0;
 
-    if (k->flags & KF_EXPECT_SOURCES) {
+    if (k->flags & CFG_KF_EXPECT_SOURCES) {
         /* "a libpq conninfo or an ODBC connection string": each text once */
         for (size_t i = 0; i < n_backends && o < len; i++) {
             const char *t = backends[i]->conninfo_expect;
@@ -661,12 +617,12 @@ static void expect_text(const keydef *k, char *buf, size_t len)
         return;
     }
     switch (k->type) {
-    case KT_ENUM:
+    case CFG_KT_ENUM:
         o += (size_t)snprintf(buf + o, len - o, "one of ");
         for (size_t i = 0; k->names[i] && o < len; i++)
             o += (size_t)snprintf(buf + o, len - o, "%s%s", i ? " | " : "", k->names[i]);
         break;
-    case KT_BACKEND: {
+    case CFG_KT_BACKEND: {
         bool first = true;
         o += (size_t)snprintf(buf + o, len - o, "one of ");
         for (size_t i = 0; i < n_backends && o < len; i++) {
@@ -677,29 +633,29 @@ static void expect_text(const keydef *k, char *buf, size_t len)
         }
         break;
     }
-    case KT_INT:
-        snprintf(buf, len, "%san integer %lld..%lld", (k->flags & KF_AUTO) ? "auto or " : "",
+    case CFG_KT_INT:
+        snprintf(buf, len, "%san integer %lld..%lld", (k->flags & CFG_KF_AUTO) ? "auto or " : "",
                  (long long)k->min, (long long)k->max);
         break;
-    case KT_DUR:
+    case CFG_KT_DUR:
         fmt_dur(k->min, a, sizeof a);
         fmt_dur(k->max, b, sizeof b);
         snprintf(buf, len, "%sa duration like 250ms, 30s, 5m, 2h or 7d, %s%s..%s",
-                 (k->flags & KF_AUTO) ? "auto or " : "",
-                 (k->flags & KF_WHOLE_SEC) ? "in whole seconds, " : "", a, b);
+                 (k->flags & CFG_KF_AUTO) ? "auto or " : "",
+                 (k->flags & CFG_KF_WHOLE_SEC) ? "in whole seconds, " : "", a, b);
         break;
-    case KT_SIZE:
+    case CFG_KT_SIZE:
         fmt_size((uint64_t)k->min, a, sizeof a);
         fmt_size((uint64_t)k->max, b, sizeof b);
         snprintf(buf, len, "a size like 1024, 64k, 16M or 1G, %s..%s", a, b);
         break;
-    case KT_BOOL:
-        snprintf(buf, len, "%s", (k->flags & KF_MUST_TRUE) ? k->expect : "true | false (or yes | no, on | off, 1 | 0)");
+    case CFG_KT_BOOL:
+        snprintf(buf, len, "%s", (k->flags & CFG_KF_MUST_TRUE) ? k->expect : "true | false (or yes | no, on | off, 1 | 0)");
         break;
-    case KT_LISTEN:
+    case CFG_KT_LISTEN:
         snprintf(buf, len, "host:port with a port 1..65535 (IPv6 as [addr]:port), or empty to disable");
         break;
-    case KT_SECRET_FILE:
+    case CFG_KT_SECRET_FILE:
         snprintf(buf, len, "a readable file");
         break;
     default:
@@ -751,7 +707,7 @@ static bool listen_ok(const char *v)
 }
 
 /* Parses one value (already expanded) into base+k->off. Reports and returns -1 on error. */
-static int apply_value(loader *L, const char *sec, const keydef *k, const char *v, void *base)
+static int apply_value(loader *L, const char *sec, const cfg_key *k, const char *v, void *base)
 {
     char *field = (char *)base + k->off;
     char exp[512], qb[200];
@@ -761,35 +717,35 @@ static int apply_value(loader *L, const char *sec, const keydef *k, const char *
 
     expect_text(k, exp, sizeof exp);
 #define BAD() do {                                                             \
-        if (k->flags & KF_SECRET)                                              \
+        if (k->flags & CFG_KF_SECRET)                                              \
             lerr(L, sec, k->key, "expected %s, got <secret>", exp);           \
         else                                                                   \
             lerr(L, sec, k->key, "expected %s, got %s", exp, q(v, qb, sizeof qb)); \
         return -1;                                                             \
     } while (0)
 
-    if (*v == '\0' && (k->flags & KF_NONEMPTY)) {
+    if (*v == '\0' && (k->flags & CFG_KF_NONEMPTY)) {
         lerr(L, sec, k->key, "expected %s, got an empty value", exp);
         return -1;
     }
 
     switch (k->type) {
-    case KT_STR:
-    case KT_NAME:
-    case KT_LISTEN: {
+    case CFG_KT_STR:
+    case CFG_KT_NAME:
+    case CFG_KT_LISTEN: {
         char **dst = (char **)(void *)field;
         char *copy;
 
-        if (*v == '\0' && (k->flags & KF_EMPTY_NULL)) {
+        if (*v == '\0' && (k->flags & CFG_KF_EMPTY_NULL)) {
             free(*dst);
             *dst = NULL;
             return 0;
         }
-        if (k->type == KT_NAME && !name_ok(v))
+        if (k->type == CFG_KT_NAME && !name_ok(v))
             BAD();
-        if (k->type == KT_LISTEN && !listen_ok(v))
+        if (k->type == CFG_KT_LISTEN && !listen_ok(v))
             BAD();
-        if (k->flags & KF_READABLE) {
+        if (k->flags & CFG_KF_READABLE) {
             if (access(v, R_OK) < 0) {
                 lerr(L, sec, k->key, "expected %s, got %s (%s)", exp, q(v, qb, sizeof qb), strerror(errno));
                 return -1;
@@ -799,14 +755,14 @@ static int apply_value(loader *L, const char *sec, const keydef *k, const char *
             lerr(L, sec, k->key, "out of memory");
             return -1;
         }
-        if (k->flags & KF_SECRET)
+        if (k->flags & CFG_KF_SECRET)
             cfg_free_secret(*dst);
         else
             free(*dst);
         *dst = copy;   /* the cfg owns it */
         return 0;
     }
-    case KT_SECRET_FILE: {
+    case CFG_KT_SECRET_FILE: {
         char **dst = (char **)(void *)field;
         char *content;
 
@@ -821,7 +777,7 @@ static int apply_value(loader *L, const char *sec, const keydef *k, const char *
         *dst = content;
         return 0;
     }
-    case KT_ENUM:
+    case CFG_KT_ENUM:
         for (size_t i = 0; k->names[i]; i++) {
             if (strcasecmp(v, k->names[i]) == 0) {
                 *(int *)(void *)field = k->vals[i];
@@ -829,15 +785,15 @@ static int apply_value(loader *L, const char *sec, const keydef *k, const char *
             }
         }
         BAD();
-    case KT_BACKEND: {
+    case CFG_KT_BACKEND: {
         const cfg_backend *be = cfg_backend_find((int)k->min, v);
         if (be == NULL)
             BAD();
         *(const cfg_backend **)(void *)field = be;
         return 0;
     }
-    case KT_INT:
-        if ((k->flags & KF_AUTO) && strcasecmp(v, "auto") == 0) {
+    case CFG_KT_INT:
+        if ((k->flags & CFG_KF_AUTO) && strcasecmp(v, "auto") == 0) {
             *(int *)(void *)field = 0;
             return 0;
         }
@@ -845,26 +801,26 @@ static int apply_value(loader *L, const char *sec, const keydef *k, const char *
             BAD();
         *(int *)(void *)field = (int)i64;
         return 0;
-    case KT_DUR:
-        if ((k->flags & KF_AUTO) && strcasecmp(v, "auto") == 0) {
+    case CFG_KT_DUR:
+        if ((k->flags & CFG_KF_AUTO) && strcasecmp(v, "auto") == 0) {
             *(int64_t *)(void *)field = 0;
             return 0;
         }
         if (cfg_parse_duration_ms(v, &i64) < 0 || i64 < k->min || i64 > k->max)
             BAD();
-        if ((k->flags & KF_WHOLE_SEC) && i64 % MS_S != 0)
+        if ((k->flags & CFG_KF_WHOLE_SEC) && i64 % MS_S != 0)
             BAD();
         *(int64_t *)(void *)field = i64;
         return 0;
-    case KT_SIZE:
+    case CFG_KT_SIZE:
         if (cfg_parse_size(v, &sz) < 0 || (uint64_t)sz < (uint64_t)k->min || (uint64_t)sz > (uint64_t)k->max)
             BAD();
         *(size_t *)(void *)field = sz;
         return 0;
-    case KT_BOOL:
+    case CFG_KT_BOOL:
         if (cfg_parse_bool(v, &b) < 0)
             BAD();
-        if ((k->flags & KF_MUST_TRUE) && !b)
+        if ((k->flags & CFG_KF_MUST_TRUE) && !b)
             BAD();
         *(bool *)(void *)field = b;
         return 0;
@@ -876,7 +832,7 @@ static int apply_value(loader *L, const char *sec, const keydef *k, const char *
     return -1;
 }
 
-static const keydef *find_key(const keydef *t, size_t n, const char *key)
+static const cfg_key *find_key(const cfg_key *t, size_t n, const char *key)
 {
     for (size_t i = 0; i < n; i++)
         if (strcmp(t[i].key, key) == 0)
@@ -884,12 +840,35 @@ static const keydef *find_key(const keydef *t, size_t n, const char *key)
     return NULL;
 }
 
-/* Reports keys of section sec that are not in the table. */
-static void check_unknown_keys(loader *L, const char *sec, const keydef *t, size_t n)
+/* The keys a section of kind (a CFG_BACKEND_* for sinks and outboxes, 0 for [relay]) may
+   hold: its table t, and the keys of its backend be; with be NULL (its name is not known
+   before its value is expanded, or names nothing) the keys of every backend of the kind. */
+static bool key_known(const cfg_key *t, size_t n, int kind, const cfg_backend *be,
+                      const char *key)
+{
+    if (find_key(t, n, key))
+        return true;
+    for (size_t i = 0; kind != 0 && i < n_backends; i++)
+        if (backends[i]->kind == kind && (be == NULL || backends[i] == be) &&
+            backends[i]->keys != NULL && find_key(backends[i]->keys, backends[i]->n_keys, key))
+            return true;
+    return false;
+}
+
+/* Reports keys of section sec that it may not hold (key_known). */
+static void check_unknown_keys(loader *L, const char *sec, const cfg_key *t, size_t n,
+                               int kind, const char *kind_key)
 {
     size_t slen = strlen(sec);
     dictionary *d = L->d;
+    const cfg_backend *be = NULL;
 
+    if (kind != 0) {   /* the section's backend, if its raw value names one */
+        char full[512];
+        snprintf(full, sizeof full, "%s:%s", sec, kind_key);
+        const char *raw = iniparser_getstring(d, full, NULL);
+        be = cfg_backend_find(kind, raw);
+    }
     for (ssize_t i = 0; i < d->size; i++) {
         const char *k = d->key[i];
         char list[512];
@@ -897,28 +876,30 @@ static void check_unknown_keys(loader *L, const char *sec, const keydef *t, size
 
         if (!k || !d->val[i] || strncmp(k, sec, slen) != 0 || k[slen] != ':')
             continue;
-        if (find_key(t, n, k + slen + 1))
+        if (key_known(t, n, kind, be, k + slen + 1))
             continue;
         for (size_t j = 0; j < n && o < sizeof list; j++)
             o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", j ? ", " : "", t[j].key);
+        for (size_t j = 0; be != NULL && be->keys != NULL && j < be->n_keys && o < sizeof list; j++)
+            o += (size_t)snprintf(list + o, sizeof list - o, ", %s", be->keys[j].key);
         lerr(L, sec, k + slen + 1, "unknown key, expected one of %s", list);
     }
 }
 
 /* Applies every key of the table to base: the file's value (expanded) or the default. */
-static void apply_section(loader *L, const char *sec, const keydef *t, size_t n, void *base)
+static void apply_section(loader *L, const char *sec, const cfg_key *t, size_t n, void *base)
 {
     char full[512];
 
     for (size_t i = 0; i < n; i++) {
-        const keydef *k = &t[i];
+        const cfg_key *k = &t[i];
         const char *raw;
         char *v;
 
         snprintf(full, sizeof full, "%s:%s", sec, k->key);
         raw = iniparser_getstring(L->d, full, NULL);
         if (!raw) {
-            if (k->flags & KF_REQUIRED) {
+            if (k->flags & CFG_KF_REQUIRED) {
                 char exp[512];
                 expect_text(k, exp, sizeof exp);
                 lerr(L, sec, k->key, "expected %s (required), got nothing", exp);
@@ -926,7 +907,7 @@ static void apply_section(loader *L, const char *sec, const keydef *t, size_t n,
             }
             if (k->def)
                 apply_value(L, sec, k, k->def, base);
-            else if (k->type == KT_BACKEND &&   /* the default: the first registered */
+            else if (k->type == CFG_KT_BACKEND &&   /* the default: the first registered */
                      !(*(const cfg_backend **)(void *)((char *)base + k->off) =
                        cfg_backend_find((int)k->min, NULL)))
                 lerr(L, sec, k->key, "no implementation is built in");
@@ -1419,7 +1400,7 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
     }
 
     /* pass 2: [relay] (optional; defaults when absent) */
-    check_unknown_keys(&L, "relay", relay_keys, NKEYS(relay_keys));
+    check_unknown_keys(&L, "relay", relay_keys, NKEYS(relay_keys), 0, NULL);
     apply_section(&L, "relay", relay_keys, NKEYS(relay_keys), &c->relay);
     default_relay_name(&L, &c->relay);
 
@@ -1435,8 +1416,10 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
                 lerr(&L, k, NULL, "out of memory");
                 continue;
             }
-            check_unknown_keys(&L, k, sink_keys, NKEYS(sink_keys));
+            check_unknown_keys(&L, k, sink_keys, NKEYS(sink_keys), CFG_BACKEND_SINK, "type");
             apply_section(&L, k, sink_keys, NKEYS(sink_keys), s);
+            if (s->type != NULL && s->type->keys != NULL)
+                apply_section(&L, k, s->type->keys, s->type->n_keys, s);
             finish_sink(&L, k, s);
         } else if (strncmp(k, "outbox.", 7) == 0 && section_name_ok(k + 7)) {
             cfg_outbox *o = &c->outboxes[c->n_outboxes++];
@@ -1444,8 +1427,11 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
                 lerr(&L, k, NULL, "out of memory");
                 continue;
             }
-            check_unknown_keys(&L, k, outbox_keys, NKEYS(outbox_keys));
+            check_unknown_keys(&L, k, outbox_keys, NKEYS(outbox_keys), CFG_BACKEND_SOURCE,
+                               "source");
             apply_section(&L, k, outbox_keys, NKEYS(outbox_keys), o);
+            if (o->source != NULL && o->source->keys != NULL)
+                apply_section(&L, k, o->source->keys, o->source->n_keys, o);
             finish_outbox(&L, k, o);
         }
     }

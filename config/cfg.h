@@ -143,6 +143,48 @@ void cfg_brokers_free(cfg_sink *s);
  * relay/ finds a section's implementation through the same entry (ops). */
 typedef struct cfg_report cfg_report;   /* the section being finished, for error lines */
 
+/* A key table: one entry per key of a section, applied to the section's struct (off).
+   config/ has one per section kind; a backend adds the keys only it has (cfg_backend). */
+enum cfg_key_type {
+    CFG_KT_STR,      /* char *, any text (CFG_KF_NONEMPTY / CFG_KF_EMPTY_NULL) */
+    CFG_KT_NAME,     /* char *, printable without spaces, 1..128 bytes */
+    CFG_KT_LISTEN,   /* char *, host:port, empty → NULL */
+    CFG_KT_ENUM,     /* int */
+    CFG_KT_BACKEND,  /* const cfg_backend *, a registered backend of kind `min` */
+    CFG_KT_INT,      /* int, min..max */
+    CFG_KT_DUR,      /* int64_t ms, min..max */
+    CFG_KT_SIZE,     /* size_t, min..max */
+    CFG_KT_BOOL,     /* bool */
+    CFG_KT_SECRET_FILE /* char *, the file's contents */
+};
+
+#define CFG_KF_REQUIRED   0x01  /* no default: must be present */
+#define CFG_KF_SECRET     0x02  /* never echo the value */
+#define CFG_KF_EMPTY_NULL 0x04  /* an empty value stores NULL */
+#define CFG_KF_NONEMPTY   0x08  /* an empty value is an error */
+#define CFG_KF_MUST_TRUE  0x10  /* bool that may only be true */
+#define CFG_KF_WHOLE_SEC  0x20  /* duration in whole seconds */
+#define CFG_KF_READABLE   0x40  /* path that must be readable */
+#define CFG_KF_AUTO       0x80  /* CFG_KT_DUR, CFG_KT_INT: "auto" is accepted, stored as 0 */
+#define CFG_KF_EXPECT_SOURCES 0x100  /* expected: what the registered sources' conninfo holds */
+
+#define CFG_MS_S 1000LL                 /* durations are milliseconds */
+#define CFG_MS_M (60LL * CFG_MS_S)
+#define CFG_MS_H (60LL * CFG_MS_M)
+#define CFG_MS_D (24LL * CFG_MS_H)
+
+typedef struct cfg_key {
+    const char *key;
+    int         type;                /* enum cfg_key_type */
+    unsigned    flags;               /* CFG_KF_* */
+    const char *def;                 /* default, parsed like a value; NULL: none */
+    int64_t     min, max;
+    const char *const *names;        /* CFG_KT_ENUM: NULL-terminated */
+    const int  *vals;                /* CFG_KT_ENUM: value per name */
+    size_t      off;                 /* the field in the section's struct */
+    const char *expect;              /* CFG_KT_STR/NAME, CFG_KF_MUST_TRUE: what is expected */
+} cfg_key;
+
 enum cfg_backend_kind { CFG_BACKEND_SOURCE = 1, CFG_BACKEND_SINK };
 
 struct cfg_backend {
@@ -150,6 +192,8 @@ struct cfg_backend {
     const char  *name;              /* the value of `source =` or `type =` */
     const char  *conninfo_expect;   /* sources: what conninfo holds ("a libpq conninfo") */
     const char  *url_default;       /* sinks: the url when none is given */
+    const cfg_key *keys;            /* the keys only this backend has (in its section, */
+    size_t       n_keys;            /* applied to the same cfg_sink / cfg_outbox), or NULL */
     /* Checks and completes what only the backend understands, once the section's keys
        are parsed; reports each problem with cfg_report_error. NULL: nothing to do. */
     void       (*finish_outbox)(cfg_outbox *o, cfg_report *r);

@@ -404,17 +404,14 @@ def man_sections(text):
 
 
 def cfg_c_keys():
-    """{section kind: {key: (flags, default or None)}} from config/cfg.c's key tables: what
-    the loader accepts."""
-    src = (ROOT / "config" / "cfg.c").read_text()
-    defines = dict(re.findall(r'^#define\s+(\w+)\s+"([^"]*)"', src, re.M))
-    out = {}
-    for kind in ("relay", "sink", "outbox"):
-        m = re.search(rf"static const keydef {kind}_keys\[\] = \{{(.*?)\n\}};", src, re.S)
-        assert m, f"config/cfg.c: no {kind}_keys table"
+    """{section kind: {key: (flags, default or None)}} from the key tables: what the loader
+    accepts. config/cfg.c has the relay, sink and outbox tables; each sink or source adds
+    the keys only it has (a `static const cfg_key ..._keys[]` table under sinks/ or
+    sources/, registered with its cfg_backend)."""
+    def entries(table, defines):
         keys = {}
         for key, flags, default in re.findall(
-                r'\{\s*"(\w+)",\s*KT_\w+,\s*([^,]+?),\s*(NULL|"[^"]*"|\w+)\s*,', m.group(1)):
+                r'\{\s*"(\w+)",\s*CFG_KT_\w+,\s*([^,]+?),\s*(NULL|"[^"]*"|\w+)\s*,', table):
             if default == "NULL":
                 default = None
             elif default.startswith('"'):
@@ -422,8 +419,38 @@ def cfg_c_keys():
             else:
                 default = defines[default]
             keys[key] = (flags, default)
-        assert len(keys) == m.group(1).count('{ "'), f"{kind}_keys: unparsed entries"
-        out[kind] = keys
+        assert len(keys) == table.count('{ "'), f"unparsed entries in {table[:80]!r}"
+        return keys
+
+    src = (ROOT / "config" / "cfg.c").read_text()
+    defines = dict(re.findall(r'^#define\s+(\w+)\s+"([^"]*)"', src, re.M))
+    out = {}
+    for kind in ("relay", "sink", "outbox"):
+        m = re.search(rf"static const cfg_key {kind}_keys\[\] = \{{(.*?)\n\}};", src, re.S)
+        assert m, f"config/cfg.c: no {kind}_keys table"
+        out[kind] = entries(m.group(1), defines)
+    for kind, folder in (("sink", "sinks"), ("outbox", "sources")):
+        first, url = None, None
+        for path in sorted((ROOT / folder).rglob("*.c")):
+            text = path.read_text()
+            for m in re.finditer(r"static const cfg_key \w+\[\] = \{(.*?)\n\};", text, re.S):
+                for key, v in entries(m.group(1), defines).items():
+                    assert key not in out[kind], f"{path}: [{kind}] {key} defined twice"
+                    out[kind][key] = v
+            url = url or (re.findall(r'\.url_default = "([^"]*)"', text) or [None])[0]
+        # defaults a backend supplies: the first registered is the default of type / source
+        # (the first entry of sources/source.c, of sinks/sink.c), a sink's url its url_default
+        reg = (ROOT / folder / ("sink.c" if folder == "sinks" else "source.c")).read_text()
+        if folder == "sources":
+            first = re.search(r'\.name = "(\w+)"', reg).group(1)
+            out[kind]["source"] = (out[kind]["source"][0], first)
+        else:
+            be = re.search(r"backends\[\] = \{ &(\w+)", reg).group(1)
+            text = "".join(p.read_text() for p in (ROOT / folder).rglob("*.c"))
+            m = re.search(rf"const cfg_backend {be} = \{{(.*?)\n\}};", text, re.S)
+            first = re.search(r'\.name = "(\w+)"', m.group(1)).group(1)
+            out[kind]["type"] = (out[kind]["type"][0], first)
+            out[kind]["url"] = (out[kind]["url"][0], url)
     return out
 
 

@@ -24,7 +24,7 @@
 
 #include "config/cfg.h"
 #include "relay/log.h"
-#include "sinks/rabbitmq/amqpurl.h"
+#include "sinks/rabbitmq/amqpcfg.h"
 #include "sinks/sinks.h"
 #include "sources/sources.h"
 #include "relay/row.h"

@@ -39,7 +39,7 @@
  */
 #include "relay/row.h"
 #include "relay/sink.h"
-#include "sinks/rabbitmq/amqpurl.h"
+#include "sinks/rabbitmq/amqpcfg.h"
 #include "sinks/sinks.h"
 #include "sinks/rabbitmq/json.h"
 

@@ -1,5 +1,5 @@
 /*
- * amqpurl.c — the rabbitmq sink's own settings (amqpurl.h): its URLs, parsed
+ * amqpcfg.c — the rabbitmq sink's own settings (amqpcfg.h): its URLs, parsed
  * strictly with a reason for every refusal, and the checks only it understands
  * (TLS files need amqps://, a client certificate needs its key).
  *
@@ -9,9 +9,11 @@
  * refuse. An operator gets a wrong broker or no reason; this parser refuses each
  * of those with one (tests/c/cfg_test.c lists them).
  */
-#include "sinks/rabbitmq/amqpurl.h"
+#include "sinks/rabbitmq/amqpcfg.h"
+#include "sinks/sinks.h"
 
 #include <ctype.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -431,6 +433,21 @@ fail:
 }
 
 
+/* The keys only this sink has (registered with config/ in sinks/sink.c). */
+#define F(f) offsetof(cfg_sink, f)
+static const cfg_key amqpsink_keys[] = {
+    { "heartbeat",        CFG_KT_DUR,  CFG_KF_WHOLE_SEC, "30s", 0, 65535 * CFG_MS_S, NULL, NULL, F(heartbeat_ms), NULL },
+    { "tls_ca_file",      CFG_KT_STR,  CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL, F(tls_ca_file),
+      "a readable CA bundle file" },
+    { "tls_verify",       CFG_KT_BOOL, 0, "true", 0, 0, NULL, NULL, F(tls_verify), NULL },
+    { "tls_cert",         CFG_KT_STR,  CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL, F(tls_cert),
+      "a readable PEM client certificate file" },
+    { "tls_key",          CFG_KT_STR,  CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL,
+      F(tls_key), "a readable PEM private key file" },
+    { "nack_reopen",      CFG_KT_DUR,  0, "1s", 0, CFG_MS_H, NULL, NULL, F(nack_reopen_ms), NULL },
+};
+#undef F
+
 void amqpsink_finish_cfg(cfg_sink *s, cfg_report *r)
 {
     char why[200];
@@ -474,3 +491,13 @@ void amqpsink_finish_cfg(cfg_sink *s, cfg_report *r)
                          "expected both tls_cert and tls_key (a client certificate needs its "
                          "key), got only %s", s->tls_cert ? "tls_cert" : "tls_key");
 }
+
+const cfg_backend amqpsink_backend = {
+    .kind = CFG_BACKEND_SINK,
+    .name = "rabbitmq",
+    .url_default = "amqp://guest:guest@127.0.0.1:5672/%2f",
+    .keys = amqpsink_keys,
+    .n_keys = sizeof amqpsink_keys / sizeof amqpsink_keys[0],
+    .finish_sink = amqpsink_finish_cfg,
+    .ops = &amqpsink_ops,
+};

@@ -1,9 +1,10 @@
 /*
- * amqpurl.h — the rabbitmq sink's URLs and the checks of its settings that only
- * it understands (registered with config/ as the "rabbitmq" backend, sink_ops.c).
+ * amqpcfg.h — the rabbitmq sink's own settings: its keys, its URLs and the
+ * checks only it understands: amqpsink_backend (sinks/sinks.h), registered
+ * with config/ as the "rabbitmq" sink by sinks/sink.c.
  */
-#ifndef SINKS_RABBITMQ_AMQPURL_H
-#define SINKS_RABBITMQ_AMQPURL_H
+#ifndef SINKS_RABBITMQ_AMQPCFG_H
+#define SINKS_RABBITMQ_AMQPCFG_H
 
 #include <stddef.h>
 #include "config/cfg.h"
