@@ -1527,7 +1527,7 @@ bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b)
            a->reconnect_max_ms == b->reconnect_max_ms &&
            a->max_message_size == b->max_message_size && a->confirms == b->confirms &&
            a->mandatory == b->mandatory && a->nack_reopen_ms == b->nack_reopen_ms &&
-           brokers_equal(a, b);
+           a->files_digest == b->files_digest && brokers_equal(a, b);
 }
 
 bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b)

@@ -71,6 +71,8 @@ typedef struct cfg_sink {
     size_t  max_message_size;   /* default 128 MiB (RabbitMQ's default); bigger rows are dead-lettered */
     bool    confirms;           /* must be true: a sink without publisher confirms is refused */
     bool    mandatory;          /* default true; false is refused too (unroutable would be lost) */
+    uint64_t files_digest;      /* the backend's digest of the files it reads when connecting
+                                   (TLS files): a reload sees one replaced at the same path */
     int64_t nack_reopen_ms;     /* reopen a publishing channel that got only nacks for this long
                                    (at least CFG_NACK_REOPEN_MIN, no ack); 0: never; default 1s */
 } cfg_sink;

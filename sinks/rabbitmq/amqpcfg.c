@@ -13,6 +13,8 @@
 #include "sinks/sinks.h"
 
 #include <ctype.h>
+#include <errno.h>
+#include <stdint.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -433,6 +435,32 @@ fail:
 }
 
 
+/* Folds a file's bytes into *h (FNV-1a 64): certificates are read when a connection is
+   made, so a reload compares their contents, not only their paths. -1 (errno) when the
+   file cannot be read. */
+static int digest_file(const char *path, uint64_t *h)
+{
+    unsigned char buf[8192];
+    size_t n;
+    FILE *f = fopen(path, "rb");
+
+    if (f == NULL)
+        return -1;
+    if (*h == 0)
+        *h = 0xcbf29ce484222325ull;
+    while ((n = fread(buf, 1, sizeof buf, f)) > 0)
+        for (size_t i = 0; i < n; i++)
+            *h = (*h ^ buf[i]) * 0x100000001b3ull;
+    *h = (*h ^ 0xff) * 0x100000001b3ull;   /* where one file ends */
+    int bad = ferror(f);
+    fclose(f);
+    if (bad) {
+        errno = EIO;
+        return -1;
+    }
+    return 0;
+}
+
 /* The keys only this sink has (registered with config/ in sinks/sink.c). */
 #define F(f) offsetof(cfg_sink, f)
 static const cfg_key amqpsink_keys[] = {
@@ -482,6 +510,11 @@ void amqpsink_finish_cfg(cfg_sink *s, cfg_report *r)
         cfg_report_error(r, "tls_ca_file", "expected an amqps:// url when tls_ca_file is set, "
                          "got %s with an amqp:// url", cfg_quote(s->tls_ca_file, qb, sizeof qb));
     }
+    const char *files[] = { s->tls_ca_file, s->tls_cert, s->tls_key };
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++)
+        if (files[i] != NULL && digest_file(files[i], &s->files_digest) < 0)
+            cfg_report_error(r, i == 0 ? "tls_ca_file" : i == 1 ? "tls_cert" : "tls_key",
+                             "cannot read the file: %s", strerror(errno));
     if ((s->tls_cert || s->tls_key) && !s->tls)
         cfg_report_error(r, s->tls_cert ? "tls_cert" : "tls_key",
                          "expected an amqps:// url when a client certificate is set, got an "

@@ -639,6 +639,36 @@ static void t_load_defaults(void **st)
     cfg_free(c);
 }
 
+/* A certificate rotated in place (same path, new content) is a change for a reload: the
+   sink reconnects and reads it, instead of going on with the old one until a failure. */
+static void t_reload_sees_rotated_tls_file(void **st)
+{
+    cfg_errors e = { 0 };
+    char *ca, *ini;
+    cfg *a, *b, *c2;
+    (void)st;
+
+    ca = tmp_write("ca.pem", "-----BEGIN CERTIFICATE-----\nold\n-----END CERTIFICATE-----\n");
+    assert_true(asprintf(&ini, "[sink.main]\nurl = amqps://h/v\ntls_ca_file = %s\n"
+                         "[outbox.o]\nconninfo = dbname=x\ndatabase = x\n", ca) > 0);
+    a = load_text(ini, &e, NULL);
+    print_errs(&e);
+    assert_non_null(a);
+    b = load_text(ini, &e, NULL);
+    assert_non_null(b);
+    assert_true(cfg_sink_equal(&a->sinks[0], &b->sinks[0]));     /* nothing changed */
+    free(tmp_write("ca.pem", "-----BEGIN CERTIFICATE-----\nnew\n-----END CERTIFICATE-----\n"));
+    c2 = load_text(ini, &e, NULL);
+    assert_non_null(c2);
+    assert_false(cfg_sink_equal(&a->sinks[0], &c2->sinks[0]));   /* same path, new file */
+    assert_false(cfg_outbox_equal(&a->outboxes[0], &c2->outboxes[0]));   /* its outbox too */
+    cfg_free(a);
+    cfg_free(b);
+    cfg_free(c2);
+    free(ini);
+    free(ca);
+}
+
 static void t_load_values(void **st)
 {
     cfg_errors e = { 0 };
@@ -1027,6 +1057,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(t_amqp_url_list_bad),
         cmocka_unit_test(t_load_defaults),
         cmocka_unit_test(t_load_values),
+        cmocka_unit_test(t_reload_sees_rotated_tls_file),
         cmocka_unit_test(t_env_and_secret_files),
         cmocka_unit_test(t_env_unset_and_bad_file),
         cmocka_unit_test(t_secret_file_content_never_echoed),
