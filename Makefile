@@ -42,6 +42,8 @@ ODBC_LIBS   := $(call pc_libs,odbc,-lodbc)
 AMQP_CFLAGS := $(call pc_cflags,librabbitmq,)
 AMQP_LIBS   := $(call pc_libs,librabbitmq,-lrabbitmq)
 SSL_LIBS    := $(call pc_libs,openssl,-lssl -lcrypto)
+JSON_CFLAGS := $(call pc_cflags,jansson,)
+JSON_LIBS   := $(call pc_libs,jansson,-ljansson)
 # libev and iniparser ship no .pc file on Debian
 EV_LIBS     := -lev
 INI_CFLAGS  := -I/usr/include/iniparser
@@ -59,12 +61,12 @@ $(error SANITIZER must be address, undefined or address+undefined)
 endif
 
 BASE_CFLAGS := -std=c11 -D_GNU_SOURCE -fPIC -pthread $(WARN) $(OPT) $(SAN_FLAGS) -MMD -MP \
-               -Ilib -I. $(PQ_CFLAGS) $(ODBC_CFLAGS) $(AMQP_CFLAGS) $(INI_CFLAGS) \
+               -Ilib -I. $(PQ_CFLAGS) $(ODBC_CFLAGS) $(AMQP_CFLAGS) $(JSON_CFLAGS) $(INI_CFLAGS) \
                -DOUTBOX_VERSION='"$(VERSION)"'
 ALL_CFLAGS  := $(BASE_CFLAGS) $(CFLAGS)
 ALL_LDFLAGS := -pthread $(SAN_FLAGS) $(LDFLAGS)
 LIB_LIBS    := $(PQ_LIBS) $(ODBC_LIBS)
-RELAY_LIBS  := $(LIB_LIBS) $(AMQP_LIBS) $(SSL_LIBS) $(EV_LIBS) $(INI_LIBS) -lm
+RELAY_LIBS  := $(LIB_LIBS) $(AMQP_LIBS) $(JSON_LIBS) $(SSL_LIBS) $(EV_LIBS) $(INI_LIBS) -lm
 
 LIB_SRC   := $(wildcard lib/*.c)
 RELAY_SRC := $(filter-out relay/main.c,$(wildcard relay/*.c config/*.c sources/*.c sources/*/*.c sinks/*.c sinks/*/*.c))

@@ -415,6 +415,59 @@ def test_dockerfile_healthcheck():
     assert any(w == "RUN" and "purge -y curl" in a for w, a in stage), "the image keeps curl?"
 
 
+def stage_packages(stage_index):
+    """Package names of the apt-get install commands in the Dockerfile's stage (0 = build)."""
+    stage, out = -1, []
+    for word, args in docker_instructions():
+        if word == "FROM":
+            stage += 1
+        if word == "RUN" and stage == stage_index:
+            for cmd in re.split(r"&&", args):
+                words = shlex.split(cmd)
+                if "apt-get" in words and "install" in words:
+                    out += [w for w in words[words.index("install") + 1:]
+                            if not w.startswith("-") and "=" not in w]
+    return out
+
+
+def build_packages_txt():
+    """scripts/packages.txt's first section (what `make` needs), up to "# Tests only"."""
+    text = (ROOT / "scripts" / "packages.txt").read_text().split("# Tests only")[0]
+    return [line.split()[0] for line in text.splitlines() if line.strip() and not line.startswith("#")]
+
+
+def test_build_packages_agree():
+    """The build dependencies are listed three times; the lists agree: scripts/packages.txt's
+    build section, the Dockerfile's build stage and README's apt-get line."""
+    listed = build_packages_txt()
+    assert "libjansson-dev" in listed, listed
+    assert stage_packages(0) == listed, (stage_packages(0), listed)
+    readme = (ROOT / "README.md").read_text()
+    m = re.search(r"apt-get install --no-install-recommends ((?:\\\n|[^\n])*)\n", readme)
+    assert m, "README: no apt-get install line"
+    assert m.group(1).replace("\\\n", " ").split() == listed, m.group(1)
+
+
+def test_runtime_stage_has_the_relays_libraries(relay_bin):
+    """Every shared library outbox-relay links (readelf NEEDED) comes from a package the
+    Dockerfile's runtime stage installs, or one of their dependencies (apt-cache depends),
+    or libc6 (in the base image). A sanitizer build's runtimes (libasan, libubsan) are not
+    looked for: the image is built without SANITIZER."""
+    runtime = stage_packages(sum(1 for w, _ in docker_instructions() if w == "FROM") - 1)
+    assert "libjansson4" in runtime, runtime
+    have = set(runtime) | {"libc6"}
+    for pkg in runtime:
+        r = subprocess.run(["apt-cache", "depends", pkg], capture_output=True, text=True)
+        have |= set(re.findall(r"^\s*Depends: (\S+)$", r.stdout, re.M))
+    d = subprocess.run(["readelf", "-d", str(relay_bin)], capture_output=True, text=True, check=True)
+    for lib in re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", d.stdout):
+        if re.match(r"lib(asan|ubsan)\.", lib):
+            continue
+        r = subprocess.run(["dpkg", "-S", f"*/{lib}"], capture_output=True, text=True)
+        owners = {line.split(":")[0] for line in r.stdout.splitlines()}
+        assert owners & have, f"{lib} (package {owners or '?'}) is not in the runtime stage"
+
+
 def dockerfile_config_path():
     cmd = json.loads([a for w, a in final_stage() if w == "CMD"][-1])
     return cmd[cmd.index("-c") + 1]
