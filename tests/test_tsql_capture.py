@@ -27,7 +27,8 @@ dead-letter move. test_checker_finds_broken_statements shows each rule failing o
 broken statement.
 
 What this does not show: that SQL Server executes the statements as intended. That needs
-a server: OUTBOX_TEST_MSSQL runs tests/test_lib_odbc.py and tests/test_odbcsrc.py there.
+a server: OUTBOX_TEST_MSSQL runs tests/test_lib_odbc.py, tests/test_source_contract.py and
+tests/test_odbcsrc.py there.
 """
 import json
 import os
