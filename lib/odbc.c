@@ -368,27 +368,27 @@ static const char *const columns =
 
 static char *sql_pg(const outbox_queue *q, size_t rows)
 {
-    outbox_i_buf b = { 0 };
-    outbox_i_buf_printf(&b, "INSERT INTO %s %s VALUES ", q->pg_table, columns);
+    outbox_util_buf b = { 0 };
+    outbox_util_buf_printf(&b, "INSERT INTO %s %s VALUES ", q->pg_table, columns);
     for (size_t r = 0; r < rows; r++)
-        outbox_i_buf_printf(&b, "%s(?::uuid, ?, ?, ?, ?, ?, ?, ?::jsonb, ?, now() + "
+        outbox_util_buf_printf(&b, "%s(?::uuid, ?, ?, ?, ?, ?, ?, ?::jsonb, ?, now() + "
                             "(?::bigint * interval '1 millisecond'))", r ? ", " : "");
-    outbox_i_buf_puts(&b, " ON CONFLICT DO NOTHING"); /* no target: INSERT privilege suffices */
+    outbox_util_buf_puts(&b, " ON CONFLICT DO NOTHING"); /* no target: INSERT privilege suffices */
     if (b.failed) {
-        outbox_i_buf_free(&b);
+        outbox_util_buf_free(&b);
         return NULL;
     }
     return b.p; /* caller frees */
 }
 
 /* Appends s as the body of a T-SQL N'...' literal (quotes doubled). */
-static void put_nliteral(outbox_i_buf *b, const char *s)
+static void put_nliteral(outbox_util_buf *b, const char *s)
 {
     for (const char *q; (q = strchr(s, '\'')) != NULL; s = q + 1) {
-        outbox_i_buf_put(b, s, (size_t)(q - s + 1));
-        outbox_i_buf_put(b, "'", 1);
+        outbox_util_buf_put(b, s, (size_t)(q - s + 1));
+        outbox_util_buf_put(b, "'", 1);
     }
-    outbox_i_buf_puts(b, s);
+    outbox_util_buf_puts(b, s);
 }
 
 /* The T-SQL of one chunk of `rows` messages: EXEC sp_executesql of the batch
@@ -397,10 +397,10 @@ static void put_nliteral(outbox_i_buf *b, const char *s)
 static char *sql_ms(const outbox_queue *q, size_t rows)
 {
     char uniq[64];
-    outbox_i_buf in = { 0 }, b = { 0 };
+    outbox_util_buf in = { 0 }, b = { 0 };
     outbox_derived_name(q->name.table, "message_id_key", uniq);
 
-    outbox_i_buf_printf(&in,
+    outbox_util_buf_printf(&in,
         "SET NOCOUNT ON;\n"
         "SET XACT_ABORT OFF;\n"
         "SET QUOTED_IDENTIFIER ON;\n"
@@ -422,10 +422,10 @@ static char *sql_ms(const outbox_queue *q, size_t rows)
         "DATEADD(millisecond, v.ds, DATEADD(minute, v.dm, SYSUTCDATETIME()))\n"
         "        FROM (VALUES ", q->ms_table, columns);
     for (size_t r = 1; r <= rows; r++)
-        outbox_i_buf_printf(&in, "%s(%zu, @m%zu, @x%zu, @r%zu, @k%zu, @t%zu, @c%zu, @o%zu, "
+        outbox_util_buf_printf(&in, "%s(%zu, @m%zu, @x%zu, @r%zu, @k%zu, @t%zu, @c%zu, @o%zu, "
                             "@h%zu, @b%zu, @dm%zu, @ds%zu)", r > 1 ? ", " : "", r, r, r, r, r,
                             r, r, r, r, r, r, r);
-    outbox_i_buf_printf(&in,
+    outbox_util_buf_printf(&in,
         ") AS v(rn, m, x, r, k, t, c, o, h, b, dm, ds)\n"
         "        WHERE NOT EXISTS (SELECT 1 FROM %s AS e WITH (READCOMMITTEDLOCK) "
         "WHERE e.message_id = v.m)\n"
@@ -440,24 +440,24 @@ static char *sql_ms(const outbox_queue *q, size_t rows)
         "END;\n"
         "SELECT @n AS inserted;", q->ms_table, uniq, rows);
 
-    outbox_i_buf_puts(&b, "EXEC sp_executesql N'");
+    outbox_util_buf_puts(&b, "EXEC sp_executesql N'");
     if (!in.failed)
         put_nliteral(&b, in.p);
-    outbox_i_buf_puts(&b, "', N'");
+    outbox_util_buf_puts(&b, "', N'");
     for (size_t r = 1; r <= rows; r++)
-        outbox_i_buf_printf(&b, "%s@m%zu uniqueidentifier, @x%zu nvarchar(255), "
+        outbox_util_buf_printf(&b, "%s@m%zu uniqueidentifier, @x%zu nvarchar(255), "
                             "@r%zu nvarchar(255), @k%zu nvarchar(255), @t%zu nvarchar(255), "
                             "@c%zu nvarchar(255), @o%zu nvarchar(255), @h%zu nvarchar(max), "
                             "@b%zu varbinary(max), @dm%zu int, @ds%zu int", r > 1 ? ", " : "",
                             r, r, r, r, r, r, r, r, r, r, r);
-    outbox_i_buf_puts(&b, "'");
+    outbox_util_buf_puts(&b, "'");
     for (size_t i = 0; i < rows * MS_COLS; i++)
-        outbox_i_buf_puts(&b, i % MS_COLS ? ", ?" : ",\n    ?");
-    outbox_i_buf_puts(&b, ";");
+        outbox_util_buf_puts(&b, i % MS_COLS ? ", ?" : ",\n    ?");
+    outbox_util_buf_puts(&b, ";");
     int failed = in.failed;
-    outbox_i_buf_free(&in);
+    outbox_util_buf_free(&in);
     if (failed || b.failed) {
-        outbox_i_buf_free(&b);
+        outbox_util_buf_free(&b);
         return NULL;
     }
     return b.p; /* caller frees */
