@@ -77,86 +77,9 @@ typedef struct od_call {
 
 static const unsigned char empty_byte[1] = { 0 };
 
-/* ---------------------------------------------------------- UTF-8/UTF-16 */
-
-/* s is valid UTF-8 (checked before). Returns malloc'd UTF-16 (NUL-terminated). */
-static SQLWCHAR *to_utf16(const char *s, SQLLEN *bytes, SQLULEN *units)
-{
-    size_t n = strlen(s);
-    SQLWCHAR *w = malloc((n + 1) * sizeof *w);
-    if (!w)
-        return NULL;
-    size_t k = 0;
-    const unsigned char *p = (const unsigned char *)s;
-    while (*p) {
-        uint32_t cp;
-        if (p[0] < 0x80) {
-            cp = p[0];
-            p += 1;
-        } else if (p[0] < 0xE0) {
-            cp = ((uint32_t)(p[0] & 0x1F) << 6) | (p[1] & 0x3Fu);
-            p += 2;
-        } else if (p[0] < 0xF0) {
-            cp = ((uint32_t)(p[0] & 0x0F) << 12) | ((uint32_t)(p[1] & 0x3F) << 6) |
-                 (p[2] & 0x3Fu);
-            p += 3;
-        } else {
-            cp = ((uint32_t)(p[0] & 0x07) << 18) | ((uint32_t)(p[1] & 0x3F) << 12) |
-                 ((uint32_t)(p[2] & 0x3F) << 6) | (p[3] & 0x3Fu);
-            p += 4;
-        }
-        if (cp >= 0x10000) {
-            cp -= 0x10000;
-            w[k++] = (SQLWCHAR)(0xD800 + (cp >> 10));
-            w[k++] = (SQLWCHAR)(0xDC00 + (cp & 0x3FF));
-        } else {
-            w[k++] = (SQLWCHAR)cp;
-        }
-    }
-    w[k] = 0;
-    *bytes = (SQLLEN)(k * sizeof *w);
-    *units = k;
-    return w; /* caller frees */
-}
-
-/* UTF-16 (n units) to UTF-8 into out; bad surrogates become U+FFFD. */
-static void from_utf16(const SQLWCHAR *w, size_t n, char *out, size_t outlen)
-{
-    size_t k = 0;
-    for (size_t i = 0; i < n && w[i]; i++) {
-        uint32_t cp = w[i];
-        if (cp >= 0xD800 && cp <= 0xDBFF && i + 1 < n && w[i + 1] >= 0xDC00 &&
-            w[i + 1] <= 0xDFFF) {
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (w[i + 1] - 0xDC00u);
-            i++;
-        } else if (cp >= 0xD800 && cp <= 0xDFFF) {
-            cp = 0xFFFD;
-        }
-        unsigned char b[4];
-        size_t len;
-        if (cp < 0x80) {
-            b[0] = (unsigned char)cp; len = 1;
-        } else if (cp < 0x800) {
-            b[0] = (unsigned char)(0xC0 | (cp >> 6));
-            b[1] = (unsigned char)(0x80 | (cp & 0x3F)); len = 2;
-        } else if (cp < 0x10000) {
-            b[0] = (unsigned char)(0xE0 | (cp >> 12));
-            b[1] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
-            b[2] = (unsigned char)(0x80 | (cp & 0x3F)); len = 3;
-        } else {
-            b[0] = (unsigned char)(0xF0 | (cp >> 18));
-            b[1] = (unsigned char)(0x80 | ((cp >> 12) & 0x3F));
-            b[2] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
-            b[3] = (unsigned char)(0x80 | (cp & 0x3F)); len = 4;
-        }
-        if (k + len + 1 > outlen)
-            break;
-        memcpy(out + k, b, len);
-        k += len;
-    }
-    if (outlen)
-        out[k] = '\0';
-}
+/* Text goes to and comes from the driver as UTF-16 (SQL_C_WCHAR), converted by
+   lib/util.c (iconv). */
+_Static_assert(sizeof(SQLWCHAR) == sizeof(uint16_t), "SQLWCHAR is a UTF-16 unit");
 
 /* ----------------------------------------------------------- diagnostics */
 
@@ -257,8 +180,26 @@ static int od_dbname(const od_call *cl, char *out, size_t outlen)
         r = SQLGetData(st, 1, SQL_C_WCHAR, w, sizeof w - sizeof w[0], &ind);
     if (!SQL_SUCCEEDED(r))
         rc = od_fail(cl, SQL_HANDLE_STMT, st, "reading the database name of");
-    else if (ind > 0)
-        from_utf16(w, (size_t)ind / sizeof w[0], out, outlen);
+    else if (ind > 0) {
+        size_t n = (size_t)ind / sizeof w[0], k = 0, keep;
+        outbox_util_buf b = { 0 };
+        if (n > sizeof w / sizeof w[0] - 1)
+            n = sizeof w / sizeof w[0] - 1;   /* truncated by the driver */
+        while (k < n && w[k])
+            k++;
+        if (outbox_util_utf16_to_utf8(&b, w, k) != 0) {
+            rc = outbox_i_err(cl->err, OUTBOX_ENOMEM, NULL,
+                              "out of memory reading the database name");
+        } else {
+            /* the longest whole-character prefix that fits */
+            keep = b.len < outlen ? b.len : outlen - 1;
+            while (keep > 0 && keep < b.len && ((unsigned char)b.p[keep] & 0xC0u) == 0x80u)
+                keep--;
+            memcpy(out, b.p, keep);
+            out[keep] = '\0';
+        }
+        outbox_util_buf_free(&b);
+    }
     SQLFreeHandle(SQL_HANDLE_STMT, st);
     return rc;
 }
@@ -291,11 +232,14 @@ static od_row *rows_make(outbox_i_msg *const *u, size_t nu)
                 r->wind[k] = SQL_NULL_DATA;
                 continue;
             }
-            r->w[k] = to_utf16(t[k], &r->wind[k], &r->wchars[k]);
+            size_t units = 0;
+            r->w[k] = outbox_util_utf16_from_utf8(t[k], strlen(t[k]), &units);  /* valid UTF-8 */
             if (!r->w[k]) {
                 rows_free(rows, nu);
                 return NULL;
             }
+            r->wind[k] = (SQLLEN)(units * sizeof(SQLWCHAR));
+            r->wchars[k] = units;
         }
         r->id_ind = 36;
         r->pay_ind = (SQLLEN)m->payload_len;
