@@ -992,7 +992,7 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
 
 static int pgsrc_settle(source *s, const src_outcome *v, size_t n)
 {
-    pgsrc_buf arr[5];
+    outbox_util_buf arr[5];
     int rc = req_begin(s, SRC_REQ_SETTLE);
     if (rc)
         return rc < 0 ? -1 : 0;
@@ -1014,7 +1014,7 @@ static int pgsrc_settle(source *s, const src_outcome *v, size_t n)
     else
         req_send(s, s->sql_settle, 5, vals, 0);
     for (int k = 0; k < 5; k++)
-        pgsrc_buf_free(&arr[k]);
+        outbox_util_buf_free(&arr[k]);
     return 0;
 }
 
