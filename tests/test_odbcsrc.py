@@ -143,7 +143,8 @@ class Driver:
         """outcomes: (id, token, kind, backoff_ms, reason or None)."""
         parts = []
         for i, t, k, b, r in outcomes:
-            parts.append(f"{i},{t},{k},{b},{r.encode().hex() if r else '-'}")
+            r = r.encode() if isinstance(r, str) else r   # bytes: not necessarily UTF-8
+            parts.append(f"{i},{t},{k},{b},{r.hex() if r else '-'}")
         done, _ = self.request("settle " + " ".join(parts), "settle")
         return done
 
@@ -612,6 +613,26 @@ def test_claim_skips_rows_locked_by_another_transaction(backend, drivers):
         release()
     done, rows = d.claim(10, 8)
     assert [int(r["id"]) for r in rows] == ids[:2]
+
+
+def test_settle_reasons_not_utf8_control_characters_and_too_long(backend, drivers):
+    """A reason travels as JSON text bound as UTF-16: a byte that is not UTF-8 becomes
+    U+FFFD (the rest is kept), control characters arrive as they were, and a reason
+    longer than 2000 bytes is cut on a character boundary."""
+    init_schema(backend, drivers)
+    retry, dead = backend.insert(2, partition_key=None)
+    d = drivers()
+    d.send("start")
+    d.up()
+    done, rows = d.claim(2, 100)
+    assert [int(r["id"]) for r in rows] == [retry, dead]
+    long = "a" + "\u00e9" * 1000                       # 2001 bytes of UTF-8
+    done = d.settle((retry, 100, 1, 60000, b"bad \xff\xc3 \xed\xa0\x80 \"q\"\\ \x01\b\f\t\n end"),
+                    (dead, 100, 2, 0, long))
+    assert done["ok"] == "0" and done["applied"] == "2", done
+    assert backend.row(retry)["last_error"] == \
+        "bad \ufffd\ufffd \ufffd\ufffd\ufffd \"q\"\\ \x01\b\f\t\n end"
+    assert backend.dead(dead) == (1, long[:1000])        # "a" and 999 whole characters
 
 
 def test_settle_outcomes_and_fencing(backend, drivers):
