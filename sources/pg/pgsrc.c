@@ -29,6 +29,7 @@
 #include <unistd.h>
 #include <libpq-fe.h>
 #include "lib/outbox_schema.h"
+#include "lib/outbox_util.h"
 #include "relay/log.h"
 #include "relay/peer.h"
 #include "relay/row.h"
@@ -213,7 +214,7 @@ static void schedule_reconnect(source *s)
     d = d * 3 / 4 + (int64_t)(rng_next(s) % (uint64_t)(d / 2 + 1));
     if (d > max)
         d = max;
-    s->backoff_ms = s->backoff_ms > max / 2 ? max : s->backoff_ms * 2;
+    s->backoff_ms = outbox_util_backoff_next(s->backoff_ms, BACKOFF_MIN_MS, max);
     s->phase = PH_BACKOFF;
     ev_timer_stop(s->loop, &s->retry);
     ev_timer_set(&s->retry, (double)d / 1000.0, 0.);
