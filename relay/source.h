@@ -167,4 +167,9 @@ extern const source_ops odbcsrc_ops;  /* sources/odbc */
 /* The ops for cfg->source. */
 const source_ops *source_ops_for(const cfg_outbox *cfg);
 
+/* Writes one line of dead_list's output: the n fields tab-separated, a NULL field
+   empty, and in each field tab, newline, carriage return and backslash escaped as
+   \t \n \r \\ (a line is always one row). */
+void source_dead_line(FILE *out, const char *const *field, size_t n);
+
 #endif

@@ -1414,20 +1414,6 @@ done:
     return rc;
 }
 
-/* Writes s with tab, newline, carriage return and backslash escaped. */
-static void put_field(FILE *out, const char *s)
-{
-    for (; *s; s++) {
-        switch (*s) {
-        case '\t': fputs("\\t", out); break;
-        case '\n': fputs("\\n", out); break;
-        case '\r': fputs("\\r", out); break;
-        case '\\': fputs("\\\\", out); break;
-        default: fputc(*s, out);
-        }
-    }
-}
-
 int odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out)
 {
     static const char tsql[] =
@@ -1459,14 +1445,13 @@ int odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out)
             get_i64(db, h, 5, &attempts, NULL) < 0 || get_text(db, h, 6, &t[3], &nul[3]) < 0 ||
             get_text(db, h, 7, &t[4], &nul[4]) < 0)
             goto done;
-        fprintf(out, "%" PRId64, id);
-        for (int i = 0; i < 5; i++) {
-            if (i == 3)
-                fprintf(out, "\t%" PRId64, attempts);
-            fputc('\t', out);
-            put_field(out, nul[i] ? "" : t[i].p);
-        }
-        fputc('\n', out);
+        char ids[24], atts[24];
+        snprintf(ids, sizeof ids, "%" PRId64, id);
+        snprintf(atts, sizeof atts, "%" PRId64, attempts);
+        const char *fields[7] = { ids, nul[0] ? NULL : t[0].p, nul[1] ? NULL : t[1].p,
+                                  nul[2] ? NULL : t[2].p, atts, nul[3] ? NULL : t[3].p,
+                                  nul[4] ? NULL : t[4].p };
+        source_dead_line(out, fields, 7);
     }
     rc = 0;
 done:

@@ -500,20 +500,6 @@ out:
     return rc;
 }
 
-/* Prints a text field for a tab-separated line: \t \n \r \\ escaped. */
-static void put_field(FILE *out, const char *s)
-{
-    for (; *s; s++) {
-        switch (*s) {
-        case '\t': fputs("\\t", out); break;
-        case '\n': fputs("\\n", out); break;
-        case '\r': fputs("\\r", out); break;
-        case '\\': fputs("\\\\", out); break;
-        default: fputc(*s, out); break;
-        }
-    }
-}
-
 int pgsrc_dead_list(const cfg_outbox *ob, FILE *out, char *err, size_t errlen)
 {
     pgsrc_names n;
@@ -539,12 +525,10 @@ int pgsrc_dead_list(const cfg_outbox *ob, FILE *out, char *err, size_t errlen)
     }
     /* id, message_id, exchange, routing_key, attempts, dead_at, reason */
     for (int i = 0; i < PQntuples(r); i++) {
-        for (int f = 0; f < 7; f++) {
-            if (f)
-                fputc('\t', out);
-            put_field(out, PQgetisnull(r, i, f) ? "" : PQgetvalue(r, i, f));
-        }
-        fputc('\n', out);
+        const char *f[7];
+        for (int k = 0; k < 7; k++)
+            f[k] = PQgetisnull(r, i, k) ? NULL : PQgetvalue(r, i, k);
+        source_dead_line(out, f, 7);
     }
     if (fflush(out) != 0) {
         errf(ob, err, errlen, "write failed: %s", strerror(errno));
