@@ -77,86 +77,9 @@ typedef struct od_call {
 
 static const unsigned char empty_byte[1] = { 0 };
 
-/* ---------------------------------------------------------- UTF-8/UTF-16 */
-
-/* s is valid UTF-8 (checked before). Returns malloc'd UTF-16 (NUL-terminated). */
-static SQLWCHAR *to_utf16(const char *s, SQLLEN *bytes, SQLULEN *units)
-{
-    size_t n = strlen(s);
-    SQLWCHAR *w = malloc((n + 1) * sizeof *w);
-    if (!w)
-        return NULL;
-    size_t k = 0;
-    const unsigned char *p = (const unsigned char *)s;
-    while (*p) {
-        uint32_t cp;
-        if (p[0] < 0x80) {
-            cp = p[0];
-            p += 1;
-        } else if (p[0] < 0xE0) {
-            cp = ((uint32_t)(p[0] & 0x1F) << 6) | (p[1] & 0x3Fu);
-            p += 2;
-        } else if (p[0] < 0xF0) {
-            cp = ((uint32_t)(p[0] & 0x0F) << 12) | ((uint32_t)(p[1] & 0x3F) << 6) |
-                 (p[2] & 0x3Fu);
-            p += 3;
-        } else {
-            cp = ((uint32_t)(p[0] & 0x07) << 18) | ((uint32_t)(p[1] & 0x3F) << 12) |
-                 ((uint32_t)(p[2] & 0x3F) << 6) | (p[3] & 0x3Fu);
-            p += 4;
-        }
-        if (cp >= 0x10000) {
-            cp -= 0x10000;
-            w[k++] = (SQLWCHAR)(0xD800 + (cp >> 10));
-            w[k++] = (SQLWCHAR)(0xDC00 + (cp & 0x3FF));
-        } else {
-            w[k++] = (SQLWCHAR)cp;
-        }
-    }
-    w[k] = 0;
-    *bytes = (SQLLEN)(k * sizeof *w);
-    *units = k;
-    return w; /* caller frees */
-}
-
-/* UTF-16 (n units) to UTF-8 into out; bad surrogates become U+FFFD. */
-static void from_utf16(const SQLWCHAR *w, size_t n, char *out, size_t outlen)
-{
-    size_t k = 0;
-    for (size_t i = 0; i < n && w[i]; i++) {
-        uint32_t cp = w[i];
-        if (cp >= 0xD800 && cp <= 0xDBFF && i + 1 < n && w[i + 1] >= 0xDC00 &&
-            w[i + 1] <= 0xDFFF) {
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (w[i + 1] - 0xDC00u);
-            i++;
-        } else if (cp >= 0xD800 && cp <= 0xDFFF) {
-            cp = 0xFFFD;
-        }
-        unsigned char b[4];
-        size_t len;
-        if (cp < 0x80) {
-            b[0] = (unsigned char)cp; len = 1;
-        } else if (cp < 0x800) {
-            b[0] = (unsigned char)(0xC0 | (cp >> 6));
-            b[1] = (unsigned char)(0x80 | (cp & 0x3F)); len = 2;
-        } else if (cp < 0x10000) {
-            b[0] = (unsigned char)(0xE0 | (cp >> 12));
-            b[1] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
-            b[2] = (unsigned char)(0x80 | (cp & 0x3F)); len = 3;
-        } else {
-            b[0] = (unsigned char)(0xF0 | (cp >> 18));
-            b[1] = (unsigned char)(0x80 | ((cp >> 12) & 0x3F));
-            b[2] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F));
-            b[3] = (unsigned char)(0x80 | (cp & 0x3F)); len = 4;
-        }
-        if (k + len + 1 > outlen)
-            break;
-        memcpy(out + k, b, len);
-        k += len;
-    }
-    if (outlen)
-        out[k] = '\0';
-}
+/* Text goes to and comes from the driver as UTF-16 (SQL_C_WCHAR), converted by
+   lib/util.c (iconv). */
+_Static_assert(sizeof(SQLWCHAR) == sizeof(uint16_t), "SQLWCHAR is a UTF-16 unit");
 
 /* ----------------------------------------------------------- diagnostics */
 
@@ -257,8 +180,26 @@ static int od_dbname(const od_call *cl, char *out, size_t outlen)
         r = SQLGetData(st, 1, SQL_C_WCHAR, w, sizeof w - sizeof w[0], &ind);
     if (!SQL_SUCCEEDED(r))
         rc = od_fail(cl, SQL_HANDLE_STMT, st, "reading the database name of");
-    else if (ind > 0)
-        from_utf16(w, (size_t)ind / sizeof w[0], out, outlen);
+    else if (ind > 0) {
+        size_t n = (size_t)ind / sizeof w[0], k = 0, keep;
+        outbox_util_buf b = { 0 };
+        if (n > sizeof w / sizeof w[0] - 1)
+            n = sizeof w / sizeof w[0] - 1;   /* truncated by the driver */
+        while (k < n && w[k])
+            k++;
+        if (outbox_util_utf16_to_utf8(&b, w, k) != 0) {
+            rc = outbox_i_err(cl->err, OUTBOX_ENOMEM, NULL,
+                              "out of memory reading the database name");
+        } else {
+            /* the longest whole-character prefix that fits */
+            keep = b.len < outlen ? b.len : outlen - 1;
+            while (keep > 0 && keep < b.len && ((unsigned char)b.p[keep] & 0xC0u) == 0x80u)
+                keep--;
+            memcpy(out, b.p, keep);
+            out[keep] = '\0';
+        }
+        outbox_util_buf_free(&b);
+    }
     SQLFreeHandle(SQL_HANDLE_STMT, st);
     return rc;
 }
@@ -291,11 +232,14 @@ static od_row *rows_make(outbox_i_msg *const *u, size_t nu)
                 r->wind[k] = SQL_NULL_DATA;
                 continue;
             }
-            r->w[k] = to_utf16(t[k], &r->wind[k], &r->wchars[k]);
+            size_t units = 0;
+            r->w[k] = outbox_util_utf16_from_utf8(t[k], strlen(t[k]), &units);  /* valid UTF-8 */
             if (!r->w[k]) {
                 rows_free(rows, nu);
                 return NULL;
             }
+            r->wind[k] = (SQLLEN)(units * sizeof(SQLWCHAR));
+            r->wchars[k] = units;
         }
         r->id_ind = 36;
         r->pay_ind = (SQLLEN)m->payload_len;
@@ -368,27 +312,27 @@ static const char *const columns =
 
 static char *sql_pg(const outbox_queue *q, size_t rows)
 {
-    outbox_i_buf b = { 0 };
-    outbox_i_buf_printf(&b, "INSERT INTO %s %s VALUES ", q->pg_table, columns);
+    outbox_util_buf b = { 0 };
+    outbox_util_buf_printf(&b, "INSERT INTO %s %s VALUES ", q->pg_table, columns);
     for (size_t r = 0; r < rows; r++)
-        outbox_i_buf_printf(&b, "%s(?::uuid, ?, ?, ?, ?, ?, ?, ?::jsonb, ?, now() + "
+        outbox_util_buf_printf(&b, "%s(?::uuid, ?, ?, ?, ?, ?, ?, ?::jsonb, ?, now() + "
                             "(?::bigint * interval '1 millisecond'))", r ? ", " : "");
-    outbox_i_buf_puts(&b, " ON CONFLICT DO NOTHING"); /* no target: INSERT privilege suffices */
+    outbox_util_buf_puts(&b, " ON CONFLICT DO NOTHING"); /* no target: INSERT privilege suffices */
     if (b.failed) {
-        outbox_i_buf_free(&b);
+        outbox_util_buf_free(&b);
         return NULL;
     }
     return b.p; /* caller frees */
 }
 
 /* Appends s as the body of a T-SQL N'...' literal (quotes doubled). */
-static void put_nliteral(outbox_i_buf *b, const char *s)
+static void put_nliteral(outbox_util_buf *b, const char *s)
 {
     for (const char *q; (q = strchr(s, '\'')) != NULL; s = q + 1) {
-        outbox_i_buf_put(b, s, (size_t)(q - s + 1));
-        outbox_i_buf_put(b, "'", 1);
+        outbox_util_buf_put(b, s, (size_t)(q - s + 1));
+        outbox_util_buf_put(b, "'", 1);
     }
-    outbox_i_buf_puts(b, s);
+    outbox_util_buf_puts(b, s);
 }
 
 /* The T-SQL of one chunk of `rows` messages: EXEC sp_executesql of the batch
@@ -397,10 +341,10 @@ static void put_nliteral(outbox_i_buf *b, const char *s)
 static char *sql_ms(const outbox_queue *q, size_t rows)
 {
     char uniq[64];
-    outbox_i_buf in = { 0 }, b = { 0 };
+    outbox_util_buf in = { 0 }, b = { 0 };
     outbox_derived_name(q->name.table, "message_id_key", uniq);
 
-    outbox_i_buf_printf(&in,
+    outbox_util_buf_printf(&in,
         "SET NOCOUNT ON;\n"
         "SET XACT_ABORT OFF;\n"
         "SET QUOTED_IDENTIFIER ON;\n"
@@ -422,10 +366,10 @@ static char *sql_ms(const outbox_queue *q, size_t rows)
         "DATEADD(millisecond, v.ds, DATEADD(minute, v.dm, SYSUTCDATETIME()))\n"
         "        FROM (VALUES ", q->ms_table, columns);
     for (size_t r = 1; r <= rows; r++)
-        outbox_i_buf_printf(&in, "%s(%zu, @m%zu, @x%zu, @r%zu, @k%zu, @t%zu, @c%zu, @o%zu, "
+        outbox_util_buf_printf(&in, "%s(%zu, @m%zu, @x%zu, @r%zu, @k%zu, @t%zu, @c%zu, @o%zu, "
                             "@h%zu, @b%zu, @dm%zu, @ds%zu)", r > 1 ? ", " : "", r, r, r, r, r,
                             r, r, r, r, r, r, r);
-    outbox_i_buf_printf(&in,
+    outbox_util_buf_printf(&in,
         ") AS v(rn, m, x, r, k, t, c, o, h, b, dm, ds)\n"
         "        WHERE NOT EXISTS (SELECT 1 FROM %s AS e WITH (READCOMMITTEDLOCK) "
         "WHERE e.message_id = v.m)\n"
@@ -440,24 +384,24 @@ static char *sql_ms(const outbox_queue *q, size_t rows)
         "END;\n"
         "SELECT @n AS inserted;", q->ms_table, uniq, rows);
 
-    outbox_i_buf_puts(&b, "EXEC sp_executesql N'");
+    outbox_util_buf_puts(&b, "EXEC sp_executesql N'");
     if (!in.failed)
         put_nliteral(&b, in.p);
-    outbox_i_buf_puts(&b, "', N'");
+    outbox_util_buf_puts(&b, "', N'");
     for (size_t r = 1; r <= rows; r++)
-        outbox_i_buf_printf(&b, "%s@m%zu uniqueidentifier, @x%zu nvarchar(255), "
+        outbox_util_buf_printf(&b, "%s@m%zu uniqueidentifier, @x%zu nvarchar(255), "
                             "@r%zu nvarchar(255), @k%zu nvarchar(255), @t%zu nvarchar(255), "
                             "@c%zu nvarchar(255), @o%zu nvarchar(255), @h%zu nvarchar(max), "
                             "@b%zu varbinary(max), @dm%zu int, @ds%zu int", r > 1 ? ", " : "",
                             r, r, r, r, r, r, r, r, r, r, r);
-    outbox_i_buf_puts(&b, "'");
+    outbox_util_buf_puts(&b, "'");
     for (size_t i = 0; i < rows * MS_COLS; i++)
-        outbox_i_buf_puts(&b, i % MS_COLS ? ", ?" : ",\n    ?");
-    outbox_i_buf_puts(&b, ";");
+        outbox_util_buf_puts(&b, i % MS_COLS ? ", ?" : ",\n    ?");
+    outbox_util_buf_puts(&b, ";");
     int failed = in.failed;
-    outbox_i_buf_free(&in);
+    outbox_util_buf_free(&in);
     if (failed || b.failed) {
-        outbox_i_buf_free(&b);
+        outbox_util_buf_free(&b);
         return NULL;
     }
     return b.p; /* caller frees */

@@ -15,83 +15,6 @@
 #include "outbox_internal.h"
 #include "outbox_schema.h"
 
-/* ---------------------------------------------------------------- buffers */
-
-static int buf_reserve(outbox_i_buf *b, size_t extra)
-{
-    if (b->failed)
-        return -1;
-    if (extra > SIZE_MAX - b->len - 1) {
-        b->failed = 1;
-        return -1;
-    }
-    size_t need = b->len + extra + 1;
-    if (need <= b->cap)
-        return 0;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < need) {
-        if (cap > SIZE_MAX / 2) {
-            cap = need;
-            break;
-        }
-        cap *= 2;
-    }
-    char *p = realloc(b->p, cap);
-    if (!p) {
-        b->failed = 1;
-        return -1;
-    }
-    b->p = p;
-    b->cap = cap;
-    return 0;
-}
-
-void outbox_i_buf_put(outbox_i_buf *b, const void *p, size_t n)
-{
-    if (buf_reserve(b, n) != 0)
-        return;
-    if (n)
-        memcpy(b->p + b->len, p, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-void outbox_i_buf_puts(outbox_i_buf *b, const char *s)
-{
-    outbox_i_buf_put(b, s, strlen(s));
-}
-
-void outbox_i_buf_printf(outbox_i_buf *b, const char *fmt, ...)
-{
-    char tmp[256];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0) {
-        b->failed = 1;
-        return;
-    }
-    if ((size_t)n < sizeof tmp) {
-        outbox_i_buf_put(b, tmp, (size_t)n);
-        return;
-    }
-    if (buf_reserve(b, (size_t)n) != 0)
-        return;
-    va_start(ap, fmt);
-    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    b->len += (size_t)n;
-}
-
-void outbox_i_buf_free(outbox_i_buf *b)
-{
-    free(b->p);
-    b->p = NULL;
-    b->len = b->cap = 0;
-    b->failed = 0;
-}
-
 /* ----------------------------------------------------------------- errors */
 
 void outbox_i_err_clear(outbox_error *err)
@@ -141,7 +64,7 @@ int outbox_i_err(outbox_error *err, int code, const char *sqlstate, const char *
     /* never end in the middle of a UTF-8 sequence after truncation */
     size_t len = strlen(err->message);
     long bad;
-    while (len > 0 && (bad = outbox_i_utf8_check(err->message, len)) >= 0)
+    while (len > 0 && (bad = outbox_util_utf8_check(err->message, len)) >= 0)
         err->message[len = (size_t)bad] = '\0';
     return code;
 }
@@ -159,82 +82,6 @@ const char *outbox_strerror(int code)
     case OUTBOX_ENOMEM:    return "out of memory";
     default:               return "unknown status code";
     }
-}
-
-/* ------------------------------------------------------------ UTF-8, JSON */
-
-long outbox_i_utf8_check(const char *str, size_t len)
-{
-    const unsigned char *s = (const unsigned char *)str;
-    size_t i = 0;
-    while (i < len) {
-        unsigned char c = s[i];
-        if (c < 0x80) {
-            i++;
-            continue;
-        }
-        size_t need;
-        uint32_t cp, min;
-        if (c >= 0xC2 && c <= 0xDF) {
-            need = 1; cp = c & 0x1Fu; min = 0x80;
-        } else if (c >= 0xE0 && c <= 0xEF) {
-            need = 2; cp = c & 0x0Fu; min = 0x800;
-        } else if (c >= 0xF0 && c <= 0xF4) {
-            need = 3; cp = c & 0x07u; min = 0x10000;
-        } else {
-            return (long)i; /* continuation byte, C0/C1 overlong lead, F5..FF */
-        }
-        if (len - i <= need)
-            return (long)i; /* truncated */
-        for (size_t k = 1; k <= need; k++) {
-            unsigned char cc = s[i + k];
-            if ((cc & 0xC0u) != 0x80u)
-                return (long)i;
-            cp = (cp << 6) | (cc & 0x3Fu);
-        }
-        if (cp < min || cp > 0x10FFFFu || (cp >= 0xD800u && cp <= 0xDFFFu))
-            return (long)i;
-        i += need + 1;
-    }
-    return -1;
-}
-
-void outbox_i_json_string(outbox_i_buf *b, const char *s)
-{
-    static const char hex[] = "0123456789abcdef";
-    outbox_i_buf_put(b, "\"", 1);
-    const char *run = s;
-    for (const char *p = s; *p; p++) {
-        unsigned char c = (unsigned char)*p;
-        const char *esc = NULL;
-        char u[7];
-        if (c == '"')
-            esc = "\\\"";
-        else if (c == '\\')
-            esc = "\\\\";
-        else if (c == '\n')
-            esc = "\\n";
-        else if (c == '\r')
-            esc = "\\r";
-        else if (c == '\t')
-            esc = "\\t";
-        else if (c == '\b')
-            esc = "\\b";
-        else if (c == '\f')
-            esc = "\\f";
-        else if (c < 0x20) {
-            u[0] = '\\'; u[1] = 'u'; u[2] = '0'; u[3] = '0';
-            u[4] = hex[c >> 4]; u[5] = hex[c & 15]; u[6] = '\0';
-            esc = u;
-        }
-        if (esc) {
-            outbox_i_buf_put(b, run, (size_t)(p - run));
-            outbox_i_buf_puts(b, esc);
-            run = p + 1;
-        }
-    }
-    outbox_i_buf_puts(b, run);
-    outbox_i_buf_put(b, "\"", 1);
 }
 
 /* ------------------------------------------------------------ trace context */
@@ -435,7 +282,7 @@ int outbox_queue_new_opts(outbox_queue **q, const outbox_queue_options *opts,
     if (dlen > OUTBOX_MAX_DBNAME)
         return outbox_i_err(err, OUTBOX_EINVAL, NULL, "database: %zu bytes, at most %d",
                             dlen, OUTBOX_MAX_DBNAME);
-    long bad = outbox_i_utf8_check(opts->database, dlen);
+    long bad = outbox_util_utf8_check(opts->database, dlen);
     if (bad >= 0)
         return outbox_i_err(err, OUTBOX_EINVAL, NULL,
                             "database: not valid UTF-8 (byte %ld)", bad);
@@ -509,7 +356,7 @@ static int check_short(const char *v, int required, const char *name, outbox_err
     if (len > OUTBOX_MAX_SHORTSTR)
         return outbox_i_err(err, OUTBOX_EINVAL, NULL, "%s: longer than %d bytes", name,
                             OUTBOX_MAX_SHORTSTR);
-    long bad = outbox_i_utf8_check(v, len);
+    long bad = outbox_util_utf8_check(v, len);
     if (bad >= 0)
         return outbox_i_err(err, OUTBOX_EINVAL, NULL, "%s: not valid UTF-8 (byte %ld)", name,
                             bad);
@@ -611,7 +458,7 @@ static int check_message(const outbox_queue *q, const outbox_message *m, size_t 
         if (!hd->value)
             return outbox_i_err(err, OUTBOX_EINVAL, NULL, "%s: NULL",
                                 hname(&f, batch, i, h, "value"));
-        long bad = outbox_i_utf8_check(hd->value, strlen(hd->value));
+        long bad = outbox_util_utf8_check(hd->value, strlen(hd->value));
         if (bad >= 0)
             return outbox_i_err(err, OUTBOX_EINVAL, NULL, "%s: not valid UTF-8 (byte %ld)",
                                 hname(&f, batch, i, h, "value"), bad);
@@ -625,18 +472,18 @@ static int check_message(const outbox_queue *q, const outbox_message *m, size_t 
         }
     }
     if (m->n_headers > 0) {
-        outbox_i_buf b = { 0 };
-        outbox_i_buf_put(&b, "{", 1);
+        outbox_util_buf b = { 0 };
+        outbox_util_buf_put(&b, "{", 1);
         for (size_t h = 0; h < m->n_headers; h++) {
             if (h)
-                outbox_i_buf_put(&b, ",", 1);
-            outbox_i_json_string(&b, m->headers[h].key);
-            outbox_i_buf_put(&b, ":", 1);
-            outbox_i_json_string(&b, m->headers[h].value);
+                outbox_util_buf_put(&b, ",", 1);
+            outbox_util_json_string(&b, m->headers[h].key, SIZE_MAX);
+            outbox_util_buf_put(&b, ":", 1);
+            outbox_util_json_string(&b, m->headers[h].value, SIZE_MAX);
         }
-        outbox_i_buf_put(&b, "}", 1);
+        outbox_util_buf_put(&b, "}", 1);
         if (b.failed) {
-            outbox_i_buf_free(&b);
+            outbox_util_buf_free(&b);
             return outbox_i_err(err, OUTBOX_ENOMEM, NULL, "out of memory encoding %s",
                                 fname(&f, batch, i, "headers"));
         }

@@ -11,14 +11,7 @@
 #include <stdint.h>
 #include "outbox.h"
 #include "outbox_schema.h"
-
-#if defined(__GNUC__)
-#define OUTBOX_HIDDEN __attribute__((visibility("hidden")))
-#define OUTBOX_PRINTF(a, b) __attribute__((format(printf, a, b)))
-#else
-#define OUTBOX_HIDDEN
-#define OUTBOX_PRINTF(a, b)
-#endif
+#include "outbox_util.h"   /* OUTBOX_HIDDEN, buffers, UTF-8, JSON */
 
 /* ~100 years: a larger delay is surely a unit mistake. */
 #define OUTBOX_MAX_DELAY_MS 3155760000000ULL
@@ -35,34 +28,11 @@ struct outbox_queue {
     size_t            max_payload;
 };
 
-/* Growable byte buffer. After the first allocation failure `failed` stays set
- * and every later append is a no-op; check it once at the end. */
-typedef struct outbox_i_buf {
-    char  *p;      /* owned; NUL-terminated when non-NULL */
-    size_t len;
-    size_t cap;
-    int    failed;
-} outbox_i_buf;
-
-OUTBOX_HIDDEN void outbox_i_buf_put(outbox_i_buf *b, const void *p, size_t n);
-OUTBOX_HIDDEN void outbox_i_buf_puts(outbox_i_buf *b, const char *s);
-OUTBOX_HIDDEN void outbox_i_buf_printf(outbox_i_buf *b, const char *fmt, ...) OUTBOX_PRINTF(2, 3);
-OUTBOX_HIDDEN void outbox_i_buf_free(outbox_i_buf *b);
-
 /* Sets *err (when err != NULL) and returns code. The message is made one
  * line (control characters become spaces) and truncated to fit. */
 OUTBOX_HIDDEN int outbox_i_err(outbox_error *err, int code, const char *sqlstate,
                                const char *fmt, ...) OUTBOX_PRINTF(4, 5);
 OUTBOX_HIDDEN void outbox_i_err_clear(outbox_error *err);
-
-/* Strict UTF-8 (RFC 3629): no overlongs, no surrogates, nothing above
- * U+10FFFF. Returns -1 when valid, else the byte offset of the first bad
- * sequence. */
-OUTBOX_HIDDEN long outbox_i_utf8_check(const char *s, size_t len);
-
-/* Appends s as a JSON string literal (with the quotes): ", \ and control
- * characters are escaped (\n \r \t \b \f, the rest as \u00XX). */
-OUTBOX_HIDDEN void outbox_i_json_string(outbox_i_buf *b, const char *s);
 
 /* 1 if s is a UUID in 8-4-4-4-12 hex form (either case), else 0. */
 OUTBOX_HIDDEN int outbox_i_uuid_valid(const char *s);

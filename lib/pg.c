@@ -69,20 +69,20 @@ static int pg_fail(const PGresult *res, PGconn *c, const outbox_queue *q, outbox
 /* Builds the INSERT for `rows` messages ($1.. numbered per row). */
 static char *build_sql(const outbox_queue *q, size_t rows)
 {
-    outbox_i_buf b = { 0 };
-    outbox_i_buf_printf(&b, "INSERT INTO %s %s VALUES ", q->pg_table, pg_columns);
+    outbox_util_buf b = { 0 };
+    outbox_util_buf_printf(&b, "INSERT INTO %s %s VALUES ", q->pg_table, pg_columns);
     for (size_t r = 0; r < rows; r++) {
         size_t k = r * PG_COLS;
-        outbox_i_buf_printf(&b,
+        outbox_util_buf_printf(&b,
             "%s($%zu::uuid, $%zu::text, $%zu::text, $%zu::text, $%zu::text, $%zu::text, "
             "$%zu::text, $%zu::jsonb, $%zu::bytea, now() + ($%zu::bigint * interval "
             "'1 millisecond'))",
             r ? ", " : "", k + 1, k + 2, k + 3, k + 4, k + 5, k + 6, k + 7, k + 8, k + 9,
             k + 10);
     }
-    outbox_i_buf_puts(&b, " ON CONFLICT DO NOTHING"); /* no target: INSERT privilege suffices */
+    outbox_util_buf_puts(&b, " ON CONFLICT DO NOTHING"); /* no target: INSERT privilege suffices */
     if (b.failed) {
-        outbox_i_buf_free(&b);
+        outbox_util_buf_free(&b);
         return NULL;
     }
     return b.p; /* caller frees */

@@ -23,6 +23,7 @@
 #include <sys/random.h>
 #include <time.h>
 
+#include "lib/outbox_util.h"
 #include "relay/budget.h"
 #include "relay/ledger.h"
 #include "relay/log.h"
@@ -43,7 +44,7 @@ typedef struct sconn {
     int           busy_req;
     ev_tstamp     req_started;
     bool          holding;       /* no request until hold_timer fires */
-    double        fail_delay;    /* back-off after a failed request while the connection stays up */
+    int64_t       fail_delay_ms; /* back-off after a failed request while the connection stays up */
     ev_timer      hold_timer;
     log_limit     down_log;      /* its failures, rate-limited (relay/log.h) */
 } sconn;
@@ -367,7 +368,7 @@ static void conn_up(sconn *c)
 {
     c->up = true;
     c->holding = false;
-    c->fail_delay = 0;
+    c->fail_delay_ms = 0;
     ev_timer_stop(c->d->loop, &c->hold_timer);
 }
 
@@ -570,12 +571,10 @@ static void on_lead(drain *d, const src_result *res)
    a dropped table): wait before its next one, 100 ms doubling to 5 s. */
 static void hold_after_failure(sconn *c)
 {
-    c->fail_delay = c->fail_delay > 0 ? c->fail_delay * 2 : 0.1;
-    if (c->fail_delay > 5.0)
-        c->fail_delay = 5.0;
+    c->fail_delay_ms = outbox_util_backoff_next(c->fail_delay_ms, 100, 5000);
     c->holding = true;
     ev_timer_stop(c->d->loop, &c->hold_timer);
-    ev_timer_set(&c->hold_timer, c->fail_delay, 0.);
+    ev_timer_set(&c->hold_timer, (double)c->fail_delay_ms / 1000., 0.);
     ev_timer_start(c->d->loop, &c->hold_timer);
 }
 
@@ -587,7 +586,7 @@ static void src_on_done(void *ud, const src_result *res)
     if (res->ok != 0)
         hold_after_failure(c);
     else
-        c->fail_delay = 0;
+        c->fail_delay_ms = 0;
     switch (res->req) {
     case SRC_REQ_LEAD:
         if (res->ok == 0)

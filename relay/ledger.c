@@ -53,6 +53,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "lib/outbox_util.h"
 #include "relay/log.h"
 #include "relay/sink.h"
 
@@ -567,14 +568,6 @@ static void decide(ledger *l, led_entry *e, int kind, int64_t backoff_ms, const 
         heap_remove(l, k->heaped);
 }
 
-static int64_t backoff_for(const ledger_cfg *c, int attempts)
-{
-    int64_t b = c->backoff_ms;
-    for (int i = 1; i < attempts && b < c->backoff_max_ms; i++)
-        b *= 2;
-    return b > c->backoff_max_ms ? c->backoff_max_ms : b;
-}
-
 /* Later rows of e's key that the broker accepted while e was refused. */
 static void note_overtaken(ledger *l, led_entry *later, const led_entry *earlier, bool maybe)
 {
@@ -611,7 +604,7 @@ static void attempt_failed(ledger *l, led_entry *e, const char *reason)
         l->st.dead++;
         decide(l, e, SRC_DEAD, 0, why);
     } else {
-        int64_t b = backoff_for(&l->cfg, attempts);
+        int64_t b = outbox_util_backoff_nth(l->cfg.backoff_ms, l->cfg.backoff_max_ms, attempts);
         log_ev(LOG_WARN, &(log_fields){ .event = "retry", .outbox = l->cfg.outbox, .id = e->id,
                                         .message_id = e->r->message_id,
                                         .partition_key = e->r->partition_key, .error = reason },

@@ -23,6 +23,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "lib/outbox_util.h"
+
 static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
 static int   log_level_cur = CFG_LOG_INFO;
 static int   log_format_cur = CFG_LOG_TEXT;
@@ -124,39 +126,6 @@ int log_enabled(int level)
     return level <= cur;
 }
 
-/* Length of a valid UTF-8 sequence at p (n bytes left), or 0 if invalid. */
-static size_t utf8_len(const unsigned char *p, size_t n)
-{
-    size_t len;
-    unsigned cp;
-
-    if (p[0] < 0x80)
-        return 1;
-    if ((p[0] & 0xe0) == 0xc0) {
-        len = 2;
-        cp = p[0] & 0x1f;
-    } else if ((p[0] & 0xf0) == 0xe0) {
-        len = 3;
-        cp = p[0] & 0x0f;
-    } else if ((p[0] & 0xf8) == 0xf0) {
-        len = 4;
-        cp = p[0] & 0x07;
-    } else {
-        return 0;
-    }
-    if (len > n)
-        return 0;
-    for (size_t i = 1; i < len; i++) {
-        if ((p[i] & 0xc0) != 0x80)
-            return 0;
-        cp = (cp << 6) | (p[i] & 0x3f);
-    }
-    if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) ||
-        cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff))
-        return 0;
-    return len;
-}
-
 /* Room for a line: its head, its message part (LOG_LINE_MAX from the line's
  * start), every field (LOG_FIELD_MAX each) with its key, "..." after each cut
  * part and the closing. */
@@ -192,49 +161,53 @@ static void put_raw(lbuf *l, const char *s, size_t n)
     l->n += n;
 }
 
-/* Appends msg escaped: JSON string rules (json) or C-like escapes (text). */
+/* The escape of byte c in a text line (\n \r \t, other control characters and
+ * DEL as \xXX), or NULL when it stands for itself. */
+static const char *text_esc(unsigned char c, char esc[8])
+{
+    switch (c) {
+    case '\n': return "\\n";
+    case '\r': return "\\r";
+    case '\t': return "\\t";
+    default:    break;
+    }
+    if (c >= 0x20 && c != 0x7f)
+        return NULL;
+    snprintf(esc, 8, "\\x%02x", c);
+    return esc;
+}
+
+/* Appends msg escaped: JSON string rules (json; DEL too) or C-like escapes (text). */
 static void put_escaped(lbuf *l, const char *msg, bool json)
 {
-    const unsigned char *p = (const unsigned char *)msg;
+    const char *p = msg;
     size_t left = strlen(msg);
 
     while (left > 0 && !l->full) {
+        unsigned char c = (unsigned char)*p;
         char esc[8];
-        size_t u;
+        const char *e;
+        size_t u = outbox_util_utf8_seq(p, left, NULL);
 
-        switch (*p) {
-        case '\n': put(l, "\\n", 2); p++; left--; continue;
-        case '\r': put(l, "\\r", 2); p++; left--; continue;
-        case '\t': put(l, "\\t", 2); p++; left--; continue;
-        case '"':
-            if (json) { put(l, "\\\"", 2); p++; left--; continue; }
-            break;
-        case '\\':
-            if (json) { put(l, "\\\\", 2); p++; left--; continue; }
-            break;
-        default:
-            break;
-        }
-        if (*p < 0x20 || *p == 0x7f) {
-            snprintf(esc, sizeof esc, json ? "\\u%04x" : "\\x%02x", *p);
-            put(l, esc, strlen(esc));
-            p++;
-            left--;
-            continue;
-        }
-        u = utf8_len(p, left);
-        if (u == 0) {   /* invalid UTF-8: keep the line valid */
+        if (json)
+            e = c == 0x7f ? "\\u007f" : outbox_util_json_esc(c, esc);
+        else
+            e = text_esc(c, esc);
+        if (e == NULL && u == 0) {   /* invalid UTF-8: keep the line valid */
             if (json)
-                put(l, "\\ufffd", 6);
+                e = "\\ufffd";
             else {
-                snprintf(esc, sizeof esc, "\\x%02x", *p);
-                put(l, esc, strlen(esc));
+                snprintf(esc, sizeof esc, "\\x%02x", c);
+                e = esc;
             }
+        }
+        if (e != NULL) {
+            put(l, e, strlen(e));
             p++;
             left--;
             continue;
         }
-        put(l, (const char *)p, u);
+        put(l, p, u);
         p += u;
         left -= u;
     }

@@ -1,10 +1,11 @@
 /* metrics.c — Prometheus text exposition (format 0.0.4). */
 #include "relay/metrics.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "lib/outbox_util.h"
 
 const double metrics_bucket_bounds[METRICS_NBUCKETS] = {
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300,
@@ -21,55 +22,24 @@ void histogram_observe(histogram *h, double seconds)
     h->sum += seconds;
 }
 
-typedef struct buf { char *p; size_t len, cap; int oom; } buf;
-
-__attribute__((format(printf, 2, 3)))
-static void bprintf(buf *b, const char *fmt, ...)
-{
-    if (b->oom)
-        return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            b->oom = 1;
-            return;
-        }
-        if ((size_t)n < b->cap - b->len) {
-            b->len += (size_t)n;
-            return;
-        }
-        size_t ncap = (b->cap + (size_t)n + 1) * 2;
-        char *np = realloc(b->p, ncap);
-        if (np == NULL) {
-            b->oom = 1;
-            return;
-        }
-        b->p = np;
-        b->cap = ncap;
-    }
-}
-
 typedef uint64_t (*u64_get)(const ob_metrics *);
 
-static void counter(buf *b, ob_metrics *const *m, size_t n, const char *name,
+static void counter(outbox_util_buf *b, ob_metrics *const *m, size_t n, const char *name,
                     const char *help, size_t off)
 {
-    bprintf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s counter\n", name, help, name);
+    outbox_util_buf_printf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s counter\n", name, help, name);
     for (size_t i = 0; i < n; i++) {
         uint64_t v;
         memcpy(&v, (const char *)m[i] + off, sizeof v);
-        bprintf(b, "outbox_relay_%s{outbox=\"%s\"} %llu\n", name, m[i]->outbox,
+        outbox_util_buf_printf(b, "outbox_relay_%s{outbox=\"%s\"} %llu\n", name, m[i]->outbox,
                 (unsigned long long)v);
     }
 }
 
-static void gauge_int(buf *b, ob_metrics *const *m, size_t n, const char *name,
+static void gauge_int(outbox_util_buf *b, ob_metrics *const *m, size_t n, const char *name,
                       const char *help, size_t off, int is_int)
 {
-    bprintf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s gauge\n", name, help, name);
+    outbox_util_buf_printf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s gauge\n", name, help, name);
     for (size_t i = 0; i < n; i++) {
         long long v;
         if (is_int) {
@@ -81,28 +51,28 @@ static void gauge_int(buf *b, ob_metrics *const *m, size_t n, const char *name,
             memcpy(&x, (const char *)m[i] + off, sizeof x);
             v = x;
         }
-        bprintf(b, "outbox_relay_%s{outbox=\"%s\"} %lld\n", name, m[i]->outbox, v);
+        outbox_util_buf_printf(b, "outbox_relay_%s{outbox=\"%s\"} %lld\n", name, m[i]->outbox, v);
     }
 }
 
-static void hist(buf *b, ob_metrics *const *m, size_t n, const char *name, const char *help,
+static void hist(outbox_util_buf *b, ob_metrics *const *m, size_t n, const char *name, const char *help,
                  size_t off)
 {
-    bprintf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s histogram\n", name, help, name);
+    outbox_util_buf_printf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s histogram\n", name, help, name);
     for (size_t i = 0; i < n; i++) {
         const histogram *h = (const histogram *)((const char *)m[i] + off);
         uint64_t cum = 0;
         for (size_t k = 0; k < METRICS_NBUCKETS; k++) {
             cum += h->buckets[k];
             if (k == METRICS_NBUCKETS - 1)
-                bprintf(b, "outbox_relay_%s_bucket{outbox=\"%s\",le=\"+Inf\"} %llu\n", name,
+                outbox_util_buf_printf(b, "outbox_relay_%s_bucket{outbox=\"%s\",le=\"+Inf\"} %llu\n", name,
                         m[i]->outbox, (unsigned long long)cum);
             else
-                bprintf(b, "outbox_relay_%s_bucket{outbox=\"%s\",le=\"%g\"} %llu\n", name,
+                outbox_util_buf_printf(b, "outbox_relay_%s_bucket{outbox=\"%s\",le=\"%g\"} %llu\n", name,
                         m[i]->outbox, metrics_bucket_bounds[k], (unsigned long long)cum);
         }
-        bprintf(b, "outbox_relay_%s_sum{outbox=\"%s\"} %.6f\n", name, m[i]->outbox, h->sum);
-        bprintf(b, "outbox_relay_%s_count{outbox=\"%s\"} %llu\n", name, m[i]->outbox,
+        outbox_util_buf_printf(b, "outbox_relay_%s_sum{outbox=\"%s\"} %.6f\n", name, m[i]->outbox, h->sum);
+        outbox_util_buf_printf(b, "outbox_relay_%s_count{outbox=\"%s\"} %llu\n", name, m[i]->outbox,
                 (unsigned long long)h->count);
     }
 }
@@ -111,23 +81,23 @@ static void hist(buf *b, ob_metrics *const *m, size_t n, const char *name, const
 
 char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, size_t *len)
 {
-    buf b = { 0 };
-    bprintf(&b, "# HELP outbox_relay_build_info The running relay's version (always 1).\n"
+    outbox_util_buf b = { 0 };
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_build_info The running relay's version (always 1).\n"
                 "# TYPE outbox_relay_build_info gauge\n"
                 "outbox_relay_build_info{version=\"%s\"} 1\n", OUTBOX_VERSION);
-    bprintf(&b, "# HELP outbox_relay_config_reloads_total Configuration reloads (SIGHUP): ok = applied, error = refused, the running configuration kept.\n"
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_config_reloads_total Configuration reloads (SIGHUP): ok = applied, error = refused, the running configuration kept.\n"
                 "# TYPE outbox_relay_config_reloads_total counter\n"
                 "outbox_relay_config_reloads_total{result=\"ok\"} %llu\n"
                 "outbox_relay_config_reloads_total{result=\"error\"} %llu\n",
             (unsigned long long)r->reloads_ok, (unsigned long long)r->reloads_failed);
-    bprintf(&b, "# HELP outbox_relay_config_last_reload_successful 1 when the last configuration reload was applied (or none was tried), 0 when it was refused.\n"
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_config_last_reload_successful 1 when the last configuration reload was applied (or none was tried), 0 when it was refused.\n"
                 "# TYPE outbox_relay_config_last_reload_successful gauge\n"
                 "outbox_relay_config_last_reload_successful %d\n"
                 "# HELP outbox_relay_config_last_reload_success_timestamp_seconds Unix time the running configuration was loaded (at start or by the last applied reload).\n"
                 "# TYPE outbox_relay_config_last_reload_success_timestamp_seconds gauge\n"
                 "outbox_relay_config_last_reload_success_timestamp_seconds %.3f\n",
             r->last_reload_ok ? 1 : 0, r->last_reload_success_ts);
-    bprintf(&b, "# HELP outbox_relay_rows_in_memory Rows every outbox of the process holds (claimed and buffered, in flight, or asked for by a running claim).\n"
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_rows_in_memory Rows every outbox of the process holds (claimed and buffered, in flight, or asked for by a running claim).\n"
                 "# TYPE outbox_relay_rows_in_memory gauge\n"
                 "outbox_relay_rows_in_memory %zu\n"
                 "# HELP outbox_relay_rows_in_memory_limit The process-wide limit on those rows (max_rows_in_memory).\n"
@@ -148,21 +118,21 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
     counter(&b, m, n, "claimed_rows_total", "Rows leased by claims.", OFF(claimed_rows));
     counter(&b, m, n, "lease_lost_total", "Outcomes not applied because the lease had moved on.", OFF(lease_lost));
     gauge_int(&b, m, n, "backlog", "Pending rows (sent_at IS NULL) at the last stats query; -1 unknown.", OFF(backlog), 0);
-    bprintf(&b, "# HELP outbox_relay_oldest_pending_age_seconds Age of the oldest pending row.\n"
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_oldest_pending_age_seconds Age of the oldest pending row.\n"
                 "# TYPE outbox_relay_oldest_pending_age_seconds gauge\n");
     for (size_t i = 0; i < n; i++)
-        bprintf(&b, "outbox_relay_oldest_pending_age_seconds{outbox=\"%s\"} %.3f\n", m[i]->outbox,
+        outbox_util_buf_printf(&b, "outbox_relay_oldest_pending_age_seconds{outbox=\"%s\"} %.3f\n", m[i]->outbox,
                 m[i]->oldest_pending_s);
     gauge_int(&b, m, n, "dead_rows", "Rows in the dead-letter table at the last stats query.", OFF(dead_rows), 0);
     gauge_int(&b, m, n, "source_up", "1 when the database connection is up and verified.", OFF(source_up), 1);
     gauge_int(&b, m, n, "sink_up", "1 when the broker connection is up.", OFF(sink_up), 1);
     gauge_int(&b, m, n, "sink_blocked", "1 while the broker has blocked the connection.", OFF(sink_blocked), 1);
-    bprintf(&b, "# HELP outbox_relay_broker_connected 1 for the broker address (of the sink's url "
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_broker_connected 1 for the broker address (of the sink's url "
                 "list) the outbox's connection is up to, 0 for the others.\n"
                 "# TYPE outbox_relay_broker_connected gauge\n");
     for (size_t i = 0; i < n; i++)
         for (size_t k = 0; k < m[i]->n_brokers; k++)
-            bprintf(&b, "outbox_relay_broker_connected{outbox=\"%s\",broker=\"%s\"} %d\n",
+            outbox_util_buf_printf(&b, "outbox_relay_broker_connected{outbox=\"%s\",broker=\"%s\"} %d\n",
                     m[i]->outbox, m[i]->brokers[k], m[i]->broker == (long)k);
     counter(&b, m, n, "broker_failovers_total", "Broker connections made to another address of the sink's url list than the one before (failover).", OFF(failovers));
     counter(&b, m, n, "nack_reopens_total", "Publishing channels reopened because they got only nacks for nack_reopen (a quorum queue's channel stuck after a leader's node went down).", OFF(nack_reopens));
@@ -170,26 +140,26 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
     gauge_int(&b, m, n, "leader_epoch", "Leadership epoch (fencing token) this relay holds; 0 none.", OFF(epoch), 0);
     counter(&b, m, n, "takeovers_total", "Times this relay became the active one.", OFF(takeovers));
     counter(&b, m, n, "fenced_total", "Times this relay lost leadership (a newer epoch, or its lease ran out) and stopped publishing.", OFF(fenced));
-    bprintf(&b, "# HELP outbox_relay_in_flight Published messages awaiting a confirm.\n"
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_in_flight Published messages awaiting a confirm.\n"
                 "# TYPE outbox_relay_in_flight gauge\n");
     for (size_t i = 0; i < n; i++)
-        bprintf(&b, "outbox_relay_in_flight{outbox=\"%s\"} %llu\n", m[i]->outbox,
+        outbox_util_buf_printf(&b, "outbox_relay_in_flight{outbox=\"%s\"} %llu\n", m[i]->outbox,
                 (unsigned long long)m[i]->in_flight);
-    bprintf(&b, "# HELP outbox_relay_confirmed_unmarked Confirmed messages whose mark has not committed yet (they share publish_window with those in flight).\n"
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_confirmed_unmarked Confirmed messages whose mark has not committed yet (they share publish_window with those in flight).\n"
                 "# TYPE outbox_relay_confirmed_unmarked gauge\n");
     for (size_t i = 0; i < n; i++)
-        bprintf(&b, "outbox_relay_confirmed_unmarked{outbox=\"%s\"} %llu\n", m[i]->outbox,
+        outbox_util_buf_printf(&b, "outbox_relay_confirmed_unmarked{outbox=\"%s\"} %llu\n", m[i]->outbox,
                 (unsigned long long)m[i]->unmarked);
-    bprintf(&b, "# HELP outbox_relay_buffered Claimed rows waiting to be published.\n"
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_buffered Claimed rows waiting to be published.\n"
                 "# TYPE outbox_relay_buffered gauge\n");
     for (size_t i = 0; i < n; i++)
-        bprintf(&b, "outbox_relay_buffered{outbox=\"%s\"} %llu\n", m[i]->outbox,
+        outbox_util_buf_printf(&b, "outbox_relay_buffered{outbox=\"%s\"} %llu\n", m[i]->outbox,
                 (unsigned long long)m[i]->buffered);
     hist(&b, m, n, "confirm_latency_seconds", "Publish to broker confirm.", OFF(confirm_latency));
     hist(&b, m, n, "claim_latency_seconds", "Claim query round trip.", OFF(claim_latency));
     hist(&b, m, n, "settle_latency_seconds", "Settle (mark, retry, dead letter) round trip, commit included.", OFF(settle_latency));
     hist(&b, m, n, "end_to_end_latency_seconds", "Row created_at (producer's transaction) to broker confirm: the row's age when claimed, in the database's clock, plus our time from claim to confirm.", OFF(e2e_latency));
-    if (b.oom) {
+    if (b.failed) {
         free(b.p);
         return NULL;
     }

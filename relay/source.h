@@ -170,4 +170,9 @@ static inline const source_ops *source_ops_of(const cfg_outbox *ob)
     return (const source_ops *)ob->source->ops;
 }
 
+/* Writes one line of dead_list's output: the n fields tab-separated, a NULL field
+   empty, and in each field tab, newline, carriage return and backslash escaped as
+   \t \n \r \\ (a line is always one row). */
+void source_dead_line(FILE *out, const char *const *field, size_t n);
+
 #endif

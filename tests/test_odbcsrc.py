@@ -153,7 +153,8 @@ class Driver:
         """outcomes: (id, token, kind, backoff_ms, reason or None)."""
         parts = []
         for i, t, k, b, r in outcomes:
-            parts.append(f"{i},{t},{k},{b},{r.encode().hex() if r else '-'}")
+            r = r.encode() if isinstance(r, str) else r   # bytes: not necessarily UTF-8
+            parts.append(f"{i},{t},{k},{b},{r.hex() if r else '-'}")
         done, _ = self.request("settle " + " ".join(parts), "settle")
         return done
 

@@ -382,7 +382,7 @@ def dead_setup(services, pgdb, relay_bin, tmp_path):
         "other": dict(base, table="outbox.other")})
     init(relay_bin, cfg)
     mids = {1001: insert_dead(pgdb, 1001, reason="unroutable: NO_ROUTE"),
-            1002: insert_dead(pgdb, 1002, reason="line one\nline\ttwo", attempts=3),
+            1002: insert_dead(pgdb, 1002, reason="line one\nline\ttwo\r\\end", attempts=3),
             1003: insert_dead(pgdb, 1003, reason="malformed headers")}
     mids[2001] = insert_dead(pgdb, 2001, reason="too big", table="outbox.other_dead")
     return cfg, mids
@@ -416,7 +416,7 @@ def test_dead_list(dead_setup, relay_bin):
     f = main[1002]
     assert f[1] == mids[1002] and f[2] == "" and f[3] == "q" and f[4] == "3", f
     assert re.match(r"^\d{4}-\d\d-\d\d", f[5]), f
-    assert f[6] == "line one\\nline\\ttwo", "control characters escaped: one line per row"
+    assert f[6] == "line one\\nline\\ttwo\\r\\\\end", "escaped: one line per row"
     assert [int(x[0]) for x in secs["other"]] == [2001]
 
     r = cli(relay_bin, "dead", "list", "-c", cfg, "--outbox", "other")  # options after the verb

@@ -748,6 +748,23 @@ def test_settle_reason_with_invalid_utf8_is_sanitised(src, drivers):
     assert src.row(i)["last_error"] == src.sanitised
 
 
+def test_settle_reason_keeps_control_characters_and_is_cut_on_a_character(src, drivers):
+    """A failure reason's quotes, backslashes and control characters arrive as they were; a
+    reason longer than the columns hold is cut on a character boundary (1,000 characters of
+    a 2-byte character: nothing half)."""
+    init_schema(drivers)
+    retry, dead = src.insert(2)
+    d = started(drivers)
+    d.claim(2, 100)
+    text = 'bad "q"\\ \x01\b\f\t\n end'
+    long = "a" + "\u00e9" * 1000                       # 2001 bytes of UTF-8
+    st = d.settle((retry, 100, "R", 60000, text), (dead, 100, "D", 0, long))
+    assert st["ok"] == 0 and st["applied"] == "2", st
+    assert src.row(retry)["last_error"] == text
+    reason = src.dead()[dead]["reason"]
+    assert long.startswith(reason) and 0 < len(reason) < len(long), (len(reason), reason[:20])
+
+
 def test_settle_sent_delete_mode(src, drivers):
     init_schema(drivers)
     ids = src.insert(3)

@@ -1,6 +1,7 @@
 """cmocka tests of the relay core's pure pieces: the ledger (relay/ledger.c), with its
-scripted cases and seeded randomized runs against a fake database and a fake broker, and
-the process-wide row budget (relay/budget.c) with simulated drains."""
+scripted cases and seeded randomized runs against a fake database and a fake broker, the
+process-wide row budget (relay/budget.c) with simulated drains, and the helpers liboutbox
+and the relay share (lib/util.c: UTF-8, UTF-16 through iconv, buffers, JSON, back-off)."""
 from conftest import run_prog
 
 
@@ -18,3 +19,11 @@ def test_row_budget(build):
     assert r.returncode == 0, out[-4000:]
     assert "4 test(s) run" in out
     assert "500 seeded runs ok" in out
+
+
+def test_util(build):
+    r = run_prog([str(build / "tests" / "util_test")], timeout=120)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "13 test(s) run" in out
+    assert "20000 random UTF-8/UTF-16 runs ok" in out

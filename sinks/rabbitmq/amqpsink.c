@@ -74,6 +74,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "lib/outbox_util.h"
+
 #ifndef OUTBOX_VERSION
 #define OUTBOX_VERSION "dev"
 #endif
@@ -82,7 +84,7 @@
                                           connection and channel (131072 cost fifty outboxes
                                           3 MiB), and larger bodies are split in frames */
 #define AMQPSINK_SNDBUF        (4 * 1024 * 1024)
-#define AMQPSINK_BACKOFF_MIN   0.1
+#define AMQPSINK_BACKOFF_MIN   100    /* ms */
 #define AMQPSINK_DRAIN_MAX     4096   /* frames per readable event before yielding */
 #define AMQPSINK_CLOSE_TIMEOUT 2000   /* ms, destroy()'s connection.close */
 #define AMQPSINK_SYS_CA        "/etc/ssl/certs/ca-certificates.crt"
@@ -221,7 +223,7 @@ struct sink {
     ev_io           rio, wio;
     ev_timer        tick, retry, wretry, failt;
     ev_timer        nackt;        /* nack_reopen after the first nack of a run */
-    double          backoff;
+    int64_t         backoff_ms;
     uint64_t        rnd;
 
     /* Exchange checks (see the top of the file). All of it belongs to the
@@ -1291,17 +1293,14 @@ static bool maybe_writable(sink *s)
  * before lists existed). */
 static void schedule_reconnect(sink *s)
 {
-    double d, base = AMQPSINK_BACKOFF_MIN;
+    double d, base = AMQPSINK_BACKOFF_MIN / 1000.;
 
     s->cur = (s->cur + 1) % s->cfg.n_brokers;
     if (++s->round_fails >= s->cfg.n_brokers) {
         s->round_fails = 0;
-        base = s->backoff;
-        s->backoff *= 2;
-        if (s->backoff > (double)s->cfg.reconnect_max_ms / 1000.)
-            s->backoff = (double)s->cfg.reconnect_max_ms / 1000.;
-        if (s->backoff < AMQPSINK_BACKOFF_MIN)
-            s->backoff = AMQPSINK_BACKOFF_MIN;
+        base = (double)s->backoff_ms / 1000.;
+        s->backoff_ms = outbox_util_backoff_next(s->backoff_ms, AMQPSINK_BACKOFF_MIN,
+                                                 s->cfg.reconnect_max_ms);
     }
     /* xorshift64 jitter: delay in [base/2, base) */
     s->rnd ^= s->rnd << 13;
@@ -1474,7 +1473,7 @@ static void jobw_cb(struct ev_loop *loop, ev_async *w, int revents)
         goto out;
     }
     s->conn = conn;
-    s->backoff = AMQPSINK_BACKOFF_MIN;
+    s->backoff_ms = AMQPSINK_BACKOFF_MIN;
     s->round_fails = 0;
     s->chan_ok = true;
     s->pch = PCH_OPEN;
@@ -2374,7 +2373,7 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
         goto oom;
     s->ring_mask = cap - 1;
     s->next_tag = s->tail_tag = 1;
-    s->backoff = AMQPSINK_BACKOFF_MIN;
+    s->backoff_ms = AMQPSINK_BACKOFF_MIN;
     s->rnd = (uint64_t)(uintptr_t)s ^ ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid();
     if (s->rnd == 0)
         s->rnd = 88172645463325252ULL;

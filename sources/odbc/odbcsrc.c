@@ -22,6 +22,7 @@
 #include <string.h>
 #include <time.h>
 #include <ev.h>
+#include "lib/outbox_util.h"
 #include "sources/odbc/odbcsrc_int.h"
 
 #define BACKOFF_MIN_MS 100
@@ -224,8 +225,6 @@ static void *worker_main(void *arg)
     source *s = arg;
     wstate w;
     int64_t backoff = BACKOFF_MIN_MS;
-    int64_t backoff_max = s->conf.reconnect_max_ms > BACKOFF_MIN_MS ? s->conf.reconnect_max_ms
-                                                                     : BACKOFF_MIN_MS;
     int reported = -1;          /* last state posted */
     char last[sizeof w.db.err] = "";
 
@@ -260,7 +259,7 @@ static void *worker_main(void *arg)
                 post_state_locked(s, SRC_DOWN, last);
             }
             int64_t deadline = now_ms() + backoff;
-            backoff = backoff * 2 > backoff_max ? backoff_max : backoff * 2;
+            backoff = outbox_util_backoff_next(backoff, BACKOFF_MIN_MS, s->conf.reconnect_max_ms);
             while (!s->stop) {
                 if (s->has_req) {
                     char msg[sizeof last + 32];

@@ -4,8 +4,9 @@
  *
  * Table names come only from validated identifier parts and are quoted by
  * outbox_qualified(); every value travels as a parameter. Text travels as
- * UTF-16 (SQL_C_WCHAR) both ways and is converted to/from UTF-8 here, which is
- * lossless with msodbcsql, FreeTDS and the psqlODBC Unicode driver alike.
+ * UTF-16 (SQL_C_WCHAR) both ways and is converted to/from UTF-8 by lib/util.c
+ * (iconv), which is lossless with msodbcsql, FreeTDS and the psqlODBC Unicode
+ * driver alike.
  * Every statement carries SQL_ATTR_QUERY_TIMEOUT; the login carries
  * SQL_ATTR_LOGIN_TIMEOUT. Text parameters are bound with sizes that depend on
  * the column only (nvarchar(255) or nvarchar(max)), never on the data, so SQL
@@ -40,6 +41,7 @@
 #include <stdarg.h>
 #include <stdlib.h>
 #include <string.h>
+#include "lib/outbox_util.h"
 #include "sources/odbc/odbcsrc_int.h"
 #include "sources/sql_pg.h"
 
@@ -93,141 +95,8 @@ void odbcsrc_conf_clear(odbcsrc_conf *c)
     memset(c, 0, sizeof *c);
 }
 
-/* ------------------------------------------------------------ buffers */
-
-typedef struct dbuf {
-    char  *p;
-    size_t len, cap;
-} dbuf;
-
-static int dbuf_reserve(dbuf *b, size_t more)
-{
-    if (b->len + more + 1 <= b->cap)
-        return 0;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->len + more + 1) {
-        if (cap > SIZE_MAX / 2)
-            return -1;
-        cap *= 2;
-    }
-    char *p = realloc(b->p, cap);
-    if (!p)
-        return -1;
-    b->p = p;
-    b->cap = cap;
-    return 0;
-}
-
-static int dbuf_add(dbuf *b, const void *s, size_t n)
-{
-    if (dbuf_reserve(b, n) < 0)
-        return -1;
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-    return 0;
-}
-
-static int dbuf_str(dbuf *b, const char *s)
-{
-    return dbuf_add(b, s, strlen(s));
-}
-
-static int dbuf_printf(dbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int dbuf_printf(dbuf *b, const char *fmt, ...)
-{
-    char tmp[256];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0 || (size_t)n >= sizeof tmp)
-        return -1;  /* only used for short numeric fragments */
-    return dbuf_add(b, tmp, (size_t)n);
-}
-
-/* ------------------------------------------------------------ UTF-8 / UTF-16 */
-
-/* Decodes one UTF-8 sequence at s (n > 0 bytes); invalid input yields U+FFFD
- * and consumes one byte. Returns the bytes consumed. */
-static size_t utf8_decode(const unsigned char *s, size_t n, uint32_t *cp)
-{
-    unsigned char c = s[0];
-    size_t len;
-    uint32_t v, min;
-    if (c < 0x80) {
-        *cp = c;
-        return 1;
-    }
-    if (c >= 0xC2 && c <= 0xDF) { len = 2; v = c & 0x1F; min = 0x80; }
-    else if (c >= 0xE0 && c <= 0xEF) { len = 3; v = c & 0x0F; min = 0x800; }
-    else if (c >= 0xF0 && c <= 0xF4) { len = 4; v = c & 0x07; min = 0x10000; }
-    else goto bad;
-    if (len > n)
-        goto bad;
-    for (size_t i = 1; i < len; i++) {
-        if ((s[i] & 0xC0) != 0x80)
-            goto bad;
-        v = (v << 6) | (s[i] & 0x3F);
-    }
-    if (v < min || v > 0x10FFFF || (v >= 0xD800 && v <= 0xDFFF))
-        goto bad;
-    *cp = v;
-    return len;
-bad:
-    *cp = 0xFFFD;
-    return 1;
-}
-
-/* UTF-8 → UTF-16, NUL-terminated, malloc'd (ownership to the caller); *units
- * gets the length without the terminator. NULL on out-of-memory. */
-static SQLWCHAR *utf8_to_w(const char *s, size_t len, size_t *units)
-{
-    const unsigned char *p = (const unsigned char *)s;
-    SQLWCHAR *w = malloc((len * 2 + 1) * sizeof *w);  /* worst case: every byte a pair */
-    size_t j = 0;
-    if (!w)
-        return NULL;
-    for (size_t i = 0; i < len;) {
-        uint32_t cp;
-        i += utf8_decode(p + i, len - i, &cp);
-        if (cp >= 0x10000) {
-            cp -= 0x10000;
-            w[j++] = (SQLWCHAR)(0xD800 + (cp >> 10));
-            w[j++] = (SQLWCHAR)(0xDC00 + (cp & 0x3FF));
-        } else {
-            w[j++] = (SQLWCHAR)cp;
-        }
-    }
-    w[j] = 0;
-    *units = j;
-    return w;
-}
-
-/* Appends UTF-16 text as UTF-8 (lone surrogates become U+FFFD). */
-static int w_to_utf8(const SQLWCHAR *w, size_t n, dbuf *out)
-{
-    if (dbuf_reserve(out, n * 3) < 0)
-        return -1;
-    for (size_t i = 0; i < n; i++) {
-        uint32_t cp = w[i];
-        if (cp >= 0xD800 && cp <= 0xDBFF && i + 1 < n && w[i + 1] >= 0xDC00 && w[i + 1] <= 0xDFFF) {
-            cp = 0x10000 + ((cp - 0xD800) << 10) + (w[i + 1] - 0xDC00u);
-            i++;
-        } else if (cp >= 0xD800 && cp <= 0xDFFF) {
-            cp = 0xFFFD;
-        }
-        unsigned char b[4];
-        size_t k;
-        if (cp < 0x80) { b[0] = (unsigned char)cp; k = 1; }
-        else if (cp < 0x800) { b[0] = (unsigned char)(0xC0 | (cp >> 6)); b[1] = (unsigned char)(0x80 | (cp & 0x3F)); k = 2; }
-        else if (cp < 0x10000) { b[0] = (unsigned char)(0xE0 | (cp >> 12)); b[1] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F)); b[2] = (unsigned char)(0x80 | (cp & 0x3F)); k = 3; }
-        else { b[0] = (unsigned char)(0xF0 | (cp >> 18)); b[1] = (unsigned char)(0x80 | ((cp >> 12) & 0x3F)); b[2] = (unsigned char)(0x80 | ((cp >> 6) & 0x3F)); b[3] = (unsigned char)(0x80 | (cp & 0x3F)); k = 4; }
-        if (dbuf_add(out, b, k) < 0)
-            return -1;
-    }
-    return 0;
-}
+/* Text travels as SQL_C_WCHAR: UTF-16 units, converted by lib/util.c (iconv). */
+_Static_assert(sizeof(SQLWCHAR) == sizeof(uint16_t), "SQLWCHAR is a UTF-16 unit");
 
 /* ------------------------------------------------------------ errors */
 
@@ -341,7 +210,7 @@ static void p_text(params *ps, const char *s, SQLULEN size)
     memset(p, 0, sizeof *p);
     p->ctype = SQL_C_WCHAR;
     p->stype = SQL_WVARCHAR;
-    p->w = utf8_to_w(s, strlen(s), &units);
+    p->w = outbox_util_utf16_from_utf8(s, strlen(s), &units);
     if (!p->w) {
         ps->oom = 1;
         return;
@@ -500,11 +369,11 @@ static int get_f64(odbcsrc_db *db, SQLHSTMT h, int col, double *v)
 
 /* Reads a text column as UTF-16 in chunks and stores it as UTF-8 in out
  * (reset first). *isnull tells SQL NULL apart from "". */
-static int get_text(odbcsrc_db *db, SQLHSTMT h, int col, dbuf *out, bool *isnull)
+static int get_text(odbcsrc_db *db, SQLHSTMT h, int col, outbox_util_buf *out, bool *isnull)
 {
     SQLWCHAR chunk[4096];
-    out->len = 0;
-    if (dbuf_reserve(out, 0) < 0)
+    outbox_util_buf_reset(out);
+    if (outbox_util_buf_reserve(out, 0) < 0)
         goto oom;
     out->p[0] = '\0';
     *isnull = false;
@@ -523,7 +392,7 @@ static int get_text(odbcsrc_db *db, SQLHSTMT h, int col, dbuf *out, bool *isnull
         }
         size_t room = sizeof chunk - sizeof(SQLWCHAR);   /* minus the terminator */
         size_t got = (ind == SQL_NO_TOTAL || (size_t)ind > room) ? room : (size_t)ind;
-        if (w_to_utf8(chunk, got / sizeof(SQLWCHAR), out) < 0)
+        if (outbox_util_utf16_to_utf8(out, chunk, got / sizeof(SQLWCHAR)) < 0)
             goto oom;
         if (rc == SQL_SUCCESS)
             return 0;
@@ -537,12 +406,12 @@ oom:
 
 /* Reads a binary column in chunks into out (reset first). A surrogate pair
  * split across UTF-16 chunks cannot happen here: bytes are bytes. */
-static int get_bin(odbcsrc_db *db, SQLHSTMT h, int col, dbuf *out, bool *isnull)
+static int get_bin(odbcsrc_db *db, SQLHSTMT h, int col, outbox_util_buf *out, bool *isnull)
 {
     unsigned char chunk[65536];
-    out->len = 0;
+    outbox_util_buf_reset(out);
     *isnull = false;
-    if (dbuf_reserve(out, 0) < 0)
+    if (outbox_util_buf_reserve(out, 0) < 0)
         goto oom;
     for (;;) {
         SQLLEN ind = 0;
@@ -558,9 +427,9 @@ static int get_bin(odbcsrc_db *db, SQLHSTMT h, int col, dbuf *out, bool *isnull)
             return 0;
         }
         size_t got = (ind == SQL_NO_TOTAL || (size_t)ind > sizeof chunk) ? sizeof chunk : (size_t)ind;
-        if (ind != SQL_NO_TOTAL && dbuf_reserve(out, (size_t)ind) < 0)
+        if (ind != SQL_NO_TOTAL && outbox_util_buf_reserve(out, (size_t)ind) < 0)
             goto oom;  /* the whole remaining length, once */
-        if (dbuf_add(out, chunk, got) < 0)
+        if (outbox_util_buf_put(out, chunk, got) < 0)
             goto oom;
         if (rc == SQL_SUCCESS)
             return 0;
@@ -575,30 +444,30 @@ oom:
 /* The SQL text with {T} and {D} replaced by the quoted table names. */
 static char *sql_for(odbcsrc_db *db, const char *tmpl)
 {
-    dbuf b = {0};
+    outbox_util_buf b = {0};
     for (const char *p = tmpl; *p;) {
         const char *q = strchr(p, '{');
         if (!q) {
-            if (dbuf_str(&b, p) < 0)
+            if (outbox_util_buf_puts(&b, p) < 0)
                 goto oom;
             break;
         }
-        if (dbuf_add(&b, p, (size_t)(q - p)) < 0)
+        if (outbox_util_buf_put(&b, p, (size_t)(q - p)) < 0)
             goto oom;
         if (q[1] == 'T' && q[2] == '}') {
-            if (dbuf_str(&b, db->qt) < 0)
+            if (outbox_util_buf_puts(&b, db->qt) < 0)
                 goto oom;
             p = q + 3;
         } else if (q[1] == 'D' && q[2] == '}') {
-            if (dbuf_str(&b, db->qd) < 0)
+            if (outbox_util_buf_puts(&b, db->qd) < 0)
                 goto oom;
             p = q + 3;
         } else if (q[1] == 'L' && q[2] == '}') {
-            if (dbuf_str(&b, db->ql) < 0)
+            if (outbox_util_buf_puts(&b, db->ql) < 0)
                 goto oom;
             p = q + 3;
         } else {
-            if (dbuf_add(&b, q, 1) < 0)
+            if (outbox_util_buf_put(&b, q, 1) < 0)
                 goto oom;
             p = q + 1;
         }
@@ -690,11 +559,11 @@ static bool is_tsql(const odbcsrc_db *db)
  *   - READ COMMITTED: the level READPAST needs and every statement here assumes. */
 static int session_tsql(odbcsrc_db *db)
 {
-    dbuf b = {0};
+    outbox_util_buf b = {0};
     SQLHSTMT h = SQL_NULL_HSTMT;
     int rc = -1;
-    if (dbuf_str(&b, outbox_tsql_session_options) < 0 ||
-        dbuf_str(&b, ";\nSET XACT_ABORT ON;\nSET TRANSACTION ISOLATION LEVEL READ COMMITTED;") < 0) {
+    if (outbox_util_buf_puts(&b, outbox_tsql_session_options) < 0 ||
+        outbox_util_buf_puts(&b, ";\nSET XACT_ABORT ON;\nSET TRANSACTION ISOLATION LEVEL READ COMMITTED;") < 0) {
         set_err(db, "session options: out of memory");
         goto done;
     }
@@ -710,7 +579,7 @@ done:
 int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
 {
     SQLRETURN rc;
-    dbuf cs = {0};
+    outbox_util_buf cs = {0};
     odbcsrc_cur_fn fn = db->cur_fn;
     void *ud = db->cur_ud;
     memset(db, 0, sizeof *db);
@@ -749,17 +618,17 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
     (void)SQLSetConnectAttr(db->dbc, SQL_ATTR_CONNECTION_TIMEOUT, (SQLPOINTER)(uintptr_t)ls, 0);
 
     /* The connection string; it may carry secrets: never logged. */
-    if (dbuf_str(&cs, conf->conninfo) < 0)
+    if (outbox_util_buf_puts(&cs, conf->conninfo) < 0)
         goto oom;
     if (conf->password) {
-        if (cs.len && cs.p[cs.len - 1] != ';' && dbuf_str(&cs, ";") < 0)
+        if (cs.len && cs.p[cs.len - 1] != ';' && outbox_util_buf_puts(&cs, ";") < 0)
             goto oom;
-        if (dbuf_str(&cs, "PWD={") < 0)
+        if (outbox_util_buf_puts(&cs, "PWD={") < 0)
             goto oom;
         for (const char *p = conf->password; *p; p++)
-            if (dbuf_add(&cs, p, 1) < 0 || (*p == '}' && dbuf_add(&cs, "}", 1) < 0))
+            if (outbox_util_buf_put(&cs, p, 1) < 0 || (*p == '}' && outbox_util_buf_put(&cs, "}", 1) < 0))
                 goto oom;
-        if (dbuf_str(&cs, "}") < 0)
+        if (outbox_util_buf_puts(&cs, "}") < 0)
             goto oom;
     }
     pthread_mutex_lock(&driver_setup_lock);
@@ -852,7 +721,7 @@ int odbcsrc_db_end(odbcsrc_db *db, bool commit)
  * is free (no round trip) but its narrow form is only trustworthy for plain
  * ASCII (drivers differ in how they convert, and the wide form is broken in
  * psqlODBC 13); anything else is asked from the server as UTF-16. */
-static int current_db(odbcsrc_db *db, dbuf *out)
+static int current_db(odbcsrc_db *db, outbox_util_buf *out)
 {
     SQLCHAR a[256];
     SQLINTEGER len = 0;
@@ -864,8 +733,8 @@ static int current_db(odbcsrc_db *db, dbuf *out)
             if (a[i] < 0x20 || a[i] > 0x7e || a[i] == '?')
                 plain = false;
         if (plain) {
-            out->len = 0;
-            return dbuf_add(out, a, (size_t)len);
+            outbox_util_buf_reset(out);
+            return outbox_util_buf_put(out, a, (size_t)len);
         }
     }
     /* fallback: ask the server */
@@ -888,7 +757,7 @@ done:
 
 int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
 {
-    dbuf name = {0};
+    outbox_util_buf name = {0};
     int rc = -1;
     if (current_db(db, &name) < 0)
         goto done;
@@ -983,7 +852,7 @@ int odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t le
 {
     params ps = {0};
     SQLHSTMT h = SQL_NULL_HSTMT;
-    dbuf who = {0};
+    outbox_util_buf who = {0};
     bool isnull = false;
     int rc = -1;
     char *sql = sql_for(db, is_tsql(db) ? LEAD_TSQL : LEAD_PG);
@@ -1152,7 +1021,7 @@ static int row_cmp(const void *a, const void *b)
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
-static row_field fld(const dbuf *b, bool isnull)
+static row_field fld(const outbox_util_buf *b, bool isnull)
 {
     row_field f;
     f.p = isnull ? NULL : (b->p ? b->p : "");
@@ -1165,7 +1034,7 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
                      row ***rows_out, size_t *n_out)
 {
     enum { NTXT = 8 };
-    dbuf txt[NTXT], pay = {0};
+    outbox_util_buf txt[NTXT], pay = {0};
     bool tnull[NTXT], pnull = false;
     row **rows = NULL;
     size_t n = 0, cap = 0;
@@ -1381,21 +1250,21 @@ static const char SETTLE_PG_TAIL[] =
 
 int odbcsrc_db_settle(odbcsrc_db *db, const char *json, size_t *applied)
 {
-    dbuf t = {0};
+    outbox_util_buf t = {0};
     params ps = {0};
     int64_t v = 0;
     int rc = -1;
     bool del = db->conf->on_sent == CFG_ON_SENT_DELETE;
     *applied = 0;
     if (is_tsql(db)) {
-        if (dbuf_str(&t, SETTLE_TSQL_HEAD) < 0 ||
-            dbuf_str(&t, del ? SETTLE_TSQL_DELETE : SETTLE_TSQL_MARK) < 0 ||
-            dbuf_str(&t, SETTLE_TSQL_TAIL) < 0)
+        if (outbox_util_buf_puts(&t, SETTLE_TSQL_HEAD) < 0 ||
+            outbox_util_buf_puts(&t, del ? SETTLE_TSQL_DELETE : SETTLE_TSQL_MARK) < 0 ||
+            outbox_util_buf_puts(&t, SETTLE_TSQL_TAIL) < 0)
             goto oom;
     } else {
-        if (dbuf_str(&t, SETTLE_PG_HEAD) < 0 ||
-            dbuf_str(&t, del ? SETTLE_PG_DELETE : SETTLE_PG_MARK) < 0 ||
-            dbuf_str(&t, SETTLE_PG_TAIL) < 0)
+        if (outbox_util_buf_puts(&t, SETTLE_PG_HEAD) < 0 ||
+            outbox_util_buf_puts(&t, del ? SETTLE_PG_DELETE : SETTLE_PG_MARK) < 0 ||
+            outbox_util_buf_puts(&t, SETTLE_PG_TAIL) < 0)
             goto oom;
     }
     p_text(&ps, json, P_MAX);
@@ -1545,20 +1414,6 @@ done:
     return rc;
 }
 
-/* Writes s with tab, newline, carriage return and backslash escaped. */
-static void put_field(FILE *out, const char *s)
-{
-    for (; *s; s++) {
-        switch (*s) {
-        case '\t': fputs("\\t", out); break;
-        case '\n': fputs("\\n", out); break;
-        case '\r': fputs("\\r", out); break;
-        case '\\': fputs("\\\\", out); break;
-        default: fputc(*s, out);
-        }
-    }
-}
-
 int odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out)
 {
     static const char tsql[] =
@@ -1570,7 +1425,7 @@ int odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out)
         "FROM {D} ORDER BY id";
     SQLHSTMT h = SQL_NULL_HSTMT;
     char *sql = sql_for(db, is_tsql(db) ? tsql : pg);
-    dbuf t[5];
+    outbox_util_buf t[5];
     int rc = -1;
     memset(t, 0, sizeof t);
     if (!sql)
@@ -1590,14 +1445,13 @@ int odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out)
             get_i64(db, h, 5, &attempts, NULL) < 0 || get_text(db, h, 6, &t[3], &nul[3]) < 0 ||
             get_text(db, h, 7, &t[4], &nul[4]) < 0)
             goto done;
-        fprintf(out, "%" PRId64, id);
-        for (int i = 0; i < 5; i++) {
-            if (i == 3)
-                fprintf(out, "\t%" PRId64, attempts);
-            fputc('\t', out);
-            put_field(out, nul[i] ? "" : t[i].p);
-        }
-        fputc('\n', out);
+        char ids[24], atts[24];
+        snprintf(ids, sizeof ids, "%" PRId64, id);
+        snprintf(atts, sizeof atts, "%" PRId64, attempts);
+        const char *fields[7] = { ids, nul[0] ? NULL : t[0].p, nul[1] ? NULL : t[1].p,
+                                  nul[2] ? NULL : t[2].p, atts, nul[3] ? NULL : t[3].p,
+                                  nul[4] ? NULL : t[4].p };
+        source_dead_line(out, fields, 7);
     }
     rc = 0;
 done:
@@ -1642,17 +1496,17 @@ int odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t 
         "DELETE FROM {D} WHERE ? = 1 OR id IN (SELECT CAST(j.value AS bigint) FROM OPENJSON(?) AS j)";
     static const char purge_pg[] =
         "DELETE FROM {D} WHERE ?::int = 1 OR id = ANY(?::bigint[])";
-    dbuf list = {0};
+    outbox_util_buf list = {0};
     params ps = {0};
     int rc = -1;
     *affected = 0;
     bool all = !ids || n_ids == 0;
-    if (dbuf_str(&list, is_tsql(db) ? "[" : "{") < 0)
+    if (outbox_util_buf_puts(&list, is_tsql(db) ? "[" : "{") < 0)
         goto oom;
     for (size_t i = 0; !all && i < n_ids; i++)
-        if (dbuf_printf(&list, "%s%" PRId64, i ? "," : "", ids[i]) < 0)
+        if (outbox_util_buf_printf(&list, "%s%" PRId64, i ? "," : "", ids[i]) < 0)
             goto oom;
-    if (dbuf_str(&list, is_tsql(db) ? "]" : "}") < 0)
+    if (outbox_util_buf_puts(&list, is_tsql(db) ? "]" : "}") < 0)
         goto oom;
     p_i32(&ps, all ? 1 : 0);
     p_text(&ps, list.p, P_MAX);
@@ -1676,39 +1530,10 @@ oom:
 
 /* ------------------------------------------------------------ outcomes as JSON */
 
-static int json_str(dbuf *b, const char *s, size_t maxlen)
-{
-    const unsigned char *p = (const unsigned char *)s;
-    size_t n = strlen(s), i = 0;
-    if (dbuf_add(b, "\"", 1) < 0)
-        return -1;
-    while (i < n) {
-        uint32_t cp;
-        size_t l = utf8_decode(p + i, n - i, &cp);
-        if (i + l > maxlen)
-            break;
-        int r;
-        if (cp == '"' || cp == '\\') {
-            char e[2] = {'\\', (char)cp};
-            r = dbuf_add(b, e, 2);
-        } else if (cp < 0x20) {
-            r = dbuf_printf(b, "\\u%04x", (unsigned)cp);
-        } else if (cp == 0xFFFD && l == 1) {
-            r = dbuf_str(b, "\xEF\xBF\xBD");   /* invalid byte: replacement character */
-        } else {
-            r = dbuf_add(b, p + i, l);
-        }
-        if (r < 0)
-            return -1;
-        i += l;
-    }
-    return dbuf_add(b, "\"", 1);
-}
-
 char *odbcsrc_outcomes_json(const src_outcome *v, size_t n)
 {
-    dbuf b = {0};
-    if (dbuf_add(&b, "[", 1) < 0)
+    outbox_util_buf b = {0};
+    if (outbox_util_buf_put(&b, "[", 1) < 0)
         goto oom;
     for (size_t i = 0; i < n; i++) {
         int64_t bo = v[i].backoff_ms;
@@ -1716,20 +1541,20 @@ char *odbcsrc_outcomes_json(const src_outcome *v, size_t n)
             bo = 0;
         if (bo > INT32_MAX)
             bo = INT32_MAX;  /* DATEADD takes an int */
-        if (dbuf_printf(&b, "%s{\"id\":%" PRId64 ",\"token\":%" PRId64 ",\"kind\":%d,"
+        if (outbox_util_buf_printf(&b, "%s{\"id\":%" PRId64 ",\"token\":%" PRId64 ",\"kind\":%d,"
                         "\"backoff_ms\":%" PRId64 ",\"reason\":",
                         i ? "," : "", v[i].id, v[i].lease_token, v[i].kind, bo) < 0)
             goto oom;
         if (v[i].reason) {
-            if (json_str(&b, v[i].reason, REASON_MAX) < 0)
+            if (outbox_util_json_string(&b, v[i].reason, REASON_MAX) < 0)
                 goto oom;
-        } else if (dbuf_str(&b, "null") < 0) {
+        } else if (outbox_util_buf_puts(&b, "null") < 0) {
             goto oom;
         }
-        if (dbuf_add(&b, "}", 1) < 0)
+        if (outbox_util_buf_put(&b, "}", 1) < 0)
             goto oom;
     }
-    if (dbuf_add(&b, "]", 1) < 0)
+    if (outbox_util_buf_put(&b, "]", 1) < 0)
         goto oom;
     return b.p;  /* ownership to the caller */
 oom:

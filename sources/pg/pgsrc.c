@@ -29,6 +29,7 @@
 #include <unistd.h>
 #include <libpq-fe.h>
 #include "lib/outbox_schema.h"
+#include "lib/outbox_util.h"
 #include "relay/log.h"
 #include "relay/row.h"
 #include "relay/source.h"
@@ -212,7 +213,7 @@ static void schedule_reconnect(source *s)
     d = d * 3 / 4 + (int64_t)(rng_next(s) % (uint64_t)(d / 2 + 1));
     if (d > max)
         d = max;
-    s->backoff_ms = s->backoff_ms > max / 2 ? max : s->backoff_ms * 2;
+    s->backoff_ms = outbox_util_backoff_next(s->backoff_ms, BACKOFF_MIN_MS, max);
     s->phase = PH_BACKOFF;
     ev_timer_stop(s->loop, &s->retry);
     ev_timer_set(&s->retry, (double)d / 1000.0, 0.);
@@ -991,7 +992,7 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
 
 static int pgsrc_settle(source *s, const src_outcome *v, size_t n)
 {
-    pgsrc_buf arr[5];
+    outbox_util_buf arr[5];
     int rc = req_begin(s, SRC_REQ_SETTLE);
     if (rc)
         return rc < 0 ? -1 : 0;
@@ -1013,7 +1014,7 @@ static int pgsrc_settle(source *s, const src_outcome *v, size_t n)
     else
         req_send(s, s->sql_settle, 5, vals, 0);
     for (int k = 0; k < 5; k++)
-        pgsrc_buf_free(&arr[k]);
+        outbox_util_buf_free(&arr[k]);
     return 0;
 }
 

@@ -464,97 +464,72 @@ fail:
     return -1;
 }
 
+/* One statement on a connection of its own: connects (adm_connect), runs sql
+ * with its n parameters, disconnects. Takes ownership of sql (NULL: building it
+ * ran out of memory). The result (caller PQclears: it outlives the
+ * connection), or NULL with err filled. */
+static PGresult *adm_once(const cfg_outbox *ob, char *sql, int n, const char *const *vals,
+                          char *err, size_t errlen)
+{
+    char msg[512];
+    PGresult *r = NULL;
+    PGconn *c;
+    if (!sql) {
+        errf(ob, err, errlen, "out of memory");
+        return NULL;
+    }
+    c = adm_connect(ob, err, errlen);
+    if (c) {
+        r = adm_exec(c, ob, sql, n, vals, msg, sizeof msg);
+        if (!r)
+            errf(ob, err, errlen, "%s", msg);
+        PQfinish(c);
+    }
+    free(sql);
+    return r;
+}
+
 int pgsrc_stats_sync(const cfg_outbox *ob, src_stats *out, char *err, size_t errlen)
 {
     pgsrc_names n;
-    char msg[512];
-    char *sql = NULL;
-    PGresult *r = NULL;
     int rc = -1;
     if (err && errlen)
         err[0] = '\0';
     memset(out, 0, sizeof *out);
-    PGconn *c = adm_connect(ob, err, errlen);
-    if (!c)
-        return -1;
     pgsrc_names_init(ob, &n);
-    sql = pgsrc_sql_stats(&n, true);
-    if (!sql) {
-        errf(ob, err, errlen, "out of memory");
-        goto out;
-    }
-    r = adm_exec(c, ob, sql, 0, NULL, msg, sizeof msg);
-    if (!r) {
-        errf(ob, err, errlen, "%s", msg);
-        goto out;
-    }
-    if (pgsrc_parse_stats(r, out) < 0) {
+    PGresult *r = adm_once(ob, pgsrc_sql_stats(&n, true), 0, NULL, err, errlen);
+    if (!r)
+        return -1;
+    if (pgsrc_parse_stats(r, out) < 0)
         errf(ob, err, errlen, "unexpected stats result");
-        goto out;
-    }
-    rc = 0;
-out:
+    else
+        rc = 0;
     PQclear(r);
-    free(sql);
-    PQfinish(c);
     return rc;
-}
-
-/* Prints a text field for a tab-separated line: \t \n \r \\ escaped. */
-static void put_field(FILE *out, const char *s)
-{
-    for (; *s; s++) {
-        switch (*s) {
-        case '\t': fputs("\\t", out); break;
-        case '\n': fputs("\\n", out); break;
-        case '\r': fputs("\\r", out); break;
-        case '\\': fputs("\\\\", out); break;
-        default: fputc(*s, out); break;
-        }
-    }
 }
 
 int pgsrc_dead_list(const cfg_outbox *ob, FILE *out, char *err, size_t errlen)
 {
     pgsrc_names n;
-    char msg[512];
-    char *sql = NULL;
-    PGresult *r = NULL;
     int rc = -1;
     if (err && errlen)
         err[0] = '\0';
-    PGconn *c = adm_connect(ob, err, errlen);
-    if (!c)
-        return -1;
     pgsrc_names_init(ob, &n);
-    sql = pgsrc_sql_dead_list(&n);
-    if (!sql) {
-        errf(ob, err, errlen, "out of memory");
-        goto out;
-    }
-    r = adm_exec(c, ob, sql, 0, NULL, msg, sizeof msg);
-    if (!r) {
-        errf(ob, err, errlen, "%s", msg);
-        goto out;
-    }
+    PGresult *r = adm_once(ob, pgsrc_sql_dead_list(&n), 0, NULL, err, errlen);
+    if (!r)
+        return -1;
     /* id, message_id, exchange, routing_key, attempts, dead_at, reason */
     for (int i = 0; i < PQntuples(r); i++) {
-        for (int f = 0; f < 7; f++) {
-            if (f)
-                fputc('\t', out);
-            put_field(out, PQgetisnull(r, i, f) ? "" : PQgetvalue(r, i, f));
-        }
-        fputc('\n', out);
+        const char *f[7];
+        for (int k = 0; k < 7; k++)
+            f[k] = PQgetisnull(r, i, k) ? NULL : PQgetvalue(r, i, k);
+        source_dead_line(out, f, 7);
     }
-    if (fflush(out) != 0) {
+    if (fflush(out) != 0)
         errf(ob, err, errlen, "write failed: %s", strerror(errno));
-        goto out;
-    }
-    rc = 0;
-out:
+    else
+        rc = 0;
     PQclear(r);
-    free(sql);
-    PQfinish(c);
     return rc;
 }
 
@@ -564,40 +539,25 @@ static int dead_modify(const cfg_outbox *ob, sql_fn make, const int64_t *ids,
                        size_t n_ids, size_t *affected, char *err, size_t errlen)
 {
     pgsrc_names n;
-    char msg[512];
-    char *sql = NULL, *arr = NULL;
-    PGresult *r = NULL;
-    PGconn *c = NULL;
-    int rc = -1;
+    char *arr = NULL;
     if (err && errlen)
         err[0] = '\0';
     if (affected)
         *affected = 0;
-    pgsrc_names_init(ob, &n);
-    sql = make(&n);
-    if (!sql || pgsrc_id_array(ids, n_ids, &arr) < 0) {
+    if (pgsrc_id_array(ids, n_ids, &arr) < 0) {
         errf(ob, err, errlen, "out of memory");
-        goto out;
+        return -1;
     }
-    c = adm_connect(ob, err, errlen);
-    if (!c)
-        goto out;
+    pgsrc_names_init(ob, &n);
     const char *vals[1] = {arr};  /* NULL: all rows */
-    r = adm_exec(c, ob, sql, 1, vals, msg, sizeof msg);
-    if (!r) {
-        errf(ob, err, errlen, "%s", msg);
-        goto out;
-    }
+    PGresult *r = adm_once(ob, make(&n), 1, vals, err, errlen);
+    free(arr);
+    if (!r)
+        return -1;
     if (affected)
         *affected = (size_t)strtoull(PQcmdTuples(r), NULL, 10);
-    rc = 0;
-out:
     PQclear(r);
-    free(sql);
-    free(arr);
-    if (c)
-        PQfinish(c);
-    return rc;
+    return 0;
 }
 
 int pgsrc_dead_retry(const cfg_outbox *ob, const int64_t *ids, size_t n_ids,

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <libpq-fe.h>
 #include "config/cfg.h"
+#include "lib/outbox_util.h"
 #include "relay/source.h"
 #include "sources/sources.h"
 
@@ -37,24 +38,13 @@ void pgsrc_conn_params(const cfg_outbox *ob, const char **keys, const char **val
  * whitespace trimmed). */
 void pgsrc_oneline(const char *msg, char *out, size_t outlen);
 
-/* A growable string; oom is sticky. */
-typedef struct pgsrc_buf {
-    char  *p;
-    size_t len, cap;
-    int    oom;
-} pgsrc_buf;
-
-void pgsrc_buf_add(pgsrc_buf *b, const char *s, size_t n);
-void pgsrc_buf_str(pgsrc_buf *b, const char *s);
-void pgsrc_buf_printf(pgsrc_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-void pgsrc_buf_free(pgsrc_buf *b);
 /* Appends s as a double-quoted array element: " and \ escaped, invalid UTF-8
  * bytes replaced by '?', at most maxlen bytes of s (cut on a character boundary). */
-void pgsrc_buf_array_elem(pgsrc_buf *b, const char *s, size_t maxlen);
+void pgsrc_array_elem(outbox_util_buf *b, const char *s, size_t maxlen);
 
 /* Settle arrays as PostgreSQL array literals: ids, tokens, kinds, backoffs,
  * reasons. Returns 0, or -1 on out-of-memory (all five freed). */
-int  pgsrc_settle_arrays(const src_outcome *v, size_t n, pgsrc_buf out[5]);
+int  pgsrc_settle_arrays(const src_outcome *v, size_t n, outbox_util_buf out[5]);
 /* "{1,2,3}" or NULL (meaning SQL NULL = all) when n == 0; malloc'd in *out. */
 int  pgsrc_id_array(const int64_t *ids, size_t n, char **out);
 

@@ -77,154 +77,58 @@ void pgsrc_oneline(const char *msg, char *out, size_t outlen)
     out[j] = '\0';
 }
 
-/* ------------------------------------------------------------ buffers */
+/* ------------------------------------------------------------ array literals */
 
-static void buf_grow(pgsrc_buf *b, size_t more)
+void pgsrc_array_elem(outbox_util_buf *b, const char *s, size_t maxlen)
 {
-    if (b->oom)
-        return;
-    if (b->len + more + 1 <= b->cap)
-        return;
-    size_t cap = b->cap ? b->cap : 256;
-    while (cap < b->len + more + 1) {
-        if (cap > SIZE_MAX / 2) {
-            b->oom = 1;
-            return;
-        }
-        cap *= 2;
-    }
-    char *p = realloc(b->p, cap);
-    if (!p) {
-        b->oom = 1;
-        return;
-    }
-    b->p = p;
-    b->cap = cap;
-}
-
-void pgsrc_buf_add(pgsrc_buf *b, const char *s, size_t n)
-{
-    buf_grow(b, n);
-    if (b->oom)
-        return;
-    memcpy(b->p + b->len, s, n);
-    b->len += n;
-    b->p[b->len] = '\0';
-}
-
-void pgsrc_buf_str(pgsrc_buf *b, const char *s)
-{
-    pgsrc_buf_add(b, s, strlen(s));
-}
-
-void pgsrc_buf_printf(pgsrc_buf *b, const char *fmt, ...)
-{
-    va_list ap;
-    char tmp[256];
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0) {
-        b->oom = 1;
-        return;
-    }
-    if ((size_t)n < sizeof tmp) {
-        pgsrc_buf_add(b, tmp, (size_t)n);
-        return;
-    }
-    buf_grow(b, (size_t)n);
-    if (b->oom)
-        return;
-    va_start(ap, fmt);
-    vsnprintf(b->p + b->len, (size_t)n + 1, fmt, ap);
-    va_end(ap);
-    b->len += (size_t)n;
-}
-
-void pgsrc_buf_free(pgsrc_buf *b)
-{
-    free(b->p);
-    b->p = NULL;
-    b->len = b->cap = 0;
-    b->oom = 0;
-}
-
-/* Length of the valid UTF-8 sequence at s (n bytes available), 0 if invalid. */
-static size_t utf8_seq(const unsigned char *s, size_t n)
-{
-    unsigned char c = s[0];
-    if (c < 0x80)
-        return 1;
-    size_t len;
-    unsigned min;
-    unsigned cp;
-    if (c >= 0xC2 && c <= 0xDF) { len = 2; cp = c & 0x1F; min = 0x80; }
-    else if (c >= 0xE0 && c <= 0xEF) { len = 3; cp = c & 0x0F; min = 0x800; }
-    else if (c >= 0xF0 && c <= 0xF4) { len = 4; cp = c & 0x07; min = 0x10000; }
-    else return 0;
-    if (len > n)
-        return 0;
-    for (size_t i = 1; i < len; i++) {
-        if ((s[i] & 0xC0) != 0x80)
-            return 0;
-        cp = (cp << 6) | (s[i] & 0x3F);
-    }
-    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF))
-        return 0;
-    return len;
-}
-
-void pgsrc_buf_array_elem(pgsrc_buf *b, const char *s, size_t maxlen)
-{
-    const unsigned char *p = (const unsigned char *)s;
     size_t n = strlen(s), i = 0;
-    pgsrc_buf_add(b, "\"", 1);
+    outbox_util_buf_put(b, "\"", 1);
     while (i < n) {
-        size_t l = utf8_seq(p + i, n - i);
+        size_t l = outbox_util_utf8_seq(s + i, n - i, NULL);
         if (l == 0) {
             if (i + 1 > maxlen)
                 break;
-            pgsrc_buf_add(b, "?", 1);
+            outbox_util_buf_put(b, "?", 1);
             i++;
             continue;
         }
         if (i + l > maxlen)
             break;
-        if (l == 1 && (p[i] == '"' || p[i] == '\\'))
-            pgsrc_buf_add(b, "\\", 1);
-        pgsrc_buf_add(b, (const char *)p + i, l);
+        if (l == 1 && (s[i] == '"' || s[i] == '\\'))
+            outbox_util_buf_put(b, "\\", 1);
+        outbox_util_buf_put(b, s + i, l);
         i += l;
     }
-    pgsrc_buf_add(b, "\"", 1);
+    outbox_util_buf_put(b, "\"", 1);
 }
 
 #define PGSRC_REASON_MAX 2000  /* bytes of a reason kept in last_error / dead reason */
 
-int pgsrc_settle_arrays(const src_outcome *v, size_t n, pgsrc_buf out[5])
+int pgsrc_settle_arrays(const src_outcome *v, size_t n, outbox_util_buf out[5])
 {
     int oom = 0;
     memset(out, 0, 5 * sizeof *out);
     for (int k = 0; k < 5; k++)
-        pgsrc_buf_add(&out[k], "{", 1);
+        outbox_util_buf_put(&out[k], "{", 1);
     for (size_t i = 0; i < n; i++) {
         const char *sep = i ? "," : "";
-        pgsrc_buf_printf(&out[0], "%s%" PRId64, sep, v[i].id);
-        pgsrc_buf_printf(&out[1], "%s%" PRId64, sep, v[i].lease_token);
-        pgsrc_buf_printf(&out[2], "%s%d", sep, v[i].kind);
-        pgsrc_buf_printf(&out[3], "%s%" PRId64, sep, v[i].backoff_ms > 0 ? v[i].backoff_ms : 0);
-        pgsrc_buf_str(&out[4], sep);
+        outbox_util_buf_printf(&out[0], "%s%" PRId64, sep, v[i].id);
+        outbox_util_buf_printf(&out[1], "%s%" PRId64, sep, v[i].lease_token);
+        outbox_util_buf_printf(&out[2], "%s%d", sep, v[i].kind);
+        outbox_util_buf_printf(&out[3], "%s%" PRId64, sep, v[i].backoff_ms > 0 ? v[i].backoff_ms : 0);
+        outbox_util_buf_puts(&out[4], sep);
         if (v[i].reason)
-            pgsrc_buf_array_elem(&out[4], v[i].reason, PGSRC_REASON_MAX);
+            pgsrc_array_elem(&out[4], v[i].reason, PGSRC_REASON_MAX);
         else
-            pgsrc_buf_str(&out[4], "NULL");
+            outbox_util_buf_puts(&out[4], "NULL");
     }
     for (int k = 0; k < 5; k++) {
-        pgsrc_buf_add(&out[k], "}", 1);
-        oom |= out[k].oom;
+        outbox_util_buf_put(&out[k], "}", 1);
+        oom |= out[k].failed;
     }
     if (oom) {
         for (int k = 0; k < 5; k++)
-            pgsrc_buf_free(&out[k]);
+            outbox_util_buf_free(&out[k]);
         return -1;
     }
     return 0;
@@ -232,16 +136,16 @@ int pgsrc_settle_arrays(const src_outcome *v, size_t n, pgsrc_buf out[5])
 
 int pgsrc_id_array(const int64_t *ids, size_t n, char **out)
 {
-    pgsrc_buf b = {0};
+    outbox_util_buf b = {0};
     *out = NULL;
     if (!ids || n == 0)
         return 0;
-    pgsrc_buf_add(&b, "{", 1);
+    outbox_util_buf_put(&b, "{", 1);
     for (size_t i = 0; i < n; i++)
-        pgsrc_buf_printf(&b, "%s%" PRId64, i ? "," : "", ids[i]);
-    pgsrc_buf_add(&b, "}", 1);
-    if (b.oom) {
-        pgsrc_buf_free(&b);
+        outbox_util_buf_printf(&b, "%s%" PRId64, i ? "," : "", ids[i]);
+    outbox_util_buf_put(&b, "}", 1);
+    if (b.failed) {
+        outbox_util_buf_free(&b);
         return -1;
     }
     *out = b.p;  /* ownership to the caller */

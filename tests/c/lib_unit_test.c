@@ -1,7 +1,7 @@
 /*
- * lib_unit_test.c — cmocka unit tests for liboutbox internals: strict UTF-8,
- * JSON escaping, UUIDs, table-name parsing, derived names, queue handles,
- * error messages. Also a DDL printer for tests/test_schema.py:
+ * lib_unit_test.c — cmocka unit tests for liboutbox internals: UUIDs, table-name
+ * parsing, derived names, queue handles, error messages (UTF-8 and JSON escaping
+ * are lib/util.c's: tests/c/util_test.c). Also a DDL printer for tests/test_schema.py:
  *
  *   lib_unit_test                                   run the unit tests
  *   lib_unit_test --print-ddl postgres|sqlserver [schema.table]
@@ -20,85 +20,6 @@
 #include "lib/outbox_internal.h"
 #include "outbox.h"
 #include "outbox_schema.h"
-
-/* ------------------------------------------------------------------ UTF-8 */
-
-static void utf8_valid(void **state)
-{
-    (void)state;
-    static const char *const ok[] = {
-        "", "plain ascii", "\x7f", "\xc2\x80", "\xdf\xbf", "\xe0\xa0\x80", "\xed\x9f\xbf",
-        "\xee\x80\x80", "\xef\xbf\xbf", "\xf0\x90\x80\x80", "\xf4\x8f\xbf\xbf",
-        "caf\xc3\xa9 \xe2\x9c\x93 \xf0\x9f\x98\x80",
-    };
-    for (size_t i = 0; i < sizeof ok / sizeof ok[0]; i++)
-        assert_int_equal(outbox_i_utf8_check(ok[i], strlen(ok[i])), -1);
-    /* an embedded NUL is a valid code point when a length is given */
-    assert_int_equal(outbox_i_utf8_check("a\0b", 3), -1);
-}
-
-static void utf8_invalid(void **state)
-{
-    (void)state;
-    static const struct { const char *s; long at; } bad[] = {
-        { "\x80", 0 },                 /* lone continuation */
-        { "ab\xbf", 2 },
-        { "\xc0\xaf", 0 },             /* overlong '/' */
-        { "\xc1\xbf", 0 },             /* overlong */
-        { "\xe0\x80\xaf", 0 },         /* overlong 3-byte */
-        { "\xe0\x9f\xbf", 0 },         /* overlong 3-byte (U+07FF) */
-        { "\xf0\x80\x80\xaf", 0 },     /* overlong 4-byte */
-        { "\xf0\x8f\xbf\xbf", 0 },     /* overlong 4-byte (U+FFFF) */
-        { "\xed\xa0\x80", 0 },         /* U+D800 */
-        { "\xed\xbf\xbf", 0 },         /* U+DFFF */
-        { "x\xed\xa0\x80\xed\xb0\x80", 1 }, /* CESU-8 surrogate pair */
-        { "\xf4\x90\x80\x80", 0 },     /* U+110000 */
-        { "\xf5\x80\x80\x80", 0 },
-        { "\xfe", 0 }, { "\xff", 0 },
-        { "\xc3", 0 },                 /* truncated */
-        { "ok\xe2\x82", 2 },           /* truncated */
-        { "\xf0\x9f\x98", 0 },         /* truncated */
-        { "\xc3\x28", 0 },             /* bad continuation */
-        { "\xe2\x28\xa1", 0 },
-    };
-    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
-        long got = outbox_i_utf8_check(bad[i].s, strlen(bad[i].s));
-        if (got != bad[i].at)
-            fail_msg("case %zu: got %ld want %ld", i, got, bad[i].at);
-    }
-}
-
-/* ------------------------------------------------------------------- JSON */
-
-static char *json(const char *s)
-{
-    outbox_i_buf b = { 0 };
-    outbox_i_json_string(&b, s);
-    assert_false(b.failed);
-    return b.p;
-}
-
-static void json_escape(void **state)
-{
-    (void)state;
-    static const struct { const char *in, *out; } v[] = {
-        { "", "\"\"" },
-        { "abc", "\"abc\"" },
-        { "a\"b", "\"a\\\"b\"" },
-        { "a\\b", "\"a\\\\b\"" },
-        { "/", "\"/\"" },
-        { "\n\r\t\b\f", "\"\\n\\r\\t\\b\\f\"" },
-        { "\x01\x1f", "\"\\u0001\\u001f\"" },
-        { "\x7f", "\"\x7f\"" },
-        { "caf\xc3\xa9", "\"caf\xc3\xa9\"" },
-        { "\"\"\\\\", "\"\\\"\\\"\\\\\\\\\"" },
-    };
-    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
-        char *got = json(v[i].in);
-        assert_string_equal(got, v[i].out);
-        free(got);
-    }
-}
 
 /* ------------------------------------------------------------------ UUIDs */
 
@@ -396,7 +317,7 @@ static void error_one_line(void **state)
     assert_null(strchr(e.message, '\n'));
     assert_null(strchr(e.message, '\r'));
     assert_null(strchr(e.message, '\t'));
-    assert_int_equal(outbox_i_utf8_check(e.message, strlen(e.message)), -1);
+    assert_int_equal(outbox_util_utf8_check(e.message, strlen(e.message)), -1);
     assert_true(strncmp(e.message, "x line2 end ", 12) == 0);
     outbox_i_err(&e, OUTBOX_EINVAL, "TOOLONGSTATE", "y");
     assert_int_equal(strlen(e.sqlstate), 5);
@@ -447,9 +368,6 @@ int main(int argc, char **argv)
         return 0;
     }
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(utf8_valid),
-        cmocka_unit_test(utf8_invalid),
-        cmocka_unit_test(json_escape),
         cmocka_unit_test(uuid_format),
         cmocka_unit_test(trace_context),
         cmocka_unit_test(ident),

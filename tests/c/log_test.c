@@ -182,7 +182,7 @@ static void test_json_fields(void **state)
     log_fields f = {
         .event = "dead_lettered", .outbox = "orders", .sink = "main", .id = 42,
         .message_id = "0b7f5f4e-6a52-4a0e-9d38-3c2b1b2b9b01",
-        .partition_key = "k\"q\\b\n\r\t\x01\x1f\x7f caf\xc3\xa9 \xff\xc3 \xed\xa0\x80 end",
+        .partition_key = "k\"q\\b\n\r\t\b\f\x01\x1f\x7f caf\xc3\xa9 \xff\xc3 \xed\xa0\x80 end",
         .peer = "127.0.0.1:5672 vhost /",
         .error = "NOT_FOUND - no exchange 'x\"y'",
     };
@@ -196,7 +196,7 @@ static void test_json_fields(void **state)
         "\"level\":\"error\",\"msg\":\"outbox=orders id=42: dead-lettered: why\\u0002\","
         "\"event\":\"dead_lettered\",\"outbox\":\"orders\",\"sink\":\"main\",\"id\":42,"
         "\"message_id\":\"0b7f5f4e-6a52-4a0e-9d38-3c2b1b2b9b01\","
-        "\"partition_key\":\"k\\\"q\\\\b\\n\\r\\t\\u0001\\u001f\\u007f caf\xc3\xa9 "
+        "\"partition_key\":\"k\\\"q\\\\b\\n\\r\\t\\b\\f\\u0001\\u001f\\u007f caf\xc3\xa9 "
         "\\ufffd\\ufffd \\ufffd\\ufffd\\ufffd end\","
         "\"peer\":\"127.0.0.1:5672 vhost /\","
         "\"error\":\"NOT_FOUND - no exchange 'x\\\"y'\"}");

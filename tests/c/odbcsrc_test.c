@@ -38,6 +38,7 @@
 #include <sqlext.h>
 #include "config/cfg.h"
 #include "lib/outbox_schema.h"
+#include "lib/outbox_util.h"
 #include "relay/row.h"
 #include "relay/source.h"
 #include "sources/sources.h"
@@ -360,29 +361,10 @@ static void sql_cmd(const char *hex)
         goto done;
     }
     /* as UTF-16: the narrow API would pass non-ASCII through the C locale */
-    size_t ulen = strlen(sql), nw = 0;
-    SQLWCHAR *wsql = malloc((ulen + 1) * sizeof *wsql);
+    size_t nw = 0;
+    SQLWCHAR *wsql = outbox_util_utf16_from_utf8(sql, strlen(sql), &nw);
     if (!wsql)
         abort();
-    for (size_t i = 0; i < ulen;) {
-        unsigned char c = (unsigned char)sql[i];
-        uint32_t cp = c;
-        size_t k = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
-        if (k > 1) {
-            cp = c & (0x3F >> (k - 1));
-            for (size_t j = 1; j < k && i + j < ulen; j++)
-                cp = (cp << 6) | ((unsigned char)sql[i + j] & 0x3F);
-        }
-        i += k;
-        if (cp >= 0x10000) {
-            cp -= 0x10000;
-            wsql[nw++] = (SQLWCHAR)(0xD800 + (cp >> 10));
-            wsql[nw++] = (SQLWCHAR)(0xDC00 + (cp & 0x3FF));
-        } else {
-            wsql[nw++] = (SQLWCHAR)cp;
-        }
-    }
-    wsql[nw] = 0;
     SQLRETURN r = SQLExecDirectW(h, wsql, SQL_NTS);
     free(wsql);
     if (!SQL_SUCCEEDED(r) && r != SQL_NO_DATA) {
@@ -406,7 +388,7 @@ static void sql_cmd(const char *hex)
             printf("SQLROW");
             for (SQLSMALLINT c = 1; c <= nc; c++) {
                 SQLWCHAR wv[8192];
-                char v[4 * 8192];
+                outbox_util_buf v = { 0 };
                 size_t n = 0;
                 SQLLEN ind = 0;
                 r = SQLGetData(h, (SQLUSMALLINT)c, SQL_C_WCHAR, wv, sizeof wv, &ind);
@@ -414,29 +396,12 @@ static void sql_cmd(const char *hex)
                     sql_err(SQL_HANDLE_STMT, h, err, sizeof err);
                     goto done;
                 }
-                for (size_t i = 0; ind != SQL_NULL_DATA && wv[i]; i++) {  /* → UTF-8 */
-                    uint32_t cp = wv[i];
-                    if (cp >= 0xD800 && cp <= 0xDBFF && wv[i + 1] >= 0xDC00 && wv[i + 1] <= 0xDFFF) {
-                        cp = 0x10000 + ((cp - 0xD800) << 10) + (wv[i + 1] - 0xDC00u);
-                        i++;
-                    }
-                    if (cp < 0x80) {
-                        v[n++] = (char)cp;
-                    } else if (cp < 0x800) {
-                        v[n++] = (char)(0xC0 | (cp >> 6));
-                        v[n++] = (char)(0x80 | (cp & 0x3F));
-                    } else if (cp < 0x10000) {
-                        v[n++] = (char)(0xE0 | (cp >> 12));
-                        v[n++] = (char)(0x80 | ((cp >> 6) & 0x3F));
-                        v[n++] = (char)(0x80 | (cp & 0x3F));
-                    } else {
-                        v[n++] = (char)(0xF0 | (cp >> 18));
-                        v[n++] = (char)(0x80 | ((cp >> 12) & 0x3F));
-                        v[n++] = (char)(0x80 | ((cp >> 6) & 0x3F));
-                        v[n++] = (char)(0x80 | (cp & 0x3F));
-                    }
-                }
-                put_hex("c", v, n, ind == SQL_NULL_DATA);
+                while (ind != SQL_NULL_DATA && n < sizeof wv / sizeof wv[0] && wv[n])
+                    n++;
+                if (outbox_util_utf16_to_utf8(&v, wv, n) < 0)   /* -> UTF-8 */
+                    abort();
+                put_hex("c", v.p, v.len, ind == SQL_NULL_DATA);
+                outbox_util_buf_free(&v);
             }
             putchar('\n');
             rows++;
