@@ -16,7 +16,7 @@ import time
 import uuid
 
 from conftest import wait_for
-from relay_util import (LiveConsumer, Relay, amqp_channel, broker_connections,
+from relay_util import (LiveConsumer, Relay, amqp_channel, broker_connections, consume,
                         declare, free_port, insert_rows, log_events, log_lines_at,
                         order_report, wait_log_at, write_config)
 from test_relay import init_schema
@@ -557,3 +557,60 @@ def test_sigterm_during_a_reload_stops_cleanly(services, pgdb, pgdb2, relay_bin,
     text = r.text()
     assert "all outboxes drained; exiting" in text
     assert not log_lines_at(text, r".", ("WARN", "ERROR")), text[-3000:]
+
+
+# ------------------------------------------------------------------------------------------
+def test_reload_while_a_broker_connect_hangs_does_not_block_the_loop(services, pgdb, relay_bin,
+                                                                     tmp_path):
+    """The sink's url names a listener whose accept queue is full, so the relay's TCP connect
+    hangs (on its worker thread) until connect_timeout (10 s). A SIGHUP pointing the sink at
+    the real broker stops that drain: the attempt is abandoned, not waited for, so /healthz
+    keeps answering at once and the outbox drains on the new url within seconds, not after
+    the old attempt's connect_timeout."""
+    import socket
+    import urllib.request
+    q = f"qrl-hang-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    hang = socket.socket()
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(0)                         # one connection fills the accept queue ...
+    filler = socket.create_connection(hang.getsockname(), timeout=5)
+    port = free_port()
+    path = tmp_path / "relay.ini"
+
+    def cfg(url):
+        return _config(path, services, pgdb, relay={"http_listen": f"127.0.0.1:{port}"},
+                       sink={"url": url, "connect_timeout": "10s"},
+                       outboxes={"alpha": _outbox(pgdb)})
+
+    cfg(f"amqp://guest:guest@127.0.0.1:{hang.getsockname()[1]}/%2f")   # ... and SYNs wait
+    init_schema(relay_bin, path)
+    insert_rows(pgdb, 50, KEYS, routing_key=q)
+    r = Relay(relay_bin, path, tmp_path / "relay.log", http_port=port)
+    try:
+        r.wait_log("outbox=alpha: became the active relay", timeout=60)
+        time.sleep(1.0)                    # the connect attempt is under way and hanging
+        cfg(services.amqp_url)
+        t0 = time.monotonic()
+        _hup(r)
+        worst = 0.0
+        while time.monotonic() - t0 < 3.0:
+            t = time.monotonic()
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=15) as resp:
+                resp.read()
+            worst = max(worst, time.monotonic() - t)
+            time.sleep(0.05)
+        got = consume(ch, q, 50, timeout=30, idle=0.5)
+        took = time.monotonic() - t0
+        print(f"slowest /healthz after the SIGHUP {worst:.2f}s; 50 rows delivered "
+              f"{took:.1f}s after it")
+        assert worst < 1.0, f"/healthz took {worst:.1f}s: the loop waited for the hung connect"
+        assert len({p.message_id for p, _, _ in got}) == 50
+        assert took < 8.0, f"the rows arrived {took:.1f}s after the reload"
+    finally:
+        rc = r.stop(timeout=60)
+        filler.close()
+        hang.close()
+        conn.close()
+    r.assert_clean_exit(rc)

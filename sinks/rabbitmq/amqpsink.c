@@ -87,6 +87,10 @@
 #define AMQPSINK_BACKOFF_MIN   100    /* ms */
 #define AMQPSINK_DRAIN_MAX     4096   /* frames per readable event before yielding */
 #define AMQPSINK_CLOSE_TIMEOUT 2000   /* ms, destroy()'s connection.close */
+#define AMQPSINK_CANCEL_WAIT_MS 20    /* destroy() waits this long for an abandoned connect
+                                         attempt (a handshake ends at once once its socket
+                                         is shut down; a TCP connect or a name lookup may not,
+                                         and is left to end on its own) */
 #define AMQPSINK_SYS_CA        "/etc/ssl/certs/ca-certificates.crt"
 
 /* Exchange checks. An exchange seen to exist is trusted for AMQPSINK_XOK_TTL
@@ -1028,14 +1032,17 @@ static int job_start(sink *s, char *err, size_t errlen)
 }
 
 /* Abandons the attempt in progress (destroy): cuts its handshake short and
- * waits for the worker at most connect_timeout. A worker still busy after
- * that (a TCP connect or TLS handshake with a silent peer, bounded by
- * connect_timeout itself) frees the job and its connection when it ends. */
+ * waits for the worker at most AMQPSINK_CANCEL_WAIT_MS, so the event loop is
+ * never held by a hung attempt (a reload or a stop goes on at once). A worker
+ * still busy after that (a TCP connect to a silent peer, a name lookup:
+ * bounded by connect_timeout itself) no longer touches the sink (abandoned,
+ * under mu) and frees the job and its connection when it ends; the process
+ * waits for such workers only at exit (quiesce). */
 static void job_cancel(sink *s)
 {
     cjob           *jb = s->job;
     struct timespec dl;
-    int64_t         ms = s->cfg.connect_timeout_ms > 0 ? s->cfg.connect_timeout_ms : 5000;
+    int64_t         ms = AMQPSINK_CANCEL_WAIT_MS;
 
     if (jb == NULL)
         return;
