@@ -7,8 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "outbox_internal.h"
+#include "outbox.h"            /* OUTBOX_MAX_IDENT (public) */
 #include "outbox_schema.h"
+#include "outbox_util.h"      /* buffers; nothing of outbox.c's internals */
 
 int outbox_ident_valid(const char *s)
 {
