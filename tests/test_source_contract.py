@@ -1,7 +1,7 @@
 """The source contract (issue 11): every behaviour of relay/source.h written once and run
 against every source, through one driver program (build/tests/source_contract,
 tests/c/source_contract.c) that takes the backend as an argument and gets its ops from
-source_ops_for() as the relay does.
+the source registered under that name, as the relay does.
 
 Backends (the `src` fixture):
   postgres       sources/pg (libpq) against the harness's PostgreSQL
