@@ -563,7 +563,7 @@ def test_sigterm_during_a_reload_stops_cleanly(services, pgdb, pgdb2, relay_bin,
 def test_reload_while_a_broker_connect_hangs_does_not_block_the_loop(services, pgdb, relay_bin,
                                                                      tmp_path):
     """The sink's url names a listener whose accept queue is full, so the relay's TCP connect
-    hangs (on its worker thread) until connect_timeout (10 s). A SIGHUP pointing the sink at
+    hangs (on its worker thread) until connect_timeout (20 s). A SIGHUP pointing the sink at
     the real broker stops that drain: the attempt is abandoned, not waited for, so /healthz
     keeps answering at once and the outbox drains on the new url within seconds, not after
     the old attempt's connect_timeout."""
@@ -581,7 +581,7 @@ def test_reload_while_a_broker_connect_hangs_does_not_block_the_loop(services, p
 
     def cfg(url):
         return _config(path, services, pgdb, relay={"http_listen": f"127.0.0.1:{port}"},
-                       sink={"url": url, "connect_timeout": "10s"},
+                       sink={"url": url, "connect_timeout": "20s"},
                        outboxes={"alpha": _outbox(pgdb)})
 
     cfg(f"amqp://guest:guest@127.0.0.1:{hang.getsockname()[1]}/%2f")   # ... and SYNs wait
@@ -605,9 +605,10 @@ def test_reload_while_a_broker_connect_hangs_does_not_block_the_loop(services, p
         took = time.monotonic() - t0
         print(f"slowest /healthz after the SIGHUP {worst:.2f}s; 50 rows delivered "
               f"{took:.1f}s after it")
-        assert worst < 1.0, f"/healthz took {worst:.1f}s: the loop waited for the hung connect"
+        # held by the hung attempt, these would take ~20 s; loaded machines need some slack
+        assert worst < 3.0, f"/healthz took {worst:.1f}s: the loop waited for the hung connect"
         assert len({p.message_id for p, _, _ in got}) == 50
-        assert took < 8.0, f"the rows arrived {took:.1f}s after the reload"
+        assert took < 12.0, f"the rows arrived {took:.1f}s after the reload"
     finally:
         rc = r.stop(timeout=60)
         filler.close()
