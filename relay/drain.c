@@ -345,7 +345,7 @@ static void log_conn_state(sconn *c, int state, const char *msg)
 {
     drain *d = c->d;
     char peer[300];
-    d->sops->peer(d->ob, peer, sizeof peer);
+    source_peer(d->ob, peer, sizeof peer);
     log_fields f = { .event = "database_connected", .outbox = d->ob->name, .peer = peer };
     if (state == SRC_UP) {
         if (c == &d->main)

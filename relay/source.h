@@ -142,9 +142,9 @@ typedef struct source_ops {
     /* True while each commit to the outbox wakes this connection (LISTEN/NOTIFY is up
        and reaches it); the core then polls only as a safety net. NULL: never. */
     bool (*notifies)(const source *s);
-    /* host:port/database (or what names the server) of cfg's connection for log lines:
-       nothing secret. Always writes a string. */
-    void (*peer)(const cfg_outbox *cfg, char *buf, size_t len);
+    /* host:port/database (or what names the server) of a connection string, for log
+       lines: nothing secret. Called through source_peer (both strings set, len > 0). */
+    void (*peer)(const char *conninfo, const char *database, char *buf, size_t len);
 
     /* --- admin (synchronous, blocking with timeouts) --- */
     /* Connects, verifies database name and schema. 0 ok; -1 with one line per problem in err.
@@ -168,6 +168,19 @@ typedef struct source_ops {
 static inline const source_ops *source_ops_of(const cfg_outbox *ob)
 {
     return (const source_ops *)ob->source->ops;
+}
+
+/* The peer of an outbox's database for log lines; always writes a string when len > 0. */
+static inline void source_peer(const cfg_outbox *ob, char *buf, size_t len)
+{
+    const char *db = ob->database ? ob->database : "?";
+
+    if (len == 0)
+        return;
+    if (ob->conninfo == NULL)
+        snprintf(buf, len, "?/%s", db);
+    else
+        source_ops_of(ob)->peer(ob->conninfo, db, buf, len);
 }
 
 /* Writes one line of dead_list's output: the n fields tab-separated, a NULL field

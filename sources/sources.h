@@ -18,11 +18,11 @@ int sources_register(void);
 /* sources/pg: PostgreSQL through libpq */
 extern const source_ops pgsrc_ops;
 void pgsrc_finish_cfg(cfg_outbox *o, cfg_report *r);
-void pgsrc_peer(const cfg_outbox *ob, char *buf, size_t len);
+void pgsrc_peer(const char *conninfo, const char *database, char *buf, size_t len);
 
 /* sources/odbc: SQL Server (and PostgreSQL through psqlODBC) through unixODBC */
 extern const source_ops odbcsrc_ops;
 void odbcsrc_finish_cfg(cfg_outbox *o, cfg_report *r);
-void odbcsrc_peer(const cfg_outbox *ob, char *buf, size_t len);
+void odbcsrc_peer(const char *conninfo, const char *database, char *buf, size_t len);
 
 #endif

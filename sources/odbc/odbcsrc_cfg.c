@@ -68,7 +68,7 @@ static bool odbc_attr(const char *cs, const char *key, char *out, size_t outlen)
     return false;
 }
 
-static void peer_of(const char *cs, const char *db, char *buf, size_t len)
+void odbcsrc_peer(const char *cs, const char *db, char *buf, size_t len)
 {
     static const char *const hostkeys[] = { "Server", "Servername", "Host", "Address", "Addr" };
     char host[256] = "", port[32] = "";
@@ -107,16 +107,4 @@ void odbcsrc_finish_cfg(cfg_outbox *o, cfg_report *r)
     if (o->conninfo && o->password && odbc_attr(o->conninfo, "PWD", v, sizeof v))
         cfg_report_error(r, "password_file",
                          "expected either password_file or PWD= in conninfo, not both");
-}
-
-void odbcsrc_peer(const cfg_outbox *ob, char *buf, size_t len)
-{
-    const char *db = ob->database ? ob->database : "?";
-
-    if (len == 0)
-        return;
-    if (ob->conninfo == NULL)
-        snprintf(buf, len, "?/%s", db);
-    else
-        peer_of(ob->conninfo, db, buf, len);
 }

@@ -617,11 +617,8 @@ static void warn_no_listen(source *s)
             return;
     if (n_warned < sizeof warned / sizeof warned[0])
         snprintf(warned[n_warned++], sizeof warned[0], "%s", s->name);
-    cfg_outbox ob = s->cfg;   /* the peer as the relay's other lines name it */
-    char peer[300];
-    ob.conninfo = s->conninfo;
-    ob.database = s->database;
-    pgsrc_peer(&ob, peer, sizeof peer);
+    char peer[300];   /* the peer as the relay's other lines name it */
+    pgsrc_peer(s->conninfo, s->database, peer, sizeof peer);
     log_ev(LOG_WARN, &(log_fields){ .event = "notify_unavailable", .outbox = s->name,
                                     .peer = peer },
            "outbox=%s: LISTEN/NOTIFY does not reach this connection (transaction "

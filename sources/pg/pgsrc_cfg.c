@@ -20,7 +20,7 @@ static const char *nz(const char *s)
     return s != NULL && *s != '\0' ? s : NULL;
 }
 
-static void peer_of(const char *conninfo, const char *db, char *buf, size_t len)
+void pgsrc_peer(const char *conninfo, const char *db, char *buf, size_t len)
 {
     PQconninfoOption *opts = PQconninfoParse(conninfo, NULL);   /* NULL: no error text */
     const char       *host = NULL, *hostaddr = NULL, *port = NULL;
@@ -58,16 +58,4 @@ void pgsrc_finish_cfg(cfg_outbox *o, cfg_report *r)
                          "postgresql:// URI), got <secret> (libpq cannot parse it)");
     PQconninfoFree(opts);
     PQfreemem(perr);
-}
-
-void pgsrc_peer(const cfg_outbox *ob, char *buf, size_t len)
-{
-    const char *db = ob->database ? ob->database : "?";
-
-    if (len == 0)
-        return;
-    if (ob->conninfo == NULL)
-        snprintf(buf, len, "?/%s", db);
-    else
-        peer_of(ob->conninfo, db, buf, len);
 }
