@@ -22,6 +22,20 @@ def _outbox(db, table):
             "reconnect_max": "1s"}
 
 
+def _per_outbox(got, keys, start, count):
+    """Deliveries by outbox (the body's prefix): checks per-key order within each outbox;
+    returns ({outbox: seqs seen}, {outbox: how many of start..start+count-1 are missing})."""
+    last, seen = {}, {}
+    for props, body, _ in got:
+        ob, seq = body.split(b"|")[0].decode(), int(props.headers["seq"])
+        seen.setdefault(ob, set()).add(seq)
+        k = (ob, seq % keys)
+        assert last.get(k, -1) < seq, f"{ob} key {seq % keys}: {seq} after {last[k]}"
+        last[k] = seq
+    want = set(range(start, start + count))
+    return seen, {ob: len(want - s) for ob, s in seen.items() if want - s}
+
+
 def test_fifty_outboxes_in_one_process(services, relay_bin, tmp_path):
     q = f"q50-{uuid.uuid4().hex[:6]}"
     conn, ch = amqp_channel(services)
@@ -51,15 +65,7 @@ def test_fifty_outboxes_in_one_process(services, relay_bin, tmp_path):
                                 prefix=f"d{d}m{t}", table=f"outbox.m{t}")
 
         def check(got, round_):
-            last, seen = {}, {}
-            for props, body, _ in got:
-                ob, seq = body.split(b"|")[0].decode(), int(props.headers["seq"])
-                seen.setdefault(ob, set()).add(seq)
-                k = (ob, seq % KEYS)
-                assert last.get(k, -1) < seq, f"{ob} key {seq % KEYS}: {seq} after {last[k]}"
-                last[k] = seq
-            want = set(range(round_ * ROWS, (round_ + 1) * ROWS))
-            short = {ob: len(want - s) for ob, s in seen.items() if want - s}
+            seen, short = _per_outbox(got, KEYS, round_ * ROWS, ROWS)
             assert len(seen) == len(outboxes), f"only {len(seen)} outboxes delivered"
             assert not short, f"rows missing per outbox: {short}"
             assert len(got) == len(outboxes) * ROWS, "duplicates"
@@ -106,16 +112,8 @@ def test_rows_in_memory_shared_by_outboxes(services, relay_bin, tmp_path):
         assert relay.metric("outbox_relay_rows_in_memory_limit", None) == limit
 
         def delivered(got, which, start, count):
-            last, seen = {}, {}
-            for props, body, _ in got:
-                ob, seq = body.split(b"|")[0].decode(), int(props.headers["seq"])
-                seen.setdefault(ob, set()).add(seq)
-                k = (ob, seq % keys)
-                assert last.get(k, -1) < seq, f"{ob} key {seq % keys}: {seq} after {last[k]}"
-                last[k] = seq
-            want = set(range(start, start + count))
+            seen, short = _per_outbox(got, keys, start, count)
             assert set(seen) == set(which), f"outboxes delivered: {sorted(seen)}"
-            short = {ob: len(want - s) for ob, s in seen.items() if want - s}
             assert not short, f"rows missing per outbox: {short}"
 
         sampler = MetricSampler(relay, "outbox_relay_rows_in_memory", outbox=None)
