@@ -8,8 +8,9 @@
  * confirm mode, `mandatory`, keeping at most WINDOW unconfirmed, with plain
  * blocking rabbitmq-c. Each message carries what the relay's carry: a 36-byte
  * message-id and a timestamp. Prints
- *   probe msgs=N secs=S rate=R t0=T0 t1=T1 blocked=B
- * where S and R run from the first publish to the last confirm and T0, T1 are
+ *   probe msgs=N secs=S rate=R t0=T0 t1=T1 blocked=B lat_med_ms=L lat_mean_ms=M
+ * where L and M are the median and mean of each message's publish-to-confirm
+ * time, S and R run from the first publish to the last confirm and T0, T1 are
  * those instants on CLOCK_MONOTONIC (the bench times the probe and the relay
  * alike from the broker's queue with queue_watch; R is the probe's own view).
  * B is the seconds the broker held the connection blocked (a memory or disk
@@ -33,6 +34,13 @@ static double now(void)
 
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+
+    return (x > y) - (x < y);
 }
 
 /* Client properties declaring the capabilities the relay declares (rabbitmq-c's defaults
@@ -81,6 +89,7 @@ int main(int argc, char **argv)
     struct timeval              tmo = { 30, 0 };
     char                       *url = NULL;
     unsigned char              *payload = NULL;
+    double                     *sent_at = NULL, *lat = NULL;   /* per message: publish time, confirm latency */
     long                        count, window;
     size_t                      size;
     long                        published = 0, confirmed = 0;
@@ -103,7 +112,9 @@ int main(int argc, char **argv)
     }
     url = strdup(argv[1]);   /* amqp_parse_url points into it */
     payload = malloc(size ? size : 1);
-    if (url == NULL || payload == NULL)
+    sent_at = malloc((size_t)count * sizeof *sent_at);
+    lat = malloc((size_t)count * sizeof *lat);
+    if (url == NULL || payload == NULL || sent_at == NULL || lat == NULL)
         goto out;
     for (size_t i = 0; i < size; i++)
         payload[i] = (unsigned char)('a' + i % 26);
@@ -157,7 +168,7 @@ int main(int argc, char **argv)
                 fprintf(stderr, "amqp_probe: publish: %s\n", amqp_error_string2(r));
                 goto out;
             }
-            published++;
+            sent_at[published++] = now();
         }
         r = amqp_simple_wait_frame_noblock(conn, &f, &tmo);
         if (r == AMQP_STATUS_TIMEOUT && blocked)
@@ -170,11 +181,13 @@ int main(int argc, char **argv)
             continue;
         if (f.payload.method.id == AMQP_BASIC_ACK_METHOD) {
             const amqp_basic_ack_t *a = f.payload.method.decoded;
+            long                    upto = a->multiple ? (long)a->delivery_tag : confirmed + 1;
+            double                  t = now();
 
-            if (!a->multiple)
-                confirmed++;
-            else if ((long)a->delivery_tag > confirmed)
-                confirmed = (long)a->delivery_tag;
+            if (upto > published)
+                upto = published;
+            for (; confirmed < upto; confirmed++)
+                lat[confirmed] = t - sent_at[confirmed];
         } else if (f.payload.method.id == AMQP_BASIC_NACK_METHOD) {
             fprintf(stderr, "amqp_probe: basic.nack\n");
             goto out;
@@ -204,8 +217,13 @@ int main(int argc, char **argv)
         amqp_maybe_release_buffers(conn);
     }
     secs = now() - t0;
-    printf("probe msgs=%ld secs=%.3f rate=%.0f t0=%.6f t1=%.6f blocked=%.3f\n", count, secs,
-           secs > 0 ? (double)count / secs : 0., t0, t0 + secs, blocked_secs);
+    double lat_sum = 0;
+    for (long i = 0; i < count; i++)
+        lat_sum += lat[i];
+    qsort(lat, (size_t)count, sizeof *lat, cmp_double);
+    printf("probe msgs=%ld secs=%.3f rate=%.0f t0=%.6f t1=%.6f blocked=%.3f lat_med_ms=%.1f "
+           "lat_mean_ms=%.1f\n", count, secs, secs > 0 ? (double)count / secs : 0., t0,
+           t0 + secs, blocked_secs, lat[count / 2] * 1000., lat_sum / (double)count * 1000.);
     rc = 0;
 out:
     if (conn != NULL) {
@@ -214,6 +232,8 @@ out:
         amqp_destroy_connection(conn);
     }
     free(payload);
+    free(sent_at);
+    free(lat);
     free(url);
     return rc;
 }
