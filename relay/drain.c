@@ -316,9 +316,14 @@ static void pump(drain *d)
     double now = mono_now();
     size_t window = (size_t)d->ob->sink->publish_window;
     led_entry *e;
-    /* published but not yet marked (in flight, or confirmed and waiting for the mark) stays
-       within publish_window: whatever a fault makes the next relay republish is bounded by it */
-    while (ledger_n_inflight(d->led) + ledger_n_unsettled_sent(d->led) < window &&
+    /* publish_window bounds the messages in flight (unconfirmed), as the broker's own
+       clients count it. Confirmed rows whose mark has not committed yet take no slot of
+       it: the broker confirms a disk cycle's worth at once, often the whole window, and
+       the window refills while their mark runs. They are bounded too, so that what a
+       fault makes the next relay republish (in flight + confirmed unmarked) stays within
+       2 x publish_window. */
+    while (ledger_n_inflight(d->led) < window &&
+           ledger_n_inflight(d->led) + ledger_n_unsettled_sent(d->led) < 2 * window &&
            (e = ledger_next(d->led, now)) != NULL) {
         char err[400] = "";
         int rc = d->kops->publish(d->snk, ledger_row(e), e, err, sizeof err);

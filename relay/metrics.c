@@ -145,7 +145,7 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
     for (size_t i = 0; i < n; i++)
         outbox_util_buf_printf(&b, "outbox_relay_in_flight{outbox=\"%s\"} %llu\n", m[i]->outbox,
                 (unsigned long long)m[i]->in_flight);
-    outbox_util_buf_printf(&b, "# HELP outbox_relay_confirmed_unmarked Confirmed messages whose mark has not committed yet (they share publish_window with those in flight).\n"
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_confirmed_unmarked Confirmed messages whose mark has not committed yet (with those in flight, at most 2 x publish_window).\n"
                 "# TYPE outbox_relay_confirmed_unmarked gauge\n");
     for (size_t i = 0; i < n; i++)
         outbox_util_buf_printf(&b, "outbox_relay_confirmed_unmarked{outbox=\"%s\"} %llu\n", m[i]->outbox,

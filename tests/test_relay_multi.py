@@ -3,7 +3,7 @@ leader freezes or dies, and per-key order in competing mode — real PostgreSQL 
 2 or 3 relay processes.
 
 The oracle, on the consumer side: nothing lost, per-key order of first arrivals, every copy
-with one message_id, duplicates bounded by publish_window per fault. On the database side an
+with one message_id, duplicates bounded by 2 x publish_window per fault. On the database side an
 audit trigger records every mark (sent_at set) with the lease owner the row carried: a
 frozen leader must mark nothing after it wakes, and no relay marks a row it did not hold."""
 import os
@@ -109,7 +109,7 @@ def test_leader_frozen_or_killed_is_replaced(services, pgdb, relay_bin, build, t
     print(f"{fault}: standby active {took:.2f} s after the fault (lease {LEASE:g} s, poll "
           f"{POLL:g} s); {dups} duplicates; {len(audit)} marks")
     assert took <= LEASE + 2 * POLL + 1.0, "the standby took over too late"
-    assert dups <= 100, "duplicates above publish_window for one fault"
+    assert dups <= 2 * 100, "duplicates above 2 x publish_window for one fault"
     assert "standing by" in text_b
     ids = [int(r[0]) for r in audit]
     assert len(ids) == len(set(ids)) == n, "every row marked exactly once"
@@ -154,7 +154,7 @@ def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, bu
     print(f"database path cut: the leader stopped publishing {stopped:.2f} s later, the "
           f"standby was active after {took:.2f} s; {dups} duplicates")
     assert stopped < LEASE, "the cut-off leader must stop before its lease runs out"
-    assert dups <= 100
+    assert dups <= 2 * 100   # 2 x publish_window
 
 
 @pytest.mark.parametrize("freeze", [False, True])
@@ -200,7 +200,7 @@ def test_competing_three_relays_keep_per_key_order(services, pgdb, relay_bin, bu
     print(f"competing x3, 50 keys{', one frozen past its lease' if freeze else ''}: relayed "
           f"{counts}, {dups} duplicates, {len(breaks)} per-key order breaks")
     assert breaks == [], f"per-key order broken: {breaks[:8]}"
-    assert dups <= (100 if freeze else 0)
+    assert dups <= (2 * 100 if freeze else 0)   # 2 x publish_window
     ids = [int(r[0]) for r in audit]
     assert len(ids) == len(set(ids)) == n, "every row marked exactly once"
     stale = [r for r in audit if r[2] is not True]
