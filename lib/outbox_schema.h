@@ -42,6 +42,11 @@
 /* init waits at most this long for a lock (lock_timeout / SET LOCK_TIMEOUT): an object
  * that must be created on a table in use never queues long behind a producer
  * transaction, with every later producer queued behind it. */
+/* The columns a producer writes, the same in the outbox and its dead-letter table (in
+   the order of the DDL): the dead-letter moves of both dialects copy these. */
+#define OUTBOX_PRODUCER_COLS "message_id, exchange, routing_key, partition_key, message_type, " \
+                             "content_type, correlation_id, headers, payload, created_at"
+
 #define OUTBOX_INIT_LOCK_TIMEOUT_MS 3000
 
 typedef enum { OUTBOX_DIALECT_POSTGRES = 0, OUTBOX_DIALECT_SQLSERVER = 1 } outbox_dialect;

@@ -1,48 +1,80 @@
 /*
- * sql_pg.h — PostgreSQL text shared by the libpq source (sources/pg/pgsrc_sql.c,
- * $n parameters, printf'd table names) and the psqlODBC path of the ODBC source
- * (sources/odbc/odbcsrc_db.c, ? parameters, {T}/{L} table names). Each macro
- * takes the table names and parameter markers in the caller's style and uses
- * every parameter marker once, so a `?` caller binds each value once.
+ * sql_pg.h — the relay's PostgreSQL statements, in one place for both paths that
+ * speak PostgreSQL: the libpq source (sources/pg) and the ODBC source on psqlODBC
+ * (sources/odbc). Every statement is written once, with $n parameters; the libpq
+ * path sends it as is (PQsendQueryParams, every value as text), the ODBC path runs
+ * it through sql_pg_qmarks() and binds the values in the order it reports. Values
+ * always travel as parameters, as text in PostgreSQL's input syntax (arrays as
+ * "{...}" literals built here), so both paths send the same bytes.
  *
- * Competing mode spreads partition keys over the live instances. Each claim
- * renews this instance's member row in the lease table (name 'member:<owner>',
- * expires_at = now() + lease; a lease of 0 withdraws it), reusing an expired
- * member row when it has none, so the table stays as small as the largest set
- * of instances ever alive at once (no DELETE privilege needed). The claim then
- * takes keyed rows only of the keys that hash to this instance's rank among the
- * live members (owners in sort order). Membership is only a preference: the
- * per-key gap filter of the claim still keeps a key with whichever instance
- * holds its unsettled rows, so order holds while members come and go.
+ * Table names come only from the validated identifier parts of the outbox's
+ * `table` (cfg_outbox) and are always quoted. The DDL is lib/schema.c's
+ * (outbox_ddl), shared with liboutbox; T-SQL lives in sources/sql_tsql.c.
+ *
+ * Result columns, which both paths read by position, are documented at each
+ * builder. Every builder returns malloc'd text (NULL: out of memory).
  */
 #ifndef OUTBOX_SOURCES_SQL_PG_H
 #define OUTBOX_SOURCES_SQL_PG_H
 
-/* CTEs me, own, reuse, ins, mem. L: the lease table; OWNER: text; LEASE_MS: float8 */
-#define SQL_PG_MEMBERSHIP(L, OWNER, LEASE_MS)                                              \
-    "me AS (SELECT x.owner, 'member:' || x.owner AS name, "                                \
-    "now() + x.ms * interval '1 millisecond' AS until "                                    \
-    "FROM (SELECT " OWNER " AS owner, " LEASE_MS " AS ms) x), "                            \
-    "own AS (UPDATE " L " l SET expires_at = me.until FROM me WHERE l.name = me.name "     \
-    "RETURNING 1), "                                                                       \
-    "reuse AS (UPDATE " L " l SET name = me.name, owner = me.owner, epoch = 0, "           \
-    "expires_at = me.until FROM me, (SELECT o.name FROM " L " o "                          \
-    "WHERE left(o.name, 7) = 'member:' AND o.expires_at < now() "                          \
-    "AND NOT EXISTS (SELECT 1 FROM " L " x, me WHERE x.name = me.name) "                   \
-    "ORDER BY o.name LIMIT 1 FOR UPDATE SKIP LOCKED) o "                                   \
-    "WHERE l.name = o.name AND me.until > now() RETURNING 1), "                            \
-    "ins AS (INSERT INTO " L " (name, owner, epoch, expires_at) "                          \
-    "SELECT me.name, me.owner, 0, me.until FROM me WHERE me.until > now() "                \
-    "AND NOT EXISTS (SELECT 1 FROM " L " x WHERE x.name = me.name) "                       \
-    "AND NOT EXISTS (SELECT 1 FROM reuse) ON CONFLICT (name) DO NOTHING RETURNING 1), "    \
-    "mem AS (SELECT count(*)::int + 1 AS n, "                                              \
-    "(count(*) FILTER (WHERE l.owner < me.owner))::int AS r FROM " L " l, me "             \
-    "WHERE left(l.name, 7) = 'member:' AND l.owner <> me.owner AND l.expires_at > now())"
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "config/cfg.h"
+#include "lib/outbox_util.h"
+#include "relay/source.h"
 
-/* Row M (an alias) is ours to take under the membership above: no key, or its
-   key hashes to our rank. */
-#define SQL_PG_MY_KEY(M)                                                                   \
-    "(" M ".partition_key IS NULL OR mod(hashtext(" M ".partition_key) & 2147483647, "     \
-    "(SELECT n FROM mem)) = (SELECT r FROM mem))"
+/* Quoted names derived from the validated parts of ob->table. */
+typedef struct sql_pg_names {
+    char table[160];    /* "schema"."table" */
+    char dead[160];     /* "schema"."table_dead" */
+    char lease[160];    /* "schema"."table_lease": leadership lease row */
+    char notify[132];   /* NOTIFY payload: schema.table (as configured parts) */
+} sql_pg_names;
+
+void sql_pg_names_init(const cfg_outbox *ob, sql_pg_names *n);
+
+/* Leadership: $1 owner, $2 epoch held (0 none), $3 lease ms.
+   -> our epoch (NULL: not leader), holder before, its epoch, row leases released. */
+char *sql_pg_lead(const sql_pg_names *n);
+/* Claim: $1 limit, $2 owner, $3 token, $4 lease ms, $5 epoch (leader mode; 0: unfenced).
+   -> id, message_id, exchange, routing_key, partition_key, message_type, content_type,
+      correlation_id, headers (text), payload, attempts, created_at (µs since the epoch),
+      age (µs). */
+char *sql_pg_claim(const sql_pg_names *n, bool competing);
+/* Settle of outcomes that are all SENT: $1 ids, $2 tokens (arrays). -> rows applied. */
+char *sql_pg_settle_sent(const sql_pg_names *n, int on_sent);
+/* Settle of any outcomes: $1 ids, $2 tokens, $3 kinds, $4 back-offs (ms), $5 reasons
+   (arrays, sql_pg_settle_arrays). -> rows applied. */
+char *sql_pg_settle(const sql_pg_names *n, int on_sent);
+/* Retention: $1 retention ms, $2 limit, $3 owner, $4 epoch. -> command count. */
+char *sql_pg_cleanup(const sql_pg_names *n);
+/* -> backlog, oldest pending (s), dead rows, marked rows kept (-1 unless full),
+      seconds until the first pending row that cannot be claimed now can be (NULL). */
+char *sql_pg_stats(const sql_pg_names *n, bool full);
+/* -> id, message_id, exchange, routing_key, attempts, dead_at (ISO 8601 UTC), reason */
+char *sql_pg_dead_list(const sql_pg_names *n);
+/* $1 ids (array; NULL: all). -> command count. */
+char *sql_pg_dead_retry(const sql_pg_names *n);
+char *sql_pg_dead_purge(const sql_pg_names *n);
+/* $1, $2 the two tables' names. -> 1/0 each: the table exists. */
+char *sql_pg_tables_exist(void);
+
+/* The connected database's name. */
+#define SQL_PG_CURRENT_DATABASE "SELECT current_database()"
+
+/* One array element, quoted and escaped, cut at maxlen bytes on a character
+   boundary (each invalid UTF-8 byte becomes U+FFFD). */
+void sql_pg_array_elem(outbox_util_buf *b, const char *s, size_t maxlen);
+/* The five arrays of sql_pg_settle. 0, or -1 (out of memory; nothing to free). */
+int  sql_pg_settle_arrays(const src_outcome *v, size_t n, outbox_util_buf out[5]);
+/* "{1,2,3}", or NULL (meaning SQL NULL = all) when n == 0; malloc'd in *out. */
+int  sql_pg_id_array(const int64_t *ids, size_t n, char **out);
+
+/* A statement's $n parameters turned into ODBC's `?` (outside quoted literals and
+   identifiers), for the psqlODBC path. order[i] gets the number n of the i-th marker
+   (a parameter used twice is bound twice); *n_order their count, at most max.
+   Returns malloc'd text, or NULL (out of memory, or more than max markers). */
+char *sql_pg_qmarks(const char *sql, int *order, size_t max, size_t *n_order);
 
 #endif

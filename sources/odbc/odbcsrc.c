@@ -35,7 +35,8 @@ typedef struct odbc_req {
     char   *owner;         /* CLAIM, LEAD, CLEANUP */
     int64_t epoch;         /* LEAD: held; CLAIM, CLEANUP: fence (0 none) */
     bool    competing;     /* CLAIM */
-    char   *json;          /* SETTLE: the outcomes */
+    src_outcome *outcomes; /* SETTLE: a copy (reasons owned) */
+    size_t  n_outcomes;
     int64_t retention_ms;  /* CLEANUP */
     size_t  limit;
 } odbc_req;
@@ -79,7 +80,9 @@ struct source {
 static void req_clear(odbc_req *r)
 {
     free(r->owner);
-    free(r->json);
+    for (size_t i = 0; i < r->n_outcomes; i++)
+        free((char *)r->outcomes[i].reason);
+    free(r->outcomes);
     memset(r, 0, sizeof *r);
 }
 
@@ -188,7 +191,7 @@ static odbc_event *execute(wstate *w, const odbc_req *r)
                               r->competing, &e->res.rows, &e->res.n_rows);
         break;
     case SRC_REQ_SETTLE:
-        rc = odbcsrc_db_settle(db, r->json, &e->res.n_applied);
+        rc = odbcsrc_db_settle(db, r->outcomes, r->n_outcomes, &e->res.n_applied);
         break;
     case SRC_REQ_CLEANUP:
         rc = odbcsrc_db_cleanup(db, r->retention_ms, r->limit, r->owner, r->epoch,
@@ -512,9 +515,18 @@ static int odbcsrc_settle(source *s, const src_outcome *v, size_t n)
 {
     odbc_req r = {0};
     r.kind = SRC_REQ_SETTLE;
-    r.json = odbcsrc_outcomes_json(v, n);
-    if (!r.json)
+    r.outcomes = calloc(n ? n : 1, sizeof *r.outcomes);
+    if (!r.outcomes)
         return -1;
+    for (size_t i = 0; i < n; i++) {
+        r.outcomes[i] = v[i];
+        r.outcomes[i].reason = NULL;
+        r.n_outcomes = i + 1;
+        if (v[i].reason && !(r.outcomes[i].reason = strdup(v[i].reason))) {
+            req_clear(&r);
+            return -1;
+        }
+    }
     return submit(s, &r);
 }
 

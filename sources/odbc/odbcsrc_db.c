@@ -1,6 +1,8 @@
 /*
- * odbcsrc_db.c — one blocking ODBC session of the ODBC source and the
- * statements it runs, in T-SQL (SQL Server) and PostgreSQL (psqlODBC).
+ * odbcsrc_db.c — one blocking ODBC session of the ODBC source, running the
+ * statements of sources/sql_tsql.c (SQL Server) and sources/sql_pg.c
+ * (PostgreSQL through psqlODBC: the libpq source's very text, its $n markers
+ * turned into `?`).
  *
  * Table names come only from validated identifier parts and are quoted by
  * outbox_qualified(); every value travels as a parameter. Text travels as
@@ -44,6 +46,7 @@
 #include "lib/outbox_util.h"
 #include "sources/odbc/odbcsrc_int.h"
 #include "sources/sql_pg.h"
+#include "sources/sql_tsql.h"
 
 /* Drivers may call setlocale() while connecting and disconnecting (psqlODBC does),
  * which is not thread-safe: with two connections per outbox, each on its own worker
@@ -56,7 +59,7 @@ _Static_assert(SRC_SENT == 0 && SRC_RETRY == 1 && SRC_DEAD == 2 && SRC_UNCLAIM =
                "the settle SQL below spells the outcome kinds as numbers");
 
 #define REASON_MAX 2000   /* bytes of a reason kept (cut on a character boundary) */
-#define MAX_PARAMS 8   /* the most any statement binds: the leader-mode claim (7) */
+#define MAX_PARAMS 12  /* the most any statement binds: the competing claim on PostgreSQL (9) */
 
 /* ------------------------------------------------------------ config copy */
 
@@ -74,6 +77,7 @@ int odbcsrc_conf_init(odbcsrc_conf *c, const cfg_outbox *oc)
     snprintf(c->tn.schema, sizeof c->tn.schema, "%s", oc->schema_part);
     snprintf(c->tn.table, sizeof c->tn.table, "%s", oc->table_part);
     snprintf(c->tn.dead, sizeof c->tn.dead, "%s", oc->dead_part);
+    sql_pg_names_init(oc, &c->pgn);
     c->on_sent = oc->on_sent;
     c->query_timeout_ms = oc->query_timeout_ms;
     c->connect_timeout_ms = oc->connect_timeout_ms;
@@ -219,6 +223,16 @@ static void p_text(params *ps, const char *s, SQLULEN size)
     p->colsize = size;
 }
 
+/* A NULL text parameter. */
+static void p_null(params *ps)
+{
+    param *p = &ps->p[ps->n++];
+    memset(p, 0, sizeof *p);
+    p->ctype = SQL_C_WCHAR;
+    p->stype = SQL_WVARCHAR;
+    p->ind = SQL_NULL_DATA;
+}
+
 static void p_free(params *ps)
 {
     for (int i = 0; i < ps->n; i++)
@@ -267,7 +281,7 @@ static int st_run(odbcsrc_db *db, const char *what, const char *sql, params *ps,
         param *p = &ps->p[i];
         SQLPOINTER v = p->ctype == SQL_C_SBIGINT ? (SQLPOINTER)&p->i64
                      : p->ctype == SQL_C_SLONG ? (SQLPOINTER)&p->i32 : (SQLPOINTER)p->w;
-        SQLLEN blen = p->ctype == SQL_C_WCHAR ? p->ind + (SQLLEN)sizeof(SQLWCHAR) : 0;
+        SQLLEN blen = p->ctype == SQL_C_WCHAR && p->w ? p->ind + (SQLLEN)sizeof(SQLWCHAR) : 0;
         rc = SQLBindParameter(h, (SQLUSMALLINT)(i + 1), SQL_PARAM_INPUT, p->ctype, p->stype,
                               p->colsize, 0, v, blen, p->ctype == SQL_C_WCHAR ? &p->ind : NULL);
         if (!SQL_SUCCEEDED(rc))
@@ -354,7 +368,7 @@ static int get_i64(odbcsrc_db *db, SQLHSTMT h, int col, int64_t *v, bool *isnull
     return 0;
 }
 
-static int get_f64(odbcsrc_db *db, SQLHSTMT h, int col, double *v)
+static int get_f64(odbcsrc_db *db, SQLHSTMT h, int col, double *v, bool *isnull)
 {
     SQLLEN ind = 0;
     double x = 0;
@@ -363,6 +377,8 @@ static int get_f64(odbcsrc_db *db, SQLHSTMT h, int col, double *v)
         diag(db, SQL_HANDLE_STMT, h, "reading a result column");
         return -1;
     }
+    if (isnull)
+        *isnull = ind == SQL_NULL_DATA;
     *v = ind == SQL_NULL_DATA ? 0 : x;
     return 0;
 }
@@ -479,15 +495,55 @@ oom:
     return NULL;
 }
 
-/* Runs a template that returns one row of integers; reads n of them. */
-static int one_row_ints(odbcsrc_db *db, const char *what, const char *tmpl, params *ps,
+/* One value of a PostgreSQL statement's $n parameter. */
+typedef struct pgv {
+    enum { PV_INT, PV_TEXT, PV_NULL } t;
+    int64_t     i;
+    const char *s;
+    SQLULEN     size;      /* PV_TEXT: P_SHORT or P_MAX */
+} pgv;
+
+#define PV_I(x)   ((pgv){ .t = PV_INT, .i = (x) })
+#define PV_S(x)   ((pgv){ .t = PV_TEXT, .s = (x), .size = P_SHORT })
+#define PV_BIG(x) ((pgv){ .t = PV_TEXT, .s = (x), .size = P_MAX })
+#define PV_NUL    ((pgv){ .t = PV_NULL })
+
+/* A statement of sources/sql_pg.c (text, owned and freed here) for ODBC: its $n
+ * markers become `?`, and ps gets v[n - 1] for each, in marker order. The
+ * statement text is the libpq path's, byte for byte. NULL with db->err set. */
+static char *pg_stmt(odbcsrc_db *db, char *text, const pgv *v, int nv, params *ps)
+{
+    int order[MAX_PARAMS];
+    size_t n = 0;
+    char *sql = text ? sql_pg_qmarks(text, order, MAX_PARAMS, &n) : NULL;
+    free(text);
+    if (!sql) {
+        set_err(db, "out of memory (or a statement with more than %d parameters)", MAX_PARAMS);
+        return NULL;
+    }
+    for (size_t i = 0; i < n; i++) {
+        if (order[i] < 1 || order[i] > nv) {
+            set_err(db, "internal error: statement parameter $%d has no value", order[i]);
+            free(sql);
+            return NULL;
+        }
+        const pgv *x = &v[order[i] - 1];
+        if (x->t == PV_INT)
+            p_i64(ps, x->i);
+        else if (x->t == PV_NULL)
+            p_null(ps);
+        else
+            p_text(ps, x->s, x->size);
+    }
+    return sql;
+}
+
+/* Runs a statement that returns one row of integers; reads n of them. */
+static int one_row_ints(odbcsrc_db *db, const char *what, const char *sql, params *ps,
                         int64_t *v, int n)
 {
     SQLHSTMT h = SQL_NULL_HSTMT;
-    char *sql = sql_for(db, tmpl);
     int rc = -1;
-    if (!sql)
-        return -1;
     if (st_run(db, what, sql, ps, &h) < 0)
         goto done;
     int r = st_result(db, h, what);
@@ -510,19 +566,15 @@ static int one_row_ints(odbcsrc_db *db, const char *what, const char *tmpl, para
     rc = 0;
 done:
     st_free(db, h);
-    free(sql);
     return rc;
 }
 
 /* Runs a statement without a result set; *count gets SQLRowCount (>= 0). */
-static int exec_count(odbcsrc_db *db, const char *what, const char *tmpl, params *ps,
+static int exec_count(odbcsrc_db *db, const char *what, const char *sql, params *ps,
                       size_t *count)
 {
     SQLHSTMT h = SQL_NULL_HSTMT;
-    char *sql = sql_for(db, tmpl);
     int rc = -1;
-    if (!sql)
-        return -1;
     if (st_run(db, what, sql, ps, &h) < 0)
         goto done;
     if (count) {
@@ -538,7 +590,6 @@ static int exec_count(odbcsrc_db *db, const char *what, const char *tmpl, params
     rc = 0;
 done:
     st_free(db, h);
-    free(sql);
     return rc;
 }
 
@@ -563,7 +614,7 @@ static int session_tsql(odbcsrc_db *db)
     SQLHSTMT h = SQL_NULL_HSTMT;
     int rc = -1;
     if (outbox_util_buf_puts(&b, outbox_tsql_session_options) < 0 ||
-        outbox_util_buf_puts(&b, ";\nSET XACT_ABORT ON;\nSET TRANSACTION ISOLATION LEVEL READ COMMITTED;") < 0) {
+        outbox_util_buf_puts(&b, SQL_TSQL_SESSION_TAIL) < 0) {
         set_err(db, "session options: out of memory");
         goto done;
     }
@@ -739,7 +790,7 @@ static int current_db(odbcsrc_db *db, outbox_util_buf *out)
     }
     /* fallback: ask the server */
     SQLHSTMT h = SQL_NULL_HSTMT;
-    const char *q = is_tsql(db) ? "SELECT DB_NAME()" : "SELECT current_database()";
+    const char *q = is_tsql(db) ? SQL_TSQL_CURRENT_DATABASE : SQL_PG_CURRENT_DATABASE;
     int r = -1;
     bool isnull = false;
     if (st_run(db, "reading the database name", q, NULL, &h) < 0)
@@ -772,15 +823,21 @@ int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
     }
     params ps = {0};
     int64_t v[2] = {0, 0};
-    p_text(&ps, db->qt, P_SHORT);
-    p_text(&ps, db->qd, P_SHORT);
-    int r = one_row_ints(db, "checking the outbox tables",
-                         is_tsql(db)
-                         ? "SELECT CASE WHEN OBJECT_ID(?, N'U') IS NULL THEN 0 ELSE 1 END, "
-                           "CASE WHEN OBJECT_ID(?, N'U') IS NULL THEN 0 ELSE 1 END"
-                         : "SELECT CASE WHEN to_regclass(?) IS NULL THEN 0 ELSE 1 END, "
-                           "CASE WHEN to_regclass(?) IS NULL THEN 0 ELSE 1 END",
-                         &ps, v, 2);
+    int r = -1;
+    char *sql;
+    if (is_tsql(db)) {
+        p_text(&ps, db->qt, P_SHORT);
+        p_text(&ps, db->qd, P_SHORT);
+        sql = strdup(sql_tsql_tables_exist);
+        if (!sql)
+            set_err(db, "out of memory");
+    } else {
+        const pgv pv[2] = { PV_S(db->qt), PV_S(db->qd) };
+        sql = pg_stmt(db, sql_pg_tables_exist(), pv, 2, &ps);
+    }
+    if (sql)
+        r = one_row_ints(db, "checking the outbox tables", sql, &ps, v, 2);
+    free(sql);
     p_free(&ps);
     (void)odbcsrc_db_end(db, false);
     if (r < 0)
@@ -800,53 +857,9 @@ done:
 
 /* ------------------------------------------------------------ relay statements */
 
-/* Leadership as a lease row; the same rules as sources/pg (pgsrc_sql_lead):
- * taken when ours (renewal) or expired in database time, a takeover increments
- * the epoch and releases the row leases of earlier holders. Parameters:
- * owner, lease ms, epoch held (0 none). */
-static const char LEAD_TSQL[] =
-    "SET NOCOUNT ON; "
-    "DECLARE @owner nvarchar(255) = ?, @lease int = ?, @mine bigint = ?; "
-    "DECLARE @now datetime2 = SYSUTCDATETIME(), @cur_owner nvarchar(255), @cur_epoch bigint, "
-    "@got bigint = 0, @reset int = 0; "
-    "SELECT @cur_owner = owner, @cur_epoch = epoch FROM {L} WITH (UPDLOCK, HOLDLOCK) "
-    "WHERE name = N'leader'; "
-    "IF @cur_owner IS NULL "
-    "BEGIN "
-    "INSERT INTO {L} (name, owner, epoch, expires_at) "
-    "VALUES (N'leader', @owner, 1, DATEADD(millisecond, @lease, @now)); "
-    "SET @got = 1; "
-    "END "
-    "ELSE "
-    "UPDATE {L} SET @got = CASE WHEN owner = @owner AND epoch = @mine THEN epoch "
-    "ELSE epoch + 1 END, owner = @owner, "
-    "epoch = CASE WHEN owner = @owner AND epoch = @mine THEN epoch ELSE epoch + 1 END, "
-    "expires_at = DATEADD(millisecond, @lease, @now) "
-    "WHERE name = N'leader' AND ((owner = @owner AND epoch = @mine) OR expires_at < @now); "
-    "IF @got <> 0 AND @got <> @mine "
-    "BEGIN "
-    "UPDATE {T} WITH (READPAST, READCOMMITTEDLOCK) SET lease_owner = NULL, lease_token = NULL, "
-    "lease_until = NULL WHERE sent_at IS NULL AND lease_token IS NOT NULL; "
-    "SET @reset = @@ROWCOUNT; "
-    "END "
-    "SELECT @got, COALESCE(@cur_epoch, 0), @reset, COALESCE(@cur_owner, N'')";
-
-/* Parameters: owner, lease ms, epoch, epoch, epoch. */
-static const char LEAD_PG[] =
-    "WITH cur AS (SELECT owner, epoch FROM {L} WHERE name = 'leader'), "
-    "up AS (INSERT INTO {L} AS l (name, owner, epoch, expires_at) "
-    "VALUES ('leader', ?::text, 1, now() + ?::float8 * interval '1 millisecond') "
-    "ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, "
-    "epoch = CASE WHEN l.owner = EXCLUDED.owner AND l.epoch = ?::bigint THEN l.epoch "
-    "ELSE l.epoch + 1 END, expires_at = EXCLUDED.expires_at "
-    "WHERE (l.owner = EXCLUDED.owner AND l.epoch = ?::bigint) OR l.expires_at < now() "
-    "RETURNING l.epoch), "
-    "r AS (UPDATE {T} SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
-    "WHERE sent_at IS NULL AND lease_token IS NOT NULL "
-    "AND EXISTS (SELECT 1 FROM up WHERE up.epoch <> ?::bigint) RETURNING 1) "
-    "SELECT coalesce((SELECT epoch FROM up), 0), coalesce((SELECT epoch FROM cur), 0), "
-    "(SELECT count(*) FROM r), coalesce((SELECT owner FROM cur), '')";
-
+/* Leadership as a lease row (sql_pg_lead / sql_tsql_lead: the same rules and the same
+ * result columns): our epoch (0 or NULL: not leader), the holder before and its epoch,
+ * the row leases released by a takeover. */
 int odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t lease_ms,
                     int64_t *got, int64_t *held, int64_t *reset, char *holder, size_t hlen)
 {
@@ -855,22 +868,22 @@ int odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t le
     outbox_util_buf who = {0};
     bool isnull = false;
     int rc = -1;
-    char *sql = sql_for(db, is_tsql(db) ? LEAD_TSQL : LEAD_PG);
+    char *sql;
+    const char *me = owner ? owner : "";
     *got = *held = *reset = 0;
     if (hlen)
         holder[0] = '\0';
-    if (!sql)
-        return -1;
-    p_text(&ps, owner ? owner : "", P_SHORT);
     if (is_tsql(db)) {
+        sql = sql_for(db, sql_tsql_lead);
+        p_text(&ps, me, P_SHORT);
         p_i32(&ps, lease_ms);
         p_i64(&ps, epoch);
     } else {
-        p_i64(&ps, lease_ms);
-        p_i64(&ps, epoch);
-        p_i64(&ps, epoch);
-        p_i64(&ps, epoch);
+        const pgv v[3] = { PV_S(me), PV_I(epoch), PV_I(lease_ms) };
+        sql = pg_stmt(db, sql_pg_lead(&db->conf->pgn), v, 3, &ps);
     }
+    if (!sql)
+        goto done;
     if (st_run(db, "lead", sql, &ps, &h) < 0)
         goto done;
     int r = st_result(db, h, "lead");
@@ -885,8 +898,8 @@ int odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t le
             set_err(db, "lead: no result row");
         goto done;
     }
-    if (get_i64(db, h, 1, got, NULL) < 0 || get_i64(db, h, 2, held, NULL) < 0 ||
-        get_i64(db, h, 3, reset, NULL) < 0 || get_text(db, h, 4, &who, &isnull) < 0)
+    if (get_i64(db, h, 1, got, NULL) < 0 || get_text(db, h, 2, &who, &isnull) < 0 ||
+        get_i64(db, h, 3, held, NULL) < 0 || get_i64(db, h, 4, reset, NULL) < 0)
         goto done;
     if (hlen && who.p && !isnull)
         snprintf(holder, hlen, "%s", who.p);
@@ -900,120 +913,6 @@ done:
     free(sql);
     return rc;
 }
-
-static const char CLAIM_TSQL[] =
-    "SET NOCOUNT ON; "
-    "WITH c AS (SELECT TOP (?) m.* FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
-    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
-    "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
-    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p "
-    "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
-    "AND p.id < m.id)) "
-    "AND (? = 0 OR EXISTS (SELECT 1 FROM {L} f WHERE f.name = N'leader' AND f.owner = ? "
-    "AND f.epoch = ? AND f.expires_at > SYSUTCDATETIME())) ORDER BY m.id) "
-    "UPDATE c SET lease_owner = ?, lease_token = ?, "
-    "lease_until = DATEADD(millisecond, ?, SYSUTCDATETIME()) "
-    "OUTPUT inserted.id, LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange, "
-    "inserted.routing_key, inserted.partition_key, inserted.message_type, inserted.content_type, "
-    "inserted.correlation_id, inserted.headers, inserted.payload, inserted.attempts, "
-    "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), inserted.created_at), "
-    "DATEDIFF_BIG(microsecond, inserted.created_at, SYSUTCDATETIME())";
-
-static const char CLAIM_PG[] =
-    "WITH c AS (SELECT m.id FROM {T} m WHERE m.sent_at IS NULL AND m.available_at <= now() "
-    "AND (m.lease_until IS NULL OR m.lease_until < now()) "
-    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p "
-    "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
-    "AND p.id < m.id)) "
-    "AND (?::bigint = 0 OR EXISTS (SELECT 1 FROM {L} f WHERE f.name = 'leader' "
-    "AND f.owner = ?::text AND f.epoch = ?::bigint AND f.expires_at > now())) "
-    "ORDER BY m.id LIMIT ?::bigint FOR UPDATE SKIP LOCKED) "
-    "UPDATE {T} m SET lease_owner = ?::text, lease_token = ?::bigint, "
-    "lease_until = now() + ?::float8 * interval '1 millisecond' "
-    "FROM c WHERE m.id = c.id "
-    "RETURNING m.id, m.message_id::text, m.exchange, m.routing_key, m.partition_key, "
-    "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
-    "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
-    "(extract(epoch from now() - m.created_at) * 1000000)::bigint";
-
-/* Competing mode (see pgsrc_sql_claim): a key's rows only from its first pending
- * row on, and only when that head is ours already or locked by this claim; keys
- * spread over the live members (sources/sql_pg.h; CHECKSUM here, hashtext there).
- * Parameters T-SQL: owner, lease ms, limit, token; PostgreSQL: owner, lease ms,
- * owner, limit, owner, owner, token, lease ms. */
-static const char CLAIM_COMPETING_TSQL[] =
-    "SET NOCOUNT ON; "
-    "DECLARE @owner nvarchar(255) = ?; "
-    "DECLARE @lease_ms int = ?; "
-    /* membership (see sources/sql_pg.h): renew ours, else reuse an expired member
-       row, else insert one; a lease of 0 withdraws it */
-    "DECLARE @me nvarchar(255) = N'member:' + @owner; "
-    "DECLARE @until datetime2 = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()); "
-    "UPDATE {L} SET expires_at = @until WHERE name = @me; "
-    "IF @@ROWCOUNT = 0 AND @lease_ms > 0 BEGIN "
-    "UPDATE {L} SET name = @me, owner = @owner, epoch = 0, expires_at = @until "
-    "WHERE name = (SELECT TOP (1) x.name FROM {L} x WITH (ROWLOCK, READPAST, UPDLOCK) "
-    "WHERE LEFT(x.name, 7) = N'member:' AND x.expires_at < SYSUTCDATETIME() ORDER BY x.name); "
-    "IF @@ROWCOUNT = 0 INSERT INTO {L} (name, owner, epoch, expires_at) "
-    "VALUES (@me, @owner, 0, @until); "
-    "END; "
-    "DECLARE @n int, @r int; "
-    "SELECT @n = COUNT(*) + 1, @r = ISNULL(SUM(CASE WHEN owner < @owner THEN 1 ELSE 0 END), 0) "
-    "FROM {L} WHERE LEFT(name, 7) = N'member:' AND owner <> @owner "
-    "AND expires_at > SYSUTCDATETIME(); "
-    "DECLARE @c0 TABLE (id bigint PRIMARY KEY, partition_key nvarchar(255)); "
-    "INSERT INTO @c0 (id, partition_key) SELECT TOP (?) m.id, m.partition_key "
-    "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
-    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
-    "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
-    "AND (m.partition_key IS NULL OR (CHECKSUM(m.partition_key) & 2147483647) % @n = @r) "
-    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT TOP (1) h.id, "
-    "h.lease_owner, h.lease_until, h.available_at FROM {T} h WITH (READCOMMITTEDLOCK) "
-    "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id) hd "
-    "WHERE hd.id < m.id AND ((hd.lease_until >= SYSUTCDATETIME() AND hd.lease_owner <> @owner) "
-    "OR hd.available_at > SYSUTCDATETIME()))) ORDER BY m.id; "
-    "DECLARE @g TABLE (partition_key nvarchar(255) PRIMARY KEY, gap bigint); "
-    "INSERT INTO @g (partition_key, gap) SELECT k.partition_key, (SELECT TOP (1) p.id "
-    "FROM {T} p WITH (READCOMMITTEDLOCK) WHERE p.partition_key = k.partition_key "
-    "AND p.sent_at IS NULL AND (p.lease_owner IS NULL OR p.lease_owner <> @owner "
-    "OR p.lease_until IS NULL OR p.lease_until < SYSUTCDATETIME()) "
-    "AND p.id NOT IN (SELECT id FROM @c0) ORDER BY p.id) "
-    "FROM (SELECT DISTINCT partition_key FROM @c0 WHERE partition_key IS NOT NULL) k; "
-    "UPDATE m SET lease_owner = @owner, lease_token = ?, "
-    "lease_until = @until "
-    "OUTPUT inserted.id, LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange, "
-    "inserted.routing_key, inserted.partition_key, inserted.message_type, inserted.content_type, "
-    "inserted.correlation_id, inserted.headers, inserted.payload, inserted.attempts, "
-    "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), inserted.created_at), "
-    "DATEDIFF_BIG(microsecond, inserted.created_at, SYSUTCDATETIME()) "
-    "FROM {T} m JOIN @c0 c ON m.id = c.id LEFT JOIN @g g ON g.partition_key = c.partition_key "
-    "WHERE c.partition_key IS NULL OR g.gap IS NULL OR c.id < g.gap";
-
-static const char CLAIM_COMPETING_PG[] =
-    "WITH " SQL_PG_MEMBERSHIP("{L}", "?::text", "?::float8") ", "
-    "c0 AS (SELECT m.id, m.partition_key FROM {T} m WHERE m.sent_at IS NULL "
-    "AND m.available_at <= now() AND (m.lease_until IS NULL OR m.lease_until < now()) "
-    "AND " SQL_PG_MY_KEY("m") " "
-    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.id, "
-    "h.available_at, h.lease_owner, h.lease_until FROM {T} h "
-    "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id LIMIT 1) hd "
-    "WHERE hd.id < m.id AND ((hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM ?::text) "
-    "OR hd.available_at > now()))) "
-    "ORDER BY m.id LIMIT ?::bigint FOR UPDATE SKIP LOCKED), "
-    "k AS (SELECT DISTINCT partition_key FROM c0 WHERE partition_key IS NOT NULL), "
-    "g AS (SELECT k.partition_key, (SELECT p.id FROM {T} p "
-    "WHERE p.partition_key = k.partition_key AND p.sent_at IS NULL "
-    "AND NOT coalesce(p.lease_owner = ?::text AND p.lease_until >= now(), false) "
-    "AND p.id NOT IN (SELECT id FROM c0) ORDER BY p.id LIMIT 1) AS gap FROM k), "
-    "c AS (SELECT c0.id FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key "
-    "WHERE c0.partition_key IS NULL OR g.gap IS NULL OR c0.id < g.gap) "
-    "UPDATE {T} m SET lease_owner = ?::text, lease_token = ?::bigint, "
-    "lease_until = now() + ?::float8 * interval '1 millisecond' "
-    "FROM c WHERE m.id = c.id "
-    "RETURNING m.id, m.message_id::text, m.exchange, m.routing_key, m.partition_key, "
-    "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
-    "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
-    "(extract(epoch from now() - m.created_at) * 1000000)::bigint";
 
 static int row_cmp(const void *a, const void *b)
 {
@@ -1047,39 +946,27 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
     *rows_out = NULL;
     *n_out = 0;
     const char *me = owner ? owner : "";
-    if (competing && is_tsql(db)) {
-        p_text(&ps, me, P_SHORT);
-        p_i32(&ps, lease_ms);
-        p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
-        p_i64(&ps, token);
-    } else if (competing) {
-        p_text(&ps, me, P_SHORT);       /* membership: owner, lease ms */
-        p_i64(&ps, lease_ms);
-        p_text(&ps, me, P_SHORT);
-        p_i64(&ps, (int64_t)max_rows);
-        p_text(&ps, me, P_SHORT);
-        p_text(&ps, me, P_SHORT);
-        p_i64(&ps, token);
-        p_i64(&ps, lease_ms);
-    } else if (is_tsql(db)) {
-        p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
-        p_i64(&ps, epoch);
-        p_text(&ps, me, P_SHORT);
-        p_i64(&ps, epoch);
-        p_text(&ps, me, P_SHORT);
-        p_i64(&ps, token);
-        p_i32(&ps, lease_ms);
+    if (is_tsql(db)) {
+        if (competing) {
+            p_text(&ps, me, P_SHORT);
+            p_i32(&ps, lease_ms);
+            p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
+            p_i64(&ps, token);
+        } else {
+            p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
+            p_i64(&ps, epoch);
+            p_text(&ps, me, P_SHORT);
+            p_i64(&ps, epoch);
+            p_text(&ps, me, P_SHORT);
+            p_i64(&ps, token);
+            p_i32(&ps, lease_ms);
+        }
+        sql = sql_for(db, competing ? sql_tsql_claim_competing : sql_tsql_claim);
     } else {
-        p_i64(&ps, epoch);
-        p_text(&ps, me, P_SHORT);
-        p_i64(&ps, epoch);
-        p_i64(&ps, (int64_t)max_rows);
-        p_text(&ps, me, P_SHORT);
-        p_i64(&ps, token);
-        p_i64(&ps, lease_ms);
+        const pgv v[5] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
+                           PV_I(competing ? 0 : epoch) };
+        sql = pg_stmt(db, sql_pg_claim(&db->conf->pgn, competing), v, 5, &ps);
     }
-    sql = sql_for(db, competing ? (is_tsql(db) ? CLAIM_COMPETING_TSQL : CLAIM_COMPETING_PG)
-                                : (is_tsql(db) ? CLAIM_TSQL : CLAIM_PG));
     if (!sql)
         goto done;
     if (st_run(db, "claim", sql, &ps, &h) < 0)
@@ -1160,131 +1047,71 @@ done:
     return rc;
 }
 
-/* Producer columns, the same in the outbox and the dead-letter table. */
-#define PRODUCER_COLS "message_id, exchange, routing_key, partition_key, message_type, " \
-                      "content_type, correlation_id, headers, payload, created_at"
 
-static const char SETTLE_TSQL_HEAD[] =
-    "SET NOCOUNT ON; SET XACT_ABORT ON; "
-    "DECLARE @o TABLE (id bigint NOT NULL PRIMARY KEY, token bigint NOT NULL, kind int NOT NULL, "
-    "backoff_ms bigint NULL, reason nvarchar(max) NULL); "
-    /* reasons are cut to REASON_MAX (2000) bytes: within JSON_VALUE's 4000 characters */
-    "INSERT INTO @o (id, token, kind, backoff_ms, reason) "
-    "SELECT CAST(JSON_VALUE(j.value, '$.id') AS bigint), "
-    "CAST(JSON_VALUE(j.value, '$.token') AS bigint), CAST(JSON_VALUE(j.value, '$.kind') AS int), "
-    "CAST(JSON_VALUE(j.value, '$.backoff_ms') AS bigint), JSON_VALUE(j.value, '$.reason') "
-    "FROM OPENJSON(?) AS j; "
-    "DECLARE @n bigint = 0; ";
-static const char SETTLE_TSQL_MARK[] =
-    "UPDATE m SET sent_at = SYSUTCDATETIME(), lease_owner = NULL, lease_token = NULL, "
-    "lease_until = NULL FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token "
-    "WHERE o.kind = 0; SET @n = @n + @@ROWCOUNT; ";
-static const char SETTLE_TSQL_DELETE[] =
-    "DELETE m FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token "
-    "WHERE o.kind = 0; SET @n = @n + @@ROWCOUNT; ";
-static const char SETTLE_TSQL_TAIL[] =
-    "UPDATE m SET attempts = m.attempts + 1, last_error = o.reason, "
-    "available_at = DATEADD(millisecond, CAST(o.backoff_ms AS int), SYSUTCDATETIME()), "
-    "lease_owner = NULL, lease_token = NULL, lease_until = NULL "
-    "FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token WHERE o.kind = 1; "
-    "SET @n = @n + @@ROWCOUNT; "
-    "UPDATE m SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
-    "FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token WHERE o.kind = 3; "
-    "SET @n = @n + @@ROWCOUNT; "
-    /* The dead-letter move, idempotent: a row already in the dead table under this
-       id (a move retried after its commit acknowledgement was lost, a row put back
-       by hand) is replaced, as ON CONFLICT DO UPDATE does on PostgreSQL, instead of
-       failing the whole settle with a primary-key violation forever. */
-    "DECLARE @d TABLE (id bigint NOT NULL PRIMARY KEY, message_id uniqueidentifier NOT NULL, "
-    "exchange nvarchar(255) NOT NULL, routing_key nvarchar(255) NOT NULL, "
-    "partition_key nvarchar(255) NULL, message_type nvarchar(255) NULL, "
-    "content_type nvarchar(255) NULL, correlation_id nvarchar(255) NULL, "
-    "headers nvarchar(max) NULL, payload varbinary(max) NOT NULL, created_at datetime2 NOT NULL, "
-    "attempts int NOT NULL, reason nvarchar(max) NOT NULL); "
-    "DELETE m OUTPUT deleted.id, deleted.message_id, deleted.exchange, deleted.routing_key, "
-    "deleted.partition_key, deleted.message_type, deleted.content_type, deleted.correlation_id, "
-    "deleted.headers, deleted.payload, deleted.created_at, deleted.attempts + 1, "
-    "COALESCE(o.reason, N'dead-lettered') "
-    "INTO @d (id, " PRODUCER_COLS ", attempts, reason) "
-    "FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token WHERE o.kind = 2; "
-    "SET @n = @n + @@ROWCOUNT; "
-    "DELETE x FROM {D} x JOIN @d d ON d.id = x.id; "
-    "INSERT INTO {D} (id, " PRODUCER_COLS ", attempts, reason) "
-    "SELECT id, " PRODUCER_COLS ", attempts, reason FROM @d; "
-    "SELECT @n";
 
-static const char SETTLE_PG_HEAD[] =
-    "WITH o AS (SELECT DISTINCT ON (id) id, token, kind, backoff_ms, reason "
-    "FROM json_to_recordset(?::json) AS x(id bigint, token bigint, kind int, backoff_ms bigint, "
-    "reason text) ORDER BY id), ";
-static const char SETTLE_PG_MARK[] =
-    "s AS (UPDATE {T} m SET sent_at = now(), lease_owner = NULL, lease_token = NULL, "
-    "lease_until = NULL FROM o WHERE o.kind = 0 AND m.id = o.id AND m.lease_token = o.token "
-    "RETURNING m.id), ";
-static const char SETTLE_PG_DELETE[] =
-    "s AS (DELETE FROM {T} m USING o WHERE o.kind = 0 AND m.id = o.id "
-    "AND m.lease_token = o.token RETURNING m.id), ";
-static const char SETTLE_PG_TAIL[] =
-    "r AS (UPDATE {T} m SET attempts = m.attempts + 1, last_error = o.reason, "
-    "available_at = now() + o.backoff_ms::float8 * interval '1 millisecond', "
-    "lease_owner = NULL, lease_token = NULL, lease_until = NULL "
-    "FROM o WHERE o.kind = 1 AND m.id = o.id AND m.lease_token = o.token RETURNING m.id), "
-    "x AS (UPDATE {T} m SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
-    "FROM o WHERE o.kind = 3 AND m.id = o.id AND m.lease_token = o.token RETURNING m.id), "
-    "d AS (DELETE FROM {T} m USING o WHERE o.kind = 2 AND m.id = o.id "
-    "AND m.lease_token = o.token "
-    "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
-    "m.message_type, m.content_type, m.correlation_id, m.headers, m.payload, m.created_at, "
-    "m.attempts, o.reason), "
-    "i AS (INSERT INTO {D} (id, " PRODUCER_COLS ", attempts, reason) "
-    "SELECT id, " PRODUCER_COLS ", attempts + 1, coalesce(reason, 'dead-lettered') FROM d "
-    "ON CONFLICT (id) DO UPDATE SET message_id = EXCLUDED.message_id, "
-    "exchange = EXCLUDED.exchange, routing_key = EXCLUDED.routing_key, "
-    "partition_key = EXCLUDED.partition_key, message_type = EXCLUDED.message_type, "
-    "content_type = EXCLUDED.content_type, correlation_id = EXCLUDED.correlation_id, "
-    "headers = EXCLUDED.headers, payload = EXCLUDED.payload, "
-    "created_at = EXCLUDED.created_at, attempts = EXCLUDED.attempts, "
-    "reason = EXCLUDED.reason, dead_at = now() RETURNING 1) "
-    "SELECT (SELECT count(*) FROM s) + (SELECT count(*) FROM r) + (SELECT count(*) FROM x) "
-    "+ (SELECT count(*) FROM i)";
 
-int odbcsrc_db_settle(odbcsrc_db *db, const char *json, size_t *applied)
+static char *odbcsrc_outcomes_json(const src_outcome *v, size_t n);
+
+/* Settles outcomes in one statement: T-SQL gets them as JSON, PostgreSQL as the
+ * arrays of the libpq path (and its plain statement when they are all SENT). */
+int odbcsrc_db_settle(odbcsrc_db *db, const src_outcome *v, size_t n, size_t *applied)
 {
-    outbox_util_buf t = {0};
     params ps = {0};
-    int64_t v = 0;
+    outbox_util_buf arr[5];
+    bool have_arr = false;
+    char *sql = NULL, *json = NULL;
+    int64_t cnt = 0;
     int rc = -1;
     bool del = db->conf->on_sent == CFG_ON_SENT_DELETE;
     *applied = 0;
     if (is_tsql(db)) {
-        if (outbox_util_buf_puts(&t, SETTLE_TSQL_HEAD) < 0 ||
-            outbox_util_buf_puts(&t, del ? SETTLE_TSQL_DELETE : SETTLE_TSQL_MARK) < 0 ||
-            outbox_util_buf_puts(&t, SETTLE_TSQL_TAIL) < 0)
-            goto oom;
+        outbox_util_buf t = {0};
+        json = odbcsrc_outcomes_json(v, n);
+        if (!json || outbox_util_buf_puts(&t, sql_tsql_settle_head) < 0 ||
+            outbox_util_buf_puts(&t, del ? sql_tsql_settle_delete : sql_tsql_settle_mark) < 0 ||
+            outbox_util_buf_puts(&t, sql_tsql_settle_tail) < 0) {
+            free(t.p);
+            set_err(db, "settle: out of memory");
+            goto done;
+        }
+        sql = sql_for(db, t.p);
+        free(t.p);
+        p_text(&ps, json, P_MAX);
     } else {
-        if (outbox_util_buf_puts(&t, SETTLE_PG_HEAD) < 0 ||
-            outbox_util_buf_puts(&t, del ? SETTLE_PG_DELETE : SETTLE_PG_MARK) < 0 ||
-            outbox_util_buf_puts(&t, SETTLE_PG_TAIL) < 0)
-            goto oom;
+        bool all_sent = true;
+        if (sql_pg_settle_arrays(v, n, arr) < 0) {
+            set_err(db, "settle: out of memory");
+            goto done;
+        }
+        have_arr = true;
+        for (size_t i = 0; i < n; i++)
+            all_sent = all_sent && v[i].kind == SRC_SENT;
+        const pgv pv[5] = { PV_BIG(arr[0].p), PV_BIG(arr[1].p), PV_BIG(arr[2].p),
+                            PV_BIG(arr[3].p), PV_BIG(arr[4].p) };
+        sql = all_sent ? pg_stmt(db, sql_pg_settle_sent(&db->conf->pgn, db->conf->on_sent), pv, 2, &ps)
+                       : pg_stmt(db, sql_pg_settle(&db->conf->pgn, db->conf->on_sent), pv, 5, &ps);
     }
-    p_text(&ps, json, P_MAX);
-    rc = one_row_ints(db, "settle", t.p, &ps, &v, 1);
+    if (!sql)
+        goto done;
+    rc = one_row_ints(db, "settle", sql, &ps, &cnt, 1);
     if (rc == 0)
-        *applied = v > 0 ? (size_t)v : 0;
+        *applied = cnt > 0 ? (size_t)cnt : 0;
+done:
     p_free(&ps);
-    free(t.p);
+    free(sql);
+    free(json);
+    for (int k = 0; have_arr && k < 5; k++)
+        outbox_util_buf_free(&arr[k]);
     return rc;
-oom:
-    free(t.p);
-    set_err(db, "settle: out of memory");
-    return -1;
 }
 
 int odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, const char *owner,
                        int64_t epoch, size_t *deleted)
 {
     params ps = {0};
-    int rc;
+    char *sql;
+    const char *me = owner ? owner : "";
+    int rc = -1;
     if (retention_ms < 0)
         retention_ms = 0;
     if (is_tsql(db)) {
@@ -1292,30 +1119,17 @@ int odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, const
         p_i32(&ps, retention_ms % 1000);
         p_i32(&ps, retention_ms / 1000);
         p_i64(&ps, epoch);
-        p_text(&ps, owner ? owner : "", P_SHORT);
+        p_text(&ps, me, P_SHORT);
         p_i64(&ps, epoch);
-        rc = exec_count(db, "cleanup",
-                        "DELETE TOP (?) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
-                        "WHERE sent_at IS NOT NULL AND sent_at < "
-                        "DATEADD(millisecond, -?, DATEADD(second, -?, SYSUTCDATETIME())) "
-                        "AND (? = 0 OR EXISTS (SELECT 1 FROM {L} f WHERE f.name = N'leader' "
-                        "AND f.owner = ? AND f.epoch = ? AND f.expires_at > SYSUTCDATETIME()))",
-                        &ps, deleted);
+        sql = sql_for(db, sql_tsql_cleanup);
     } else {
-        p_i64(&ps, retention_ms);
-        p_i64(&ps, epoch);
-        p_text(&ps, owner ? owner : "", P_SHORT);
-        p_i64(&ps, epoch);
-        p_i64(&ps, (int64_t)limit);
-        rc = exec_count(db, "cleanup",
-                        "DELETE FROM {T} WHERE id IN (SELECT id FROM {T} WHERE sent_at IS NOT NULL "
-                        "AND sent_at < now() - ?::float8 * interval '1 millisecond' "
-                        "AND (?::bigint = 0 OR EXISTS (SELECT 1 FROM {L} f WHERE f.name = 'leader' "
-                        "AND f.owner = ?::text AND f.epoch = ?::bigint AND f.expires_at > now())) "
-                        "ORDER BY sent_at LIMIT ?::bigint)",
-                        &ps, deleted);
+        const pgv v[4] = { PV_I(retention_ms), PV_I((int64_t)limit), PV_S(me), PV_I(epoch) };
+        sql = pg_stmt(db, sql_pg_cleanup(&db->conf->pgn), v, 4, &ps);
     }
+    if (sql)
+        rc = exec_count(db, "cleanup", sql, &ps, deleted);
     p_free(&ps);
+    free(sql);
     return rc;
 }
 
@@ -1324,28 +1138,21 @@ int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full)
     /* T-SQL: never waits for producers (READPAST; see the top of this file). The
        retained marked rows are counted only with `full` (else -1: the relay's periodic
        refresh must not read every retained row; `outbox-relay stats` counts them). */
-    static const char tsql[] =
-        "SELECT (SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
-        "WHERE sent_at IS NULL), "
-        "CAST(COALESCE((SELECT DATEDIFF_BIG(microsecond, MIN(created_at), SYSUTCDATETIME()) "
-        "FROM {T} WITH (READPAST, READCOMMITTEDLOCK) WHERE sent_at IS NULL), 0) AS float) / 1e6, "
-        "(SELECT COUNT_BIG(*) FROM {D} WITH (READPAST, READCOMMITTEDLOCK)), ";
-    static const char tsql_kept[] =
-        "(SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
-        "WHERE sent_at IS NOT NULL)";
-    static const char pg[] =
-        "SELECT (SELECT count(*) FROM {T} WHERE sent_at IS NULL), "
-        "greatest(coalesce((SELECT extract(epoch from now() - min(created_at)) FROM {T} "
-        "WHERE sent_at IS NULL), 0), 0)::float8, "
-        "(SELECT count(*) FROM {D}), ";
-    static const char pg_kept[] = "(SELECT count(*) FROM {T} WHERE sent_at IS NOT NULL)";
-    char tmpl[sizeof tsql + sizeof tsql_kept];
-    snprintf(tmpl, sizeof tmpl, "%s%s", is_tsql(db) ? tsql : pg,
-             full ? (is_tsql(db) ? tsql_kept : pg_kept) : "CAST(-1 AS bigint)");
     SQLHSTMT h = SQL_NULL_HSTMT;
-    char *sql = sql_for(db, tmpl);
+    char *sql;
     int rc = -1;
     memset(out, 0, sizeof *out);
+    out->next_due_s = -1;   /* T-SQL does not say: the core uses it only where NOTIFY wakes it */
+    if (is_tsql(db)) {
+        char tmpl[1024];
+        snprintf(tmpl, sizeof tmpl, "%s%s", sql_tsql_stats,
+                 full ? sql_tsql_stats_kept : "CAST(-1 AS bigint)");
+        sql = sql_for(db, tmpl);
+    } else {
+        sql = sql_pg_stats(&db->conf->pgn, full);
+        if (!sql)
+            set_err(db, "stats: out of memory");
+    }
     if (!sql)
         return -1;
     if (st_run(db, "stats", sql, NULL, &h) < 0)
@@ -1356,13 +1163,20 @@ int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full)
         goto done;
     }
     if (get_i64(db, h, 1, &out->backlog, NULL) < 0 ||
-        get_f64(db, h, 2, &out->oldest_pending_s) < 0 ||
+        get_f64(db, h, 2, &out->oldest_pending_s, NULL) < 0 ||
         get_i64(db, h, 3, &out->dead, NULL) < 0 ||
         get_i64(db, h, 4, &out->sent_kept, NULL) < 0)
         goto done;
+    if (!is_tsql(db)) {
+        bool none = false;
+        double due = 0;
+        if (get_f64(db, h, 5, &due, &none) < 0)
+            goto done;
+        if (!none)
+            out->next_due_s = due < 0 ? 0 : due;
+    }
     if (out->oldest_pending_s < 0)
         out->oldest_pending_s = 0;
-    out->next_due_s = -1;   /* not asked: the core uses it only where NOTIFY wakes it */
     rc = 0;
 done:
     st_free(db, h);
@@ -1416,20 +1230,15 @@ done:
 
 int odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out)
 {
-    static const char tsql[] =
-        "SELECT id, LOWER(CONVERT(nvarchar(36), message_id)), exchange, routing_key, attempts, "
-        "CONVERT(nvarchar(23), dead_at, 126) + N'Z', reason FROM {D} ORDER BY id";
-    static const char pg[] =
-        "SELECT id, message_id::text, exchange, routing_key, attempts, "
-        "to_char(dead_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), reason "
-        "FROM {D} ORDER BY id";
     SQLHSTMT h = SQL_NULL_HSTMT;
-    char *sql = sql_for(db, is_tsql(db) ? tsql : pg);
+    char *sql = is_tsql(db) ? sql_for(db, sql_tsql_dead_list) : sql_pg_dead_list(&db->conf->pgn);
     outbox_util_buf t[5];
     int rc = -1;
     memset(t, 0, sizeof t);
-    if (!sql)
+    if (!sql) {
+        set_err(db, "dead list: out of memory");
         return -1;
+    }
     if (st_run(db, "dead list", sql, NULL, &h) < 0 || st_result(db, h, "dead list") < 0)
         goto done;
     for (;;) {
@@ -1465,72 +1274,61 @@ done:
 int odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t n_ids,
                          size_t *affected)
 {
-    /* T-SQL: idempotent and never fails forever. Rows already back in the outbox
-       under their id (a retry repeated after a lost commit acknowledgement) are not
-       inserted again; a dead row whose message_id is pending again under another id
-       (the producer re-sent it) stays dead rather than breaking the unique key. A
-       dead row is removed only once its id is in the outbox; the count says how many
-       were moved. */
-    static const char retry_tsql[] =
-        "SET NOCOUNT ON; SET XACT_ABORT ON; "
-        "DECLARE @all int = ?; "
-        "DECLARE @ids TABLE (id bigint NOT NULL PRIMARY KEY); "
-        "INSERT INTO @ids (id) SELECT d.id FROM {D} d WITH (UPDLOCK, ROWLOCK) "
-        "WHERE @all = 1 OR d.id IN (SELECT CAST(j.value AS bigint) FROM OPENJSON(?) AS j); "
-        "SET IDENTITY_INSERT {T} ON; "
-        "INSERT INTO {T} (id, " PRODUCER_COLS ", available_at, attempts) "
-        "SELECT d.id, d.message_id, d.exchange, d.routing_key, d.partition_key, d.message_type, "
-        "d.content_type, d.correlation_id, d.headers, d.payload, d.created_at, SYSUTCDATETIME(), 0 "
-        "FROM {D} d JOIN @ids i ON i.id = d.id "
-        "WHERE NOT EXISTS (SELECT 1 FROM {T} o WHERE o.id = d.id OR o.message_id = d.message_id); "
-        "SET IDENTITY_INSERT {T} OFF; "
-        "DELETE d FROM {D} d JOIN @ids i ON i.id = d.id "
-        "WHERE EXISTS (SELECT 1 FROM {T} o WHERE o.id = d.id AND o.message_id = d.message_id); "
-        "SELECT CAST(@@ROWCOUNT AS bigint)";
-    static const char retry_pg[] =
-        "WITH d AS (DELETE FROM {D} WHERE ?::int = 1 OR id = ANY(?::bigint[]) "
-        "RETURNING id, " PRODUCER_COLS ") "
-        "INSERT INTO {T} (id, " PRODUCER_COLS ", available_at, attempts) "
-        "OVERRIDING SYSTEM VALUE SELECT id, " PRODUCER_COLS ", now(), 0 FROM d";
-    static const char purge_tsql[] =
-        "DELETE FROM {D} WHERE ? = 1 OR id IN (SELECT CAST(j.value AS bigint) FROM OPENJSON(?) AS j)";
-    static const char purge_pg[] =
-        "DELETE FROM {D} WHERE ?::int = 1 OR id = ANY(?::bigint[])";
+    /* T-SQL: idempotent and never fails forever (see sql_tsql_dead_retry). Rows already
+       back in the outbox under their id (a retry repeated after a lost commit
+       acknowledgement) are not inserted again; a dead row whose message_id is pending
+       again under another id (the producer re-sent it) stays dead rather than breaking
+       the unique key. A dead row is removed only once its id is in the outbox. */
     outbox_util_buf list = {0};
     params ps = {0};
+    char *sql = NULL;
     int rc = -1;
     *affected = 0;
     bool all = !ids || n_ids == 0;
-    if (outbox_util_buf_puts(&list, is_tsql(db) ? "[" : "{") < 0)
-        goto oom;
-    for (size_t i = 0; !all && i < n_ids; i++)
-        if (outbox_util_buf_printf(&list, "%s%" PRId64, i ? "," : "", ids[i]) < 0)
+    if (is_tsql(db)) {
+        if (outbox_util_buf_puts(&list, "[") < 0)
             goto oom;
-    if (outbox_util_buf_puts(&list, is_tsql(db) ? "]" : "}") < 0)
-        goto oom;
-    p_i32(&ps, all ? 1 : 0);
-    p_text(&ps, list.p, P_MAX);
+        for (size_t i = 0; !all && i < n_ids; i++)
+            if (outbox_util_buf_printf(&list, "%s%" PRId64, i ? "," : "", ids[i]) < 0)
+                goto oom;
+        if (outbox_util_buf_puts(&list, "]") < 0)
+            goto oom;
+        p_i32(&ps, all ? 1 : 0);
+        p_text(&ps, list.p, P_MAX);
+        sql = sql_for(db, retry ? sql_tsql_dead_retry : sql_tsql_dead_purge);
+    } else {
+        char *arr = NULL;
+        if (sql_pg_id_array(ids, n_ids, &arr) < 0)
+            goto oom;
+        list.p = arr;    /* owned by list from here */
+        const pgv v[1] = { arr ? PV_BIG(arr) : PV_NUL };
+        sql = pg_stmt(db, retry ? sql_pg_dead_retry(&db->conf->pgn)
+                                : sql_pg_dead_purge(&db->conf->pgn), v, 1, &ps);
+    }
+    if (!sql)
+        goto done;
     if (retry && is_tsql(db)) {
         int64_t v = 0;
-        rc = one_row_ints(db, "dead retry", retry_tsql, &ps, &v, 1);
+        rc = one_row_ints(db, "dead retry", sql, &ps, &v, 1);
         *affected = v > 0 ? (size_t)v : 0;
-    } else if (retry) {
-        rc = exec_count(db, "dead retry", retry_pg, &ps, affected);
     } else {
-        rc = exec_count(db, "dead purge", is_tsql(db) ? purge_tsql : purge_pg, &ps, affected);
+        rc = exec_count(db, retry ? "dead retry" : "dead purge", sql, &ps, affected);
     }
+    goto done;
+oom:
+    set_err(db, "out of memory");
+done:
     p_free(&ps);
+    free(sql);
     free(list.p);
     return rc;
-oom:
-    free(list.p);
-    set_err(db, "out of memory");
-    return -1;
 }
 
 /* ------------------------------------------------------------ outcomes as JSON */
 
-char *odbcsrc_outcomes_json(const src_outcome *v, size_t n)
+/* The outcomes as one JSON array for T-SQL's OPENJSON (UTF-8, malloc'd; NULL on
+ * out-of-memory): [{"id":1,"token":2,"kind":0,"backoff_ms":0,"reason":null},...] */
+static char *odbcsrc_outcomes_json(const src_outcome *v, size_t n)
 {
     outbox_util_buf b = {0};
     if (outbox_util_buf_put(&b, "[", 1) < 0)

@@ -20,6 +20,7 @@
 #include "lib/outbox_schema.h"
 #include "relay/row.h"
 #include "relay/source.h"
+#include "sources/sql_pg.h"
 #include "sources/sources.h"
 
 /* What a session needs from the configuration (copied: the worker thread
@@ -29,6 +30,7 @@ typedef struct odbcsrc_conf {
     char   *password;        /* secret or NULL */
     char   *database;
     outbox_table_name tn;
+    sql_pg_names pgn;        /* the same names, for the PostgreSQL statements */
     int     on_sent;         /* enum cfg_on_sent */
     int64_t query_timeout_ms;
     int64_t connect_timeout_ms;
@@ -80,8 +82,8 @@ int  odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t l
 int  odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t token,
                       const char *owner, int64_t epoch, bool competing,
                       row ***rows, size_t *n_rows);
-/* json: the outcomes as produced by odbcsrc_outcomes_json. */
-int  odbcsrc_db_settle(odbcsrc_db *db, const char *json, size_t *applied);
+/* Settles the outcomes v[0..n) in one statement; *applied the rows it changed. */
+int  odbcsrc_db_settle(odbcsrc_db *db, const src_outcome *v, size_t n, size_t *applied);
 int  odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, const char *owner,
                         int64_t epoch, size_t *deleted);
 int  odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full);
@@ -89,9 +91,5 @@ int  odbcsrc_db_init(odbcsrc_db *db);
 int  odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out);
 int  odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t n_ids,
                           size_t *affected);
-
-/* The outcome list as one JSON array (UTF-8, malloc'd; NULL on out-of-memory):
- * [{"id":1,"token":2,"kind":0,"backoff_ms":0,"reason":null},...] */
-char *odbcsrc_outcomes_json(const src_outcome *v, size_t n);
 
 #endif

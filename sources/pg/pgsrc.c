@@ -46,7 +46,7 @@ struct source {
     /* configuration (copies; conninfo and password are secrets: never logged) */
     cfg_outbox cfg;          /* scalar fields; the string pointers below are ours */
     char     *conninfo, *password, *database, *name;
-    pgsrc_names names;
+    sql_pg_names names;
     char     *sql_lead, *sql_claim, *sql_claim_competing, *sql_settle, *sql_settle_sent;
     char     *sql_cleanup, *sql_stats;
 
@@ -861,14 +861,14 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
         s->cfg.connect_timeout_ms = 5000;
     if (s->cfg.reconnect_max_ms < BACKOFF_MIN_MS)
         s->cfg.reconnect_max_ms = 30000;
-    pgsrc_names_init(ob, &s->names);
-    s->sql_lead = pgsrc_sql_lead(&s->names);
-    s->sql_claim = pgsrc_sql_claim(&s->names, false);
-    s->sql_claim_competing = pgsrc_sql_claim(&s->names, true);
-    s->sql_settle = pgsrc_sql_settle(&s->names, ob->on_sent);
-    s->sql_settle_sent = pgsrc_sql_settle_sent(&s->names, ob->on_sent);
-    s->sql_cleanup = pgsrc_sql_cleanup(&s->names);
-    s->sql_stats = pgsrc_sql_stats(&s->names, false);
+    sql_pg_names_init(ob, &s->names);
+    s->sql_lead = sql_pg_lead(&s->names);
+    s->sql_claim = sql_pg_claim(&s->names, false);
+    s->sql_claim_competing = sql_pg_claim(&s->names, true);
+    s->sql_settle = sql_pg_settle(&s->names, ob->on_sent);
+    s->sql_settle_sent = sql_pg_settle_sent(&s->names, ob->on_sent);
+    s->sql_cleanup = sql_pg_cleanup(&s->names);
+    s->sql_stats = sql_pg_stats(&s->names, false);
     if (!s->sql_lead || !s->sql_claim || !s->sql_claim_competing || !s->sql_settle ||
         !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats)
         goto oom;
@@ -997,7 +997,7 @@ static int pgsrc_settle(source *s, const src_outcome *v, size_t n)
         req_defer(s, 0, NULL);
         return 0;
     }
-    if (pgsrc_settle_arrays(v, n, arr) < 0) {
+    if (sql_pg_settle_arrays(v, n, arr) < 0) {
         req_defer(s, -1, "settle: out of memory");
         return 0;
     }
@@ -1060,3 +1060,35 @@ const source_ops pgsrc_ops = {
     .dead_retry = pgsrc_dead_retry,
     .dead_purge = pgsrc_dead_purge,
 };
+
+int pgsrc_parse_stats(const PGresult *r, src_stats *out)
+{
+    char *end;
+    memset(out, 0, sizeof *out);
+    if (PQntuples(r) != 1 || PQnfields(r) != 5)
+        return -1;
+    for (int c = 0; c < 4; c++)
+        if (PQgetisnull(r, 0, c))
+            return -1;
+    out->backlog = strtoll(PQgetvalue(r, 0, 0), &end, 10);
+    if (*end)
+        return -1;
+    out->oldest_pending_s = strtod(PQgetvalue(r, 0, 1), &end);
+    if (*end)
+        return -1;
+    out->dead = strtoll(PQgetvalue(r, 0, 2), &end, 10);
+    if (*end)
+        return -1;
+    out->sent_kept = strtoll(PQgetvalue(r, 0, 3), &end, 10);
+    if (*end)
+        return -1;
+    out->next_due_s = -1;
+    if (!PQgetisnull(r, 0, 4)) {
+        out->next_due_s = strtod(PQgetvalue(r, 0, 4), &end);
+        if (*end)
+            return -1;
+        if (out->next_due_s < 0)
+            out->next_due_s = 0;
+    }
+    return 0;
+}

@@ -245,19 +245,22 @@ static PGconn *adm_connect(const cfg_outbox *ob, char *err, size_t errlen)
 }
 
 /* Schema presence: sets t_ok and d_ok. 0 or -1 (err filled). */
-static int adm_schema(PGconn *c, const cfg_outbox *ob, const pgsrc_names *n, bool *t_ok,
+static int adm_schema(PGconn *c, const cfg_outbox *ob, const sql_pg_names *n, bool *t_ok,
                       bool *d_ok, char *err, size_t errlen)
 {
     char msg[512];
     const char *vals[2] = {n->table, n->dead};
-    PGresult *r = adm_exec(c, ob, "SELECT to_regclass($1::text) IS NOT NULL, "
-                           "to_regclass($2::text) IS NOT NULL", 2, vals, msg, sizeof msg);
+    char *sql = sql_pg_tables_exist();
+    PGresult *r = sql ? adm_exec(c, ob, sql, 2, vals, msg, sizeof msg) : NULL;
+    if (!sql)
+        snprintf(msg, sizeof msg, "out of memory");
+    free(sql);
     if (!r) {
         errf(ob, err, errlen, "schema check failed: %s", msg);
         return -1;
     }
-    *t_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "t") == 0;
-    *d_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 1), "t") == 0;
+    *t_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "1") == 0;
+    *d_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 1), "1") == 0;
     PQclear(r);
     return 0;
 }
@@ -322,7 +325,7 @@ unlisten:
 
 int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
 {
-    pgsrc_names n;
+    sql_pg_names n;
     adm_path path = { 0 };
     bool t_ok = false, d_ok = false;
     char msg[512] = "";
@@ -331,7 +334,7 @@ int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
     PGconn *c = adm_connect_path(ob, &path, err, errlen);
     if (!c)
         return -1;
-    pgsrc_names_init(ob, &n);
+    sql_pg_names_init(ob, &n);
     int rc = adm_schema(c, ob, &n, &t_ok, &d_ok, err, errlen);
     /* through a pooler, no probe: its LISTEN would stay on a shared server connection
        (and its UNLISTEN land on another), and run does not LISTEN there anyway */
@@ -491,13 +494,13 @@ static PGresult *adm_once(const cfg_outbox *ob, char *sql, int n, const char *co
 
 int pgsrc_stats_sync(const cfg_outbox *ob, src_stats *out, char *err, size_t errlen)
 {
-    pgsrc_names n;
+    sql_pg_names n;
     int rc = -1;
     if (err && errlen)
         err[0] = '\0';
     memset(out, 0, sizeof *out);
-    pgsrc_names_init(ob, &n);
-    PGresult *r = adm_once(ob, pgsrc_sql_stats(&n, true), 0, NULL, err, errlen);
+    sql_pg_names_init(ob, &n);
+    PGresult *r = adm_once(ob, sql_pg_stats(&n, true), 0, NULL, err, errlen);
     if (!r)
         return -1;
     if (pgsrc_parse_stats(r, out) < 0)
@@ -510,12 +513,12 @@ int pgsrc_stats_sync(const cfg_outbox *ob, src_stats *out, char *err, size_t err
 
 int pgsrc_dead_list(const cfg_outbox *ob, FILE *out, char *err, size_t errlen)
 {
-    pgsrc_names n;
+    sql_pg_names n;
     int rc = -1;
     if (err && errlen)
         err[0] = '\0';
-    pgsrc_names_init(ob, &n);
-    PGresult *r = adm_once(ob, pgsrc_sql_dead_list(&n), 0, NULL, err, errlen);
+    sql_pg_names_init(ob, &n);
+    PGresult *r = adm_once(ob, sql_pg_dead_list(&n), 0, NULL, err, errlen);
     if (!r)
         return -1;
     /* id, message_id, exchange, routing_key, attempts, dead_at, reason */
@@ -533,22 +536,22 @@ int pgsrc_dead_list(const cfg_outbox *ob, FILE *out, char *err, size_t errlen)
     return rc;
 }
 
-typedef char *(*sql_fn)(const pgsrc_names *n);
+typedef char *(*sql_fn)(const sql_pg_names *n);
 
 static int dead_modify(const cfg_outbox *ob, sql_fn make, const int64_t *ids,
                        size_t n_ids, size_t *affected, char *err, size_t errlen)
 {
-    pgsrc_names n;
+    sql_pg_names n;
     char *arr = NULL;
     if (err && errlen)
         err[0] = '\0';
     if (affected)
         *affected = 0;
-    if (pgsrc_id_array(ids, n_ids, &arr) < 0) {
+    if (sql_pg_id_array(ids, n_ids, &arr) < 0) {
         errf(ob, err, errlen, "out of memory");
         return -1;
     }
-    pgsrc_names_init(ob, &n);
+    sql_pg_names_init(ob, &n);
     const char *vals[1] = {arr};  /* NULL: all rows */
     PGresult *r = adm_once(ob, make(&n), 1, vals, err, errlen);
     free(arr);
@@ -563,11 +566,11 @@ static int dead_modify(const cfg_outbox *ob, sql_fn make, const int64_t *ids,
 int pgsrc_dead_retry(const cfg_outbox *ob, const int64_t *ids, size_t n_ids,
                      size_t *affected, char *err, size_t errlen)
 {
-    return dead_modify(ob, pgsrc_sql_dead_retry, ids, n_ids, affected, err, errlen);
+    return dead_modify(ob, sql_pg_dead_retry, ids, n_ids, affected, err, errlen);
 }
 
 int pgsrc_dead_purge(const cfg_outbox *ob, const int64_t *ids, size_t n_ids,
                      size_t *affected, char *err, size_t errlen)
 {
-    return dead_modify(ob, pgsrc_sql_dead_purge, ids, n_ids, affected, err, errlen);
+    return dead_modify(ob, sql_pg_dead_purge, ids, n_ids, affected, err, errlen);
 }

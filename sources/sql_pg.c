@@ -1,7 +1,6 @@
 /*
- * pgsrc_sql.c — the PostgreSQL source's SQL text, connection keywords and
- * array-literal building. Table names come only from validated identifier
- * parts (ob) and are always quoted; values always travel as parameters.
+ * sql_pg.c — the relay's PostgreSQL statements and the literals their values
+ * travel in, for the libpq and the psqlODBC paths alike (see sql_pg.h).
  */
 #include <inttypes.h>
 #include <stdarg.h>
@@ -9,10 +8,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include "lib/outbox_schema.h"
-#include "sources/pg/pgsrc_int.h"
 #include "sources/sql_pg.h"
+#include "sources/sources.h"
 
-void pgsrc_names_init(const cfg_outbox *ob, pgsrc_names *n)
+void sql_pg_names_init(const cfg_outbox *ob, sql_pg_names *n)
 {
     outbox_table_name t;
     memset(&t, 0, sizeof t);
@@ -28,58 +27,9 @@ void pgsrc_names_init(const cfg_outbox *ob, pgsrc_names *n)
     snprintf(n->notify, sizeof n->notify, "%s.%s", ob->schema_part, ob->table_part);
 }
 
-void pgsrc_conn_params(const cfg_outbox *ob, const char **keys, const char **vals,
-                       char tmo[24])
-{
-    size_t i = 0;
-    int64_t s = (ob->connect_timeout_ms + 999) / 1000;
-    if (s < 2)
-        s = 2;  /* libpq's minimum */
-    snprintf(tmo, 24, "%" PRId64, s);
-    /* Keywords before "dbname" are defaults the conninfo may override; those
-     * after it are ours (last one wins with expand_dbname). */
-    keys[i] = "application_name"; vals[i++] = PGSRC_APP_NAME;
-    keys[i] = "connect_timeout";  vals[i++] = tmo;
-    keys[i] = "keepalives";       vals[i++] = "1";
-    keys[i] = "keepalives_idle";  vals[i++] = "30";
-    keys[i] = "keepalives_interval"; vals[i++] = "10";
-    keys[i] = "keepalives_count"; vals[i++] = "3";
-    keys[i] = "dbname";           vals[i++] = ob->conninfo ? ob->conninfo : "";
-    if (ob->password && ob->password[0]) {
-        keys[i] = "password";     vals[i++] = ob->password;
-    }
-    keys[i] = "client_encoding";  vals[i++] = "UTF8";
-    keys[i] = NULL;               vals[i] = NULL;
-}
-
-void pgsrc_oneline(const char *msg, char *out, size_t outlen)
-{
-    size_t j = 0;
-    int space = 0;
-    if (!outlen)
-        return;
-    if (!msg)
-        msg = "";
-    for (const char *p = msg; *p && j + 1 < outlen; p++) {
-        char c = *p;
-        if (c == '\n' || c == '\r' || c == '\t') {
-            space = 1;
-            continue;
-        }
-        if (space && j > 0 && j + 2 < outlen) {
-            out[j++] = ' ';
-        }
-        space = 0;
-        out[j++] = c;
-    }
-    while (j > 0 && (out[j - 1] == ' '))
-        j--;
-    out[j] = '\0';
-}
-
 /* ------------------------------------------------------------ array literals */
 
-void pgsrc_array_elem(outbox_util_buf *b, const char *s, size_t maxlen)
+void sql_pg_array_elem(outbox_util_buf *b, const char *s, size_t maxlen)
 {
     size_t n = strlen(s), i = 0;
     outbox_util_buf_put(b, "\"", 1);
@@ -88,7 +38,7 @@ void pgsrc_array_elem(outbox_util_buf *b, const char *s, size_t maxlen)
         if (l == 0) {
             if (i + 1 > maxlen)
                 break;
-            outbox_util_buf_put(b, "?", 1);
+            outbox_util_buf_put(b, "\xef\xbf\xbd", 3);   /* U+FFFD, as the JSON of T-SQL */
             i++;
             continue;
         }
@@ -102,9 +52,9 @@ void pgsrc_array_elem(outbox_util_buf *b, const char *s, size_t maxlen)
     outbox_util_buf_put(b, "\"", 1);
 }
 
-#define PGSRC_REASON_MAX 2000  /* bytes of a reason kept in last_error / dead reason */
+#define SQL_PG_REASON_MAX 2000  /* bytes of a reason kept in last_error / dead reason */
 
-int pgsrc_settle_arrays(const src_outcome *v, size_t n, outbox_util_buf out[5])
+int sql_pg_settle_arrays(const src_outcome *v, size_t n, outbox_util_buf out[5])
 {
     int oom = 0;
     memset(out, 0, 5 * sizeof *out);
@@ -118,7 +68,7 @@ int pgsrc_settle_arrays(const src_outcome *v, size_t n, outbox_util_buf out[5])
         outbox_util_buf_printf(&out[3], "%s%" PRId64, sep, v[i].backoff_ms > 0 ? v[i].backoff_ms : 0);
         outbox_util_buf_puts(&out[4], sep);
         if (v[i].reason)
-            pgsrc_array_elem(&out[4], v[i].reason, PGSRC_REASON_MAX);
+            sql_pg_array_elem(&out[4], v[i].reason, SQL_PG_REASON_MAX);
         else
             outbox_util_buf_puts(&out[4], "NULL");
     }
@@ -134,7 +84,7 @@ int pgsrc_settle_arrays(const src_outcome *v, size_t n, outbox_util_buf out[5])
     return 0;
 }
 
-int pgsrc_id_array(const int64_t *ids, size_t n, char **out)
+int sql_pg_id_array(const int64_t *ids, size_t n, char **out)
 {
     outbox_util_buf b = {0};
     *out = NULL;
@@ -165,9 +115,6 @@ static char *fmt(const char *f, ...)
     return rc < 0 ? NULL : s;
 }
 
-/* Producer columns, the same in the outbox and the dead-letter table. */
-#define PRODUCER_COLS "message_id, exchange, routing_key, partition_key, message_type, " \
-                      "content_type, correlation_id, headers, payload, created_at"
 
 /* Takes or renews the leadership lease: $1 owner, $2 the epoch we hold (0 none),
  * $3 lease ms. The row is taken only when it is ours (same owner and epoch:
@@ -175,7 +122,7 @@ static char *fmt(const char *f, ...)
  * (the fencing token) and releases every row lease left by earlier holders.
  * Returns: our epoch (NULL: not leader), the holder and epoch before, the
  * number of row leases released. */
-char *pgsrc_sql_lead(const pgsrc_names *n)
+char *sql_pg_lead(const sql_pg_names *n)
 {
     return fmt(
         "WITH cur AS (SELECT owner, epoch FROM %2$s WHERE name = 'leader'), "
@@ -194,6 +141,45 @@ char *pgsrc_sql_lead(const pgsrc_names *n)
         n->table, n->lease);
 }
 
+/*
+ * Competing mode spreads partition keys over the live instances. Each claim
+ * renews this instance's member row in the lease table (name 'member:<owner>',
+ * expires_at = now() + lease; a lease of 0 withdraws it), reusing an expired
+ * member row when it has none, so the table stays as small as the largest set
+ * of instances ever alive at once (no DELETE privilege needed). The claim then
+ * takes keyed rows only of the keys that hash to this instance's rank among the
+ * live members (owners in sort order). Membership is only a preference: the
+ * per-key gap filter of the claim still keeps a key with whichever instance
+ * holds its unsettled rows, so order holds while members come and go.
+ */
+/* CTEs me, own, reuse, ins, mem. L: the lease table; OWNER: text; LEASE_MS: float8 */
+#define SQL_PG_MEMBERSHIP(L, OWNER, LEASE_MS)                                              \
+    "me AS (SELECT x.owner, 'member:' || x.owner AS name, "                                \
+    "now() + x.ms * interval '1 millisecond' AS until "                                    \
+    "FROM (SELECT " OWNER " AS owner, " LEASE_MS " AS ms) x), "                            \
+    "own AS (UPDATE " L " l SET expires_at = me.until FROM me WHERE l.name = me.name "     \
+    "RETURNING 1), "                                                                       \
+    "reuse AS (UPDATE " L " l SET name = me.name, owner = me.owner, epoch = 0, "           \
+    "expires_at = me.until FROM me, (SELECT o.name FROM " L " o "                          \
+    "WHERE left(o.name, 7) = 'member:' AND o.expires_at < now() "                          \
+    "AND NOT EXISTS (SELECT 1 FROM " L " x, me WHERE x.name = me.name) "                   \
+    "ORDER BY o.name LIMIT 1 FOR UPDATE SKIP LOCKED) o "                                   \
+    "WHERE l.name = o.name AND me.until > now() RETURNING 1), "                            \
+    "ins AS (INSERT INTO " L " (name, owner, epoch, expires_at) "                          \
+    "SELECT me.name, me.owner, 0, me.until FROM me WHERE me.until > now() "                \
+    "AND NOT EXISTS (SELECT 1 FROM " L " x WHERE x.name = me.name) "                       \
+    "AND NOT EXISTS (SELECT 1 FROM reuse) ON CONFLICT (name) DO NOTHING RETURNING 1), "    \
+    "mem AS (SELECT count(*)::int + 1 AS n, "                                              \
+    "(count(*) FILTER (WHERE l.owner < me.owner))::int AS r FROM " L " l, me "             \
+    "WHERE left(l.name, 7) = 'member:' AND l.owner <> me.owner AND l.expires_at > now())"
+
+/* Row M (an alias) is ours to take under the membership above: no key, or its
+   key hashes to our rank. */
+#define SQL_PG_MY_KEY(M)                                                                   \
+    "(" M ".partition_key IS NULL OR mod(hashtext(" M ".partition_key) & 2147483647, "     \
+    "(SELECT n FROM mem)) = (SELECT r FROM mem))"
+
+
 /* The claim: $1 limit, $2 owner, $3 token, $4 lease ms, $5 epoch.
  * Leader mode (epoch > 0): fenced on the leadership lease; a key's rows wait
  * behind an earlier row of the key that failed (attempts > 0).
@@ -207,7 +193,7 @@ char *pgsrc_sql_lead(const pgsrc_names *n)
  * before the LIMIT so they do not crowd out free keys. The claim also renews
  * this instance's membership and takes only keys that hash to it among the live
  * members (sources/sql_pg.h; $4 = 0 withdraws the membership). */
-char *pgsrc_sql_claim(const pgsrc_names *n, bool competing)
+char *sql_pg_claim(const sql_pg_names *n, bool competing)
 {
     static const char ret[] =
         "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
@@ -259,7 +245,7 @@ char *pgsrc_sql_claim(const pgsrc_names *n, bool competing)
  * which unpacks five arrays and runs four data-modifying CTEs even when three of them
  * have nothing to do: PostgreSQL spends about a quarter less on it, and the settle's
  * time is what confirmed rows wait in the publish window. Returns the rows applied. */
-char *pgsrc_sql_settle_sent(const pgsrc_names *n, int on_sent)
+char *sql_pg_settle_sent(const sql_pg_names *n, int on_sent)
 {
     if (on_sent == CFG_ON_SENT_DELETE)
         return fmt("WITH s AS (DELETE FROM %s m USING unnest($1::bigint[], $2::bigint[]) "
@@ -271,7 +257,7 @@ char *pgsrc_sql_settle_sent(const pgsrc_names *n, int on_sent)
                "SELECT count(*) FROM s", n->table);
 }
 
-char *pgsrc_sql_settle(const pgsrc_names *n, int on_sent)
+char *sql_pg_settle(const sql_pg_names *n, int on_sent)
 {
     char sent[512];
     if (on_sent == CFG_ON_SENT_DELETE)
@@ -301,8 +287,8 @@ char *pgsrc_sql_settle(const pgsrc_names *n, int on_sent)
         "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
         "m.message_type, m.content_type, m.correlation_id, m.headers, m.payload, m.created_at, "
         "m.available_at, m.attempts, u.reason), "
-        "i AS (INSERT INTO %3$s (id, " PRODUCER_COLS ", available_at, attempts, reason) "
-        "SELECT id, " PRODUCER_COLS ", available_at, attempts + 1, "
+        "i AS (INSERT INTO %3$s (id, " OUTBOX_PRODUCER_COLS ", available_at, attempts, reason) "
+        "SELECT id, " OUTBOX_PRODUCER_COLS ", available_at, attempts + 1, "
         "coalesce(reason, 'dead-lettered') FROM d "
         "ON CONFLICT (id) DO UPDATE SET message_id = EXCLUDED.message_id, "
         "exchange = EXCLUDED.exchange, routing_key = EXCLUDED.routing_key, "
@@ -317,7 +303,7 @@ char *pgsrc_sql_settle(const pgsrc_names *n, int on_sent)
 }
 
 /* $1 retention ms, $2 limit, $3 owner, $4 epoch (> 0: fenced on the leadership lease). */
-char *pgsrc_sql_cleanup(const pgsrc_names *n)
+char *sql_pg_cleanup(const sql_pg_names *n)
 {
     return fmt(
         "DELETE FROM %1$s WHERE id IN (SELECT id FROM %1$s WHERE sent_at IS NOT NULL "
@@ -340,7 +326,7 @@ char *pgsrc_sql_cleanup(const pgsrc_names *n)
     "min(greatest(available_at, lease_until)) FILTER (WHERE available_at > now() "          \
     "OR lease_until >= now()) AS due FROM %1$s WHERE sent_at IS NULL) p"
 
-char *pgsrc_sql_stats(const pgsrc_names *n, bool full)
+char *sql_pg_stats(const sql_pg_names *n, bool full)
 {
     char kept[300];
     if (full)
@@ -351,59 +337,75 @@ char *pgsrc_sql_stats(const pgsrc_names *n, bool full)
     return fmt(STATS_HEAD, n->table, n->dead, kept);
 }
 
-char *pgsrc_sql_dead_list(const pgsrc_names *n)
+char *sql_pg_dead_list(const sql_pg_names *n)
 {
     return fmt(
-        "SELECT id, message_id, exchange, routing_key, attempts, "
+        "SELECT id, message_id::text, exchange, routing_key, attempts, "
         "to_char(dead_at AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS.MS\"Z\"'), reason "
         "FROM %s ORDER BY id",
         n->dead);
 }
 
-char *pgsrc_sql_dead_retry(const pgsrc_names *n)
+char *sql_pg_dead_retry(const sql_pg_names *n)
 {
     /* One statement: the delete and the insert commit together. */
     return fmt(
         "WITH d AS (DELETE FROM %2$s WHERE $1::bigint[] IS NULL OR id = ANY($1::bigint[]) "
-        "RETURNING id, " PRODUCER_COLS ") "
-        "INSERT INTO %1$s (id, " PRODUCER_COLS ", available_at, attempts) "
-        "OVERRIDING SYSTEM VALUE SELECT id, " PRODUCER_COLS ", now(), 0 FROM d",
+        "RETURNING id, " OUTBOX_PRODUCER_COLS ") "
+        "INSERT INTO %1$s (id, " OUTBOX_PRODUCER_COLS ", available_at, attempts) "
+        "OVERRIDING SYSTEM VALUE SELECT id, " OUTBOX_PRODUCER_COLS ", now(), 0 FROM d",
         n->table, n->dead);
 }
 
-char *pgsrc_sql_dead_purge(const pgsrc_names *n)
+char *sql_pg_dead_purge(const sql_pg_names *n)
 {
     return fmt("DELETE FROM %s WHERE $1::bigint[] IS NULL OR id = ANY($1::bigint[])", n->dead);
 }
 
-int pgsrc_parse_stats(const PGresult *r, src_stats *out)
+
+char *sql_pg_tables_exist(void)
 {
-    char *end;
-    memset(out, 0, sizeof *out);
-    if (PQntuples(r) != 1 || PQnfields(r) != 5)
-        return -1;
-    for (int c = 0; c < 4; c++)
-        if (PQgetisnull(r, 0, c))
-            return -1;
-    out->backlog = strtoll(PQgetvalue(r, 0, 0), &end, 10);
-    if (*end)
-        return -1;
-    out->oldest_pending_s = strtod(PQgetvalue(r, 0, 1), &end);
-    if (*end)
-        return -1;
-    out->dead = strtoll(PQgetvalue(r, 0, 2), &end, 10);
-    if (*end)
-        return -1;
-    out->sent_kept = strtoll(PQgetvalue(r, 0, 3), &end, 10);
-    if (*end)
-        return -1;
-    out->next_due_s = -1;
-    if (!PQgetisnull(r, 0, 4)) {
-        out->next_due_s = strtod(PQgetvalue(r, 0, 4), &end);
-        if (*end)
-            return -1;
-        if (out->next_due_s < 0)
-            out->next_due_s = 0;
+    return fmt("SELECT (to_regclass($1::text) IS NOT NULL)::int, "
+               "(to_regclass($2::text) IS NOT NULL)::int");
+}
+
+/* ------------------------------------------------------------ ODBC markers */
+
+char *sql_pg_qmarks(const char *sql, int *order, size_t max, size_t *n_order)
+{
+    size_t len = strlen(sql), k = 0;
+    char *out = malloc(len + 1), *o = out;
+    char quote = 0;
+    if (!out)
+        return NULL;
+    for (const char *p = sql; *p; ) {
+        if (quote) {                  /* inside '...' or "...": doubled quotes stay inside */
+            if (*p == quote)
+                quote = 0;
+            *o++ = *p++;
+            continue;
+        }
+        if (*p == '\'' || *p == '"') {
+            quote = *p;
+            *o++ = *p++;
+            continue;
+        }
+        if (*p == '$' && p[1] >= '1' && p[1] <= '9') {
+            int num = 0;
+            p++;
+            while (*p >= '0' && *p <= '9' && num < 100000)
+                num = num * 10 + (*p++ - '0');
+            if (k == max) {
+                free(out);
+                return NULL;
+            }
+            order[k++] = num;
+            *o++ = '?';
+            continue;
+        }
+        *o++ = *p++;
     }
-    return 0;
+    *o = '\0';
+    *n_order = k;
+    return out;
 }
