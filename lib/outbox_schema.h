@@ -2,30 +2,11 @@
  * outbox_schema.h — identifier validation and DDL, shared by liboutbox and
  * outbox-relay (internal: not installed).
  *
- * The outbox table (PostgreSQL types; SQL Server in brackets):
- *   id             bigint identity PK            [bigint IDENTITY(1,1)]
- *   message_id     uuid NOT NULL UNIQUE          [uniqueidentifier]
- *                  DEFAULT gen_random_uuid()     [DEFAULT NEWID()]
- *   exchange       text NOT NULL DEFAULT ''      [nvarchar(255)]
- *   routing_key    text NOT NULL                 [nvarchar(255)]
- *   partition_key  text NULL                     [nvarchar(255)]
- *   message_type   text NULL                     [nvarchar(255)]
- *   content_type   text NULL                     [nvarchar(255)]
- *   correlation_id text NULL                     [nvarchar(255)]
- *   headers        jsonb NULL                    [nvarchar(max)]  flat JSON object
- *   payload        bytea NOT NULL                [varbinary(max)]
- *   created_at     timestamptz DEFAULT now()     [datetime2 DEFAULT sysutcdatetime()]
- *   available_at   timestamptz DEFAULT now()     [datetime2 DEFAULT sysutcdatetime()]
- * relay-owned columns:
- *   attempts       integer NOT NULL DEFAULT 0    failed publish attempts so far
- *   lease_owner    text NULL                     relay name holding the lease (for people)
- *   lease_token    bigint NULL                   random per claim; settles must match it (fencing)
- *   lease_until    timestamptz NULL              lease expiry; claimable again after it
- *   last_error     text NULL                     reason of the last failed attempt
- *   sent_at        timestamptz NULL              set when the broker confirmed (on_sent = mark)
- *
- * Dead-letter table <table>_dead: id (the original id, PK), message_id, the
- * producer columns, attempts, reason text NOT NULL, dead_at DEFAULT now().
+ * The outbox table, its dead-letter twin <table>_dead and the lease table
+ * <table>_lease are described once, in lib/schema.c (outbox_columns_desc: each
+ * column with its type and default in both dialects, the tables it is in, and
+ * whether producers write it); both dialects' DDL is generated from there.
+ * `outbox-relay schema --dialect postgres|sqlserver` prints it.
  *
  * PostgreSQL also gets a statement-level AFTER INSERT trigger that runs
  * pg_notify('outbox_relay', '<schema>.<table>') so relays wake on commit.
@@ -43,9 +24,15 @@
  * that must be created on a table in use never queues long behind a producer
  * transaction, with every later producer queued behind it. */
 /* The columns a producer writes, the same in the outbox and its dead-letter table (in
-   the order of the DDL): the dead-letter moves of both dialects copy these. */
+   the order of the DDL): the dead-letter moves of both dialects copy these. A literal for
+   the statements built at compile time; it must equal outbox_producer_columns(),
+   which lists them from lib/schema.c's description of the table (lib_unit_test checks). */
 #define OUTBOX_PRODUCER_COLS "message_id, exchange, routing_key, partition_key, message_type, " \
                              "content_type, correlation_id, headers, payload, created_at"
+
+/* The producer columns of lib/schema.c's description of the table, ", "-separated
+   (malloc'd; NULL: out of memory). */
+char *outbox_producer_columns(void);
 
 #define OUTBOX_INIT_LOCK_TIMEOUT_MS 3000
 

@@ -3,6 +3,7 @@
  * for PostgreSQL and SQL Server (see outbox_schema.h for the table).
  */
 #include <stdarg.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -164,14 +165,121 @@ void outbox_derived_name(const char *table, const char *suffix, char out[64])
 
 /* ------------------------------------------------------------------- DDL */
 
+/* The one description of the outbox table, its dead-letter twin and the lease table:
+ * each column once, with its type and default in each dialect ([0] PostgreSQL, [1] SQL
+ * Server, as outbox_dialect), the tables it is in, and whether a producer writes it.
+ * Both dialects' CREATE TABLE statements are generated from it (col_lines), and
+ * OUTBOX_PRODUCER_COLS must list its C_PRODUCER columns in this order (lib_unit_test
+ * checks that through outbox_producer_columns). */
+enum {
+    C_OUTBOX   = 1,     /* in the outbox table */
+    C_DEAD     = 2,     /* in the dead-letter table */
+    C_NULL     = 4,     /* nullable */
+    C_PRODUCER = 8,     /* written by producers, copied by the dead-letter moves */
+    C_IDENTITY = 16,    /* the outbox's identity (the dead table keeps the original ids) */
+    C_DEF_OUT  = 32     /* the default applies in the outbox table only */
+};
+
+typedef struct column {
+    const char *name;
+    const char *type[2];
+    const char *def[2];    /* NULL: no default */
+    unsigned    flags;
+} column;
+
+#define TS_NOW { "now()", "SYSUTCDATETIME()" }
+static const column outbox_columns_desc[] = {
+    { "id",             { "bigint", "bigint" },                  { 0 }, C_OUTBOX | C_DEAD | C_IDENTITY },
+    { "message_id",     { "uuid", "uniqueidentifier" },          { "gen_random_uuid()", "NEWID()" },
+      C_OUTBOX | C_DEAD | C_PRODUCER | C_DEF_OUT },
+    { "exchange",       { "text", "nvarchar(255)" },             { "''", "N''" },
+      C_OUTBOX | C_DEAD | C_PRODUCER },
+    { "routing_key",    { "text", "nvarchar(255)" },             { 0 }, C_OUTBOX | C_DEAD | C_PRODUCER },
+    { "partition_key",  { "text", "nvarchar(255)" },             { 0 }, C_OUTBOX | C_DEAD | C_PRODUCER | C_NULL },
+    { "message_type",   { "text", "nvarchar(255)" },             { 0 }, C_OUTBOX | C_DEAD | C_PRODUCER | C_NULL },
+    { "content_type",   { "text", "nvarchar(255)" },             { 0 }, C_OUTBOX | C_DEAD | C_PRODUCER | C_NULL },
+    { "correlation_id", { "text", "nvarchar(255)" },             { 0 }, C_OUTBOX | C_DEAD | C_PRODUCER | C_NULL },
+    { "headers",        { "jsonb", "nvarchar(max)" },            { 0 }, C_OUTBOX | C_DEAD | C_PRODUCER | C_NULL },
+    { "payload",        { "bytea", "varbinary(max)" },           { 0 }, C_OUTBOX | C_DEAD | C_PRODUCER },
+    { "created_at",     { "timestamptz", "datetime2" },          TS_NOW, C_OUTBOX | C_DEAD | C_PRODUCER },
+    { "available_at",   { "timestamptz", "datetime2" },          TS_NOW, C_OUTBOX | C_DEAD },
+    { "attempts",       { "integer", "int" },                    { "0", "0" }, C_OUTBOX | C_DEAD },
+    { "lease_owner",    { "text", "nvarchar(255)" },             { 0 }, C_OUTBOX | C_NULL },
+    { "lease_token",    { "bigint", "bigint" },                  { 0 }, C_OUTBOX | C_NULL },
+    { "lease_until",    { "timestamptz", "datetime2" },          { 0 }, C_OUTBOX | C_NULL },
+    { "last_error",     { "text", "nvarchar(max)" },             { 0 }, C_OUTBOX | C_NULL },
+    { "sent_at",        { "timestamptz", "datetime2" },          { 0 }, C_OUTBOX | C_NULL },
+    { "reason",         { "text", "nvarchar(max)" },             { 0 }, C_DEAD },
+    { "dead_at",        { "timestamptz", "datetime2" },          TS_NOW, C_DEAD },
+};
+
+static const column lease_columns_desc[] = {
+    { "name",       { "text", "nvarchar(255)" },    { 0 }, C_OUTBOX },
+    { "owner",      { "text", "nvarchar(255)" },    { 0 }, C_OUTBOX },
+    { "epoch",      { "bigint", "bigint" },         { 0 }, C_OUTBOX },
+    { "expires_at", { "timestamptz", "datetime2" }, { 0 }, C_OUTBOX },
+};
+#undef TS_NOW
+
+/* The partial indexes, the same in both dialects: on the dead-letter table or the outbox. */
+static const struct { const char *suffix; bool dead; const char *tail; } index_desc[] = {
+    { "pending_idx", false, "(id) WHERE sent_at IS NULL" },
+    { "failing_idx", false, "(partition_key, id) WHERE sent_at IS NULL AND attempts > 0" },
+    { "sent_idx",    false, "(sent_at) WHERE sent_at IS NOT NULL" },
+    { "dead_at_idx", true,  "(dead_at)" },
+    /* competing claims find a key's first pending row through this index */
+    { "key_idx",     false, "(partition_key, id) WHERE sent_at IS NULL" },
+};
+
+char *outbox_producer_columns(void)
+{
+    outbox_util_buf b = { 0 };
+    for (size_t i = 0; i < sizeof outbox_columns_desc / sizeof *outbox_columns_desc; i++)
+        if (outbox_columns_desc[i].flags & C_PRODUCER)
+            outbox_util_buf_printf(&b, "%s%s", b.len ? ", " : "", outbox_columns_desc[i].name);
+    if (b.failed) {
+        outbox_util_buf_free(&b);
+        return NULL;
+    }
+    return b.p;
+}
+
+/* The column lines of one table (which: C_OUTBOX or C_DEAD) in dialect d, each ending in
+ * ",\n"; a SQL Server default is a named constraint <table>_<column>_df. */
+static void col_lines(outbox_util_buf *b, outbox_dialect d, const column *cols, size_t n,
+                      unsigned which, const char *table_raw)
+{
+    for (size_t i = 0; i < n; i++) {
+        const column *c = &cols[i];
+        if (!(c->flags & which))
+            continue;
+        outbox_util_buf_printf(b, "    %-14s %s", c->name, c->type[d]);
+        if ((c->flags & C_IDENTITY) && which == C_OUTBOX)
+            outbox_util_buf_puts(b, d == OUTBOX_DIALECT_SQLSERVER ? " IDENTITY(1,1)"
+                                                                 : " GENERATED BY DEFAULT AS IDENTITY");
+        outbox_util_buf_puts(b, (c->flags & C_NULL) ? " NULL" : " NOT NULL");
+        if (c->def[d] && (!(c->flags & C_DEF_OUT) || which == C_OUTBOX)) {
+            if (d == OUTBOX_DIALECT_SQLSERVER) {
+                char suffix[64], df[64];
+                snprintf(suffix, sizeof suffix, "%s_df", c->name);
+                outbox_derived_name(table_raw, suffix, df);
+                outbox_util_buf_printf(b, " CONSTRAINT [%s]", df);
+            }
+            outbox_util_buf_printf(b, " DEFAULT %s", c->def[d]);
+        }
+        outbox_util_buf_puts(b, ",\n");
+    }
+}
+
+#define NCOLS(a) (sizeof (a) / sizeof *(a))
+
+
 typedef struct names {
     char tab[160], dead[160];     /* qualified */
-    char s[64], t[64];            /* raw */
-    char pkey[64], uniq[64], hdrchk[64], pending[64], failing[64], sent[64], df_mid[64];
-    char fn[64], trg[64], dpkey[64], ddeadat[64];
-    char lease[160], lease_raw[64], lpkey[64], keyidx[64];
-    char df_exch[64], df_created[64], df_avail[64], df_attempts[64];
-    char dd_exch[64], dd_created[64], dd_avail[64], dd_attempts[64], dd_deadat[64];
+    char s[64], t[64], d[64];     /* raw: schema, table, dead-letter table */
+    char pkey[64], uniq[64], hdrchk[64];
+    char fn[64], trg[64], dpkey[64];
+    char lease[160], lease_raw[64], lpkey[64];
 } names;
 
 static void make_names(outbox_dialect d, const outbox_table_name *t, names *n)
@@ -180,13 +288,10 @@ static void make_names(outbox_dialect d, const outbox_table_name *t, names *n)
     outbox_qualified(d, t, 1, n->dead, sizeof n->dead);
     snprintf(n->s, sizeof n->s, "%s", t->schema);
     snprintf(n->t, sizeof n->t, "%s", t->table);
+    snprintf(n->d, sizeof n->d, "%s", t->dead);
     outbox_derived_name(t->table, "pkey", n->pkey);
     outbox_derived_name(t->table, "message_id_key", n->uniq);
-    outbox_derived_name(t->table, "message_id_df", n->df_mid);
     outbox_derived_name(t->table, "headers_check", n->hdrchk);
-    outbox_derived_name(t->table, "pending_idx", n->pending);
-    outbox_derived_name(t->table, "failing_idx", n->failing);
-    outbox_derived_name(t->table, "sent_idx", n->sent);
     outbox_derived_name(t->table, "notify", n->fn);
     outbox_derived_name(t->table, "notify_trg", n->trg);
     outbox_derived_name(t->dead, "pkey", n->dpkey);
@@ -197,17 +302,6 @@ static void make_names(outbox_dialect d, const outbox_table_name *t, names *n)
     else
         snprintf(n->lease, sizeof n->lease, "\"%s\".\"%s\"", t->schema, n->lease_raw);
     outbox_derived_name(n->lease_raw, "pkey", n->lpkey);
-    outbox_derived_name(t->table, "key_idx", n->keyidx);
-    outbox_derived_name(t->dead, "dead_at_idx", n->ddeadat);
-    outbox_derived_name(t->table, "exchange_df", n->df_exch);
-    outbox_derived_name(t->table, "created_at_df", n->df_created);
-    outbox_derived_name(t->table, "available_at_df", n->df_avail);
-    outbox_derived_name(t->table, "attempts_df", n->df_attempts);
-    outbox_derived_name(t->dead, "exchange_df", n->dd_exch);
-    outbox_derived_name(t->dead, "created_at_df", n->dd_created);
-    outbox_derived_name(t->dead, "available_at_df", n->dd_avail);
-    outbox_derived_name(t->dead, "attempts_df", n->dd_attempts);
-    outbox_derived_name(t->dead, "dead_at_df", n->dd_deadat);
 }
 
 typedef struct list {
@@ -318,33 +412,17 @@ static void pg_ddl(list *l, const names *n)
                fmt(l, &w, "schema \"%s\"", n->s), fmt(l, &b, "CREATE SCHEMA IF NOT EXISTS \"%s\"", n->s));
     outbox_util_buf_free(&b);
 
+    outbox_util_buf_printf(&b, "CREATE TABLE IF NOT EXISTS %s (\n", n->tab);
+    col_lines(&b, OUTBOX_DIALECT_POSTGRES, outbox_columns_desc, NCOLS(outbox_columns_desc),
+              C_OUTBOX, n->t);
     outbox_util_buf_printf(&b,
-        "CREATE TABLE IF NOT EXISTS %s (\n"
-        "    id             bigint GENERATED BY DEFAULT AS IDENTITY,\n"
-        "    message_id     uuid NOT NULL DEFAULT gen_random_uuid(),\n"
-        "    exchange       text NOT NULL DEFAULT '',\n"
-        "    routing_key    text NOT NULL,\n"
-        "    partition_key  text NULL,\n"
-        "    message_type   text NULL,\n"
-        "    content_type   text NULL,\n"
-        "    correlation_id text NULL,\n"
-        "    headers        jsonb NULL,\n"
-        "    payload        bytea NOT NULL,\n"
-        "    created_at     timestamptz NOT NULL DEFAULT now(),\n"
-        "    available_at   timestamptz NOT NULL DEFAULT now(),\n"
-        "    attempts       integer NOT NULL DEFAULT 0,\n"
-        "    lease_owner    text NULL,\n"
-        "    lease_token    bigint NULL,\n"
-        "    lease_until    timestamptz NULL,\n"
-        "    last_error     text NULL,\n"
-        "    sent_at        timestamptz NULL,\n"
         "    CONSTRAINT \"%s\" PRIMARY KEY (id),\n"
         "    CONSTRAINT \"%s\" UNIQUE (message_id),\n"
         "    CONSTRAINT \"%s\" CHECK (headers IS NULL OR jsonb_typeof(headers) = 'object')\n"
         /* a queue table: room on each page lets the relay's lease updates be HOT
            (no new index entries), and vacuum keeps up with the churn */
         ") WITH (fillfactor = " PG_FILLFACTOR ", autovacuum_vacuum_scale_factor = 0.02, "
-        "autovacuum_analyze_scale_factor = 0.02)", n->tab, n->pkey, n->uniq, n->hdrchk);
+        "autovacuum_analyze_scale_factor = 0.02)", n->pkey, n->uniq, n->hdrchk);
     pg_guarded(l, fmt(l, &c, "to_regclass('%s') IS NULL", n->tab),
                fmt(l, &w, "table %s", n->tab), built(l, &b));
     outbox_util_buf_free(&b);
@@ -363,25 +441,10 @@ static void pg_ddl(list *l, const names *n)
                fmt(l, &b, "ALTER TABLE %s SET (fillfactor = " PG_FILLFACTOR ")", n->tab));
     outbox_util_buf_free(&b);
 
-    outbox_util_buf_printf(&b,
-        "CREATE TABLE IF NOT EXISTS %s (\n"
-        "    id             bigint NOT NULL,\n"
-        "    message_id     uuid NOT NULL,\n"
-        "    exchange       text NOT NULL DEFAULT '',\n"
-        "    routing_key    text NOT NULL,\n"
-        "    partition_key  text NULL,\n"
-        "    message_type   text NULL,\n"
-        "    content_type   text NULL,\n"
-        "    correlation_id text NULL,\n"
-        "    headers        jsonb NULL,\n"
-        "    payload        bytea NOT NULL,\n"
-        "    created_at     timestamptz NOT NULL DEFAULT now(),\n"
-        "    available_at   timestamptz NOT NULL DEFAULT now(),\n"
-        "    attempts       integer NOT NULL DEFAULT 0,\n"
-        "    reason         text NOT NULL,\n"
-        "    dead_at        timestamptz NOT NULL DEFAULT now(),\n"
-        "    CONSTRAINT \"%s\" PRIMARY KEY (id)\n"
-        ")", n->dead, n->dpkey);
+    outbox_util_buf_printf(&b, "CREATE TABLE IF NOT EXISTS %s (\n", n->dead);
+    col_lines(&b, OUTBOX_DIALECT_POSTGRES, outbox_columns_desc, NCOLS(outbox_columns_desc),
+              C_DEAD, n->d);
+    outbox_util_buf_printf(&b, "    CONSTRAINT \"%s\" PRIMARY KEY (id)\n)", n->dpkey);
     pg_guarded(l, fmt(l, &c, "to_regclass('%s') IS NULL", n->dead),
                fmt(l, &w, "dead-letter table %s", n->dead), built(l, &b));
     outbox_util_buf_free(&b);
@@ -397,10 +460,11 @@ static void pg_ddl(list *l, const names *n)
                    n->tab));
     outbox_util_buf_free(&b);
 
-    pg_index(l, n, n->pending, n->tab, "(id) WHERE sent_at IS NULL");
-    pg_index(l, n, n->failing, n->tab, "(partition_key, id) WHERE sent_at IS NULL AND attempts > 0");
-    pg_index(l, n, n->sent, n->tab, "(sent_at) WHERE sent_at IS NOT NULL");
-    pg_index(l, n, n->ddeadat, n->dead, "(dead_at)");
+    for (size_t i = 0; i < NCOLS(index_desc); i++) {
+        char idx[64];
+        outbox_derived_name(index_desc[i].dead ? n->d : n->t, index_desc[i].suffix, idx);
+        pg_index(l, n, idx, index_desc[i].dead ? n->dead : n->tab, index_desc[i].tail);
+    }
 
     /* the notify function: (re)written only when missing or different (no table lock
        either way, but a current one is left alone) */
@@ -422,18 +486,11 @@ static void pg_ddl(list *l, const names *n)
     outbox_util_buf_free(&body);
     outbox_util_buf_free(&b);
 
-    /* competing claims find a key's first pending row through this index */
-    pg_index(l, n, n->keyidx, n->tab, "(partition_key, id) WHERE sent_at IS NULL");
-
     /* leadership: a lease row (owner, epoch = fencing token, expiry in database time) */
-    outbox_util_buf_printf(&b,
-        "CREATE TABLE IF NOT EXISTS %s (\n"
-        "    name       text NOT NULL,\n"
-        "    owner      text NOT NULL,\n"
-        "    epoch      bigint NOT NULL,\n"
-        "    expires_at timestamptz NOT NULL,\n"
-        "    CONSTRAINT \"%s\" PRIMARY KEY (name)\n"
-        ")", n->lease, n->lpkey);
+    outbox_util_buf_printf(&b, "CREATE TABLE IF NOT EXISTS %s (\n", n->lease);
+    col_lines(&b, OUTBOX_DIALECT_POSTGRES, lease_columns_desc, NCOLS(lease_columns_desc),
+              C_OUTBOX, n->lease_raw);
+    outbox_util_buf_printf(&b, "    CONSTRAINT \"%s\" PRIMARY KEY (name)\n)", n->lpkey);
     pg_guarded(l, fmt(l, &c, "to_regclass('%s') IS NULL", n->lease),
                fmt(l, &w, "lease table %s", n->lease), built(l, &b));
     outbox_util_buf_free(&b);
@@ -490,84 +547,47 @@ static void ms_ddl(list *l, const names *n)
 
     /* The message_id constraint is a plain unique one, not IGNORE_DUP_KEY: that
        option makes every INSERT take key-range locks (see lib/odbc.c). */
+    outbox_util_buf_printf(&b, "IF OBJECT_ID(N'%s', N'U') IS NULL\nCREATE TABLE %s (\n",
+                           n->tab, n->tab);
+    col_lines(&b, OUTBOX_DIALECT_SQLSERVER, outbox_columns_desc, NCOLS(outbox_columns_desc),
+              C_OUTBOX, n->t);
     outbox_util_buf_printf(&b,
-        "IF OBJECT_ID(N'%s', N'U') IS NULL\n"
-        "CREATE TABLE %s (\n"
-        "    id             bigint IDENTITY(1,1) NOT NULL,\n"
-        "    message_id     uniqueidentifier NOT NULL CONSTRAINT [%s] DEFAULT NEWID(),\n"
-        "    exchange       nvarchar(255) NOT NULL CONSTRAINT [%s] DEFAULT N'',\n"
-        "    routing_key    nvarchar(255) NOT NULL,\n"
-        "    partition_key  nvarchar(255) NULL,\n"
-        "    message_type   nvarchar(255) NULL,\n"
-        "    content_type   nvarchar(255) NULL,\n"
-        "    correlation_id nvarchar(255) NULL,\n"
-        "    headers        nvarchar(max) NULL,\n"
-        "    payload        varbinary(max) NOT NULL,\n"
-        "    created_at     datetime2 NOT NULL CONSTRAINT [%s] DEFAULT SYSUTCDATETIME(),\n"
-        "    available_at   datetime2 NOT NULL CONSTRAINT [%s] DEFAULT SYSUTCDATETIME(),\n"
-        "    attempts       int NOT NULL CONSTRAINT [%s] DEFAULT 0,\n"
-        "    lease_owner    nvarchar(255) NULL,\n"
-        "    lease_token    bigint NULL,\n"
-        "    lease_until    datetime2 NULL,\n"
-        "    last_error     nvarchar(max) NULL,\n"
-        "    sent_at        datetime2 NULL,\n"
         "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (id),\n"
         "    CONSTRAINT [%s] UNIQUE (message_id),\n"
         "    CONSTRAINT [%s] CHECK (headers IS NULL OR ISJSON(headers) = 1)\n"
-        ")", n->tab, n->tab, n->df_mid, n->df_exch, n->df_created, n->df_avail,
-        n->df_attempts, n->pkey, n->uniq, n->hdrchk);
+        ")", n->pkey, n->uniq, n->hdrchk);
     add(l, &b);
 
 
-    outbox_util_buf_printf(&b,
-        "IF OBJECT_ID(N'%s', N'U') IS NULL\n"
-        "CREATE TABLE %s (\n"
-        "    id             bigint NOT NULL,\n"
-        "    message_id     uniqueidentifier NOT NULL,\n"
-        "    exchange       nvarchar(255) NOT NULL CONSTRAINT [%s] DEFAULT N'',\n"
-        "    routing_key    nvarchar(255) NOT NULL,\n"
-        "    partition_key  nvarchar(255) NULL,\n"
-        "    message_type   nvarchar(255) NULL,\n"
-        "    content_type   nvarchar(255) NULL,\n"
-        "    correlation_id nvarchar(255) NULL,\n"
-        "    headers        nvarchar(max) NULL,\n"
-        "    payload        varbinary(max) NOT NULL,\n"
-        "    created_at     datetime2 NOT NULL CONSTRAINT [%s] DEFAULT SYSUTCDATETIME(),\n"
-        "    available_at   datetime2 NOT NULL CONSTRAINT [%s] DEFAULT SYSUTCDATETIME(),\n"
-        "    attempts       int NOT NULL CONSTRAINT [%s] DEFAULT 0,\n"
-        "    reason         nvarchar(max) NOT NULL,\n"
-        "    dead_at        datetime2 NOT NULL CONSTRAINT [%s] DEFAULT SYSUTCDATETIME(),\n"
-        "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (id)\n"
-        ")", n->dead, n->dead, n->dd_exch, n->dd_created, n->dd_avail, n->dd_attempts,
-        n->dd_deadat, n->dpkey);
+    outbox_util_buf_printf(&b, "IF OBJECT_ID(N'%s', N'U') IS NULL\nCREATE TABLE %s (\n",
+                           n->dead, n->dead);
+    col_lines(&b, OUTBOX_DIALECT_SQLSERVER, outbox_columns_desc, NCOLS(outbox_columns_desc),
+              C_DEAD, n->d);
+    outbox_util_buf_printf(&b, "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (id)\n)", n->dpkey);
     add(l, &b);
 
     /* tables made before message_id had a default get it */
+    char df_mid[64];
+    outbox_derived_name(n->t, "message_id_df", df_mid);
     outbox_util_buf_printf(&b,
         "IF NOT EXISTS (SELECT 1 FROM sys.default_constraints "
         "WHERE parent_object_id = OBJECT_ID(N'%s') "
         "AND parent_column_id = COLUMNPROPERTY(OBJECT_ID(N'%s'), N'message_id', 'ColumnId'))\n"
         "    ALTER TABLE %s ADD CONSTRAINT [%s] DEFAULT NEWID() FOR message_id",
-        n->tab, n->tab, n->tab, n->df_mid);
+        n->tab, n->tab, n->tab, df_mid);
     add(l, &b);
 
-    ms_index(l, n, n->pending, n->tab, "(id) WHERE sent_at IS NULL");
-    ms_index(l, n, n->failing, n->tab,
-             "(partition_key, id) WHERE sent_at IS NULL AND attempts > 0");
-    ms_index(l, n, n->sent, n->tab, "(sent_at) WHERE sent_at IS NOT NULL");
-    ms_index(l, n, n->ddeadat, n->dead, "(dead_at)");
-    ms_index(l, n, n->keyidx, n->tab, "(partition_key, id) WHERE sent_at IS NULL");
-    outbox_util_buf b2 = { 0 };
-    outbox_util_buf_printf(&b2,
-        "IF OBJECT_ID(N'%s', N'U') IS NULL\n"
-        "CREATE TABLE %s (\n"
-        "    name       nvarchar(255) NOT NULL,\n"
-        "    owner      nvarchar(255) NOT NULL,\n"
-        "    epoch      bigint NOT NULL,\n"
-        "    expires_at datetime2 NOT NULL,\n"
-        "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (name)\n"
-        ")", n->lease, n->lease, n->lpkey);
-    add(l, &b2);
+    for (size_t i = 0; i < NCOLS(index_desc); i++) {
+        char idx[64];
+        outbox_derived_name(index_desc[i].dead ? n->d : n->t, index_desc[i].suffix, idx);
+        ms_index(l, n, idx, index_desc[i].dead ? n->dead : n->tab, index_desc[i].tail);
+    }
+    outbox_util_buf_printf(&b, "IF OBJECT_ID(N'%s', N'U') IS NULL\nCREATE TABLE %s (\n",
+                           n->lease, n->lease);
+    col_lines(&b, OUTBOX_DIALECT_SQLSERVER, lease_columns_desc, NCOLS(lease_columns_desc),
+              C_OUTBOX, n->lease_raw);
+    outbox_util_buf_printf(&b, "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (name)\n)", n->lpkey);
+    add(l, &b);
 }
 
 char **outbox_ddl(outbox_dialect d, const outbox_table_name *t)

@@ -249,6 +249,11 @@ static void ddl_shape(void **state)
     }
     assert_null(outbox_ddl(OUTBOX_DIALECT_POSTGRES, NULL));
     outbox_ddl_free(NULL);
+    /* the statements' literal list of producer columns is the description's */
+    char *cols = outbox_producer_columns();
+    assert_non_null(cols);
+    assert_string_equal(cols, OUTBOX_PRODUCER_COLS);
+    free(cols);
 }
 
 /* ---------------------------------------------------------------- queues */
