@@ -2,14 +2,13 @@
 (tests/c/odbcsrc_test.c): its worker threads on a real libev loop and the ODBC driver
 manager under them.
 
-Belongs here: ODBC driver and driver-manager quirks (two sources of one process must not
-be serialized by the driver manager) and how the ODBC source reports a failing connection
-(an unchanged DOWN reason once). The Driver class is also what tests/test_tsql_capture.py
-drives the recording driver with, and what tests/test_source_contract.py runs its SQL
-Server test-side SQL through (`sql`).
+Belongs here: how the ODBC source reports a failing connection (an unchanged DOWN reason
+once). The Driver class is also what tests/test_tsql_capture.py drives the recording
+driver with.
 Does not belong here: any behaviour of relay/source.h that every source must have (claim,
 settle, leadership, competing mode, stats, retention, dead letters, timeouts, connection
-loss, the database-name check): tests/test_source_contract.py runs those against every
+loss, the database-name check, a stalled source not stalling another in the same process):
+tests/test_source_contract.py runs those against every
 source, this one through psqlODBC and (OUTBOX_TEST_MSSQL) SQL Server. T-SQL text checks:
 tests/test_tsql_capture.py.
 
@@ -210,18 +209,6 @@ class PgBackend:
                                " VALUES (%s, 'rk', 'p') RETURNING id",
                                (str(uuid.uuid4()),)).fetchone()[0] for _ in range(n)]
 
-    def hold_table_lock(self, seconds):
-        """Locks the outbox table ACCESS EXCLUSIVE in another session for `seconds`."""
-        c = self.pgdb.connect(autocommit=False)
-        c.execute(f"LOCK TABLE {self.qt} IN ACCESS EXCLUSIVE MODE")
-
-        def release():
-            time.sleep(seconds)
-            c.commit()
-        t = threading.Thread(target=release, daemon=True)
-        t.start()
-        return t
-
     def cleanup(self):
         pass
 
@@ -248,23 +235,6 @@ class MssqlBackend:
         return [int(self.helper.sql(f"SET NOCOUNT ON; INSERT INTO {self.qt} (routing_key,"
                                     " payload) OUTPUT inserted.id VALUES (N'rk', 0x70)")[0][0])
                 for _ in range(n)]
-
-    def hold_table_lock(self, seconds):
-        locker = Driver(self.binary, self.conn, self.database, table=self.table,
-                        valgrind=False)
-        locker.send("sql " + (f"BEGIN TRAN; SELECT TOP 0 * FROM {self.qt} WITH (TABLOCKX,"
-                              f" HOLDLOCK); WAITFOR DELAY '00:00:{int(seconds):02d}'; COMMIT")
-                    .encode().hex())
-
-        def finish():
-            try:
-                locker.expect(r"^SQLDONE ", seconds + 30)
-            finally:
-                locker.close()
-        t = threading.Thread(target=finish, daemon=True)
-        t.start()
-        time.sleep(0.5)
-        return t
 
     def cleanup(self):
         try:
@@ -323,35 +293,6 @@ def init_schema(backend, drivers):
 
 
 # ---------------------------------------------------------------------------- tests
-def test_stalled_outbox_does_not_stall_another_in_the_same_process(backend, drivers):
-    """Two ODBC sources in one process: one blocked on a locked table, the other keeps
-    claiming (each source has its own worker; the driver manager must not serialize them)."""
-    init_schema(backend, drivers)
-    other = backend.table + "_b" if "." in backend.table else "outbox.other"
-    assert drivers(table=other).admin("init")["rc"] == "0"
-    backend.insert(2)
-    d = drivers("--table2", other)
-    d.send("start")
-    d.up()
-    d.send("start2")
-    assert parse(d.expect(r"^STATE2 ", 20))["_"][1] == "UP"
-    t = backend.hold_table_lock(3)
-    d.send("claim 10 30000 21 relay-a")
-    d.expect(r"^SUBMIT rc=0")
-    time.sleep(0.3)
-    d.send("claim2")
-    d.expect(r"^SUBMIT2 rc=0")
-    done2 = parse(d.expect(r"^DONE2 claim ", 20))
-    done = parse(d.expect(r"^DONE claim ", 20))
-    print(f"second outbox answered in {done2['ms']} ms while the first waited {done['ms']} ms")
-    assert done2["ok"] == "0" and int(done2["ms"]) < 1500, done2
-    assert done["ok"] == "0" and int(done["ms"]) >= 2000, done
-    t.join(30)
-    if backend.dialect == "sqlserver":
-        backend.x(f"DROP TABLE IF EXISTS [outbox].[{other.split('.')[1]}_dead];"
-                  f" DROP TABLE IF EXISTS [outbox].[{other.split('.')[1]}]")
-
-
 def test_unchanged_down_reason_is_reported_once(backend, drivers):
     """The ODBC source retries a failing connection with back-off (100 ms doubling, here
     capped at 500 ms) but reports DOWN again only when the reason changes (the libpq source
