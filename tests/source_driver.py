@@ -2,7 +2,8 @@
 driving one source (two with `table2`) through relay/source.h's ops table, whatever the
 backend (`--backend postgres` for sources/pg, `--backend odbc` for sources/odbc), and
 running test-side SQL on its own session (`sql`). Used by tests/test_source_contract.py
-(every source) and tests/test_pgsrc.py (libpq only)."""
+(every source), tests/test_pgsrc.py (libpq only), tests/test_odbcsrc.py (ODBC only) and
+tests/test_tsql_capture.py (the ODBC source against a recording driver)."""
 import copy
 import json
 import queue
