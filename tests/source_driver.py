@@ -1,7 +1,10 @@
 """The Python side of build/tests/source_contract (tests/c/source_contract.c): one process
-driving one source through relay/source.h's ops table, whatever the backend (`--backend
-postgres` for sources/pg, `--backend odbc` for sources/odbc). Used by
-tests/test_source_contract.py (every source) and tests/test_pgsrc.py (libpq only)."""
+driving one source (two with `table2`) through relay/source.h's ops table, whatever the
+backend (`--backend postgres` for sources/pg, `--backend odbc` for sources/odbc), and
+running test-side SQL on its own session (`sql`). Used by tests/test_source_contract.py
+(every source), tests/test_pgsrc.py (libpq only), tests/test_odbcsrc.py (ODBC only) and
+tests/test_tsql_capture.py (the ODBC source against a recording driver)."""
+import copy
 import json
 import queue
 import re
@@ -37,33 +40,69 @@ def parse_fields(text):
     return out
 
 
-class Driver:
-    """One source_contract process: commands on stdin, event lines on stdout."""
+class _Output:
+    """The lines one driver process prints, read by a thread; shared by the views of the
+    process (Driver.second())."""
 
-    def __init__(self, binary, backend, conninfo, database, *opts, table=None,
+    def __init__(self, proc):
+        self.q = queue.Queue()
+        self.seen = []      # every line, for failure messages
+        self.pending = []   # read but not yet consumed by expect()
+        threading.Thread(target=self._reader, args=(proc,), daemon=True).start()
+
+    def _reader(self, proc):
+        for line in proc.stdout:
+            self.q.put(line.rstrip("\n"))
+        self.q.put(None)
+
+
+class Driver:
+    """One source_contract process: commands on stdin, event lines on stdout. With table2,
+    the process drives a second source of the same backend on that table: second() gives
+    the view of it (its commands and lines carry the prefix "2 ")."""
+
+    def __init__(self, binary, backend, conninfo, database, *opts, table=None, table2=None,
                  valgrind=True):
         argv = [binary, "--backend", backend, "--conninfo", conninfo, "--database", database,
                 "--reconnect-max", "500", *opts]
         if table:
             argv += ["--table", table]
+        if table2:
+            argv += ["--table2", table2]
         self.proc = subprocess.Popen(prog_argv(argv, valgrind), stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, bufsize=1)
-        self.q = queue.Queue()
-        self.seen = []      # every line, for failure messages
-        self.pending = []   # read but not yet consumed by expect()
+        self.out = _Output(self.proc)
+        self.tag = ""        # "2 ": the view of the second source
         self.stderr = ""
-        threading.Thread(target=self._reader, daemon=True).start()
         self.ops_name = self.expect(r"^READY (\S+)$", 30).group(1)
 
-    def _reader(self):
-        for line in self.proc.stdout:
-            self.q.put(line.rstrip("\n"))
-        self.q.put(None)
+    def second(self):
+        """The second source of this process (started with table2): the same methods, on
+        the same process and its output."""
+        view = copy.copy(self)
+        view.tag = "2 "
+        return view
 
-    def send(self, line):
+    @property
+    def seen(self):
+        return self.out.seen
+
+    @property
+    def pending(self):
+        return self.out.pending
+
+    @pending.setter
+    def pending(self, lines):
+        self.out.pending = lines
+
+    def _send(self, line):
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
+
+    def send(self, line):
+        """A command for this source: each line of it prefixed with the source's tag."""
+        self._send("\n".join(self.tag + x for x in line.split("\n")))
 
     def _take(self, rx):
         for i, line in enumerate(self.pending):
@@ -77,18 +116,24 @@ class Driver:
         """Moves every line printed so far into pending (without waiting)."""
         while True:
             try:
-                line = self.q.get_nowait()
+                line = self.out.q.get_nowait()
             except queue.Empty:
                 return
             if line is None:
-                self.q.put(None)
+                self.out.q.put(None)
                 return
             self.seen.append(line)
             self.pending.append(line)
 
     def expect(self, pattern, timeout=15):
-        """The first line matching pattern (earlier non-matching lines stay pending)."""
-        rx = re.compile(pattern)
+        """The first line of this source matching pattern, which starts with ^ (earlier
+        non-matching lines stay pending)."""
+        if self.tag:
+            assert pattern.startswith("^"), pattern
+            pattern = "^" + re.escape(self.tag) + pattern[1:]
+        return self._expect(re.compile(pattern), timeout)
+
+    def _expect(self, rx, timeout):
         m = self._take(rx)
         if m:
             return m
@@ -96,15 +141,15 @@ class Driver:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise AssertionError(f"timed out waiting for {pattern!r}; output:\n"
+                raise AssertionError(f"timed out waiting for {rx.pattern!r}; output:\n"
                                      + "\n".join(self.seen[-40:]))
             try:
-                line = self.q.get(timeout=left)
+                line = self.out.q.get(timeout=left)
             except queue.Empty:
                 continue
             if line is None:
-                self.q.put(None)
-                raise AssertionError(f"driver exited waiting for {pattern!r}; output:\n"
+                self.out.q.put(None)
+                raise AssertionError(f"driver exited waiting for {rx.pattern!r}; output:\n"
                                      + "\n".join(self.seen[-40:]) + "\nstderr:\n"
                                      + self.proc.stderr.read())
             self.seen.append(line)
@@ -124,7 +169,7 @@ class Driver:
     def done_lines(self, req):
         """DONE lines of req printed so far and not consumed."""
         self._pull()
-        return [x for x in self.pending if x.startswith(f"DONE {req} ")]
+        return [x for x in self.pending if x.startswith(f"{self.tag}DONE {req} ")]
 
     # --- state
     def start(self):
@@ -160,8 +205,8 @@ class Driver:
         m = self.expect(rf"^DONE {req} (.*)$", timeout)
         rows, keep = [], []
         for line in self.pending:
-            if line.startswith("ROW "):
-                rows.append(json.loads(line[4:]))
+            if line.startswith(self.tag + "ROW "):
+                rows.append(json.loads(line[len(self.tag) + 4:]))
             else:
                 keep.append(line)
         self.pending = keep
@@ -211,15 +256,37 @@ class Driver:
         self.pending = [x for x in self.pending if x not in out]
         return parse_fields(m.group(2)), out
 
+    # --- test-side SQL, on the driver's own session (one per process)
+    def sql_run(self, text, timeout=30):
+        """Runs text (one or more statements) through the backend's client; returns (fields
+        of SQLDONE: rc, rows, error; the rows of every result, lists of str or None)."""
+        self._send("sql " + text.encode().hex())
+        rx = re.compile(r"^SQL(ROW|DONE)(?: (.*))?$")
+        rows = []
+        while True:
+            m = self._expect(rx, timeout)
+            if m.group(1) == "DONE":
+                return parse_fields(m.group(2)), rows
+            rows.append([None if c == "-" else "" if c == "~" else bytes.fromhex(c).decode()
+                         for c in (m.group(2) or "").split()])
+
+    def sql(self, text, timeout=30):
+        """Runs text on the driver's own session; returns its rows. A failure fails the
+        test, naming the SQL."""
+        done, rows = self.sql_run(text, timeout)
+        assert done["rc"] == 0, f"sql failed: {done.get('error')}\n{text}"
+        return rows
+
     def stop(self, timeout=30):
         """Destroys the source; returns how long destroy took (ms)."""
         self.send("stop")
         return int(self.expect(r"^STOPPED ms=(\d+)$", timeout).group(1))
 
     def close(self, timeout=60):
+        assert not self.tag, "close the process through its first source"
         if self.proc.poll() is None:
             try:
-                self.send("quit")
+                self._send("quit")
             except (BrokenPipeError, OSError, ValueError):
                 pass
         try:

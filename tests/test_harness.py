@@ -239,6 +239,35 @@ def test_odbc_wrong_database_fails(services):
         _odbc_connect_and_catalog(services.odbc_dsn("t_does_not_exist"))
 
 
+@pytest.mark.parametrize("backend", ["postgres", "odbc"])
+def test_source_driver_sql_session(pgdb, build, backend):
+    """tests/source_driver.py's `sql` (the driver's own session, through libpq or ODBC: what
+    the contract suite's SQL Server adapter runs all its test-side SQL through): every
+    result of a multi-statement text, NULL, empty and non-ASCII text, a value longer than
+    one read, errors, and one autocommit session kept between calls."""
+    from source_driver import Driver, driver_binary
+    d = Driver(driver_binary(build), backend, pgdb.dsn if backend == "postgres" else pgdb.odbc,
+               pgdb.name)
+    try:
+        done, rows = d.sql_run("CREATE TABLE t (a int, b text); INSERT INTO t VALUES "
+                               "(1, 'ünï€😀'), (2, NULL), (3, ''); SELECT 7, 'x'")
+        assert done["rc"] == 0 and rows == [["7", "x"]], (done, rows)
+        assert done["rows"] == "4", done    # three inserted, one returned
+        with pgdb.connect() as c:           # committed, the text intact
+            assert c.execute("SELECT b FROM t ORDER BY a").fetchall() == [("ünï€😀",), (None,),
+                                                                           ("",)]
+        assert d.sql("SELECT a, b FROM t ORDER BY a") == [["1", "ünï€😀"], ["2", None],
+                                                          ["3", ""]]
+        long = "ä" + "ab" * 6000
+        assert d.sql(f"SELECT '{long}'") == [[long]]
+        done, rows = d.sql_run("SELECT * FROM nowhere")
+        assert done["rc"] == -1 and "nowhere" in done["error"] and rows == [], done
+        d.sql("CREATE TEMP TABLE mine (x int)")
+        assert d.sql("SELECT count(*) FROM mine") == [["0"]]   # the same session
+    finally:
+        d.close()
+
+
 def test_run_prog_and_wait_for(tmp_path):
     r = run_prog(["sh", "-c", "echo out; echo err >&2; exit 3"], valgrind=False)
     assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")

@@ -9,16 +9,17 @@ Backends (the `src` fixture):
   sqlserver      sources/odbc against SQL Server when OUTBOX_TEST_MSSQL holds an ODBC
                  connection string to a SQL Server database (one fresh table per test);
                  otherwise SKIPPED with that reason. It cannot run here: its test-side SQL
-                 goes through tests/c/odbcsrc_test's `sql` command (no Python client).
+                 goes through the driver's own `sql` command (no Python client).
 
 What a test may use of a backend is the small adapter below (PgSide, MssqlSide): inserting
-rows, reading and nudging their columns, row and table locks, killing the source's session.
+rows, reading and nudging their columns, row and table locks, killing the source's session,
+a second outbox table (`table2`, for a second source in the same driver process).
 Where the backends legitimately word a message differently, the adapter holds the exact
 expected text, so the message is still pinned per backend.
 
 What is *not* here (tests/test_pgsrc.py, tests/test_odbcsrc.py say what they hold): LISTEN/
-NOTIFY wake-ups and the libpq session's identity; ODBC worker-thread and driver-manager
-behaviour; T-SQL statement checks (tests/test_tsql_capture.py); pooler behaviour
+NOTIFY wake-ups and the libpq session's identity; how often each source reports an
+unchanged DOWN; T-SQL statement checks (tests/test_tsql_capture.py); pooler behaviour
 (tests/test_pgbouncer.py)."""
 import json
 import os
@@ -58,6 +59,7 @@ class PgSide:
         self.conninfo = pgdb.dsn if name == "postgres" else pgdb.odbc
         self.database = pgdb.name
         self.table = "outbox.messages"
+        self.table2 = "outbox.messages_b"   # a fresh database per test: nothing to drop
         self.qt, self.qd, self.ql = ('"outbox"."messages"', '"outbox"."messages_dead"',
                                      '"outbox"."messages_lease"')
         self.c = pgdb.connect()
@@ -230,25 +232,21 @@ class PgSide:
 
 
 class MssqlSide:
-    """SQL Server through the ODBC string in OUTBOX_TEST_MSSQL; test-side SQL through
-    tests/c/odbcsrc_test's own session (`sql`). One fresh table per test."""
+    """SQL Server through the ODBC string in OUTBOX_TEST_MSSQL; test-side SQL through the
+    driver's own ODBC session (`sql`, tests/source_driver.py). Fresh tables per test."""
     clock_tolerance_s = 300
     driver_backend = "odbc"
 
     def __init__(self, build):
-        from test_odbcsrc import Driver as SqlDriver
-        self.SqlDriver = SqlDriver
-        self.binary = build / "tests" / "odbcsrc_test"
-        if not self.binary.exists():
-            pytest.fail(f"{self.binary} not built (make test-programs)", pytrace=False)
+        self.binary = driver_binary(build)
         self.name = "sqlserver"
         self.conninfo = MSSQL
         self.tab = "t" + secrets.token_hex(5)
         self.table = "outbox." + self.tab
+        self.table2 = f"outbox.{self.tab}_b"
         self.qt, self.qd, self.ql = (f"[outbox].[{self.tab}]", f"[outbox].[{self.tab}_dead]",
                                      f"[outbox].[{self.tab}_lease]")
-        self.helper = SqlDriver(self.binary, self.conninfo, "x", table=self.table,
-                                valgrind=False)
+        self.helper = self.sql_driver("x")
         self.database = self.helper.sql("SELECT DB_NAME()")[0][0]
         both = (f'table {self.qt} and dead-letter table {self.qd} do not exist in database '
                 f'"{self.database}": run outbox-relay init')
@@ -259,6 +257,11 @@ class MssqlSide:
         self.dropped_error = "Invalid object name"
         self.connect_timeout_ms = 1000
         self.connect_timeout_msg = "timeout expired"     # msodbcsql: "Login timeout expired"
+
+    def sql_driver(self, database):
+        """A driver process for test-side SQL only (its source is never started)."""
+        return Driver(self.binary, "odbc", self.conninfo, database, table=self.table,
+                      valgrind=False)
 
     def q(self, sql):
         return self.helper.sql(sql)
@@ -377,8 +380,7 @@ class MssqlSide:
         self.x(f"DROP TABLE {self.qt}")
 
     def _locker(self, sql):
-        locker = self.SqlDriver(self.binary, self.conninfo, self.database, table=self.table,
-                                valgrind=False)
+        locker = self.sql_driver(self.database)
         try:
             got = locker.sql("BEGIN TRAN; " + sql)
             assert locker.sql("SELECT @@TRANCOUNT") == [["1"]], "the transaction must stay open"
@@ -425,8 +427,9 @@ class MssqlSide:
 
     def cleanup(self):
         try:
-            self.x(f"DROP TABLE IF EXISTS {self.qd}; DROP TABLE IF EXISTS {self.qt};"
-                   f" DROP TABLE IF EXISTS {self.ql}")
+            for t in (self.tab, self.tab + "_b"):
+                self.x(f"DROP TABLE IF EXISTS [outbox].[{t}_dead]; DROP TABLE IF EXISTS"
+                       f" [outbox].[{t}]; DROP TABLE IF EXISTS [outbox].[{t}_lease]")
         finally:
             self.helper.close()
 
@@ -447,12 +450,14 @@ def src(request, build):
 
 @pytest.fixture
 def drivers(src, build):
-    """make(*opts, database=, conninfo=, table=): a driver for the backend under test."""
+    """make(*opts, database=, conninfo=, table=, table2=): a driver for the backend under
+    test (with table2, a second source in the same process: Driver.second())."""
     binary = driver_binary(build)
 
-    def one(*opts, database=None, conninfo=None, table=None):
+    def one(*opts, database=None, conninfo=None, table=None, table2=None):
         return Driver(binary, src.driver_backend, conninfo or src.conninfo,
-                      database or src.database, *opts, table=table or src.table)
+                      database or src.database, *opts, table=table or src.table,
+                      table2=table2)
     yield from driver_factory(one)
 
 
@@ -1070,6 +1075,38 @@ def test_stalled_database_does_not_block_the_loop(src, drivers):
     assert st["ok"] == 0 and len(rows) == 3, st
     assert int(st["ms"]) >= 2000, st
     assert int(st["ticks"]) >= 30, "the loop must keep running while the request waits"
+
+
+def test_a_stalled_source_does_not_stall_another_in_the_same_process(src, drivers):
+    """Two sources in one process (the relay runs every outbox in one): while a claim of the
+    first waits on a locked table, the second claims at once on the same loop. (libpq's
+    sources are asynchronous on the loop; ODBC's each have a worker thread, and the ODBC
+    driver manager must not serialize them.)"""
+    init_schema(drivers)
+    ids = src.insert(2)
+    before = src.sessions()
+    d = drivers(table2=src.table2)
+    two = d.second()
+    r, _ = two.admin("init")
+    assert r["rc"] == 0, r
+    d.start_up()
+    mine = src.sessions() - before
+    two.start_up()
+    release = src.lock_table()
+    locked_at = time.monotonic()
+    try:
+        d.submit("claim 10 30000 21 relay-a")
+        wait_blocked_in_flight(src, d, mine, "claim")
+        # the lock stays until the second claim is done: stalled behind the first, it
+        # would time out here
+        st2, rows2 = two.claim(10, 99, owner="second", timeout=10)
+        time.sleep(max(0.0, locked_at + 3 - time.monotonic()))
+    finally:
+        release()
+    st, rows = d.finish("claim", 30)
+    print(f"the second source answered in {st2['ms']} ms while the first waited {st['ms']} ms")
+    assert st2["ok"] == 0 and rows2 == [] and int(st2["ms"]) < 1500, st2
+    assert st["ok"] == 0 and ids_of(rows) == ids and int(st["ms"]) >= 2000, st
 
 
 def test_table_dropped_while_up_fails_requests_until_init(src, drivers):

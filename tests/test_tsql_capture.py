@@ -14,7 +14,7 @@ plausible results. The paths driven:
               connect, lead (acquire, renew), claim (unfenced, fenced by the leader's
               epoch, competing), settle for every outcome (sent in
               both on_sent modes, retry, dead, unclaim), retention cleanup, stats —
-              through the ODBC source's own test driver (tests/c/odbcsrc_test.c) — and
+              through the source driver (tests/c/source_contract.c --backend odbc) — and
               init, check, stats and dead list through the outbox-relay binary; plus the
               script `outbox-relay schema --dialect sqlserver` prints for sqlcmd.
 Every statement (and the dynamic SQL inside it) must parse with sqlfluff's tsql dialect
@@ -42,7 +42,7 @@ import pytest
 
 import tsql_check as tc
 from conftest import ROOT, run_prog
-from test_odbcsrc import Driver
+from source_driver import Driver
 
 REC_SRC = ROOT / "tests" / "odbcrec" / "recdrv.c"
 CONN = "Driver={OutboxRecorder};Database=app;"
@@ -138,13 +138,9 @@ def build_driver(tmp):
     return so
 
 
-def admin(d, cmd):
-    return d.admin(cmd)
-
-
 @pytest.fixture(scope="module")
 def cap(build, tmp_path_factory):
-    for prog in ("tests/lib_send_test", "tests/odbcsrc_test", "outbox-relay"):
+    for prog in ("tests/lib_send_test", "tests/source_contract", "outbox-relay"):
         if not (build / prog).exists():
             pytest.fail(f"{build / prog} not built (make test-programs)", pytrace=False)
     tmp = tmp_path_factory.mktemp("tsql")
@@ -168,66 +164,62 @@ def cap(build, tmp_path_factory):
     os.environ.update({k: c.env[k] for k in ("ODBCSYSINI", "OUTBOX_REC_LOG")})
     os.environ.pop("ODBCINSTINI", None)
     try:
-        binary = build / "tests" / "odbcsrc_test"
-        d = Driver(binary, CONN, "app", table=TABLE)
+        binary = build / "tests" / "source_contract"
+        d = Driver(binary, "odbc", CONN, "app", table=TABLE)
         try:
             for label, cmd in [("relay: init", "init"), ("relay: init again", "init"),
                                ("relay: check", "check"), ("relay: stats (admin)", "stats"),
-                               ("relay: dead retry (all)", "dead_retry"),
-                               ("relay: dead retry 1 2", "dead_retry 1 2"),
-                               ("relay: dead purge (all)", "dead_purge"),
-                               ("relay: dead purge 3", "dead_purge 3")]:
+                               ("relay: dead retry (all)", "dead-retry"),
+                               ("relay: dead retry 1 2", "dead-retry 1 2"),
+                               ("relay: dead purge (all)", "dead-purge"),
+                               ("relay: dead purge 3", "dead-purge 3"),
+                               ("relay: dead list", "dead-list")]:
                 with c.record(label):
-                    r = d.admin(cmd)
-                assert r["rc"] == "0", (label, r)
-            with c.record("relay: dead list"):
-                d.send("admin dead_list")
-                assert d.expect(r"^ADMIN dead_list ").startswith("ADMIN dead_list rc=0")
+                    r, _ = d.admin(cmd)
+                assert r["rc"] == 0, (label, r)
             with c.record("relay: connect"):
-                d.send("start")
-                d.up()
+                d.start_up()
             with c.record("relay: lead (acquire)"):
-                done, _ = d.request("lead relay-a/0001 0 30000", "lead")
+                done, _ = d.request("lead relay-a/0001 0 30000")
             assert done["leader"] == "1" and done["newly"] == "1", done
             with c.record("relay: lead (renew)"):
-                done, _ = d.request(f"lead relay-a/0001 {done['epoch']} 30000", "lead")
+                done, _ = d.request(f"lead relay-a/0001 {done['epoch']} 30000")
             assert done["leader"] == "1" and done["newly"] == "0", done
             with c.record("relay: claim (leader, fenced by epoch)"):
-                done, rows_ = d.request(f"claim 500 30000 7 relay-a {done['epoch']}", "claim")
-            assert done["ok"] == "0", done
+                done, rows_ = d.claim(500, 7, owner="relay-a", epoch=int(done["epoch"]))
+            assert done["ok"] == 0, done
             with c.record("relay: claim (competing)"):
-                done, _ = d.request("claim 500 30000 6 relay-a 0 competing", "claim")
-            assert done["ok"] == "0", done
+                done, _ = d.claim(500, 6, owner="relay-a", competing=True)
+            assert done["ok"] == 0, done
             with c.record("relay: claim"):
-                done, rows_ = d.claim(500, 7)
-            assert done["ok"] == "0" and len(rows_) == 1, done
-            for label, outcome in [("relay: settle sent (on_sent=mark)", (1, 7, 0, 0, None)),
-                                   ("relay: settle retry", (1, 7, 1, 5000, "nack: 'x'")),
-                                   ("relay: settle dead", (1, 7, 2, 0, "unroutable")),
-                                   ("relay: settle unclaim", (1, 7, 3, 0, None)),
+                done, rows_ = d.claim(500, 7, owner="relay-a")
+            assert done["ok"] == 0 and len(rows_) == 1, done
+            for label, outcome in [("relay: settle sent (on_sent=mark)", (1, 7, "S", 0)),
+                                   ("relay: settle retry", (1, 7, "R", 5000, "nack: 'x'")),
+                                   ("relay: settle dead", (1, 7, "D", 0, "unroutable")),
+                                   ("relay: settle unclaim", (1, 7, "U", 0)),
                                    ("relay: settle every outcome at once",
-                                    [(1, 7, 0, 0, None), (2, 7, 1, 10, "r"), (3, 7, 2, 0, "d"),
-                                     (4, 7, 3, 0, None)])]:
+                                    [(1, 7, "S", 0), (2, 7, "R", 10, "r"), (3, 7, "D", 0, "d"),
+                                     (4, 7, "U", 0)])]:
                 outs = outcome if isinstance(outcome, list) else [outcome]
                 with c.record(label):
                     done = d.settle(*outs)
-                assert done["ok"] == "0", (label, done)
+                assert done["ok"] == 0, (label, done)
             with c.record("relay: retention cleanup"):
-                done, _ = d.request("cleanup 604800000 1000", "cleanup")
-            assert done["ok"] == "0", done
+                done, _ = d.request("cleanup 604800000 1000")
+            assert done["ok"] == 0, done
             with c.record("relay: stats"):
-                done, _ = d.request("stats", "stats")
-            assert done["ok"] == "0", done
+                done, _ = d.request("stats")
+            assert done["ok"] == 0, done
         finally:
             d.close()
-        d = Driver(binary, CONN, "app", "--on-sent", "delete", table=TABLE)
+        d = Driver(binary, "odbc", CONN, "app", "--on-sent", "delete", table=TABLE)
         try:
             with c.record("relay: connect (on_sent=delete)"):
-                d.send("start")
-                d.up()
+                d.start_up()
             with c.record("relay: settle sent (on_sent=delete)"):
-                done = d.settle((1, 7, 0, 0, None))
-            assert done["ok"] == "0", done
+                done = d.settle((1, 7, "S", 0))
+            assert done["ok"] == 0, done
         finally:
             d.close()
     finally:

@@ -11,9 +11,13 @@
  * options: --conninfo S --database D --table S.T --on-sent mark|delete
  *          --password P --name N --query-timeout MS --connect-timeout MS
  *          --reconnect-max MS
+ *          --table2 S.T   a second source of the same backend on the same loop,
+ *                         on another table (same connection settings)
  *
- * Commands, one per line on stdin:
- *   start | stop (destroy the source; prints STOPPED ms=N) | quit | ticks
+ * Commands, one per line on stdin; "2 " before a command addresses the second
+ * source, and every line that source's command or callbacks print starts with
+ * "2 " too (dead-list rows excepted):
+ *   start | stop (destroy the source; prints STOPPED ms=N)
  *   lead OWNER [EPOCH [LEASE_MS]]
  *   claim MAX LEASE_MS TOKEN OWNER [EPOCH [competing]]
  *   drain BATCH LEASE_MS TOKEN OWNER    claim until a claim returns nothing
@@ -22,6 +26,13 @@
  *   cleanup RETENTION_MS LIMIT [OWNER EPOCH]
  *   stats
  *   admin check | init | stats | dead-list | dead-retry [ID...] | dead-purge [ID...]
+ * and for the process (no prefix):
+ *   quit | ticks
+ *   sql HEX     runs the SQL text HEX (hex of its UTF-8) on the driver's own
+ *               autocommit session, opened on first use from --conninfo through
+ *               the backend's client (libpq, or ODBC through SQLExecDirectW): test
+ *               setup where the test has no client of its own (SQL Server). It
+ *               blocks the loop while it runs.
  * Output lines (TEXT: '\' and newlines escaped as \\ and \n):
  *   READY <ops name> | STATE UP | STATE DOWN TEXT | WAKE <unix us> | ACCEPT <rc>
  *   ROW {json}            (each claimed row, before its DONE claim line)
@@ -29,6 +40,9 @@
  *   DRAINED n=N ids=1,2,3 [error=TEXT]
  *   TICKS n | STOPPED ms=N
  *   ADMIN <cmd> rc=N [fields] [error=TEXT]   (dead-list rows come before it)
+ *   SQLROW COL...         each row of each result: a column is the hex of its
+ *                         text, ~ when empty, - when NULL
+ *   SQLDONE rc=N rows=N [error=TEXT]   rows: rows returned plus rows affected
  *   ERR <text>            (a malformed command)
  * A 50 ms timer runs on the loop the whole time: "ticks" tells how often the
  * loop ran while a request was outstanding.
@@ -41,30 +55,49 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <libpq-fe.h>
+#include <sql.h>
+#include <sqlext.h>
 #include "config/cfg.h"
 #include "lib/outbox_schema.h"
+#include "lib/outbox_util.h"
 #include "relay/row.h"
 #include "relay/source.h"
 #include "sources/sources.h"
 
-typedef struct app {
-    struct ev_loop *loop;
+typedef struct app app;
+
+/* one source on the loop, and the request it has outstanding */
+typedef struct slot {
+    app *a;
+    const char *tag;       /* printed before each of its lines: "" or "2 " */
     cfg_outbox ob;
-    const source_ops *ops;
     source *src;
-    ev_io in;
-    ev_timer tick;
-    long ticks, req_ticks;
+    long req_ticks;
     int64_t req_t0;
-    char buf[1 << 20];
-    size_t len;
     /* drain */
     int draining;
     src_claim_args drain;
     char drain_owner[256];
     int64_t *drained;
     size_t n_drained, cap_drained;
-} app;
+} slot;
+
+struct app {
+    struct ev_loop *loop;
+    const source_ops *ops;
+    slot s[2];
+    size_t n_slots;
+    ev_io in;
+    ev_timer tick;
+    long ticks;
+    char buf[1 << 20];
+    size_t len;
+    /* the `sql` session: one of these, by backend */
+    PGconn *pg;
+    SQLHENV env;
+    SQLHDBC dbc;
+};
 
 static int64_t mono_ms(void)
 {
@@ -92,6 +125,21 @@ static void put_text(const char *s)
         else
             putchar(*s);
     }
+}
+
+/* " HEX", " ~" (empty) or " -" (NULL): one column of an SQLROW line */
+static void put_col(const void *p, size_t n, int isnull)
+{
+    const unsigned char *b = p;
+    putchar(' ');
+    if (isnull) {
+        putchar('-');
+        return;
+    }
+    if (n == 0)
+        putchar('~');
+    for (size_t i = 0; i < n; i++)
+        printf("%02x", b[i]);
 }
 
 static void json_str(const char *s, size_t n)
@@ -130,15 +178,16 @@ static const char *req_name(int req)
     }
 }
 
-static void begin_req(app *a)
+static void begin_req(slot *s)
 {
-    a->req_ticks = a->ticks;
-    a->req_t0 = mono_ms();
+    s->req_ticks = s->a->ticks;
+    s->req_t0 = mono_ms();
 }
 
 static void on_state(void *ud, int state, const char *msg)
 {
-    (void)ud;
+    const slot *s = ud;
+    fputs(s->tag, stdout);
     if (state == SRC_UP) {
         printf("STATE UP\n");
     } else {
@@ -151,15 +200,16 @@ static void on_state(void *ud, int state, const char *msg)
 
 static void on_wake(void *ud)
 {
-    (void)ud;
-    printf("WAKE %" PRId64 "\n", realtime_us());
+    const slot *s = ud;
+    printf("%sWAKE %" PRId64 "\n", s->tag, realtime_us());
     fflush(stdout);
 }
 
-static void print_row(const row *w)
+static void print_row(const slot *s, const row *w)
 {
-    printf("ROW {\"id\":%" PRId64 ",\"token\":%" PRId64 ",\"attempts\":%d,"
-           "\"created_us\":%" PRId64, w->id, w->lease_token, w->attempts, w->created_at_us);
+    printf("%sROW {\"id\":%" PRId64 ",\"token\":%" PRId64 ",\"attempts\":%d,"
+           "\"created_us\":%" PRId64, s->tag, w->id, w->lease_token, w->attempts,
+           w->created_at_us);
     json_opt("message_id", w->message_id);
     json_opt("exchange", w->exchange);
     json_opt("routing_key", w->routing_key);
@@ -174,20 +224,20 @@ static void print_row(const row *w)
     fputs("\"}\n", stdout);
 }
 
-static void drain_next(app *a);
+static void drain_next(slot *s);
 
-static void drain_done(app *a, const src_result *r)
+static void drain_done(slot *s, const src_result *r)
 {
     int more = 0;
     if (r->ok == 0) {
         for (size_t i = 0; i < r->n_rows; i++) {
-            if (a->n_drained == a->cap_drained) {
-                a->cap_drained = a->cap_drained ? a->cap_drained * 2 : 256;
-                a->drained = realloc(a->drained, a->cap_drained * sizeof *a->drained);
-                if (!a->drained)
+            if (s->n_drained == s->cap_drained) {
+                s->cap_drained = s->cap_drained ? s->cap_drained * 2 : 256;
+                s->drained = realloc(s->drained, s->cap_drained * sizeof *s->drained);
+                if (!s->drained)
                     abort();
             }
-            a->drained[a->n_drained++] = r->rows[i]->id;
+            s->drained[s->n_drained++] = r->rows[i]->id;
         }
         more = r->n_rows > 0;
     }
@@ -195,13 +245,13 @@ static void drain_done(app *a, const src_result *r)
         row_free(r->rows[i]);
     free(r->rows);
     if (more) {
-        drain_next(a);
+        drain_next(s);
         return;
     }
-    a->draining = 0;
-    printf("DRAINED n=%zu ids=", a->n_drained);
-    for (size_t i = 0; i < a->n_drained; i++)
-        printf("%s%" PRId64, i ? "," : "", a->drained[i]);
+    s->draining = 0;
+    printf("%sDRAINED n=%zu ids=", s->tag, s->n_drained);
+    for (size_t i = 0; i < s->n_drained; i++)
+        printf("%s%" PRId64, i ? "," : "", s->drained[i]);
     if (r->ok != 0) {
         fputs(" error=", stdout);
         put_text(r->error ? r->error : "(null)");
@@ -212,20 +262,20 @@ static void drain_done(app *a, const src_result *r)
 
 static void on_done(void *ud, const src_result *r)
 {
-    app *a = ud;
-    if (a->draining && r->req == SRC_REQ_CLAIM) {
-        drain_done(a, r);
+    slot *s = ud;
+    if (s->draining && r->req == SRC_REQ_CLAIM) {
+        drain_done(s, r);
         return;
     }
     if (r->req == SRC_REQ_CLAIM) {
         for (size_t i = 0; i < r->n_rows; i++) {
-            print_row(r->rows[i]);
+            print_row(s, r->rows[i]);
             row_free(r->rows[i]);  /* the callee owns the rows */
         }
         free(r->rows);
     }
-    printf("DONE %s ok=%d ms=%" PRId64 " ticks=%ld", req_name(r->req), r->ok,
-           mono_ms() - a->req_t0, a->ticks - a->req_ticks);
+    printf("%sDONE %s ok=%d ms=%" PRId64 " ticks=%ld", s->tag, req_name(r->req), r->ok,
+           mono_ms() - s->req_t0, s->a->ticks - s->req_ticks);
     switch (r->req) {
     case SRC_REQ_LEAD:
         printf(" leader=%d newly=%d epoch=%lld held=%lld reset=%lld holder=%s", r->leader,
@@ -256,12 +306,12 @@ static void on_done(void *ud, const src_result *r)
     fflush(stdout);
 }
 
-static void drain_next(app *a)
+static void drain_next(slot *s)
 {
-    int rc = a->ops->claim(a->src, &a->drain);
+    int rc = s->a->ops->claim(s->src, &s->drain);
     if (rc != 0) {
-        a->draining = 0;
-        printf("DRAINED n=%zu ids= error=claim refused (%d)\n", a->n_drained, rc);
+        s->draining = 0;
+        printf("%sDRAINED n=%zu ids= error=claim refused (%d)\n", s->tag, s->n_drained, rc);
         fflush(stdout);
     }
 }
@@ -288,7 +338,7 @@ static int unhex(const char *h, char **out)
     return 0;
 }
 
-static void cmd_settle(app *a, char *args)
+static void cmd_settle(slot *s, char *args)
 {
     enum { MAXO = 1024 };
     static src_outcome v[MAXO];
@@ -300,7 +350,7 @@ static void cmd_settle(app *a, char *args)
         char kind = 0;
         src_outcome *o = &v[n];
         if (n == MAXO) {
-            printf("ERR too many outcomes\n");
+            printf("%sERR too many outcomes\n", s->tag);
             goto out;
         }
         memset(o, 0, sizeof *o);
@@ -309,20 +359,20 @@ static void cmd_settle(app *a, char *args)
         int k = sscanf(tok, "%" SCNd64 ":%" SCNd64 ":%c:%" SCNd64 ":%65535s", &o->id,
                        &o->lease_token, &kind, &o->backoff_ms, rhex);
         if (k < 4 || !strchr("SRDU", kind)) {
-            printf("ERR bad outcome %s\n", tok);
+            printf("%sERR bad outcome %s\n", s->tag, tok);
             goto out;
         }
         o->kind = kind == 'S' ? SRC_SENT : kind == 'R' ? SRC_RETRY : kind == 'D' ? SRC_DEAD
                                                                                  : SRC_UNCLAIM;
         if (k == 5 && unhex(rhex, &reasons[n]) < 0) {
-            printf("ERR bad reason hex\n");
+            printf("%sERR bad reason hex\n", s->tag);
             goto out;
         }
         o->reason = reasons[n];
         n++;
     }
-    begin_req(a);
-    printf("ACCEPT %d\n", a->ops->settle(a->src, v, n));
+    begin_req(s);
+    printf("%sACCEPT %d\n", s->tag, s->a->ops->settle(s->src, v, n));
     /* the source copied what it needs (relay/source.h): clobber ours to prove it */
     for (size_t i = 0; i < n; i++) {
         if (reasons[i])
@@ -336,8 +386,9 @@ out:
         free(reasons[i]);
 }
 
-static void cmd_admin(app *a, char *args)
+static void cmd_admin(slot *s, char *args)
 {
+    const source_ops *ops = s->a->ops;
     char err[8192] = "";
     int rc = -1;
     size_t affected = 0;
@@ -346,35 +397,36 @@ static void cmd_admin(app *a, char *args)
     char *save = NULL;
     char *cmd = strtok_r(args, " ", &save);
     if (!cmd) {
-        printf("ERR usage: admin CMD [ids]\n");
+        printf("%sERR usage: admin CMD [ids]\n", s->tag);
         return;
     }
     for (char *t = strtok_r(NULL, " ", &save); t && n_ids < 256; t = strtok_r(NULL, " ", &save))
         ids[n_ids++] = strtoll(t, NULL, 10);
     if (!strcmp(cmd, "check")) {
-        rc = a->ops->check(&a->ob, err, sizeof err);
-        printf("ADMIN check rc=%d", rc);
+        rc = ops->check(&s->ob, err, sizeof err);
+        printf("%sADMIN check rc=%d", s->tag, rc);
     } else if (!strcmp(cmd, "init")) {
-        rc = a->ops->init(&a->ob, err, sizeof err);
-        printf("ADMIN init rc=%d", rc);
+        rc = ops->init(&s->ob, err, sizeof err);
+        printf("%sADMIN init rc=%d", s->tag, rc);
     } else if (!strcmp(cmd, "stats")) {
         src_stats st;
         memset(&st, 0, sizeof st);
-        rc = a->ops->stats_sync(&a->ob, &st, err, sizeof err);
-        printf("ADMIN stats rc=%d backlog=%" PRId64 " oldest=%.3f dead=%" PRId64
-               " sent_kept=%" PRId64, rc, st.backlog, st.oldest_pending_s, st.dead, st.sent_kept);
+        rc = ops->stats_sync(&s->ob, &st, err, sizeof err);
+        printf("%sADMIN stats rc=%d backlog=%" PRId64 " oldest=%.3f dead=%" PRId64
+               " sent_kept=%" PRId64, s->tag, rc, st.backlog, st.oldest_pending_s, st.dead,
+               st.sent_kept);
     } else if (!strcmp(cmd, "dead-list")) {
-        rc = a->ops->dead_list(&a->ob, stdout, err, sizeof err);
+        rc = ops->dead_list(&s->ob, stdout, err, sizeof err);
         fflush(stdout);
-        printf("ADMIN dead-list rc=%d", rc);
+        printf("%sADMIN dead-list rc=%d", s->tag, rc);
     } else if (!strcmp(cmd, "dead-retry") || !strcmp(cmd, "dead-purge")) {
         if (cmd[5] == 'r')
-            rc = a->ops->dead_retry(&a->ob, n_ids ? ids : NULL, n_ids, &affected, err, sizeof err);
+            rc = ops->dead_retry(&s->ob, n_ids ? ids : NULL, n_ids, &affected, err, sizeof err);
         else
-            rc = a->ops->dead_purge(&a->ob, n_ids ? ids : NULL, n_ids, &affected, err, sizeof err);
-        printf("ADMIN %s rc=%d affected=%zu", cmd, rc, affected);
+            rc = ops->dead_purge(&s->ob, n_ids ? ids : NULL, n_ids, &affected, err, sizeof err);
+        printf("%sADMIN %s rc=%d affected=%zu", s->tag, cmd, rc, affected);
     } else {
-        printf("ERR unknown admin command %s\n", cmd);
+        printf("%sERR unknown admin command %s\n", s->tag, cmd);
         return;
     }
     if (err[0]) {
@@ -384,51 +436,264 @@ static void cmd_admin(app *a, char *args)
     putchar('\n');
 }
 
+/* ---- sql: the driver's own session, through the backend's client ---- */
+
+/* libpq: every result of the (possibly multi-statement) text */
+static int sql_pg(app *a, const char *conninfo, const char *text, long *rows, char *err,
+                  size_t errlen)
+{
+    if (a->pg && PQstatus(a->pg) != CONNECTION_OK) {
+        PQfinish(a->pg);
+        a->pg = NULL;
+    }
+    if (!a->pg) {
+        a->pg = PQconnectdb(conninfo);
+        if (!a->pg || PQstatus(a->pg) != CONNECTION_OK) {
+            snprintf(err, errlen, "%s", a->pg ? PQerrorMessage(a->pg) : "out of memory");
+            PQfinish(a->pg);
+            a->pg = NULL;
+            return -1;
+        }
+    }
+    if (!PQsendQuery(a->pg, text)) {
+        snprintf(err, errlen, "%s", PQerrorMessage(a->pg));
+        return -1;
+    }
+    int rc = 0;
+    PGresult *r;
+    while ((r = PQgetResult(a->pg)) != NULL) {   /* read every result, even after an error */
+        ExecStatusType st = PQresultStatus(r);
+        if (st == PGRES_TUPLES_OK) {
+            for (int i = 0; i < PQntuples(r); i++) {
+                fputs("SQLROW", stdout);
+                for (int c = 0; c < PQnfields(r); c++)
+                    put_col(PQgetvalue(r, i, c), (size_t)PQgetlength(r, i, c),
+                            PQgetisnull(r, i, c));
+                putchar('\n');
+            }
+            *rows += PQntuples(r);
+        } else if (st == PGRES_COMMAND_OK) {
+            *rows += strtol(PQcmdTuples(r), NULL, 10);
+        } else if (rc == 0) {
+            snprintf(err, errlen, "%s", PQresultErrorMessage(r));
+            rc = -1;
+        }
+        PQclear(r);
+    }
+    return rc;
+}
+
+static void odbc_err(SQLSMALLINT type, SQLHANDLE h, char *out, size_t len)
+{
+    SQLCHAR st[6] = "", msg[512] = "";
+    SQLINTEGER nat = 0;
+    SQLSMALLINT ml = 0;
+    if (SQL_SUCCEEDED(SQLGetDiagRec(type, h, 1, st, &nat, msg, sizeof msg, &ml)))
+        snprintf(out, len, "[%s] %s", (char *)st, (char *)msg);
+    else
+        snprintf(out, len, "error without diagnostics");
+}
+
+/* one column of the current row, as UTF-8 text, read in pieces; -1 with err */
+static int odbc_col(SQLHSTMT h, SQLUSMALLINT c, outbox_util_buf *utf16, int *isnull, char *err,
+                    size_t errlen)
+{
+    SQLWCHAR w[4096];
+    *isnull = 0;
+    outbox_util_buf_reset(utf16);
+    for (;;) {
+        SQLLEN ind = 0;
+        SQLRETURN r = SQLGetData(h, c, SQL_C_WCHAR, w, sizeof w, &ind);
+        if (r == SQL_NO_DATA)
+            return 0;                 /* every piece read */
+        if (!SQL_SUCCEEDED(r)) {
+            odbc_err(SQL_HANDLE_STMT, h, err, errlen);
+            return -1;
+        }
+        if (ind == SQL_NULL_DATA) {
+            *isnull = 1;
+            return 0;
+        }
+        /* a piece fills the buffer but its terminator when more follows */
+        size_t units = ind == SQL_NO_TOTAL || (size_t)ind >= sizeof w
+                           ? sizeof w / sizeof w[0] - 1 : (size_t)ind / sizeof w[0];
+        outbox_util_buf_put(utf16, w, units * sizeof w[0]);
+        if (r == SQL_SUCCESS)
+            return 0;
+    }
+}
+
+/* ODBC: every result set of the text, sent as UTF-16 (the narrow API would pass
+ * non-ASCII through the C locale), columns read back as UTF-16 */
+static int sql_odbc(app *a, const char *conninfo, const char *text, long *rows, char *err,
+                    size_t errlen)
+{
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    outbox_util_buf utf16 = { 0 }, utf8 = { 0 };
+    int rc = -1;
+    if (a->dbc == SQL_NULL_HDBC) {
+        if (a->env == SQL_NULL_HENV &&
+            (SQLAllocHandle(SQL_HANDLE_ENV, SQL_NULL_HANDLE, &a->env) != SQL_SUCCESS ||
+             SQLSetEnvAttr(a->env, SQL_ATTR_ODBC_VERSION, (SQLPOINTER)SQL_OV_ODBC3, 0)
+                 != SQL_SUCCESS)) {
+            snprintf(err, errlen, "cannot allocate an ODBC environment");
+            return -1;
+        }
+        if (SQLAllocHandle(SQL_HANDLE_DBC, a->env, &a->dbc) != SQL_SUCCESS) {
+            snprintf(err, errlen, "cannot allocate an ODBC connection");
+            a->dbc = SQL_NULL_HDBC;
+            return -1;
+        }
+        if (!SQL_SUCCEEDED(SQLDriverConnect(a->dbc, NULL, (SQLCHAR *)(uintptr_t)conninfo,
+                                            SQL_NTS, NULL, 0, NULL, SQL_DRIVER_NOPROMPT))) {
+            odbc_err(SQL_HANDLE_DBC, a->dbc, err, errlen);
+            SQLFreeHandle(SQL_HANDLE_DBC, a->dbc);
+            a->dbc = SQL_NULL_HDBC;
+            return -1;
+        }
+    }
+    if (SQLAllocHandle(SQL_HANDLE_STMT, a->dbc, &h) != SQL_SUCCESS) {
+        odbc_err(SQL_HANDLE_DBC, a->dbc, err, errlen);
+        return -1;
+    }
+    size_t nw = 0;
+    SQLWCHAR *wsql = outbox_util_utf16_from_utf8(text, strlen(text), &nw);
+    if (!wsql)
+        abort();
+    SQLRETURN r = SQLExecDirectW(h, wsql, SQL_NTS);
+    free(wsql);
+    if (!SQL_SUCCEEDED(r) && r != SQL_NO_DATA) {
+        odbc_err(SQL_HANDLE_STMT, h, err, errlen);
+        goto done;
+    }
+    for (;;) {
+        SQLSMALLINT nc = 0;
+        SQLLEN affected = 0;
+        if (!SQL_SUCCEEDED(SQLNumResultCols(h, &nc))) {
+            odbc_err(SQL_HANDLE_STMT, h, err, errlen);
+            goto done;
+        }
+        if (nc == 0 && SQL_SUCCEEDED(SQLRowCount(h, &affected)) && affected > 0)
+            *rows += affected;
+        while (nc > 0 && (r = SQLFetch(h)) != SQL_NO_DATA) {
+            if (!SQL_SUCCEEDED(r)) {
+                odbc_err(SQL_HANDLE_STMT, h, err, errlen);
+                goto done;
+            }
+            fputs("SQLROW", stdout);
+            for (SQLSMALLINT c = 1; c <= nc; c++) {
+                int isnull;
+                if (odbc_col(h, (SQLUSMALLINT)c, &utf16, &isnull, err, errlen) < 0) {
+                    putchar('\n');
+                    goto done;
+                }
+                outbox_util_buf_reset(&utf8);
+                if (outbox_util_utf16_to_utf8(&utf8, (const uint16_t *)(const void *)utf16.p,
+                                              utf16.len / sizeof(SQLWCHAR)) < 0 ||
+                    utf16.failed)
+                    abort();
+                put_col(utf8.p, utf8.len, isnull);
+            }
+            putchar('\n');
+            (*rows)++;
+        }
+        r = SQLMoreResults(h);
+        if (r == SQL_NO_DATA)
+            break;
+        if (!SQL_SUCCEEDED(r)) {
+            odbc_err(SQL_HANDLE_STMT, h, err, errlen);
+            goto done;
+        }
+    }
+    rc = 0;
+done:
+    SQLFreeHandle(SQL_HANDLE_STMT, h);
+    outbox_util_buf_free(&utf16);
+    outbox_util_buf_free(&utf8);
+    return rc;
+}
+
+static void cmd_sql(app *a, const char *hex)
+{
+    char err[2048] = "";
+    char *text = NULL;
+    long rows = 0;
+    int rc = -1;
+    if (unhex(hex, &text) < 0) {
+        printf("ERR usage: sql HEX\n");
+        return;
+    }
+    if (a->ops == &pgsrc_ops)
+        rc = sql_pg(a, a->s[0].ob.conninfo, text, &rows, err, sizeof err);
+    else if (a->ops == &odbcsrc_ops)
+        rc = sql_odbc(a, a->s[0].ob.conninfo, text, &rows, err, sizeof err);
+    else
+        snprintf(err, sizeof err, "no sql client for the %s source", a->ops->name);
+    free(text);
+    printf("SQLDONE rc=%d rows=%ld", rc, rows);
+    if (err[0]) {
+        fputs(" error=", stdout);
+        put_text(err);
+    }
+    putchar('\n');
+}
+
+static void sql_close(app *a)
+{
+    PQfinish(a->pg);
+    a->pg = NULL;
+    if (a->dbc != SQL_NULL_HDBC) {
+        SQLDisconnect(a->dbc);
+        SQLFreeHandle(SQL_HANDLE_DBC, a->dbc);
+        a->dbc = SQL_NULL_HDBC;
+    }
+    if (a->env != SQL_NULL_HENV)
+        SQLFreeHandle(SQL_HANDLE_ENV, a->env);
+    a->env = SQL_NULL_HENV;
+}
+
+/* ---- commands ---- */
+
 static void quit(app *a)
 {
-    if (a->src)
-        a->ops->destroy(a->src);
-    a->src = NULL;
+    for (size_t i = 0; i < a->n_slots; i++) {
+        if (a->s[i].src)
+            a->ops->destroy(a->s[i].src);
+        a->s[i].src = NULL;
+    }
     ev_io_stop(a->loop, &a->in);
     ev_timer_stop(a->loop, &a->tick);
     ev_break(a->loop, EVBREAK_ALL);
 }
 
-static void command(app *a, char *line)
+/* a command for one source */
+static void source_command(slot *s, char *line, char *arg)
 {
-    char *arg = strchr(line, ' ');
-    if (arg)
-        *arg++ = '\0';
-    else
-        arg = line + strlen(line);
-    if (!strcmp(line, "quit")) {
-        quit(a);
-    } else if (!strcmp(line, "ticks")) {
-        printf("TICKS %ld\n", a->ticks);
-    } else if (!strcmp(line, "admin")) {
-        cmd_admin(a, arg);
-    } else if (!a->src) {
-        printf("ERR no source\n");
+    const source_ops *ops = s->a->ops;
+    if (!strcmp(line, "admin")) {
+        cmd_admin(s, arg);
+    } else if (!s->src) {
+        printf("%sERR no source\n", s->tag);
     } else if (!strcmp(line, "start")) {
-        a->ops->start(a->src);
-        printf("ACCEPT 0\n");
+        ops->start(s->src);
+        printf("%sACCEPT 0\n", s->tag);
     } else if (!strcmp(line, "stop")) {
         int64_t t0 = mono_ms();
-        a->ops->destroy(a->src);
-        a->src = NULL;
-        printf("STOPPED ms=%" PRId64 "\n", mono_ms() - t0);
+        ops->destroy(s->src);
+        s->src = NULL;
+        printf("%sSTOPPED ms=%" PRId64 "\n", s->tag, mono_ms() - t0);
     } else if (!strcmp(line, "lead")) {
         src_lead_args la = { 0 };
         char owner[256];
         long long ep = 0, lease = 30000;
         if (sscanf(arg, "%255s %lld %lld", owner, &ep, &lease) < 1) {
-            printf("ERR usage: lead OWNER [EPOCH [LEASE_MS]]\n");
+            printf("%sERR usage: lead OWNER [EPOCH [LEASE_MS]]\n", s->tag);
         } else {
             la.owner = owner;
             la.epoch = ep;
             la.lease_ms = lease;
-            begin_req(a);
-            printf("ACCEPT %d\n", a->ops->lead(a->src, &la));
+            begin_req(s);
+            printf("%sACCEPT %d\n", s->tag, ops->lead(s->src, &la));
             memset(owner, 'X', sizeof owner - 1);  /* not kept by the source */
         }
     } else if (!strcmp(line, "claim")) {
@@ -437,7 +702,7 @@ static void command(app *a, char *line)
         long long mx, lease, token, ep = 0;
         if (sscanf(arg, "%lld %lld %lld %255s %lld %15s", &mx, &lease, &token, owner, &ep,
                    mode) < 4) {
-            printf("ERR usage: claim MAX LEASE_MS TOKEN OWNER [EPOCH [competing]]\n");
+            printf("%sERR usage: claim MAX LEASE_MS TOKEN OWNER [EPOCH [competing]]\n", s->tag);
         } else {
             c.max_rows = (size_t)mx;
             c.lease_ms = lease;
@@ -445,43 +710,74 @@ static void command(app *a, char *line)
             c.owner = owner;
             c.epoch = ep;
             c.competing = strcmp(mode, "competing") == 0;
-            begin_req(a);
-            printf("ACCEPT %d\n", a->ops->claim(a->src, &c));
+            begin_req(s);
+            printf("%sACCEPT %d\n", s->tag, ops->claim(s->src, &c));
             memset(owner, 'X', sizeof owner - 1);  /* not kept by the source */
         }
     } else if (!strcmp(line, "drain")) {
         long long b, lease, token;
-        if (sscanf(arg, "%lld %lld %lld %255s", &b, &lease, &token, a->drain_owner) < 4) {
-            printf("ERR usage: drain BATCH LEASE_MS TOKEN OWNER\n");
+        if (sscanf(arg, "%lld %lld %lld %255s", &b, &lease, &token, s->drain_owner) < 4) {
+            printf("%sERR usage: drain BATCH LEASE_MS TOKEN OWNER\n", s->tag);
         } else {
-            memset(&a->drain, 0, sizeof a->drain);
-            a->drain.max_rows = (size_t)b;
-            a->drain.lease_ms = lease;
-            a->drain.lease_token = token;
-            a->drain.owner = a->drain_owner;
-            a->n_drained = 0;
-            a->draining = 1;
-            printf("ACCEPT 0\n");
-            drain_next(a);
+            memset(&s->drain, 0, sizeof s->drain);
+            s->drain.max_rows = (size_t)b;
+            s->drain.lease_ms = lease;
+            s->drain.lease_token = token;
+            s->drain.owner = s->drain_owner;
+            s->n_drained = 0;
+            s->draining = 1;
+            printf("%sACCEPT 0\n", s->tag);
+            drain_next(s);
         }
     } else if (!strcmp(line, "settle")) {
-        cmd_settle(a, arg);
+        cmd_settle(s, arg);
     } else if (!strcmp(line, "cleanup")) {
         long long ret, lim, ep = 0;
         char owner[256] = "";
         if (sscanf(arg, "%lld %lld %255s %lld", &ret, &lim, owner, &ep) < 2) {
-            printf("ERR usage: cleanup RETENTION_MS LIMIT [OWNER EPOCH]\n");
+            printf("%sERR usage: cleanup RETENTION_MS LIMIT [OWNER EPOCH]\n", s->tag);
         } else {
             src_cleanup_args ca = { .retention_ms = ret, .limit = (size_t)lim, .owner = owner,
                                     .epoch = ep };
-            begin_req(a);
-            printf("ACCEPT %d\n", a->ops->cleanup(a->src, &ca));
+            begin_req(s);
+            printf("%sACCEPT %d\n", s->tag, ops->cleanup(s->src, &ca));
         }
     } else if (!strcmp(line, "stats")) {
-        begin_req(a);
-        printf("ACCEPT %d\n", a->ops->stats(a->src));
+        begin_req(s);
+        printf("%sACCEPT %d\n", s->tag, ops->stats(s->src));
     } else {
-        printf("ERR unknown command %s\n", line);
+        printf("%sERR unknown command %s\n", s->tag, line);
+    }
+}
+
+static void command(app *a, char *line)
+{
+    slot *s = &a->s[0];
+    if (!strncmp(line, "2 ", 2)) {
+        if (a->n_slots < 2) {
+            printf("ERR no second source (--table2)\n");
+            fflush(stdout);
+            return;
+        }
+        s = &a->s[1];
+        line += 2;
+    }
+    char *arg = strchr(line, ' ');
+    if (arg)
+        *arg++ = '\0';
+    else
+        arg = line + strlen(line);
+    if (!strcmp(line, "quit") || !strcmp(line, "ticks") || !strcmp(line, "sql")) {
+        if (s != &a->s[0])
+            printf("%sERR %s is not a command of one source\n", s->tag, line);
+        else if (!strcmp(line, "quit"))
+            quit(a);
+        else if (!strcmp(line, "ticks"))
+            printf("TICKS %ld\n", a->ticks);
+        else
+            cmd_sql(a, arg);
+    } else {
+        source_command(s, line, arg);
     }
     fflush(stdout);
 }
@@ -523,40 +819,57 @@ static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
     a->ticks++;
 }
 
+/* the outbox table of cfg: S.T parsed into its parts */
+static int set_table(cfg_outbox *ob, const char *table)
+{
+    outbox_table_name tn;
+    char err[512];
+    if (outbox_table_parse(table, &tn, err, sizeof err) < 0) {
+        fprintf(stderr, "table %s: %s\n", table, err);
+        return -1;
+    }
+    ob->table = (char *)(uintptr_t)table;
+    memcpy(ob->schema_part, tn.schema, sizeof tn.schema);
+    memcpy(ob->table_part, tn.table, sizeof tn.table);
+    memcpy(ob->dead_part, tn.dead, sizeof tn.dead);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     static app a;
-    const char *table = "outbox.messages", *backend = NULL;
-    outbox_table_name tn;
+    cfg_outbox *ob = &a.s[0].ob;
+    const char *table = "outbox.messages", *table2 = NULL, *backend = NULL;
     char err[512];
     int i;
 
     setvbuf(stdout, NULL, _IOLBF, 0);
-    a.ob.name = (char *)"test";
-    a.ob.query_timeout_ms = 30000;
-    a.ob.connect_timeout_ms = 5000;
-    a.ob.reconnect_max_ms = 1000;
-    a.ob.on_sent = CFG_ON_SENT_MARK;
-    a.ob.lease_ms = 30000;
-    a.ob.batch_size = 500;
+    ob->name = (char *)"test";
+    ob->query_timeout_ms = 30000;
+    ob->connect_timeout_ms = 5000;
+    ob->reconnect_max_ms = 1000;
+    ob->on_sent = CFG_ON_SENT_MARK;
+    ob->lease_ms = 30000;
+    ob->batch_size = 500;
     for (i = 1; i + 1 < argc && !strncmp(argv[i], "--", 2); i += 2) {
         const char *k = argv[i], *v = argv[i + 1];
         if (!strcmp(k, "--backend")) backend = v;
-        else if (!strcmp(k, "--conninfo")) a.ob.conninfo = (char *)v;
-        else if (!strcmp(k, "--database")) a.ob.database = (char *)v;
+        else if (!strcmp(k, "--conninfo")) ob->conninfo = (char *)v;
+        else if (!strcmp(k, "--database")) ob->database = (char *)v;
         else if (!strcmp(k, "--table")) table = v;
-        else if (!strcmp(k, "--password")) a.ob.password = (char *)v;
-        else if (!strcmp(k, "--name")) a.ob.name = (char *)v;
-        else if (!strcmp(k, "--on-sent")) a.ob.on_sent = !strcmp(v, "delete") ? CFG_ON_SENT_DELETE : CFG_ON_SENT_MARK;
-        else if (!strcmp(k, "--query-timeout")) a.ob.query_timeout_ms = strtoll(v, NULL, 10);
-        else if (!strcmp(k, "--connect-timeout")) a.ob.connect_timeout_ms = strtoll(v, NULL, 10);
-        else if (!strcmp(k, "--reconnect-max")) a.ob.reconnect_max_ms = strtoll(v, NULL, 10);
+        else if (!strcmp(k, "--table2")) table2 = v;
+        else if (!strcmp(k, "--password")) ob->password = (char *)v;
+        else if (!strcmp(k, "--name")) ob->name = (char *)v;
+        else if (!strcmp(k, "--on-sent")) ob->on_sent = !strcmp(v, "delete") ? CFG_ON_SENT_DELETE : CFG_ON_SENT_MARK;
+        else if (!strcmp(k, "--query-timeout")) ob->query_timeout_ms = strtoll(v, NULL, 10);
+        else if (!strcmp(k, "--connect-timeout")) ob->connect_timeout_ms = strtoll(v, NULL, 10);
+        else if (!strcmp(k, "--reconnect-max")) ob->reconnect_max_ms = strtoll(v, NULL, 10);
         else {
             fprintf(stderr, "unknown option %s\n", k);
             return 2;
         }
     }
-    if (i != argc || !backend || !a.ob.conninfo || !a.ob.database) {
+    if (i != argc || !backend || !ob->conninfo || !ob->database) {
         fprintf(stderr, "usage: source_contract --backend postgres|odbc --conninfo S "
                         "--database D [options]\n");
         return 2;
@@ -566,23 +879,24 @@ int main(int argc, char **argv)
         return 2;
     }
     /* odbc: the ODBC source; its dialect follows the connected DBMS */
-    a.ob.source = cfg_backend_find(CFG_BACKEND_SOURCE, backend);
-    if (a.ob.source == NULL) {
+    ob->source = cfg_backend_find(CFG_BACKEND_SOURCE, backend);
+    if (ob->source == NULL) {
         fprintf(stderr, "unknown backend %s\n", backend);
         return 2;
     }
-    if (outbox_table_parse(table, &tn, err, sizeof err) < 0) {
-        fprintf(stderr, "table: %s\n", err);
+    if (set_table(ob, table) < 0)
         return 2;
-    }
-    a.ob.table = (char *)table;
-    memcpy(a.ob.schema_part, tn.schema, sizeof tn.schema);
-    memcpy(a.ob.table_part, tn.table, sizeof tn.table);
-    memcpy(a.ob.dead_part, tn.dead, sizeof tn.dead);
-    a.ops = source_ops_of(&a.ob);
+    a.ops = source_ops_of(ob);
     if (!a.ops) {
         fprintf(stderr, "no source ops for backend %s\n", backend);
         return 2;
+    }
+    a.n_slots = 1;
+    if (table2) {
+        a.s[1].ob = *ob;    /* the same settings, another table */
+        if (set_table(&a.s[1].ob, table2) < 0)
+            return 2;
+        a.n_slots = 2;
     }
 
     a.loop = ev_default_loop(EVFLAG_AUTO);
@@ -590,11 +904,20 @@ int main(int argc, char **argv)
         fprintf(stderr, "no event loop\n");
         return 1;
     }
-    src_cbs cbs = {.ud = &a, .on_state = on_state, .on_wake = on_wake, .on_done = on_done};
-    if (a.ops->create(a.loop, &a.ob, &cbs, &a.src, err, sizeof err) < 0) {
-        fprintf(stderr, "create: %s\n", err);
-        return 1;
+    for (size_t k = 0; k < a.n_slots; k++) {
+        slot *s = &a.s[k];
+        s->a = &a;
+        s->tag = k ? "2 " : "";
+        src_cbs cbs = {.ud = s, .on_state = on_state, .on_wake = on_wake, .on_done = on_done};
+        if (a.ops->create(a.loop, &s->ob, &cbs, &s->src, err, sizeof err) < 0) {
+            fprintf(stderr, "create: %s\n", err);
+            if (k)
+                a.ops->destroy(a.s[0].src);
+            return 1;
+        }
     }
+    a.env = SQL_NULL_HENV;
+    a.dbc = SQL_NULL_HDBC;
     ev_timer_init(&a.tick, tick_cb, 0.05, 0.05);
     a.tick.data = &a;
     ev_timer_start(a.loop, &a.tick);
@@ -604,9 +927,12 @@ int main(int argc, char **argv)
     printf("READY %s\n", a.ops->name);
     fflush(stdout);
     ev_run(a.loop, 0);
-    if (a.src)
-        a.ops->destroy(a.src);
-    free(a.drained);
+    for (size_t k = 0; k < a.n_slots; k++) {
+        if (a.s[k].src)
+            a.ops->destroy(a.s[k].src);
+        free(a.s[k].drained);
+    }
+    sql_close(&a);
     ev_loop_destroy(a.loop);
     return 0;
 }
