@@ -32,7 +32,6 @@ tests/test_odbcsrc.py there.
 """
 import json
 import os
-import pathlib
 import re
 import shutil
 import subprocess
