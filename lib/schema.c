@@ -273,6 +273,19 @@ static void col_lines(outbox_util_buf *b, outbox_dialect d, const column *cols, 
 
 #define NCOLS(a) (sizeof (a) / sizeof *(a))
 
+/* The head of a CREATE TABLE in dialect d and its column lines; the caller appends the
+ * table's constraints and the closing parenthesis. */
+static void create_table(outbox_util_buf *b, outbox_dialect d, const char *qname,
+                         const column *cols, size_t n, unsigned which, const char *raw)
+{
+    if (d == OUTBOX_DIALECT_SQLSERVER)
+        outbox_util_buf_printf(b, "IF OBJECT_ID(N'%s', N'U') IS NULL\nCREATE TABLE %s (\n",
+                               qname, qname);
+    else
+        outbox_util_buf_printf(b, "CREATE TABLE IF NOT EXISTS %s (\n", qname);
+    col_lines(b, d, cols, n, which, raw);
+}
+
 
 typedef struct names {
     char tab[160], dead[160];     /* qualified */
@@ -412,9 +425,8 @@ static void pg_ddl(list *l, const names *n)
                fmt(l, &w, "schema \"%s\"", n->s), fmt(l, &b, "CREATE SCHEMA IF NOT EXISTS \"%s\"", n->s));
     outbox_util_buf_free(&b);
 
-    outbox_util_buf_printf(&b, "CREATE TABLE IF NOT EXISTS %s (\n", n->tab);
-    col_lines(&b, OUTBOX_DIALECT_POSTGRES, outbox_columns_desc, NCOLS(outbox_columns_desc),
-              C_OUTBOX, n->t);
+    create_table(&b, OUTBOX_DIALECT_POSTGRES, n->tab, outbox_columns_desc, NCOLS(outbox_columns_desc),
+                 C_OUTBOX, n->t);
     outbox_util_buf_printf(&b,
         "    CONSTRAINT \"%s\" PRIMARY KEY (id),\n"
         "    CONSTRAINT \"%s\" UNIQUE (message_id),\n"
@@ -441,9 +453,8 @@ static void pg_ddl(list *l, const names *n)
                fmt(l, &b, "ALTER TABLE %s SET (fillfactor = " PG_FILLFACTOR ")", n->tab));
     outbox_util_buf_free(&b);
 
-    outbox_util_buf_printf(&b, "CREATE TABLE IF NOT EXISTS %s (\n", n->dead);
-    col_lines(&b, OUTBOX_DIALECT_POSTGRES, outbox_columns_desc, NCOLS(outbox_columns_desc),
-              C_DEAD, n->d);
+    create_table(&b, OUTBOX_DIALECT_POSTGRES, n->dead, outbox_columns_desc, NCOLS(outbox_columns_desc),
+                 C_DEAD, n->d);
     outbox_util_buf_printf(&b, "    CONSTRAINT \"%s\" PRIMARY KEY (id)\n)", n->dpkey);
     pg_guarded(l, fmt(l, &c, "to_regclass('%s') IS NULL", n->dead),
                fmt(l, &w, "dead-letter table %s", n->dead), built(l, &b));
@@ -487,9 +498,8 @@ static void pg_ddl(list *l, const names *n)
     outbox_util_buf_free(&b);
 
     /* leadership: a lease row (owner, epoch = fencing token, expiry in database time) */
-    outbox_util_buf_printf(&b, "CREATE TABLE IF NOT EXISTS %s (\n", n->lease);
-    col_lines(&b, OUTBOX_DIALECT_POSTGRES, lease_columns_desc, NCOLS(lease_columns_desc),
-              C_OUTBOX, n->lease_raw);
+    create_table(&b, OUTBOX_DIALECT_POSTGRES, n->lease, lease_columns_desc, NCOLS(lease_columns_desc),
+                 C_OUTBOX, n->lease_raw);
     outbox_util_buf_printf(&b, "    CONSTRAINT \"%s\" PRIMARY KEY (name)\n)", n->lpkey);
     pg_guarded(l, fmt(l, &c, "to_regclass('%s') IS NULL", n->lease),
                fmt(l, &w, "lease table %s", n->lease), built(l, &b));
@@ -547,10 +557,8 @@ static void ms_ddl(list *l, const names *n)
 
     /* The message_id constraint is a plain unique one, not IGNORE_DUP_KEY: that
        option makes every INSERT take key-range locks (see lib/odbc.c). */
-    outbox_util_buf_printf(&b, "IF OBJECT_ID(N'%s', N'U') IS NULL\nCREATE TABLE %s (\n",
-                           n->tab, n->tab);
-    col_lines(&b, OUTBOX_DIALECT_SQLSERVER, outbox_columns_desc, NCOLS(outbox_columns_desc),
-              C_OUTBOX, n->t);
+    create_table(&b, OUTBOX_DIALECT_SQLSERVER, n->tab, outbox_columns_desc, NCOLS(outbox_columns_desc),
+                 C_OUTBOX, n->t);
     outbox_util_buf_printf(&b,
         "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (id),\n"
         "    CONSTRAINT [%s] UNIQUE (message_id),\n"
@@ -559,10 +567,8 @@ static void ms_ddl(list *l, const names *n)
     add(l, &b);
 
 
-    outbox_util_buf_printf(&b, "IF OBJECT_ID(N'%s', N'U') IS NULL\nCREATE TABLE %s (\n",
-                           n->dead, n->dead);
-    col_lines(&b, OUTBOX_DIALECT_SQLSERVER, outbox_columns_desc, NCOLS(outbox_columns_desc),
-              C_DEAD, n->d);
+    create_table(&b, OUTBOX_DIALECT_SQLSERVER, n->dead, outbox_columns_desc, NCOLS(outbox_columns_desc),
+                 C_DEAD, n->d);
     outbox_util_buf_printf(&b, "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (id)\n)", n->dpkey);
     add(l, &b);
 
@@ -582,10 +588,8 @@ static void ms_ddl(list *l, const names *n)
         outbox_derived_name(index_desc[i].dead ? n->d : n->t, index_desc[i].suffix, idx);
         ms_index(l, n, idx, index_desc[i].dead ? n->dead : n->tab, index_desc[i].tail);
     }
-    outbox_util_buf_printf(&b, "IF OBJECT_ID(N'%s', N'U') IS NULL\nCREATE TABLE %s (\n",
-                           n->lease, n->lease);
-    col_lines(&b, OUTBOX_DIALECT_SQLSERVER, lease_columns_desc, NCOLS(lease_columns_desc),
-              C_OUTBOX, n->lease_raw);
+    create_table(&b, OUTBOX_DIALECT_SQLSERVER, n->lease, lease_columns_desc, NCOLS(lease_columns_desc),
+                 C_OUTBOX, n->lease_raw);
     outbox_util_buf_printf(&b, "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (name)\n)", n->lpkey);
     add(l, &b);
 }
