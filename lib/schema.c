@@ -286,7 +286,6 @@ static void create_table(outbox_util_buf *b, outbox_dialect d, const char *qname
     col_lines(b, d, cols, n, which, raw);
 }
 
-
 typedef struct names {
     char tab[160], dead[160];     /* qualified */
     char s[64], t[64], d[64];     /* raw: schema, table, dead-letter table */
@@ -565,7 +564,6 @@ static void ms_ddl(list *l, const names *n)
         "    CONSTRAINT [%s] CHECK (headers IS NULL OR ISJSON(headers) = 1)\n"
         ")", n->pkey, n->uniq, n->hdrchk);
     add(l, &b);
-
 
     create_table(&b, OUTBOX_DIALECT_SQLSERVER, n->dead, outbox_columns_desc, NCOLS(outbox_columns_desc),
                  C_DEAD, n->d);

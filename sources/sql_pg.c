@@ -115,7 +115,6 @@ static char *fmt(const char *f, ...)
     return rc < 0 ? NULL : s;
 }
 
-
 /* Takes or renews the leadership lease: $1 owner, $2 the epoch we hold (0 none),
  * $3 lease ms. The row is taken only when it is ours (same owner and epoch:
  * a renewal) or expired in database time; a takeover increments the epoch
@@ -178,7 +177,6 @@ char *sql_pg_lead(const sql_pg_names *n)
 #define SQL_PG_MY_KEY(M)                                                                   \
     "(" M ".partition_key IS NULL OR mod(hashtext(" M ".partition_key) & 2147483647, "     \
     "(SELECT n FROM mem)) = (SELECT r FROM mem))"
-
 
 /* The claim: $1 limit, $2 owner, $3 token, $4 lease ms, $5 epoch.
  * Leader mode (epoch > 0): fenced on the leadership lease; a key's rows wait
@@ -361,7 +359,6 @@ char *sql_pg_dead_purge(const sql_pg_names *n)
 {
     return fmt("DELETE FROM %s WHERE $1::bigint[] IS NULL OR id = ANY($1::bigint[])", n->dead);
 }
-
 
 char *sql_pg_tables_exist(void)
 {

@@ -1047,9 +1047,6 @@ done:
     return rc;
 }
 
-
-
-
 static char *odbcsrc_outcomes_json(const src_outcome *v, size_t n);
 
 /* Settles outcomes in one statement: T-SQL gets them as JSON, PostgreSQL as the
