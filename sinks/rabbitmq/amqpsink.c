@@ -2623,6 +2623,15 @@ static int amqpsink_check(const cfg_sink *sc, char *err, size_t errlen)
     return 0;
 }
 
+static size_t amqpsink_addresses(const cfg_sink *sc, const char **out, size_t max)
+{
+    size_t n = 0;
+
+    for (; n < sc->n_brokers && n < max; n++)
+        out[n] = sc->brokers[n].addr;
+    return n;
+}
+
 static long amqpsink_broker(const sink *s)
 {
     return s->connected;
@@ -2637,5 +2646,6 @@ const sink_ops amqpsink_ops = {
     .in_flight = amqpsink_in_flight,
     .check     = amqpsink_check,
     .quiesce   = amqpsink_quiesce,
+    .addresses = amqpsink_addresses,
     .broker    = amqpsink_broker,
 };
