@@ -540,8 +540,8 @@ static const cfg_key relay_keys[] = {
 #define S(f) offsetof(cfg_sink, f)
 static const cfg_key sink_keys[] = {
     { "type",             CFG_KT_BACKEND, 0, NULL, CFG_BACKEND_SINK, 0, NULL, NULL, S(type), NULL },
-    { "url",              CFG_KT_STR,  CFG_KF_SECRET | CFG_KF_NONEMPTY, NULL, 0, 0, NULL, NULL, S(url),
-      "the broker's URL, or a comma-separated list of URLs of one cluster" },
+    { "url",              CFG_KT_STR,  CFG_KF_SECRET | CFG_KF_NONEMPTY | CFG_KF_EXPECT_BACKENDS, NULL,
+      CFG_BACKEND_SINK, 0, NULL, NULL, S(url), "a URL" },
     { "password_file",    CFG_KT_SECRET_FILE, CFG_KF_EMPTY_NULL, "", 0, 0, NULL, NULL, S(password), NULL },
     { "publish_window",   CFG_KT_INT,  0, "1000", 1, 65535, NULL, NULL, S(publish_window), NULL },
     { "confirm_timeout",  CFG_KT_DUR,  0, "30s", 10, 24 * MS_H, NULL, NULL, S(confirm_timeout_ms), NULL },
@@ -559,8 +559,8 @@ static const cfg_key sink_keys[] = {
 #define O(f) offsetof(cfg_outbox, f)
 static const cfg_key outbox_keys[] = {
     { "source",            CFG_KT_BACKEND, 0, NULL, CFG_BACKEND_SOURCE, 0, NULL, NULL, O(source), NULL },
-    { "conninfo",          CFG_KT_STR,  CFG_KF_REQUIRED | CFG_KF_SECRET | CFG_KF_NONEMPTY | CFG_KF_EXPECT_SOURCES, NULL,
-      0, 0, NULL, NULL, O(conninfo), NULL },
+    { "conninfo",          CFG_KT_STR,  CFG_KF_REQUIRED | CFG_KF_SECRET | CFG_KF_NONEMPTY | CFG_KF_EXPECT_BACKENDS, NULL,
+      CFG_BACKEND_SOURCE, 0, NULL, NULL, O(conninfo), "a connection string" },
     { "password_file",     CFG_KT_SECRET_FILE, CFG_KF_EMPTY_NULL, "", 0, 0, NULL, NULL, O(password), NULL },
     { "database",          CFG_KT_STR,  CFG_KF_REQUIRED | CFG_KF_NONEMPTY, NULL, 0, 0, NULL, NULL, O(database),
       "the database name the connection must be in" },
@@ -598,22 +598,21 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
     char a[32], b[32];
     size_t o = 0;
 
-    if (k->flags & CFG_KF_EXPECT_SOURCES) {
+    if (k->flags & CFG_KF_EXPECT_BACKENDS) {
         /* "a libpq conninfo or an ODBC connection string": each text once */
         for (size_t i = 0; i < n_backends && o < len; i++) {
-            const char *t = backends[i]->conninfo_expect;
+            const char *t = backends[i]->expect;
             bool dup = false;
-            if (backends[i]->kind != CFG_BACKEND_SOURCE || t == NULL)
+            if (backends[i]->kind != (int)k->min || t == NULL)
                 continue;
             for (size_t j = 0; j < i && !dup; j++)
-                dup = backends[j]->kind == CFG_BACKEND_SOURCE &&
-                      backends[j]->conninfo_expect != NULL &&
-                      strcmp(backends[j]->conninfo_expect, t) == 0;
+                dup = backends[j]->kind == (int)k->min && backends[j]->expect != NULL &&
+                      strcmp(backends[j]->expect, t) == 0;
             if (!dup)
                 o += (size_t)snprintf(buf + o, len - o, "%s%s", o ? " or " : "", t);
         }
         if (o == 0)
-            snprintf(buf, len, "a connection string");
+            snprintf(buf, len, "%s", k->expect);
         return;
     }
     switch (k->type) {

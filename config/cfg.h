@@ -168,7 +168,8 @@ enum cfg_key_type {
 #define CFG_KF_WHOLE_SEC  0x20  /* duration in whole seconds */
 #define CFG_KF_READABLE   0x40  /* path that must be readable */
 #define CFG_KF_AUTO       0x80  /* CFG_KT_DUR, CFG_KT_INT: "auto" is accepted, stored as 0 */
-#define CFG_KF_EXPECT_SOURCES 0x100  /* expected: what the registered sources' conninfo holds */
+#define CFG_KF_EXPECT_BACKENDS 0x100 /* CFG_KT_STR: expected: what the registered backends of
+                                       kind `min` say it holds (cfg_backend.expect), or expect */
 
 #define CFG_MS_S 1000LL                 /* durations are milliseconds */
 #define CFG_MS_M (60LL * CFG_MS_S)
@@ -192,7 +193,8 @@ enum cfg_backend_kind { CFG_BACKEND_SOURCE = 1, CFG_BACKEND_SINK };
 struct cfg_backend {
     int          kind;              /* enum cfg_backend_kind */
     const char  *name;              /* the value of `source =` or `type =` */
-    const char  *conninfo_expect;   /* sources: what conninfo holds ("a libpq conninfo") */
+    const char  *expect;            /* for error lines, what its connection value holds: a
+                                       source's conninfo ("a libpq conninfo"), a sink's url */
     const char  *url_default;       /* sinks: the url when none is given */
     const cfg_key *keys;            /* the keys only this backend has (in its section, */
     size_t       n_keys;            /* applied to the same cfg_sink / cfg_outbox), or NULL */

@@ -528,6 +528,7 @@ void amqpsink_finish_cfg(cfg_sink *s, cfg_report *r)
 const cfg_backend amqpsink_backend = {
     .kind = CFG_BACKEND_SINK,
     .name = "rabbitmq",
+    .expect = "the broker's URL, or a comma-separated list of URLs of one cluster",
     .url_default = "amqp://guest:guest@127.0.0.1:5672/%2f",
     .keys = amqpsink_keys,
     .n_keys = sizeof amqpsink_keys / sizeof amqpsink_keys[0],
