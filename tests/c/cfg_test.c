@@ -57,32 +57,33 @@ static void dump(const cfg *c)
         printf("max_rows_in_memory = %d\n", c->relay.max_rows_in_memory);
     for (size_t i = 0; i < c->n_sinks; i++) {
         const cfg_sink *s = &c->sinks[i];
+        const amqp_sink_conf *a = amqp_sink_conf_of(s);
         printf("[sink.%s]\n", s->name);
         printf("type = %s\n", s->type->name);
         printf("url = %s\n", secret(s->url));
         printf("password_file = %s\n", secret(s->password));
         printf("publish_window = %d\n", s->publish_window);
-        printf("heartbeat = %lldms\n", (long long)s->heartbeat_ms);
+        printf("heartbeat = %lldms\n", (long long)a->heartbeat_ms);
         printf("confirm_timeout = %lldms\n", (long long)s->confirm_timeout_ms);
         printf("connect_timeout = %lldms\n", (long long)s->connect_timeout_ms);
         printf("reconnect_max = %lldms\n", (long long)s->reconnect_max_ms);
         printf("max_message_size = %zu\n", s->max_message_size);
         printf("confirms = %s\n", b2s(s->confirms));
-        printf("mandatory = %s\n", b2s(s->mandatory));
-        printf("tls_ca_file = %s\n", s2s(s->tls_ca_file));
-        printf("tls_verify = %s\n", b2s(s->tls_verify));
-        printf("tls_cert = %s\n", s2s(s->tls_cert));
-        printf("tls_key = %s\n", s2s(s->tls_key));
-        printf("nack_reopen = %lldms\n", (long long)s->nack_reopen_ms);
-        printf("url.host = %s\n", s2s(s->host));
-        printf("url.port = %d\n", s->port);
-        printf("url.user = %s\n", s2s(s->user));
-        printf("url.pass = %s\n", secret(s->pass));
-        printf("url.vhost = %s\n", s2s(s->vhost));
-        printf("url.tls = %s\n", b2s(s->tls));
+        printf("mandatory = %s\n", b2s(a->mandatory));
+        printf("tls_ca_file = %s\n", s2s(a->tls_ca_file));
+        printf("tls_verify = %s\n", b2s(a->tls_verify));
+        printf("tls_cert = %s\n", s2s(a->tls_cert));
+        printf("tls_key = %s\n", s2s(a->tls_key));
+        printf("nack_reopen = %lldms\n", (long long)a->nack_reopen_ms);
+        printf("url.host = %s\n", s2s(a->host));
+        printf("url.port = %d\n", a->port);
+        printf("url.user = %s\n", s2s(a->user));
+        printf("url.pass = %s\n", secret(a->pass));
+        printf("url.vhost = %s\n", s2s(a->vhost));
+        printf("url.tls = %s\n", b2s(a->tls));
         printf("url.brokers = ");
-        for (size_t k = 0; k < s->n_brokers; k++)
-            printf("%s%s", k ? "," : "", s->brokers[k].addr);
+        for (size_t k = 0; k < a->n_brokers; k++)
+            printf("%s%s", k ? "," : "", a->brokers[k].addr);
         printf("\n");
     }
     for (size_t i = 0; i < c->n_outboxes; i++) {
@@ -340,18 +341,10 @@ static void t_size(void **st)
 /* AMQP URLs                                                           */
 /* ------------------------------------------------------------------ */
 
-static void sink_clear(cfg_sink *s)
-{
-    free(s->host);
-    free(s->user);
-    free(s->pass);
-    free(s->vhost);
-    memset(s, 0, sizeof *s);
-}
 
 static void t_amqp_url_ok(void **st)
 {
-    cfg_sink s;
+    amqp_sink_conf s;
     char err[200];
     (void)st;
 
@@ -404,7 +397,7 @@ static void t_amqp_url_ok(void **st)
     assert_int_equal(amqp_url_parse("amqps://u:p@[fe80::1:2]", &s, err, sizeof err), 0);
     assert_string_equal(s.host, "fe80::1:2");
     assert_int_equal(s.port, 5671);
-    sink_clear(&s);
+    amqp_sink_conf_clear(&s);
 }
 
 static void t_amqp_url_bad(void **st)
@@ -440,7 +433,7 @@ static void t_amqp_url_bad(void **st)
         { "amqp://h/\tv", "whitespace" },
         { "amqp://h%41/", "bad character" },
     };
-    cfg_sink s;
+    amqp_sink_conf s;
     char err[200];
     (void)st;
 
@@ -458,7 +451,7 @@ static void t_amqp_url_bad(void **st)
 
 static void t_amqp_url_list_ok(void **st)
 {
-    cfg_sink s;
+    amqp_sink_conf s;
     char err[400];
     (void)st;
 
@@ -498,9 +491,8 @@ static void t_amqp_url_list_ok(void **st)
                                          "amqp://h:6,amqp://h:7,amqp://h:8,amqp://h:9,amqp://h:10,"
                                          "amqp://h:11,amqp://h:12,amqp://h:13,amqp://h:14,"
                                          "amqp://h:15,amqp://h:16", &s, err, sizeof err), 0);
-    assert_int_equal(s.n_brokers, CFG_MAX_BROKERS);
-    cfg_brokers_free(&s);
-    sink_clear(&s);
+    assert_int_equal(s.n_brokers, AMQP_MAX_BROKERS);
+    amqp_sink_conf_clear(&s);
 }
 
 static void t_amqp_url_list_bad(void **st)
@@ -528,7 +520,7 @@ static void t_amqp_url_list_bad(void **st)
         { "http://a", "unsupported scheme", -1 },
         { "", "empty", -1 },
     };
-    cfg_sink s;
+    amqp_sink_conf s;
     char err[400];
     (void)st;
 
@@ -581,31 +573,32 @@ static void t_load_defaults(void **st)
 
     assert_int_equal(c->n_sinks, 1);
     const cfg_sink *s = &c->sinks[0];
+    const amqp_sink_conf *a = amqp_sink_conf_of(s);
     assert_string_equal(s->name, "main");
     assert_string_equal(s->type->name, "rabbitmq");
     assert_string_equal(s->url, "amqp://guest:guest@127.0.0.1:5672/%2f");
     assert_null(s->password);
-    assert_string_equal(s->host, "127.0.0.1");
-    assert_int_equal(s->port, 5672);
-    assert_string_equal(s->user, "guest");
-    assert_string_equal(s->pass, "guest");
-    assert_string_equal(s->vhost, "/");
-    assert_false(s->tls);
-    assert_null(s->tls_ca_file);
-    assert_true(s->tls_verify);
+    assert_string_equal(a->host, "127.0.0.1");
+    assert_int_equal(a->port, 5672);
+    assert_string_equal(a->user, "guest");
+    assert_string_equal(a->pass, "guest");
+    assert_string_equal(a->vhost, "/");
+    assert_false(a->tls);
+    assert_null(a->tls_ca_file);
+    assert_true(a->tls_verify);
     assert_int_equal(s->publish_window, 1000);
-    assert_true(s->heartbeat_ms == 30000);
+    assert_true(a->heartbeat_ms == 30000);
     assert_true(s->confirm_timeout_ms == 30000);
     assert_true(s->connect_timeout_ms == 5000);
     assert_true(s->reconnect_max_ms == 30000);
     assert_true(s->max_message_size == 128u * 1024 * 1024);
     assert_true(s->confirms);
-    assert_true(s->mandatory);
-    assert_int_equal(s->n_brokers, 1);
-    assert_string_equal(s->brokers[0].host, "127.0.0.1");
-    assert_int_equal(s->brokers[0].port, 5672);
-    assert_string_equal(s->brokers[0].addr, "127.0.0.1:5672");
-    assert_true(s->nack_reopen_ms == 1000);
+    assert_true(a->mandatory);
+    assert_int_equal(a->n_brokers, 1);
+    assert_string_equal(a->brokers[0].host, "127.0.0.1");
+    assert_int_equal(a->brokers[0].port, 5672);
+    assert_string_equal(a->brokers[0].addr, "127.0.0.1:5672");
+    assert_true(a->nack_reopen_ms == 1000);
 
     assert_int_equal(c->n_outboxes, 1);
     const cfg_outbox *o = &c->outboxes[0];
@@ -723,16 +716,17 @@ static void t_load_values(void **st)
     assert_int_equal(cfg_max_rows_in_memory(c), 65535 + 2 * 100000);
     assert_int_equal(c->n_sinks, 1);
     assert_string_equal(c->sinks[0].name, "bus");
-    assert_string_equal(c->sinks[0].host, "::1");
-    assert_int_equal(c->sinks[0].port, 5999);
-    assert_string_equal(c->sinks[0].user, "app");
-    assert_string_equal(c->sinks[0].pass, "pw;x");
-    assert_string_equal(c->sinks[0].vhost, "prod");
-    assert_true(c->sinks[0].tls);
+    const amqp_sink_conf *bus = amqp_sink_conf_of(&c->sinks[0]);
+    assert_string_equal(bus->host, "::1");
+    assert_int_equal(bus->port, 5999);
+    assert_string_equal(bus->user, "app");
+    assert_string_equal(bus->pass, "pw;x");
+    assert_string_equal(bus->vhost, "prod");
+    assert_true(bus->tls);
     assert_int_equal(c->sinks[0].publish_window, 65535);
-    assert_true(c->sinks[0].heartbeat_ms == 0);
+    assert_true(bus->heartbeat_ms == 0);
     assert_true(c->sinks[0].max_message_size == 65536);
-    assert_false(c->sinks[0].tls_verify);
+    assert_false(bus->tls_verify);
     assert_int_equal(c->n_outboxes, 2);
     const cfg_outbox *a = &c->outboxes[0], *b = &c->outboxes[1];
     assert_true(a->poll_interval_ms == 250 && cfg_poll_interval_ms(a, true) == 250);
@@ -782,11 +776,12 @@ static void t_env_and_secret_files(void **st)
     c = load_text(text, &e, NULL);
     print_errs(&e);
     assert_non_null(c);
-    assert_string_equal(c->sinks[0].host, "10.1.2.3");
-    assert_string_equal(c->sinks[0].pass, "from-env");
+    assert_string_equal(amqp_sink_conf_of(&c->sinks[0])->host, "10.1.2.3");
+    assert_string_equal(amqp_sink_conf_of(&c->sinks[0])->pass, "from-env");
     assert_null(c->sinks[0].password);
-    assert_string_equal(c->sinks[1].user, "u");
-    assert_string_equal(c->sinks[1].pass, "s3cr3t");       /* password_file overrides the URL */
+    assert_string_equal(amqp_sink_conf_of(&c->sinks[1])->user, "u");
+    /* password_file overrides the URL */
+    assert_string_equal(amqp_sink_conf_of(&c->sinks[1])->pass, "s3cr3t");
     assert_string_equal(c->sinks[1].password, "s3cr3t");   /* one trailing newline trimmed */
     assert_string_equal(c->outboxes[0].conninfo, "host=10.1.2.3 dbname=appdb password=$x");
     assert_string_equal(c->outboxes[0].database, "appdb");
