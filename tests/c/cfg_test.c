@@ -662,6 +662,115 @@ static void t_reload_sees_rotated_tls_file(void **st)
     free(ca);
 }
 
+/* config/ and a backend's own settings, without RabbitMQ: a sink registered here keeps
+   its keys in its own struct (backend_conf), which config/ allocates, frees through the
+   backend and compares on reload through it. Runs last: the registration stays. */
+typedef struct fake_conf {
+    int   depth;
+    char *path;
+    int   derived;      /* set by finish_sink */
+} fake_conf;
+
+static int fake_frees;
+
+static void fake_free(void *conf)
+{
+    free(((fake_conf *)conf)->path);
+    fake_frees++;
+}
+
+static bool fake_equal(const void *va, const void *vb)
+{
+    const fake_conf *a = va, *b = vb;
+    return a->depth == b->depth && a->derived == b->derived &&
+           (a->path == NULL ? b->path == NULL : b->path != NULL && strcmp(a->path, b->path) == 0);
+}
+
+static void fake_finish(cfg_sink *s, cfg_report *r)
+{
+    fake_conf *f = s->backend_conf;
+
+    f->derived = f->depth * 10;
+    if (f->depth == 7)
+        cfg_report_error(r, "fake_depth", "expected anything but 7, got 7");
+}
+
+static void t_backend_settings(void **st)
+{
+    static const cfg_key keys[] = {
+        { "fake_depth", CFG_KT_INT, 0, "3", 1, 9, NULL, NULL, offsetof(fake_conf, depth), NULL },
+        { "fake_path",  CFG_KT_STR, CFG_KF_EMPTY_NULL, "", 0, 0, NULL, NULL,
+          offsetof(fake_conf, path), "a path" },
+    };
+    static const cfg_backend fake = {
+        .kind = CFG_BACKEND_SINK, .name = "fake", .conf_size = sizeof(fake_conf),
+        .keys = keys, .n_keys = 2, .finish_sink = fake_finish, .conf_free = fake_free,
+        .conf_equal = fake_equal,
+    };
+    static const cfg_backend no_equal = {
+        .kind = CFG_BACKEND_SINK, .name = "no_equal", .conf_size = sizeof(fake_conf),
+    };
+    static const cfg_backend no_home = {
+        .kind = CFG_BACKEND_SINK, .name = "no_home", .keys = keys, .n_keys = 2,
+    };
+    static const char base[] = "[sink.main]\ntype = fake\nurl = x://y\n%s"
+                               "[outbox.o]\nconninfo = dbname=x\ndatabase = x\n";
+    cfg_errors e = { 0 };
+    char *ini = NULL;
+    cfg *a, *b, *c2;
+    (void)st;
+
+    assert_int_equal(cfg_register(&no_equal), -1);   /* a reload could not compare it */
+    assert_int_equal(cfg_register(&no_home), -1);    /* keys without settings to hold them */
+    assert_int_equal(cfg_register(&fake), 0);
+
+    assert_true(asprintf(&ini, base, "fake_depth = 5\nfake_path = /p\n") > 0);
+    a = load_text(ini, &e, NULL);
+    print_errs(&e);
+    assert_non_null(a);
+    const fake_conf *f = a->sinks[0].backend_conf;
+    assert_ptr_equal(a->sinks[0].type, &fake);
+    assert_int_equal(f->depth, 5);
+    assert_string_equal(f->path, "/p");
+    assert_int_equal(f->derived, 50);
+    b = load_text(ini, &e, NULL);
+    assert_non_null(b);
+    assert_true(cfg_sink_equal(&a->sinks[0], &b->sinks[0]));
+    assert_true(cfg_outbox_equal(&a->outboxes[0], &b->outboxes[0]));
+    free(ini);
+    assert_true(asprintf(&ini, base, "fake_depth = 6\nfake_path = /p\n") > 0);
+    c2 = load_text(ini, &e, NULL);
+    assert_non_null(c2);
+    assert_false(cfg_sink_equal(&a->sinks[0], &c2->sinks[0]));   /* through fake_equal */
+    assert_false(cfg_outbox_equal(&a->outboxes[0], &c2->outboxes[0]));
+    fake_frees = 0;
+    cfg_free(a);
+    cfg_free(b);
+    cfg_free(c2);
+    assert_int_equal(fake_frees, 3);
+    free(ini);
+
+    /* its keys are its own: defaults, its finish's errors, and unknown to another sink */
+    assert_true(asprintf(&ini, base, "fake_depth = 7\n[sink.r]\nfake_path = /p\n") > 0);
+    a = load_text(ini, &e, NULL);
+    assert_null(a);
+    assert_int_equal(e.n, 2);
+    assert_non_null(strstr(e.lines[0], "[sink.main] fake_depth: expected anything but 7, got 7"));
+    assert_non_null(strstr(e.lines[1],
+                           "[sink.r] fake_path: unknown key, expected one of type, url"));
+    cfg_errors_clear(&e);
+    free(ini);
+    assert_true(asprintf(&ini, base, "") > 0);
+    a = load_text(ini, &e, NULL);
+    print_errs(&e);
+    assert_non_null(a);
+    f = a->sinks[0].backend_conf;
+    assert_int_equal(f->depth, 3);
+    assert_null(f->path);
+    cfg_free(a);
+    free(ini);
+}
+
 static void t_load_values(void **st)
 {
     cfg_errors e = { 0 };
@@ -1060,6 +1169,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(t_missing_file_and_syntax),
         cmocka_unit_test(t_log),
         cmocka_unit_test(t_row),
+        cmocka_unit_test(t_backend_settings),   /* last: it registers a sink */
     };
     int rc;
 
