@@ -172,17 +172,6 @@ void cfg_free_secret(char *s)
     }
 }
 
-void cfg_brokers_free(cfg_sink *s)
-{
-    for (size_t i = 0; i < s->n_brokers; i++) {
-        free(s->brokers[i].host);
-        free(s->brokers[i].addr);
-    }
-    free(s->brokers);
-    s->brokers = NULL;
-    s->n_brokers = 0;
-}
-
 /* ------------------------------------------------------------------ */
 /* loader state and error lines                                        */
 /* ------------------------------------------------------------------ */
@@ -464,6 +453,8 @@ static size_t n_backends;
 
 int cfg_register(const cfg_backend *b)
 {
+    if ((b->conf_size > 0 && b->conf_equal == NULL) || (b->n_keys > 0 && b->conf_size == 0))
+        return -1;   /* a reload could not compare its settings; its keys would have no home */
     for (size_t i = 0; i < n_backends; i++) {
         if (backends[i] == b)
             return 0;
@@ -540,8 +531,8 @@ static const cfg_key relay_keys[] = {
 #define S(f) offsetof(cfg_sink, f)
 static const cfg_key sink_keys[] = {
     { "type",             CFG_KT_BACKEND, 0, NULL, CFG_BACKEND_SINK, 0, NULL, NULL, S(type), NULL },
-    { "url",              CFG_KT_STR,  CFG_KF_SECRET | CFG_KF_NONEMPTY, NULL, 0, 0, NULL, NULL, S(url),
-      "the broker's URL, or a comma-separated list of URLs of one cluster" },
+    { "url",              CFG_KT_STR,  CFG_KF_SECRET | CFG_KF_NONEMPTY | CFG_KF_EXPECT_BACKENDS, NULL,
+      CFG_BACKEND_SINK, 0, NULL, NULL, S(url), "a URL" },
     { "password_file",    CFG_KT_SECRET_FILE, CFG_KF_EMPTY_NULL, "", 0, 0, NULL, NULL, S(password), NULL },
     { "publish_window",   CFG_KT_INT,  0, "1000", 1, 65535, NULL, NULL, S(publish_window), NULL },
     { "confirm_timeout",  CFG_KT_DUR,  0, "30s", 10, 24 * MS_H, NULL, NULL, S(confirm_timeout_ms), NULL },
@@ -550,17 +541,14 @@ static const cfg_key sink_keys[] = {
     { "max_message_size", CFG_KT_SIZE, 0, "128M", 1, 512LL * 1024 * 1024, NULL, NULL, S(max_message_size), NULL },
     { "confirms",         CFG_KT_BOOL, CFG_KF_MUST_TRUE, "true", 0, 0, NULL, NULL, S(confirms),
       "true (publisher confirms are required: a sink without confirms could lose messages)" },
-    { "mandatory",        CFG_KT_BOOL, CFG_KF_MUST_TRUE, "true", 0, 0, NULL, NULL, S(mandatory),
-      "true (mandatory publishing is required: without it an unroutable message would be "
-      "acknowledged and lost)" },
 };
 #undef S
 
 #define O(f) offsetof(cfg_outbox, f)
 static const cfg_key outbox_keys[] = {
     { "source",            CFG_KT_BACKEND, 0, NULL, CFG_BACKEND_SOURCE, 0, NULL, NULL, O(source), NULL },
-    { "conninfo",          CFG_KT_STR,  CFG_KF_REQUIRED | CFG_KF_SECRET | CFG_KF_NONEMPTY | CFG_KF_EXPECT_SOURCES, NULL,
-      0, 0, NULL, NULL, O(conninfo), NULL },
+    { "conninfo",          CFG_KT_STR,  CFG_KF_REQUIRED | CFG_KF_SECRET | CFG_KF_NONEMPTY | CFG_KF_EXPECT_BACKENDS, NULL,
+      CFG_BACKEND_SOURCE, 0, NULL, NULL, O(conninfo), "a connection string" },
     { "password_file",     CFG_KT_SECRET_FILE, CFG_KF_EMPTY_NULL, "", 0, 0, NULL, NULL, O(password), NULL },
     { "database",          CFG_KT_STR,  CFG_KF_REQUIRED | CFG_KF_NONEMPTY, NULL, 0, 0, NULL, NULL, O(database),
       "the database name the connection must be in" },
@@ -598,22 +586,21 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
     char a[32], b[32];
     size_t o = 0;
 
-    if (k->flags & CFG_KF_EXPECT_SOURCES) {
+    if (k->flags & CFG_KF_EXPECT_BACKENDS) {
         /* "a libpq conninfo or an ODBC connection string": each text once */
         for (size_t i = 0; i < n_backends && o < len; i++) {
-            const char *t = backends[i]->conninfo_expect;
+            const char *t = backends[i]->expect;
             bool dup = false;
-            if (backends[i]->kind != CFG_BACKEND_SOURCE || t == NULL)
+            if (backends[i]->kind != (int)k->min || t == NULL)
                 continue;
             for (size_t j = 0; j < i && !dup; j++)
-                dup = backends[j]->kind == CFG_BACKEND_SOURCE &&
-                      backends[j]->conninfo_expect != NULL &&
-                      strcmp(backends[j]->conninfo_expect, t) == 0;
+                dup = backends[j]->kind == (int)k->min && backends[j]->expect != NULL &&
+                      strcmp(backends[j]->expect, t) == 0;
             if (!dup)
                 o += (size_t)snprintf(buf + o, len - o, "%s%s", o ? " or " : "", t);
         }
         if (o == 0)
-            snprintf(buf, len, "a connection string");
+            snprintf(buf, len, "%s", k->expect);
         return;
     }
     switch (k->type) {
@@ -920,6 +907,19 @@ static void apply_section(loader *L, const char *sec, const cfg_key *t, size_t n
     }
 }
 
+/* The section's backend settings: be->conf_size bytes, zeroed, in *conf, and be's keys
+   applied to them. be NULL: its name was reported already. */
+static void apply_backend_keys(loader *L, const char *sec, const cfg_backend *be, void **conf)
+{
+    if (be == NULL || be->conf_size == 0)
+        return;
+    if ((*conf = calloc(1, be->conf_size)) == NULL) {
+        lerr(L, sec, NULL, "out of memory");
+        return;
+    }
+    apply_section(L, sec, be->keys, be->n_keys, *conf);
+}
+
 /* ------------------------------------------------------------------ */
 /* sections                                                            */
 /* ------------------------------------------------------------------ */
@@ -955,7 +955,7 @@ static void finish_sink(loader *L, const char *sec, cfg_sink *s)
 {
     cfg_report r = { L, sec };
 
-    if (s->type == NULL)
+    if (s->type == NULL || (s->type->conf_size > 0 && s->backend_conf == NULL))
         return;   /* already reported */
     if (s->url == NULL && s->type->url_default != NULL &&
         (s->url = strdup(s->type->url_default)) == NULL) {
@@ -991,10 +991,19 @@ static void finish_outbox(loader *L, const char *sec, cfg_outbox *o)
         fmt_dur(o->retry_backoff_max_ms, b, sizeof b);
         lerr(L, sec, "retry_backoff_max", "expected a duration of at least retry_backoff (%s), got \"%s\"", a, b);
     }
-    if (o->source != NULL && o->source->finish_outbox != NULL) {
+    if (o->source != NULL && o->source->finish_outbox != NULL &&
+        (o->source->conf_size == 0 || o->backend_conf != NULL)) {
         cfg_report r = { L, sec };
         o->source->finish_outbox(o, &r);
     }
+}
+
+/* conf is NULL unless be has conf_size (apply_backend_keys). */
+static void free_backend_conf(const cfg_backend *be, void *conf)
+{
+    if (conf != NULL && be->conf_free != NULL)
+        be->conf_free(conf);
+    free(conf);
 }
 
 static void free_sink(cfg_sink *s)
@@ -1002,14 +1011,7 @@ static void free_sink(cfg_sink *s)
     free(s->name);
     cfg_free_secret(s->url);
     cfg_free_secret(s->password);
-    free(s->host);
-    free(s->user);
-    cfg_free_secret(s->pass);
-    free(s->vhost);
-    cfg_brokers_free(s);
-    free(s->tls_ca_file);
-    free(s->tls_cert);
-    free(s->tls_key);
+    free_backend_conf(s->type, s->backend_conf);
 }
 
 static void free_outbox(cfg_outbox *o)
@@ -1020,6 +1022,7 @@ static void free_outbox(cfg_outbox *o)
     free(o->database);
     free(o->table);
     free(o->sink_name);
+    free_backend_conf(o->source, o->backend_conf);
 }
 
 void cfg_free(cfg *c)
@@ -1418,8 +1421,7 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
             }
             check_unknown_keys(&L, k, sink_keys, NKEYS(sink_keys), CFG_BACKEND_SINK, "type");
             apply_section(&L, k, sink_keys, NKEYS(sink_keys), s);
-            if (s->type != NULL && s->type->keys != NULL)
-                apply_section(&L, k, s->type->keys, s->type->n_keys, s);
+            apply_backend_keys(&L, k, s->type, &s->backend_conf);
             finish_sink(&L, k, s);
         } else if (strncmp(k, "outbox.", 7) == 0 && section_name_ok(k + 7)) {
             cfg_outbox *o = &c->outboxes[c->n_outboxes++];
@@ -1430,8 +1432,7 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
             check_unknown_keys(&L, k, outbox_keys, NKEYS(outbox_keys), CFG_BACKEND_SOURCE,
                                "source");
             apply_section(&L, k, outbox_keys, NKEYS(outbox_keys), o);
-            if (o->source != NULL && o->source->keys != NULL)
-                apply_section(&L, k, o->source->keys, o->source->n_keys, o);
+            apply_backend_keys(&L, k, o->source, &o->backend_conf);
             finish_outbox(&L, k, o);
         }
     }
@@ -1500,15 +1501,12 @@ static bool str_eq(const char *a, const char *b)
     return strcmp(a, b) == 0;
 }
 
-static bool brokers_equal(const cfg_sink *a, const cfg_sink *b)
+/* The settings of one backend be (both sections have it). */
+static bool backend_conf_equal(const cfg_backend *be, const void *a, const void *b)
 {
-    if (a->n_brokers != b->n_brokers)
-        return false;
-    for (size_t i = 0; i < a->n_brokers; i++)
-        if (!str_eq(a->brokers[i].host, b->brokers[i].host) ||
-            a->brokers[i].port != b->brokers[i].port)
-            return false;
-    return true;
+    if (a == NULL || b == NULL)
+        return a == b;
+    return be->conf_equal(a, b);
 }
 
 bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b)
@@ -1516,18 +1514,12 @@ bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b)
     if (a == NULL || b == NULL)
         return a == b;
     return str_eq(a->name, b->name) && a->type == b->type && str_eq(a->url, b->url) &&
-           str_eq(a->password, b->password) && str_eq(a->host, b->host) &&
-           a->port == b->port && str_eq(a->user, b->user) && str_eq(a->pass, b->pass) &&
-           str_eq(a->vhost, b->vhost) && a->tls == b->tls &&
-           str_eq(a->tls_ca_file, b->tls_ca_file) && a->tls_verify == b->tls_verify &&
-           str_eq(a->tls_cert, b->tls_cert) && str_eq(a->tls_key, b->tls_key) &&
-           a->publish_window == b->publish_window && a->heartbeat_ms == b->heartbeat_ms &&
+           str_eq(a->password, b->password) && a->publish_window == b->publish_window &&
            a->confirm_timeout_ms == b->confirm_timeout_ms &&
            a->connect_timeout_ms == b->connect_timeout_ms &&
            a->reconnect_max_ms == b->reconnect_max_ms &&
            a->max_message_size == b->max_message_size && a->confirms == b->confirms &&
-           a->mandatory == b->mandatory && a->nack_reopen_ms == b->nack_reopen_ms &&
-           a->files_digest == b->files_digest && brokers_equal(a, b);
+           backend_conf_equal(a->type, a->backend_conf, b->backend_conf);
 }
 
 bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b)
@@ -1548,5 +1540,6 @@ bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b)
            a->cleanup_interval_ms == b->cleanup_interval_ms && a->mode == b->mode &&
            a->ordering == b->ordering && a->query_timeout_ms == b->query_timeout_ms &&
            a->connect_timeout_ms == b->connect_timeout_ms &&
-           a->reconnect_max_ms == b->reconnect_max_ms;
+           a->reconnect_max_ms == b->reconnect_max_ms &&
+           backend_conf_equal(a->source, a->backend_conf, b->backend_conf);
 }

@@ -33,51 +33,22 @@ typedef struct cfg_relay {
     int     max_rows_in_memory; /* 0: auto (cfg_max_rows_in_memory) */
 } cfg_relay;
 
-/* One broker address of a sink's url (a list names the nodes of one cluster). */
-typedef struct cfg_broker {
-    char   *host;               /* decoded; an IPv6 address without brackets */
-    int     port;
-    char   *addr;               /* "host:port" ("[v6]:port") for logs and metrics */
-} cfg_broker;
-
-#define CFG_MAX_BROKERS 16      /* URLs in one sink's url list */
-
+/* A sink: what the relay core uses of it, whatever the backend. What only its backend
+   understands (what its url means, its own keys) is in backend_conf. */
 typedef struct cfg_sink {
     char   *name;               /* the part after "sink." */
     const cfg_backend *type;    /* the registered sink of `type =` (default: the first one) */
-    char   *url;                /* the broker's URL, or a comma-separated list of them (one
-                                   cluster); default: the backend's url_default */
-    char   *password;           /* from password_file (overrides the URL's), or NULL */
-    /* the parsed URL, filled by the sink backend's finish_sink (password applied); with a
-       list, host/port are those of the first URL and user/pass/vhost/tls are common to
-       all (the backend refuses a list that differs) */
-    char   *host;
-    int     port;
-    cfg_broker *brokers;        /* every address of url, in list order; n_brokers >= 1 once loaded */
-    size_t  n_brokers;
-    char   *user;
-    char   *pass;               /* secret: never log */
-    char   *vhost;              /* decoded */
-    bool    tls;                /* amqps */
-    char   *tls_ca_file;        /* tls_ca_file key, NULL: system default */
-    bool    tls_verify;         /* tls_verify, default true */
-    char   *tls_cert;           /* tls_cert key: client certificate (PEM) for amqps, NULL: none */
-    char   *tls_key;            /* tls_key key: its private key (PEM), NULL: none */
+    char   *url;                /* where the sink connects (its backend parses it; secret-bearing:
+                                   never log); default: the backend's url_default */
+    char   *password;           /* from password_file, or NULL; the backend applies it */
     int     publish_window;     /* default 1000, 1..65535 */
-    int64_t heartbeat_ms;       /* default 30s; 0 disables */
     int64_t confirm_timeout_ms; /* default 30s */
     int64_t connect_timeout_ms; /* default 5s */
     int64_t reconnect_max_ms;   /* capped back-off ceiling, default 30s */
-    size_t  max_message_size;   /* default 128 MiB (RabbitMQ's default); bigger rows are dead-lettered */
-    bool    confirms;           /* must be true: a sink without publisher confirms is refused */
-    bool    mandatory;          /* default true; false is refused too (unroutable would be lost) */
-    uint64_t files_digest;      /* the backend's digest of the files it reads when connecting
-                                   (TLS files): a reload sees one replaced at the same path */
-    int64_t nack_reopen_ms;     /* reopen a publishing channel that got only nacks for this long
-                                   (at least CFG_NACK_REOPEN_MIN, no ack); 0: never; default 1s */
+    size_t  max_message_size;   /* default 128M; bigger rows are dead-lettered */
+    bool    confirms;           /* must be true: a sink without delivery confirms is refused */
+    void   *backend_conf;       /* the backend's own settings (cfg_backend.conf_size), or NULL */
 } cfg_sink;
-
-#define CFG_NACK_REOPEN_MIN 3   /* nacks in a row (no ack) before nack_reopen may apply */
 
 typedef struct cfg_outbox {
     char   *name;               /* the part after "outbox." */
@@ -106,6 +77,7 @@ typedef struct cfg_outbox {
     int64_t query_timeout_ms;   /* statement timeout for the relay's queries, default 30s */
     int64_t connect_timeout_ms; /* default 5s */
     int64_t reconnect_max_ms;   /* default 30s */
+    void   *backend_conf;       /* the source's own settings (cfg_backend.conf_size), or NULL */
 } cfg_outbox;
 
 typedef struct cfg {
@@ -133,8 +105,6 @@ int cfg_parse_duration_ms(const char *s, int64_t *out);   /* "250ms" "1s" "5m" "
 int cfg_parse_int(const char *s, int64_t min, int64_t max, int64_t *out);
 int cfg_parse_bool(const char *s, bool *out);             /* true/false/yes/no/on/off/1/0 */
 int cfg_parse_size(const char *s, size_t *out);           /* "1024", "64k", "16M", "1G" */
-/* Frees a sink's brokers array (and sets it to NULL, 0). */
-void cfg_brokers_free(cfg_sink *s);
 
 /* ---- backends ------------------------------------------------------------------
  * config/ knows sections, value types, durations, sizes, secrets and how to report a
@@ -146,7 +116,8 @@ void cfg_brokers_free(cfg_sink *s);
 typedef struct cfg_report cfg_report;   /* the section being finished, for error lines */
 
 /* A key table: one entry per key of a section, applied to the section's struct (off).
-   config/ has one per section kind; a backend adds the keys only it has (cfg_backend). */
+   config/ has one per section kind; a backend adds the keys only it has (cfg_backend),
+   applied to its own settings (backend_conf). */
 enum cfg_key_type {
     CFG_KT_STR,      /* char *, any text (CFG_KF_NONEMPTY / CFG_KF_EMPTY_NULL) */
     CFG_KT_NAME,     /* char *, printable without spaces, 1..128 bytes */
@@ -168,7 +139,8 @@ enum cfg_key_type {
 #define CFG_KF_WHOLE_SEC  0x20  /* duration in whole seconds */
 #define CFG_KF_READABLE   0x40  /* path that must be readable */
 #define CFG_KF_AUTO       0x80  /* CFG_KT_DUR, CFG_KT_INT: "auto" is accepted, stored as 0 */
-#define CFG_KF_EXPECT_SOURCES 0x100  /* expected: what the registered sources' conninfo holds */
+#define CFG_KF_EXPECT_BACKENDS 0x100 /* CFG_KT_STR: expected: what the registered backends of
+                                       kind `min` say it holds (cfg_backend.expect), or expect */
 
 #define CFG_MS_S 1000LL                 /* durations are milliseconds */
 #define CFG_MS_M (60LL * CFG_MS_S)
@@ -192,20 +164,34 @@ enum cfg_backend_kind { CFG_BACKEND_SOURCE = 1, CFG_BACKEND_SINK };
 struct cfg_backend {
     int          kind;              /* enum cfg_backend_kind */
     const char  *name;              /* the value of `source =` or `type =` */
-    const char  *conninfo_expect;   /* sources: what conninfo holds ("a libpq conninfo") */
+    const char  *expect;            /* for error lines, what its connection value holds: a
+                                       source's conninfo ("a libpq conninfo"), a sink's url */
     const char  *url_default;       /* sinks: the url when none is given */
-    const cfg_key *keys;            /* the keys only this backend has (in its section, */
-    size_t       n_keys;            /* applied to the same cfg_sink / cfg_outbox), or NULL */
+    /* The backend's own settings: conf_size bytes, zeroed, that config/ allocates for each
+       section of this backend (cfg_sink / cfg_outbox .backend_conf, freed by cfg_free);
+       its keys (in the same section as the generic ones) are applied to it: their `off`
+       are offsets in it. 0 / NULL: none. */
+    size_t       conf_size;
+    const cfg_key *keys;
+    size_t       n_keys;
     /* Checks and completes what only the backend understands, once the section's keys
-       are parsed; reports each problem with cfg_report_error. NULL: nothing to do. */
+       are parsed (a URL into its parts, say, in backend_conf); reports each problem with
+       cfg_report_error. NULL: nothing to do. */
     void       (*finish_outbox)(cfg_outbox *o, cfg_report *r);
     void       (*finish_sink)(cfg_sink *s, cfg_report *r);
+    /* Frees what a backend_conf holds (not the block itself). NULL: nothing. */
+    void       (*conf_free)(void *conf);
+    /* Reload: whether two backend_confs of sections otherwise equal configure the same
+       thing (every field, the contents of files read when connecting included).
+       Required with conf_size. */
+    bool       (*conf_equal)(const void *a, const void *b);
     const void  *ops;               /* relay/'s source_ops or sink_ops for this backend */
 };
 
 #define CFG_MAX_BACKENDS 16
 /* Registers b (static storage). Registering the same entry again does nothing.
-   -1 when the table is full or another entry of that kind has the name. */
+   -1 when the table is full, another entry of that kind has the name, or b has
+   conf_size without conf_equal or keys without conf_size. */
 int cfg_register(const cfg_backend *b);
 /* The registered backend of kind named name, or NULL. */
 const cfg_backend *cfg_backend_find(int kind, const char *name);
@@ -240,10 +226,10 @@ int64_t cfg_poll_interval_ms(const cfg_outbox *ob, bool notified);
 size_t cfg_max_rows_in_memory(const cfg *c);
 
 /* Reload (SIGHUP): whether a running drain configured by a can go on unchanged under
-   b. Every field is compared (secrets from password files included); for an outbox
-   also the settings of the sink it uses, so a sink change restarts its outboxes.
-   A field added to cfg_sink or cfg_outbox must be compared here too
-   (tests/test_config.py changes every key and expects a difference). */
+   b. Every field is compared (secrets from password files included), the backend's own
+   settings through its conf_equal; for an outbox also the settings of the sink it uses,
+   so a sink change restarts its outboxes. A field added to cfg_sink or cfg_outbox must
+   be compared here too (tests/test_config.py changes every key and expects a difference). */
 bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b);
 bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b);
 

@@ -66,7 +66,7 @@ struct drain {
 
     int       sink_state;
     log_limit sink_log;          /* broker connection failures, rate-limited (relay/log.h) */
-    const char *broker_addrs[CFG_MAX_BROKERS]; /* borrowed from the config, for the metrics */
+    const char *broker_addrs[SINK_MAX_ADDRESSES]; /* borrowed from the config, for the metrics */
     long      last_broker;       /* the address connected last (failover count), -1 none */
     double    nack_logged_at;    /* monotonic: the last nack_reopen logged at WARN */
     unsigned  nack_quiet;        /* nack_reopens logged at debug since */
@@ -889,8 +889,6 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
     d->m.outbox = ob->name;
     d->m.sink = ob->sink_name;
     d->m.backlog = -1;
-    for (size_t i = 0; i < ob->sink->n_brokers && i < CFG_MAX_BROKERS; i++)
-        d->broker_addrs[d->m.n_brokers++] = ob->sink->brokers[i].addr;
     d->m.brokers = d->broker_addrs;
     d->m.broker = -1;
     d->last_broker = -1;
@@ -916,6 +914,8 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
         free(d);
         return NULL;
     }
+    if (d->kops->addresses != NULL)
+        d->m.n_brokers = d->kops->addresses(ob->sink, d->broker_addrs, SINK_MAX_ADDRESSES);
     char e2[512] = "";
     sconn *conns[2] = { &d->main, &d->settler };
     for (int i = 0; i < 2; i++) {

@@ -88,9 +88,15 @@ typedef struct sink_ops {
        timeout_ms) for background work the implementation still runs, such as a
        connection attempt on a worker thread, to end. NULL: nothing to wait for. */
     void (*quiesce)(int64_t timeout_ms);
-    /* Which address of cfg->brokers the connection is up to: its index, -1 when down. */
+    /* The addresses the configuration names (a cluster's nodes, in the order it tries
+       them), for metrics: at most max into out (borrowed from cfg); returns how many.
+       NULL: none named. */
+    size_t (*addresses)(const cfg_sink *cfg, const char **out, size_t max);
+    /* Which of those addresses the connection is up to: its index, -1 when down. */
     long (*broker)(const sink *s);
 } sink_ops;
+
+#define SINK_MAX_ADDRESSES 16   /* addresses of one sink the metrics show */
 
 /* The ops of a sink's implementation (registered by sinks/, found by config/). */
 static inline const sink_ops *sink_ops_of(const cfg_sink *sc)

@@ -14,7 +14,7 @@
 /* Registers every sink with config/. 0, or -1 when the registry is full. */
 int sinks_register(void);
 
-/* sinks/rabbitmq: its ops, and its registration (keys: heartbeat, tls_*, nack_reopen) */
+/* sinks/rabbitmq: its ops and registration (keys: mandatory, heartbeat, tls_*, nack_reopen) */
 extern const sink_ops amqpsink_ops;
 extern const cfg_backend amqpsink_backend;
 

@@ -5,13 +5,13 @@
 #include "sources/sources.h"
 
 static const cfg_backend backends[] = {
-    { .kind = CFG_BACKEND_SOURCE, .name = "postgres", .conninfo_expect = "a libpq conninfo",
+    { .kind = CFG_BACKEND_SOURCE, .name = "postgres", .expect = "a libpq conninfo",
       .finish_outbox = pgsrc_finish_cfg, .ops = &pgsrc_ops },
     { .kind = CFG_BACKEND_SOURCE, .name = "sqlserver",
-      .conninfo_expect = "an ODBC connection string",
+      .expect = "an ODBC connection string",
       .finish_outbox = odbcsrc_finish_cfg, .ops = &odbcsrc_ops },
     /* the same source under its driver's name (psqlODBC against PostgreSQL, say) */
-    { .kind = CFG_BACKEND_SOURCE, .name = "odbc", .conninfo_expect = "an ODBC connection string",
+    { .kind = CFG_BACKEND_SOURCE, .name = "odbc", .expect = "an ODBC connection string",
       .finish_outbox = odbcsrc_finish_cfg, .ops = &odbcsrc_ops },
 };
 

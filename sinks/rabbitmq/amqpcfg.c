@@ -64,7 +64,7 @@ static char *pct_decode(const char *p, size_t n, const char **why)
     return out;
 }
 
-int amqp_url_parse(const char *url, cfg_sink *s, char *err, size_t errlen)
+int amqp_url_parse(const char *url, amqp_sink_conf *s, char *err, size_t errlen)
 {
     char *user = NULL, *pass = NULL, *host = NULL, *vhost = NULL;
     const char *why = NULL, *p, *auth_end, *at, *hp, *port_s = NULL;
@@ -283,15 +283,15 @@ static bool same_secret(const char *a, const char *b)
     return d == 0;
 }
 
-int amqp_urls_parse(const char *list, cfg_sink *s, char *err, size_t errlen)
+int amqp_urls_parse(const char *list, amqp_sink_conf *s, char *err, size_t errlen)
 {
-    cfg_sink    first, t;
-    cfg_broker *br = NULL;
-    size_t      n = 0, total = 1, idx = 0;
-    const char *p;
-    char        why[200], *elem = NULL;
-    int         rc = -2;
-    bool        cut = false;   /* some element does not start like a URL */
+    amqp_sink_conf first, t;
+    amqp_broker   *br = NULL;
+    size_t         n = 0, total = 1, idx = 0;
+    const char    *p;
+    char           why[200], *elem = NULL;
+    int            rc = -2;
+    bool           cut = false;   /* some element does not start like a URL */
 
     memset(&first, 0, sizeof first);
     memset(&t, 0, sizeof t);
@@ -322,8 +322,8 @@ int amqp_urls_parse(const char *list, cfg_sink *s, char *err, size_t errlen)
                 cut = true;
         }
     }
-    if (total > CFG_MAX_BROKERS) {
-        snprintf(err, errlen, "%zu URLs, at most %d", total, CFG_MAX_BROKERS);
+    if (total > AMQP_MAX_BROKERS) {
+        snprintf(err, errlen, "%zu URLs, at most %d", total, AMQP_MAX_BROKERS);
         return -2;
     }
     if ((br = calloc(total, sizeof *br)) == NULL) {
@@ -406,7 +406,7 @@ done:
     free(s->user);
     cfg_free_secret(s->pass);
     free(s->vhost);
-    cfg_brokers_free(s);
+    amqp_brokers_free(s);
     s->host = first.host;
     s->user = first.user;
     s->pass = first.pass;
@@ -434,6 +434,60 @@ fail:
     return rc;
 }
 
+void amqp_brokers_free(amqp_sink_conf *s)
+{
+    for (size_t i = 0; i < s->n_brokers; i++) {
+        free(s->brokers[i].host);
+        free(s->brokers[i].addr);
+    }
+    free(s->brokers);
+    s->brokers = NULL;
+    s->n_brokers = 0;
+}
+
+void amqp_sink_conf_clear(amqp_sink_conf *s)
+{
+    free(s->host);
+    free(s->user);
+    cfg_free_secret(s->pass);
+    free(s->vhost);
+    amqp_brokers_free(s);
+    free(s->tls_ca_file);
+    free(s->tls_cert);
+    free(s->tls_key);
+    memset(s, 0, sizeof *s);
+}
+
+static void conf_free(void *conf)
+{
+    amqp_sink_conf_clear(conf);
+}
+
+static bool str_eq(const char *a, const char *b)
+{
+    if (a == NULL || b == NULL)
+        return a == b;
+    return strcmp(a, b) == 0;
+}
+
+/* Reload: the same settings, the contents of the TLS files included (files_digest). */
+static bool conf_equal(const void *va, const void *vb)
+{
+    const amqp_sink_conf *a = va, *b = vb;
+
+    if (a->n_brokers != b->n_brokers)
+        return false;
+    for (size_t i = 0; i < a->n_brokers; i++)
+        if (!str_eq(a->brokers[i].host, b->brokers[i].host) ||
+            a->brokers[i].port != b->brokers[i].port)
+            return false;
+    return str_eq(a->host, b->host) && a->port == b->port && str_eq(a->user, b->user) &&
+           str_eq(a->pass, b->pass) && str_eq(a->vhost, b->vhost) && a->tls == b->tls &&
+           a->mandatory == b->mandatory && a->heartbeat_ms == b->heartbeat_ms &&
+           str_eq(a->tls_ca_file, b->tls_ca_file) && a->tls_verify == b->tls_verify &&
+           str_eq(a->tls_cert, b->tls_cert) && str_eq(a->tls_key, b->tls_key) &&
+           a->nack_reopen_ms == b->nack_reopen_ms && a->files_digest == b->files_digest;
+}
 
 /* Folds a file's bytes into *h (FNV-1a 64): certificates are read when a connection is
    made, so a reload compares their contents, not only their paths. -1 (errno) when the
@@ -461,9 +515,13 @@ static int digest_file(const char *path, uint64_t *h)
     return 0;
 }
 
-/* The keys only this sink has (registered with config/ in sinks/sink.c). */
-#define F(f) offsetof(cfg_sink, f)
+/* The keys only this sink has (registered with config/ in sinks/sink.c), applied to its
+   amqp_sink_conf. */
+#define F(f) offsetof(amqp_sink_conf, f)
 static const cfg_key amqpsink_keys[] = {
+    { "mandatory",        CFG_KT_BOOL, CFG_KF_MUST_TRUE, "true", 0, 0, NULL, NULL, F(mandatory),
+      "true (mandatory publishing is required: without it an unroutable message would be "
+      "acknowledged and lost)" },
     { "heartbeat",        CFG_KT_DUR,  CFG_KF_WHOLE_SEC, "30s", 0, 65535 * CFG_MS_S, NULL, NULL, F(heartbeat_ms), NULL },
     { "tls_ca_file",      CFG_KT_STR,  CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL, F(tls_ca_file),
       "a readable CA bundle file" },
@@ -476,13 +534,14 @@ static const cfg_key amqpsink_keys[] = {
 };
 #undef F
 
-void amqpsink_finish_cfg(cfg_sink *s, cfg_report *r)
+void amqpsink_finish_cfg(cfg_sink *sk, cfg_report *r)
 {
+    amqp_sink_conf *s = sk->backend_conf;
     char why[200];
 
-    if (s->url == NULL)
+    if (sk->url == NULL)
         return;   /* already reported */
-    switch (amqp_urls_parse(s->url, s, why, sizeof why)) {
+    switch (amqp_urls_parse(sk->url, s, why, sizeof why)) {
     case 0:
         break;
     case -1:
@@ -496,8 +555,8 @@ void amqpsink_finish_cfg(cfg_sink *s, cfg_report *r)
                          "got <secret> (%s)", why);
         return;
     }
-    if (s->password) {
-        char *p = strdup(s->password);
+    if (sk->password) {
+        char *p = strdup(sk->password);
         if (!p) {
             cfg_report_error(r, "password_file", "out of memory");
             return;
@@ -528,9 +587,13 @@ void amqpsink_finish_cfg(cfg_sink *s, cfg_report *r)
 const cfg_backend amqpsink_backend = {
     .kind = CFG_BACKEND_SINK,
     .name = "rabbitmq",
+    .expect = "the broker's URL, or a comma-separated list of URLs of one cluster",
     .url_default = "amqp://guest:guest@127.0.0.1:5672/%2f",
+    .conf_size = sizeof(amqp_sink_conf),
     .keys = amqpsink_keys,
     .n_keys = sizeof amqpsink_keys / sizeof amqpsink_keys[0],
     .finish_sink = amqpsink_finish_cfg,
+    .conf_free = conf_free,
+    .conf_equal = conf_equal,
     .ops = &amqpsink_ops,
 };

@@ -44,6 +44,7 @@
  */
 #include "relay/sink.h"
 #include "sinks/sinks.h"
+#include "sinks/rabbitmq/amqpcfg.h"
 #include "sinks/rabbitmq/json.h"
 
 #include <amqp.h>
@@ -169,7 +170,8 @@ typedef struct cjob {
     ev_async       *wake;          /* the sink's watcher (valid until abandoned) */
     struct ev_loop *loop;
     /* inputs: the worker's own copies */
-    cfg_sink        cfg;           /* strings owned: host user pass vhost tls_* */
+    cfg_sink        cfg;           /* name owned; backend_conf = &conf */
+    amqp_sink_conf  conf;          /* strings owned; host and port: this attempt's address */
     char           *conn_name;
     amqp_channel_t  ch;
     /* outputs */
@@ -179,7 +181,8 @@ typedef struct cjob {
 
 struct sink {
     struct ev_loop *loop;
-    cfg_sink        cfg;          /* deep copy of the strings we use (owned) */
+    cfg_sink        cfg;          /* copy: name owned, no url or password; backend_conf = &conf */
+    amqp_sink_conf  conf;         /* deep copy (owned) */
     char           *conn_name;    /* owned */
     char            ident[300];   /* "broker host:port vhost V" for messages */
     cjob           *job;          /* the connection attempt in progress, or NULL */
@@ -195,7 +198,7 @@ struct sink {
     ev_tstamp       nack_since;   /* when the first of them was nacked */
     char            nack_why[200];/* why the channel is being reopened (PCH_DRAIN) */
 
-    /* Broker addresses (cfg.brokers, at least one). cur is the one connected, or
+    /* Broker addresses (conf.brokers, at least one). cur is the one connected, or
      * tried next; a failed attempt or a lost connection moves it on, and the
      * back-off grows once per round in which every address failed. */
     size_t          cur;
@@ -302,7 +305,7 @@ static struct timeval tv_ms(int64_t ms)
     return tv;
 }
 
-static int heartbeat_s(const cfg_sink *c)
+static int heartbeat_s(const amqp_sink_conf *c)
 {
     int64_t s;
 
@@ -314,7 +317,7 @@ static int heartbeat_s(const cfg_sink *c)
 
 /* The peer, as every message about this sink's connection names it (run and
  * check alike): "broker 127.0.0.1:5672 vhost /"; i: which address of the list. */
-static void set_ident(char *buf, size_t len, const cfg_sink *c, size_t i)
+static void set_ident(char *buf, size_t len, const amqp_sink_conf *c, size_t i)
 {
     if (i < c->n_brokers)
         snprintf(buf, len, "broker %s vhost %s", c->brokers[i].addr,
@@ -525,6 +528,7 @@ out:
 static void fmt_login_fail(amqp_rpc_reply_t r, const char *what, const cfg_sink *c, char *buf,
                            size_t len)
 {
+    const amqp_sink_conf *ac = amqp_sink_conf_of(c);
     double t = (double)c->connect_timeout_ms / 1000.;
 
     if (r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION && r.reply.id == AMQP_CONNECTION_CLOSE_METHOD) {
@@ -553,8 +557,8 @@ static void fmt_login_fail(amqp_rpc_reply_t r, const char *what, const cfg_sink 
         case AMQP_STATUS_UNEXPECTED_STATE:
         case AMQP_STATUS_INCOMPATIBLE_AMQP_VERSION:
             snprintf(buf, len, "%s: %s%s", what, amqp_error_string2(r.library_error),
-                     c->tls ? "" : " (a TLS port? then use amqps://)");
-            if (c->tls)
+                     ac->tls ? "" : " (a TLS port? then use amqps://)");
+            if (ac->tls)
                 add_ssl_error(buf, len);
             return;
         case AMQP_STATUS_SSL_ERROR:
@@ -571,18 +575,19 @@ static void fmt_login_fail(amqp_rpc_reply_t r, const char *what, const cfg_sink 
 /* Why opening the socket (TCP connect, and for amqps the TLS handshake) failed. */
 static void fmt_open_fail(int rc, const cfg_sink *c, char *buf, size_t len)
 {
-    char   why[300];
-    double t = (double)c->connect_timeout_ms / 1000.;
+    const amqp_sink_conf *ac = amqp_sink_conf_of(c);
+    char                  why[300];
+    double                t = (double)c->connect_timeout_ms / 1000.;
 
     switch (rc) {
     case AMQP_STATUS_HOSTNAME_RESOLUTION_FAILED:
-        snprintf(buf, len, "cannot resolve host name %s", c->host);
+        snprintf(buf, len, "cannot resolve host name %s", ac->host);
         break;
     case AMQP_STATUS_TIMEOUT:
-        snprintf(buf, len, "%s: timeout after %g s", c->tls ? "connect/TLS handshake" : "connect", t);
+        snprintf(buf, len, "%s: timeout after %g s", ac->tls ? "connect/TLS handshake" : "connect", t);
         break;
     case AMQP_STATUS_SOCKET_ERROR:
-        probe_connect(c->host, c->port, c->connect_timeout_ms, why, sizeof why);
+        probe_connect(ac->host, ac->port, c->connect_timeout_ms, why, sizeof why);
         snprintf(buf, len, "connect: %s", why);
         break;
     case AMQP_STATUS_SSL_PEER_VERIFY_FAILED:
@@ -595,7 +600,7 @@ static void fmt_open_fail(int rc, const cfg_sink *c, char *buf, size_t len)
         ERR_clear_error();
         break;
     case AMQP_STATUS_SSL_HOSTNAME_VERIFY_FAILED:
-        snprintf(buf, len, "TLS: certificate verify failed: the certificate does not name %s", c->host);
+        snprintf(buf, len, "TLS: certificate verify failed: the certificate does not name %s", ac->host);
         ERR_clear_error();
         break;
     case AMQP_STATUS_SSL_CONNECTION_FAILED:
@@ -605,7 +610,7 @@ static void fmt_open_fail(int rc, const cfg_sink *c, char *buf, size_t len)
         break;
     default:
         snprintf(buf, len, "connect: %s", amqp_error_string2(rc));
-        if (c->tls)
+        if (ac->tls)
             add_ssl_error(buf, len);
         break;
     }
@@ -622,7 +627,7 @@ static bool is_ip_address(const char *h)
  * by OpenSSL itself (chain, then the host name or IP address against the
  * certificate's SANs; rabbitmq-c 0.11's own host name check knows DNS names
  * only, so amqps://127.0.0.1 failed even with an IP SAN). */
-static int tls_setup(amqp_socket_t *sock, const cfg_sink *c, char *err, size_t errlen)
+static int tls_setup(amqp_socket_t *sock, const amqp_sink_conf *c, char *err, size_t errlen)
 {
     const char *ca = c->tls_ca_file;
     SSL_CTX    *ctx = amqp_ssl_socket_get_context(sock);
@@ -685,6 +690,7 @@ static int tls_setup(amqp_socket_t *sock, const cfg_sink *c, char *err, size_t e
 static int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch, cjob *jb,
                      amqp_connection_state_t *out, char *err, size_t errlen)
 {
+    const amqp_sink_conf   *ac = amqp_sink_conf_of(c);
     amqp_connection_state_t conn;
     amqp_socket_t          *sock;
     struct timeval          tv = tv_ms(c->connect_timeout_ms);
@@ -704,14 +710,14 @@ static int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    if (c->tls) {
+    if (ac->tls) {
         sock = amqp_ssl_socket_new(conn);   /* owned by conn */
         if (sock == NULL) {
             snprintf(err, errlen, "cannot create a TLS socket");
             add_ssl_error(err, errlen);
             goto fail;
         }
-        if (tls_setup(sock, c, err, errlen) < 0)
+        if (tls_setup(sock, ac, err, errlen) < 0)
             goto fail;
     } else {
         sock = amqp_tcp_socket_new(conn);   /* owned by conn */
@@ -725,7 +731,7 @@ static int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch
         snprintf(err, errlen, "setting timeouts: %s", amqp_error_string2(rc));
         goto fail;
     }
-    rc = amqp_socket_open_noblock(sock, c->host, c->port, &tv);
+    rc = amqp_socket_open_noblock(sock, ac->host, ac->port, &tv);
     if (rc != AMQP_STATUS_OK) {
         fmt_open_fail(rc, c, err, errlen);
         goto fail;
@@ -742,8 +748,8 @@ static int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch
         }
     }
     props = client_props(&ps, conn_name);
-    r = amqp_login_with_properties(conn, c->vhost, 0, AMQPSINK_FRAME_MAX, heartbeat_s(c),
-                                   &props, AMQP_SASL_METHOD_PLAIN, c->user, c->pass);
+    r = amqp_login_with_properties(conn, ac->vhost, 0, AMQPSINK_FRAME_MAX, heartbeat_s(ac),
+                                   &props, AMQP_SASL_METHOD_PLAIN, ac->user, ac->pass);
     if (r.reply_type != AMQP_RESPONSE_NORMAL) {
         fmt_login_fail(r, "login", c, err, errlen);
         goto fail;
@@ -804,22 +810,12 @@ static void conn_close(amqp_connection_state_t conn, bool polite)
 
 /* ------------------------------------------------------------ connect worker */
 
-static void cfg_strings_free(cfg_sink *c)
+static void cfg_strings_free(cfg_sink *c, amqp_sink_conf *conf)
 {
-    if (c->pass != NULL) {
-        memset(c->pass, 0, strlen(c->pass));
-        free(c->pass);
-    }
     free(c->name);
-    free(c->host);
-    free(c->user);
-    free(c->vhost);
-    free(c->tls_ca_file);
-    free(c->tls_cert);
-    free(c->tls_key);
-    c->name = c->host = c->user = c->pass = c->vhost = NULL;
-    c->tls_ca_file = c->tls_cert = c->tls_key = NULL;
-    cfg_brokers_free(c);
+    c->name = NULL;
+    c->backend_conf = NULL;
+    amqp_sink_conf_clear(conf);
 }
 
 static int dupstr(char **dst, const char *src)
@@ -831,39 +827,46 @@ static int dupstr(char **dst, const char *src)
     return *dst ? 0 : -1;
 }
 
-/* Deep copy of the strings a connection needs (url and password are not kept:
- * they may carry the password; pass is the one copy), and of the broker list:
- * a cfg_sink filled by hand, without one (a test driver), gets its host:port
- * as the only address. -1 when out of memory (dst then holds whatever was
- * copied: free it with cfg_strings_free). */
-static int cfg_strings_dup(cfg_sink *dst, const cfg_sink *src)
+/* Deep copy of what a connection needs: the generic settings with the name (url and
+ * password are not kept: they may carry the password; conf's pass is the one copy) and
+ * the rabbitmq settings, dst->backend_conf pointing at dconf. The broker list too: a
+ * conf filled by hand without one (a test driver) gets its host:port as the only
+ * address. -1 when out of memory (dst, dconf then hold whatever was copied: free them
+ * with cfg_strings_free). */
+static int cfg_strings_dup(cfg_sink *dst, amqp_sink_conf *dconf, const cfg_sink *src)
 {
-    size_t n = src->n_brokers > 0 ? src->n_brokers : 1;
+    const amqp_sink_conf *sconf = amqp_sink_conf_of(src);
+    size_t                n = sconf->n_brokers > 0 ? sconf->n_brokers : 1;
 
     *dst = *src;
     dst->url = NULL;
     dst->password = NULL;
-    dst->name = dst->host = dst->user = dst->pass = dst->vhost = NULL;
-    dst->tls_ca_file = dst->tls_cert = dst->tls_key = NULL;
-    dst->brokers = NULL;
-    dst->n_brokers = 0;
-    if (dupstr(&dst->name, src->name) < 0 || dupstr(&dst->host, src->host) < 0 ||
-        dupstr(&dst->user, src->user) < 0 || dupstr(&dst->pass, src->pass) < 0 ||
-        dupstr(&dst->vhost, src->vhost) < 0 || dupstr(&dst->tls_ca_file, src->tls_ca_file) < 0 ||
-        dupstr(&dst->tls_cert, src->tls_cert) < 0 || dupstr(&dst->tls_key, src->tls_key) < 0)
+    dst->name = NULL;
+    dst->backend_conf = dconf;
+    *dconf = *sconf;
+    dconf->host = dconf->user = dconf->pass = dconf->vhost = NULL;
+    dconf->tls_ca_file = dconf->tls_cert = dconf->tls_key = NULL;
+    dconf->brokers = NULL;
+    dconf->n_brokers = 0;
+    if (dupstr(&dst->name, src->name) < 0 || dupstr(&dconf->host, sconf->host) < 0 ||
+        dupstr(&dconf->user, sconf->user) < 0 || dupstr(&dconf->pass, sconf->pass) < 0 ||
+        dupstr(&dconf->vhost, sconf->vhost) < 0 ||
+        dupstr(&dconf->tls_ca_file, sconf->tls_ca_file) < 0 ||
+        dupstr(&dconf->tls_cert, sconf->tls_cert) < 0 ||
+        dupstr(&dconf->tls_key, sconf->tls_key) < 0)
         return -1;
-    if ((dst->brokers = calloc(n, sizeof *dst->brokers)) == NULL)
+    if ((dconf->brokers = calloc(n, sizeof *dconf->brokers)) == NULL)
         return -1;
-    dst->n_brokers = n;   /* cfg_brokers_free frees what was copied */
+    dconf->n_brokers = n;   /* amqp_brokers_free frees what was copied */
     for (size_t i = 0; i < n; i++) {
-        cfg_broker *b = &dst->brokers[i];
-        const char *h = src->n_brokers > 0 ? src->brokers[i].host : src->host;
+        amqp_broker *b = &dconf->brokers[i];
+        const char  *h = sconf->n_brokers > 0 ? sconf->brokers[i].host : sconf->host;
 
-        b->port = src->n_brokers > 0 ? src->brokers[i].port : src->port;
+        b->port = sconf->n_brokers > 0 ? sconf->brokers[i].port : sconf->port;
         if (h == NULL || dupstr(&b->host, h) < 0)
             return -1;
-        if (src->n_brokers > 0) {
-            if (dupstr(&b->addr, src->brokers[i].addr) < 0)
+        if (sconf->n_brokers > 0) {
+            if (dupstr(&b->addr, sconf->brokers[i].addr) < 0)
                 return -1;
         } else if (asprintf(&b->addr, strchr(h, ':') ? "[%s]:%d" : "%s:%d", h, b->port) < 0) {
             b->addr = NULL;
@@ -877,7 +880,7 @@ static void job_free(cjob *jb)
 {
     if (jb->conn != NULL)
         conn_close(jb->conn, true);
-    cfg_strings_free(&jb->cfg);
+    cfg_strings_free(&jb->cfg, &jb->conf);
     free(jb->conn_name);
     pthread_cond_destroy(&jb->cv);
     pthread_mutex_destroy(&jb->mu);
@@ -990,16 +993,17 @@ static int job_start(sink *s, char *err, size_t errlen)
     jb->loop = s->loop;
     jb->wake = &s->jobw;
     jb->ch = s->ch;
-    if (cfg_strings_dup(&jb->cfg, &s->cfg) < 0 || dupstr(&jb->conn_name, s->conn_name) < 0) {
+    if (cfg_strings_dup(&jb->cfg, &jb->conf, &s->cfg) < 0 ||
+        dupstr(&jb->conn_name, s->conn_name) < 0) {
         job_free(jb);
         snprintf(err, errlen, "out of memory");
         return -1;
     }
     /* this attempt's address */
-    free(jb->cfg.host);
-    jb->cfg.host = NULL;
-    jb->cfg.port = s->cfg.brokers[s->cur].port;
-    if (dupstr(&jb->cfg.host, s->cfg.brokers[s->cur].host) < 0) {
+    free(jb->conf.host);
+    jb->conf.host = NULL;
+    jb->conf.port = s->conf.brokers[s->cur].port;
+    if (dupstr(&jb->conf.host, s->conf.brokers[s->cur].host) < 0) {
         job_free(jb);
         snprintf(err, errlen, "out of memory");
         return -1;
@@ -1214,11 +1218,11 @@ static bool settle(sink *s, uint64_t tag, int outcome, const char *reason)
     /* Does the channel work? An ack (returned or not) says so; nacks in a row,
      * and no ack, say it may not (nack_check). */
     if (outcome == SINK_NACKED) {
-        if (s->nack_run++ == 0 && s->cfg.nack_reopen_ms > 0) {
+        if (s->nack_run++ == 0 && s->conf.nack_reopen_ms > 0) {
             /* look again when nack_reopen is over, also if no nack comes then */
             s->nack_since = ev_now(s->loop);
             ev_timer_stop(s->loop, &s->nackt);
-            ev_timer_set(&s->nackt, (double)s->cfg.nack_reopen_ms / 1000. + 0.001, 0.);
+            ev_timer_set(&s->nackt, (double)s->conf.nack_reopen_ms / 1000. + 0.001, 0.);
             ev_timer_start(s->loop, &s->nackt);
         }
     } else if (outcome == SINK_ACK) {
@@ -1302,8 +1306,8 @@ static void schedule_reconnect(sink *s)
 {
     double d, base = AMQPSINK_BACKOFF_MIN / 1000.;
 
-    s->cur = (s->cur + 1) % s->cfg.n_brokers;
-    if (++s->round_fails >= s->cfg.n_brokers) {
+    s->cur = (s->cur + 1) % s->conf.n_brokers;
+    if (++s->round_fails >= s->conf.n_brokers) {
         s->round_fails = 0;
         base = (double)s->backoff_ms / 1000.;
         s->backoff_ms = outbox_util_backoff_next(s->backoff_ms, AMQPSINK_BACKOFF_MIN,
@@ -1322,9 +1326,9 @@ static void schedule_reconnect(sink *s)
 /* "; next: broker ADDR" when the list has another address to try, else "". */
 static void next_note(const sink *s, char *buf, size_t len)
 {
-    if (s->cfg.n_brokers > 1)
+    if (s->conf.n_brokers > 1)
         snprintf(buf, len, "; next: broker %s",
-                 s->cfg.brokers[(s->cur + 1) % s->cfg.n_brokers].addr);
+                 s->conf.brokers[(s->cur + 1) % s->conf.n_brokers].addr);
     else if (len > 0)
         buf[0] = '\0';
 }
@@ -1443,7 +1447,7 @@ static void retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
         return;
     ENTER(s);
     s->ch = 1;
-    set_ident(s->ident, sizeof s->ident, &s->cfg, s->cur);   /* this attempt's peer */
+    set_ident(s->ident, sizeof s->ident, &s->conf, s->cur);   /* this attempt's peer */
     if (job_start(s, err, sizeof err) < 0)
         connect_failed(s, err);
     LEAVE(s);
@@ -1508,7 +1512,7 @@ static void jobw_cb(struct ev_loop *loop, ev_async *w, int revents)
         s->last_up = (long)s->cur;
         if (was >= 0 && was != (long)s->cur)
             snprintf(msg, sizeof msg, "%s, failed over from broker %s", s->ident,
-                     s->cfg.brokers[was].addr);
+                     s->conf.brokers[was].addr);
         else
             snprintf(msg, sizeof msg, "%s", s->ident);
         if (!emit_state(s, msg))
@@ -1783,7 +1787,7 @@ static int dest_check(sink *s, const char *ex, char *err, size_t errlen)
             if (x->why != NULL)
                 snprintf(err, errlen, "%s", x->why);
             else
-                snprintf(err, errlen, "exchange '%s' refused in vhost '%s'", ex, s->cfg.vhost);
+                snprintf(err, errlen, "exchange '%s' refused in vhost '%s'", ex, s->conf.vhost);
             return SINK_EREFUSED;
         }
         /* expired: ask again */
@@ -1822,7 +1826,7 @@ static void x_mark_missing(sink *s, const char *ex, const char *text)
     if (x == NULL && (x = x_add(s, ex)) == NULL)
         return;
     snprintf(why, sizeof why, "exchange '%s' not found in vhost '%s' (404, the broker closed "
-             "the publishing channel: %s)", ex, s->cfg.vhost, text);
+             "the publishing channel: %s)", ex, s->conf.vhost, text);
     x_set(s, x, X_MISSING, why);
 }
 
@@ -1872,10 +1876,10 @@ static bool on_check_frame(sink *s, const amqp_frame_t *f)
         }
         if (m->reply_code == AMQP_NOT_FOUND)
             snprintf(why, sizeof why, "exchange '%s' not found in vhost '%s' (404, checked with "
-                     "a passive exchange.declare)", s->ck_cur->name, s->cfg.vhost);
+                     "a passive exchange.declare)", s->ck_cur->name, s->conf.vhost);
         else
             snprintf(why, sizeof why, "exchange '%s' in vhost '%s' refused by the broker: %u %s "
-                     "(checked with a passive exchange.declare)", s->ck_cur->name, s->cfg.vhost,
+                     "(checked with a passive exchange.declare)", s->ck_cur->name, s->conf.vhost,
                      (unsigned)m->reply_code, text);
         x_set(s, s->ck_cur, m->reply_code == AMQP_NOT_FOUND ? X_MISSING : X_REFUSED, why);
         s->ck_cur = NULL;
@@ -1912,7 +1916,7 @@ static bool emit_event(sink *s, int ev, const char *msg)
     return true;
 }
 
-/* A channel that got only nacks for nack_reopen (at least CFG_NACK_REOPEN_MIN,
+/* A channel that got only nacks for nack_reopen (at least AMQP_NACK_REOPEN_MIN,
  * no ack) is reopened: RabbitMQ 3.10 nacks every publish of a channel that
  * first published to a quorum queue while its leader's node was down, until
  * that node returns, while a channel opened after the new leader was elected
@@ -1923,9 +1927,9 @@ static void nack_check(sink *s)
 {
     ev_tstamp now = ev_now(s->loop);
 
-    if (s->cfg.nack_reopen_ms <= 0 || s->conn == NULL || !s->chan_ok || s->broken ||
-        s->pch != PCH_OPEN || s->nack_run < CFG_NACK_REOPEN_MIN ||
-        now - s->nack_since < (double)s->cfg.nack_reopen_ms / 1000.)
+    if (s->conf.nack_reopen_ms <= 0 || s->conn == NULL || !s->chan_ok || s->broken ||
+        s->pch != PCH_OPEN || s->nack_run < AMQP_NACK_REOPEN_MIN ||
+        now - s->nack_since < (double)s->conf.nack_reopen_ms / 1000.)
         return;
     snprintf(s->nack_why, sizeof s->nack_why, "channel %u got only nacks (%u in %.1f s, no ack)",
              (unsigned)s->ch, s->nack_run, now - s->nack_since);
@@ -2338,7 +2342,7 @@ static void sink_free(sink *s)
             free(s->ring[i].ret_reason);
         free(s->ring);
     }
-    cfg_strings_free(&s->cfg);
+    cfg_strings_free(&s->cfg, &s->conf);
     free(s->conn_name);
     free(s);
 }
@@ -2346,17 +2350,18 @@ static void sink_free(sink *s)
 static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char *conn_name,
                            const sink_cbs *cbs, sink **out, char *err, size_t errlen)
 {
-    sink    *s;
-    uint64_t cap = 1;
+    const amqp_sink_conf *ac = amqp_sink_conf_of(sc);
+    sink                 *s;
+    uint64_t              cap = 1;
 
     *out = NULL;
-    if (!sc->confirms || !sc->mandatory) {
+    if (ac != NULL && (!sc->confirms || !ac->mandatory)) {
         snprintf(err, errlen, "sink %s: publisher confirms and mandatory are required",
                  sc->name ? sc->name : "?");
         return -1;
     }
-    if (sc->publish_window < 1 || sc->publish_window > 65535 || sc->host == NULL ||
-        sc->user == NULL || sc->pass == NULL || sc->vhost == NULL) {
+    if (ac == NULL || sc->publish_window < 1 || sc->publish_window > 65535 ||
+        ac->host == NULL || ac->user == NULL || ac->pass == NULL || ac->vhost == NULL) {
         snprintf(err, errlen, "sink %s: incomplete configuration", sc->name ? sc->name : "?");
         return -1;
     }
@@ -2368,7 +2373,7 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
     s->reported = -1;
     ev_async_init(&s->jobw, jobw_cb);   /* before any goto oom: sink_free stops it */
     s->jobw.data = s;
-    if (cfg_strings_dup(&s->cfg, sc) < 0 ||   /* url/password not kept: they may carry the password */
+    if (cfg_strings_dup(&s->cfg, &s->conf, sc) < 0 ||   /* url/password not kept: they may carry the password */
         dupstr(&s->conn_name, conn_name) < 0)
         goto oom;
     if (s->cfg.reconnect_max_ms < 100)
@@ -2386,15 +2391,15 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
         s->rnd = 88172645463325252ULL;
     s->cur = 0;
     s->connected = s->last_up = -1;
-    set_ident(s->ident, sizeof s->ident, &s->cfg, 0);
+    set_ident(s->ident, sizeof s->ident, &s->conf, 0);
 
     ev_io_init(&s->rio, rio_cb, 0, EV_READ);
     ev_io_init(&s->wio, wio_cb, 0, EV_WRITE);
     {
         double t = 1.0;
 
-        if (sc->heartbeat_ms > 0 && (double)sc->heartbeat_ms / 4000. < t)
-            t = (double)sc->heartbeat_ms / 4000.;
+        if (ac->heartbeat_ms > 0 && (double)ac->heartbeat_ms / 4000. < t)
+            t = (double)ac->heartbeat_ms / 4000.;
         if (sc->confirm_timeout_ms > 0 && (double)sc->confirm_timeout_ms / 4000. < t)
             t = (double)sc->confirm_timeout_ms / 4000.;
         if (t < 0.05)
@@ -2515,7 +2520,7 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
     nframes = r->payload_len / (AMQPSINK_FRAME_MAX - 8) + 1;
     est = r->payload_len + 8 * nframes + 1024 + strlen(r->exchange) + strlen(r->routing_key) +
           (r->headers_json ? 2 * strlen(r->headers_json) : 0);
-    if (s->cfg.tls)
+    if (s->conf.tls)
         est += est / 64 + 1024;
     if (!sock_room(s, est)) {
         s->want_writable = true;
@@ -2581,25 +2586,34 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
  * addresses, a note naming them. */
 static int amqpsink_check(const cfg_sink *sc, char *err, size_t errlen)
 {
+    const amqp_sink_conf   *ac = amqp_sink_conf_of(sc);
     amqp_connection_state_t conn;
     cfg_sink                one;
+    amqp_sink_conf          oneconf;
     char                    ident[300], why[800];
-    size_t                  n = sc->n_brokers > 0 ? sc->n_brokers : 1, bad = 0, o = 0;
+    size_t                  n, bad = 0, o = 0;
 
     if (errlen > 0)
         err[0] = '\0';
-    set_ident(ident, sizeof ident, sc, 0);
-    if (!sc->confirms || !sc->mandatory) {
+    if (ac == NULL) {
+        snprintf(err, errlen, "sink %s: incomplete configuration", sc->name ? sc->name : "?");
+        return -1;
+    }
+    n = ac->n_brokers > 0 ? ac->n_brokers : 1;
+    set_ident(ident, sizeof ident, ac, 0);
+    if (!sc->confirms || !ac->mandatory) {
         snprintf(err, errlen, "%s: publisher confirms and mandatory are required", ident);
         return -1;
     }
     for (size_t i = 0; i < n; i++) {
         one = *sc;   /* borrowed strings; only host and port change */
-        if (sc->n_brokers > 0) {
-            one.host = sc->brokers[i].host;
-            one.port = sc->brokers[i].port;
+        oneconf = *ac;
+        one.backend_conf = &oneconf;
+        if (ac->n_brokers > 0) {
+            oneconf.host = ac->brokers[i].host;
+            oneconf.port = ac->brokers[i].port;
         }
-        set_ident(ident, sizeof ident, sc, i);
+        set_ident(ident, sizeof ident, ac, i);
         if (conn_open(&one, "outbox-relay check", 1, NULL, &conn, why, sizeof why) < 0) {
             /* run logs the same words */
             if (o < errlen)
@@ -2616,11 +2630,21 @@ static int amqpsink_check(const cfg_sink *sc, char *err, size_t errlen)
         o = (size_t)snprintf(err, errlen, "every broker of the cluster list answers (");
         for (size_t i = 0; i < n && o < errlen; i++)
             o += (size_t)snprintf(err + o, errlen - o, "%s%s", i > 0 ? ", " : "",
-                                  sc->brokers[i].addr);
+                                  ac->brokers[i].addr);
         if (o < errlen)
             snprintf(err + o, errlen - o, ")");
     }
     return 0;
+}
+
+static size_t amqpsink_addresses(const cfg_sink *sc, const char **out, size_t max)
+{
+    const amqp_sink_conf *ac = amqp_sink_conf_of(sc);
+    size_t                n = 0;
+
+    for (; ac != NULL && n < ac->n_brokers && n < max; n++)
+        out[n] = ac->brokers[n].addr;
+    return n;
 }
 
 static long amqpsink_broker(const sink *s)
@@ -2637,5 +2661,6 @@ const sink_ops amqpsink_ops = {
     .in_flight = amqpsink_in_flight,
     .check     = amqpsink_check,
     .quiesce   = amqpsink_quiesce,
+    .addresses = amqpsink_addresses,
     .broker    = amqpsink_broker,
 };

@@ -57,32 +57,33 @@ static void dump(const cfg *c)
         printf("max_rows_in_memory = %d\n", c->relay.max_rows_in_memory);
     for (size_t i = 0; i < c->n_sinks; i++) {
         const cfg_sink *s = &c->sinks[i];
+        const amqp_sink_conf *a = amqp_sink_conf_of(s);
         printf("[sink.%s]\n", s->name);
         printf("type = %s\n", s->type->name);
         printf("url = %s\n", secret(s->url));
         printf("password_file = %s\n", secret(s->password));
         printf("publish_window = %d\n", s->publish_window);
-        printf("heartbeat = %lldms\n", (long long)s->heartbeat_ms);
+        printf("heartbeat = %lldms\n", (long long)a->heartbeat_ms);
         printf("confirm_timeout = %lldms\n", (long long)s->confirm_timeout_ms);
         printf("connect_timeout = %lldms\n", (long long)s->connect_timeout_ms);
         printf("reconnect_max = %lldms\n", (long long)s->reconnect_max_ms);
         printf("max_message_size = %zu\n", s->max_message_size);
         printf("confirms = %s\n", b2s(s->confirms));
-        printf("mandatory = %s\n", b2s(s->mandatory));
-        printf("tls_ca_file = %s\n", s2s(s->tls_ca_file));
-        printf("tls_verify = %s\n", b2s(s->tls_verify));
-        printf("tls_cert = %s\n", s2s(s->tls_cert));
-        printf("tls_key = %s\n", s2s(s->tls_key));
-        printf("nack_reopen = %lldms\n", (long long)s->nack_reopen_ms);
-        printf("url.host = %s\n", s2s(s->host));
-        printf("url.port = %d\n", s->port);
-        printf("url.user = %s\n", s2s(s->user));
-        printf("url.pass = %s\n", secret(s->pass));
-        printf("url.vhost = %s\n", s2s(s->vhost));
-        printf("url.tls = %s\n", b2s(s->tls));
+        printf("mandatory = %s\n", b2s(a->mandatory));
+        printf("tls_ca_file = %s\n", s2s(a->tls_ca_file));
+        printf("tls_verify = %s\n", b2s(a->tls_verify));
+        printf("tls_cert = %s\n", s2s(a->tls_cert));
+        printf("tls_key = %s\n", s2s(a->tls_key));
+        printf("nack_reopen = %lldms\n", (long long)a->nack_reopen_ms);
+        printf("url.host = %s\n", s2s(a->host));
+        printf("url.port = %d\n", a->port);
+        printf("url.user = %s\n", s2s(a->user));
+        printf("url.pass = %s\n", secret(a->pass));
+        printf("url.vhost = %s\n", s2s(a->vhost));
+        printf("url.tls = %s\n", b2s(a->tls));
         printf("url.brokers = ");
-        for (size_t k = 0; k < s->n_brokers; k++)
-            printf("%s%s", k ? "," : "", s->brokers[k].addr);
+        for (size_t k = 0; k < a->n_brokers; k++)
+            printf("%s%s", k ? "," : "", a->brokers[k].addr);
         printf("\n");
     }
     for (size_t i = 0; i < c->n_outboxes; i++) {
@@ -340,18 +341,10 @@ static void t_size(void **st)
 /* AMQP URLs                                                           */
 /* ------------------------------------------------------------------ */
 
-static void sink_clear(cfg_sink *s)
-{
-    free(s->host);
-    free(s->user);
-    free(s->pass);
-    free(s->vhost);
-    memset(s, 0, sizeof *s);
-}
 
 static void t_amqp_url_ok(void **st)
 {
-    cfg_sink s;
+    amqp_sink_conf s;
     char err[200];
     (void)st;
 
@@ -404,7 +397,7 @@ static void t_amqp_url_ok(void **st)
     assert_int_equal(amqp_url_parse("amqps://u:p@[fe80::1:2]", &s, err, sizeof err), 0);
     assert_string_equal(s.host, "fe80::1:2");
     assert_int_equal(s.port, 5671);
-    sink_clear(&s);
+    amqp_sink_conf_clear(&s);
 }
 
 static void t_amqp_url_bad(void **st)
@@ -440,7 +433,7 @@ static void t_amqp_url_bad(void **st)
         { "amqp://h/\tv", "whitespace" },
         { "amqp://h%41/", "bad character" },
     };
-    cfg_sink s;
+    amqp_sink_conf s;
     char err[200];
     (void)st;
 
@@ -458,7 +451,7 @@ static void t_amqp_url_bad(void **st)
 
 static void t_amqp_url_list_ok(void **st)
 {
-    cfg_sink s;
+    amqp_sink_conf s;
     char err[400];
     (void)st;
 
@@ -498,9 +491,8 @@ static void t_amqp_url_list_ok(void **st)
                                          "amqp://h:6,amqp://h:7,amqp://h:8,amqp://h:9,amqp://h:10,"
                                          "amqp://h:11,amqp://h:12,amqp://h:13,amqp://h:14,"
                                          "amqp://h:15,amqp://h:16", &s, err, sizeof err), 0);
-    assert_int_equal(s.n_brokers, CFG_MAX_BROKERS);
-    cfg_brokers_free(&s);
-    sink_clear(&s);
+    assert_int_equal(s.n_brokers, AMQP_MAX_BROKERS);
+    amqp_sink_conf_clear(&s);
 }
 
 static void t_amqp_url_list_bad(void **st)
@@ -528,7 +520,7 @@ static void t_amqp_url_list_bad(void **st)
         { "http://a", "unsupported scheme", -1 },
         { "", "empty", -1 },
     };
-    cfg_sink s;
+    amqp_sink_conf s;
     char err[400];
     (void)st;
 
@@ -581,31 +573,32 @@ static void t_load_defaults(void **st)
 
     assert_int_equal(c->n_sinks, 1);
     const cfg_sink *s = &c->sinks[0];
+    const amqp_sink_conf *a = amqp_sink_conf_of(s);
     assert_string_equal(s->name, "main");
     assert_string_equal(s->type->name, "rabbitmq");
     assert_string_equal(s->url, "amqp://guest:guest@127.0.0.1:5672/%2f");
     assert_null(s->password);
-    assert_string_equal(s->host, "127.0.0.1");
-    assert_int_equal(s->port, 5672);
-    assert_string_equal(s->user, "guest");
-    assert_string_equal(s->pass, "guest");
-    assert_string_equal(s->vhost, "/");
-    assert_false(s->tls);
-    assert_null(s->tls_ca_file);
-    assert_true(s->tls_verify);
+    assert_string_equal(a->host, "127.0.0.1");
+    assert_int_equal(a->port, 5672);
+    assert_string_equal(a->user, "guest");
+    assert_string_equal(a->pass, "guest");
+    assert_string_equal(a->vhost, "/");
+    assert_false(a->tls);
+    assert_null(a->tls_ca_file);
+    assert_true(a->tls_verify);
     assert_int_equal(s->publish_window, 1000);
-    assert_true(s->heartbeat_ms == 30000);
+    assert_true(a->heartbeat_ms == 30000);
     assert_true(s->confirm_timeout_ms == 30000);
     assert_true(s->connect_timeout_ms == 5000);
     assert_true(s->reconnect_max_ms == 30000);
     assert_true(s->max_message_size == 128u * 1024 * 1024);
     assert_true(s->confirms);
-    assert_true(s->mandatory);
-    assert_int_equal(s->n_brokers, 1);
-    assert_string_equal(s->brokers[0].host, "127.0.0.1");
-    assert_int_equal(s->brokers[0].port, 5672);
-    assert_string_equal(s->brokers[0].addr, "127.0.0.1:5672");
-    assert_true(s->nack_reopen_ms == 1000);
+    assert_true(a->mandatory);
+    assert_int_equal(a->n_brokers, 1);
+    assert_string_equal(a->brokers[0].host, "127.0.0.1");
+    assert_int_equal(a->brokers[0].port, 5672);
+    assert_string_equal(a->brokers[0].addr, "127.0.0.1:5672");
+    assert_true(a->nack_reopen_ms == 1000);
 
     assert_int_equal(c->n_outboxes, 1);
     const cfg_outbox *o = &c->outboxes[0];
@@ -669,6 +662,115 @@ static void t_reload_sees_rotated_tls_file(void **st)
     free(ca);
 }
 
+/* config/ and a backend's own settings, without RabbitMQ: a sink registered here keeps
+   its keys in its own struct (backend_conf), which config/ allocates, frees through the
+   backend and compares on reload through it. Runs last: the registration stays. */
+typedef struct fake_conf {
+    int   depth;
+    char *path;
+    int   derived;      /* set by finish_sink */
+} fake_conf;
+
+static int fake_frees;
+
+static void fake_free(void *conf)
+{
+    free(((fake_conf *)conf)->path);
+    fake_frees++;
+}
+
+static bool fake_equal(const void *va, const void *vb)
+{
+    const fake_conf *a = va, *b = vb;
+    return a->depth == b->depth && a->derived == b->derived &&
+           (a->path == NULL ? b->path == NULL : b->path != NULL && strcmp(a->path, b->path) == 0);
+}
+
+static void fake_finish(cfg_sink *s, cfg_report *r)
+{
+    fake_conf *f = s->backend_conf;
+
+    f->derived = f->depth * 10;
+    if (f->depth == 7)
+        cfg_report_error(r, "fake_depth", "expected anything but 7, got 7");
+}
+
+static void t_backend_settings(void **st)
+{
+    static const cfg_key keys[] = {
+        { "fake_depth", CFG_KT_INT, 0, "3", 1, 9, NULL, NULL, offsetof(fake_conf, depth), NULL },
+        { "fake_path",  CFG_KT_STR, CFG_KF_EMPTY_NULL, "", 0, 0, NULL, NULL,
+          offsetof(fake_conf, path), "a path" },
+    };
+    static const cfg_backend fake = {
+        .kind = CFG_BACKEND_SINK, .name = "fake", .conf_size = sizeof(fake_conf),
+        .keys = keys, .n_keys = 2, .finish_sink = fake_finish, .conf_free = fake_free,
+        .conf_equal = fake_equal,
+    };
+    static const cfg_backend no_equal = {
+        .kind = CFG_BACKEND_SINK, .name = "no_equal", .conf_size = sizeof(fake_conf),
+    };
+    static const cfg_backend no_home = {
+        .kind = CFG_BACKEND_SINK, .name = "no_home", .keys = keys, .n_keys = 2,
+    };
+    static const char base[] = "[sink.main]\ntype = fake\nurl = x://y\n%s"
+                               "[outbox.o]\nconninfo = dbname=x\ndatabase = x\n";
+    cfg_errors e = { 0 };
+    char *ini = NULL;
+    cfg *a, *b, *c2;
+    (void)st;
+
+    assert_int_equal(cfg_register(&no_equal), -1);   /* a reload could not compare it */
+    assert_int_equal(cfg_register(&no_home), -1);    /* keys without settings to hold them */
+    assert_int_equal(cfg_register(&fake), 0);
+
+    assert_true(asprintf(&ini, base, "fake_depth = 5\nfake_path = /p\n") > 0);
+    a = load_text(ini, &e, NULL);
+    print_errs(&e);
+    assert_non_null(a);
+    const fake_conf *f = a->sinks[0].backend_conf;
+    assert_ptr_equal(a->sinks[0].type, &fake);
+    assert_int_equal(f->depth, 5);
+    assert_string_equal(f->path, "/p");
+    assert_int_equal(f->derived, 50);
+    b = load_text(ini, &e, NULL);
+    assert_non_null(b);
+    assert_true(cfg_sink_equal(&a->sinks[0], &b->sinks[0]));
+    assert_true(cfg_outbox_equal(&a->outboxes[0], &b->outboxes[0]));
+    free(ini);
+    assert_true(asprintf(&ini, base, "fake_depth = 6\nfake_path = /p\n") > 0);
+    c2 = load_text(ini, &e, NULL);
+    assert_non_null(c2);
+    assert_false(cfg_sink_equal(&a->sinks[0], &c2->sinks[0]));   /* through fake_equal */
+    assert_false(cfg_outbox_equal(&a->outboxes[0], &c2->outboxes[0]));
+    fake_frees = 0;
+    cfg_free(a);
+    cfg_free(b);
+    cfg_free(c2);
+    assert_int_equal(fake_frees, 3);
+    free(ini);
+
+    /* its keys are its own: defaults, its finish's errors, and unknown to another sink */
+    assert_true(asprintf(&ini, base, "fake_depth = 7\n[sink.r]\nfake_path = /p\n") > 0);
+    a = load_text(ini, &e, NULL);
+    assert_null(a);
+    assert_int_equal(e.n, 2);
+    assert_non_null(strstr(e.lines[0], "[sink.main] fake_depth: expected anything but 7, got 7"));
+    assert_non_null(strstr(e.lines[1],
+                           "[sink.r] fake_path: unknown key, expected one of type, url"));
+    cfg_errors_clear(&e);
+    free(ini);
+    assert_true(asprintf(&ini, base, "") > 0);
+    a = load_text(ini, &e, NULL);
+    print_errs(&e);
+    assert_non_null(a);
+    f = a->sinks[0].backend_conf;
+    assert_int_equal(f->depth, 3);
+    assert_null(f->path);
+    cfg_free(a);
+    free(ini);
+}
+
 static void t_load_values(void **st)
 {
     cfg_errors e = { 0 };
@@ -723,16 +825,17 @@ static void t_load_values(void **st)
     assert_int_equal(cfg_max_rows_in_memory(c), 65535 + 2 * 100000);
     assert_int_equal(c->n_sinks, 1);
     assert_string_equal(c->sinks[0].name, "bus");
-    assert_string_equal(c->sinks[0].host, "::1");
-    assert_int_equal(c->sinks[0].port, 5999);
-    assert_string_equal(c->sinks[0].user, "app");
-    assert_string_equal(c->sinks[0].pass, "pw;x");
-    assert_string_equal(c->sinks[0].vhost, "prod");
-    assert_true(c->sinks[0].tls);
+    const amqp_sink_conf *bus = amqp_sink_conf_of(&c->sinks[0]);
+    assert_string_equal(bus->host, "::1");
+    assert_int_equal(bus->port, 5999);
+    assert_string_equal(bus->user, "app");
+    assert_string_equal(bus->pass, "pw;x");
+    assert_string_equal(bus->vhost, "prod");
+    assert_true(bus->tls);
     assert_int_equal(c->sinks[0].publish_window, 65535);
-    assert_true(c->sinks[0].heartbeat_ms == 0);
+    assert_true(bus->heartbeat_ms == 0);
     assert_true(c->sinks[0].max_message_size == 65536);
-    assert_false(c->sinks[0].tls_verify);
+    assert_false(bus->tls_verify);
     assert_int_equal(c->n_outboxes, 2);
     const cfg_outbox *a = &c->outboxes[0], *b = &c->outboxes[1];
     assert_true(a->poll_interval_ms == 250 && cfg_poll_interval_ms(a, true) == 250);
@@ -782,11 +885,12 @@ static void t_env_and_secret_files(void **st)
     c = load_text(text, &e, NULL);
     print_errs(&e);
     assert_non_null(c);
-    assert_string_equal(c->sinks[0].host, "10.1.2.3");
-    assert_string_equal(c->sinks[0].pass, "from-env");
+    assert_string_equal(amqp_sink_conf_of(&c->sinks[0])->host, "10.1.2.3");
+    assert_string_equal(amqp_sink_conf_of(&c->sinks[0])->pass, "from-env");
     assert_null(c->sinks[0].password);
-    assert_string_equal(c->sinks[1].user, "u");
-    assert_string_equal(c->sinks[1].pass, "s3cr3t");       /* password_file overrides the URL */
+    assert_string_equal(amqp_sink_conf_of(&c->sinks[1])->user, "u");
+    /* password_file overrides the URL */
+    assert_string_equal(amqp_sink_conf_of(&c->sinks[1])->pass, "s3cr3t");
     assert_string_equal(c->sinks[1].password, "s3cr3t");   /* one trailing newline trimmed */
     assert_string_equal(c->outboxes[0].conninfo, "host=10.1.2.3 dbname=appdb password=$x");
     assert_string_equal(c->outboxes[0].database, "appdb");
@@ -1065,6 +1169,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(t_missing_file_and_syntax),
         cmocka_unit_test(t_log),
         cmocka_unit_test(t_row),
+        cmocka_unit_test(t_backend_settings),   /* last: it registers a sink */
     };
     int rc;
 

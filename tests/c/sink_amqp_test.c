@@ -428,6 +428,7 @@ int main(int argc, char **argv)
 {
     drv                         d;
     cfg_sink                    c;
+    amqp_sink_conf              a;
     sink_cbs                    cbs;
     struct amqp_connection_info ci;
     char                       *urlcopy = NULL;
@@ -447,24 +448,26 @@ int main(int argc, char **argv)
     }
     memset(&d, 0, sizeof d);
     memset(&c, 0, sizeof c);
+    memset(&a, 0, sizeof a);
     d.retry_lost = 1;
     c.name = (char *)"test";
     if (sinks_register() != 0)
         return 1;
     c.type = cfg_backend_find(CFG_BACKEND_SINK, "rabbitmq");
+    c.backend_conf = &a;
     c.publish_window = 1000;
-    c.heartbeat_ms = 10000;
+    a.heartbeat_ms = 10000;
     c.confirm_timeout_ms = 30000;
     c.connect_timeout_ms = 5000;
     c.reconnect_max_ms = 2000;
     c.max_message_size = 128u << 20;
-    c.confirms = c.mandatory = true;
-    c.tls_verify = true;
+    c.confirms = a.mandatory = true;
+    a.tls_verify = true;
 
     if (strchr(argv[1], ',') != NULL) {
-        /* a cluster list: as the relay's config loader reads it (c owns the strings) */
+        /* a cluster list: as the relay's config loader reads it (a owns the strings) */
         list = 1;
-        if (amqp_urls_parse(argv[1], &c, err, sizeof err) < 0) {
+        if (amqp_urls_parse(argv[1], &a, err, sizeof err) < 0) {
             fprintf(stderr, "bad url list: %s\n", err);
             return 1;
         }
@@ -477,12 +480,12 @@ int main(int argc, char **argv)
             fprintf(stderr, "bad url\n");
             goto out;
         }
-        c.host = ci.host;
-        c.port = ci.port;
-        c.user = ci.user;
-        c.pass = ci.password;
-        c.vhost = ci.vhost;
-        c.tls = ci.ssl;
+        a.host = ci.host;
+        a.port = ci.port;
+        a.user = ci.user;
+        a.pass = ci.password;
+        a.vhost = ci.vhost;
+        a.tls = ci.ssl;
     }
 
     for (ai = 2; ai < argc && strncmp(argv[ai], "--", 2) == 0; ai++) {
@@ -508,13 +511,13 @@ int main(int argc, char **argv)
         if (strcmp(o, "--window") == 0)               c.publish_window = atoi(v);
         else if (strcmp(o, "--max-size") == 0)        c.max_message_size = strtoull(v, NULL, 10);
         else if (strcmp(o, "--confirm-timeout") == 0) c.confirm_timeout_ms = atoll(v);
-        else if (strcmp(o, "--heartbeat") == 0)       c.heartbeat_ms = atoll(v);
+        else if (strcmp(o, "--heartbeat") == 0)       a.heartbeat_ms = atoll(v);
         else if (strcmp(o, "--tag") == 0)             tag = v;
         else if (strcmp(o, "--rate") == 0)            d.rate = atof(v);
         else if (strcmp(o, "--timeout") == 0)         timeout = atof(v);
         else if (strcmp(o, "--destroy-after") == 0)   d.destroy_after = atoi(v);
         else if (strcmp(o, "--retry-refused") == 0)   d.retry_refused = atof(v) / 1000.;
-        else if (strcmp(o, "--nack-reopen") == 0)     c.nack_reopen_ms = atoll(v);
+        else if (strcmp(o, "--nack-reopen") == 0)     a.nack_reopen_ms = atoll(v);
         else if (strcmp(o, "--reconnect-max") == 0)   c.reconnect_max_ms = atoll(v);
         else {
             fprintf(stderr, "unknown option %s\n", o);
@@ -656,13 +659,8 @@ out:
     free(d.waiting);
     free(d.scratch);
     free(urlcopy);
-    if (list) {
-        free(c.host);
-        free(c.user);
-        free(c.pass);
-        free(c.vhost);
-        cfg_brokers_free(&c);
-    }
+    if (list)
+        amqp_sink_conf_clear(&a);
     if (d.ops != NULL && d.ops->quiesce != NULL)
         d.ops->quiesce(30000);   /* a connect worker still running ends first */
     return rc;
