@@ -6,8 +6,11 @@
  * Why not rabbitmq-c's amqp_parse_url: tried on the cases below, it reads
  * "amqp://::1/x" as host localhost port 1, accepts port 0, a host with a space
  * in it and "amqp://" alone (localhost), and says only "bad URL" when it does
- * refuse. An operator gets a wrong broker or no reason; this parser refuses each
- * of those with one (tests/c/cfg_test.c lists them).
+ * refuse. Debian's rabbitmq-c 0.11 also refuses every percent-encoded byte above
+ * %7F, so a user or vhost named in UTF-8 ("v%C3%A9") cannot be written, cuts a
+ * name at %00 silently ("a%00b" is user "a"), and takes the scheme in lower case
+ * only. An operator gets a wrong broker or no reason; this parser refuses each
+ * of those with one, or accepts them (tests/c/cfg_test.c lists them).
  */
 #include "sinks/rabbitmq/amqpcfg.h"
 #include "sinks/sinks.h"

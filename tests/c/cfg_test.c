@@ -397,6 +397,12 @@ static void t_amqp_url_ok(void **st)
     assert_int_equal(amqp_url_parse("amqps://u:p@[fe80::1:2]", &s, err, sizeof err), 0);
     assert_string_equal(s.host, "fe80::1:2");
     assert_int_equal(s.port, 5671);
+
+    /* percent-encoded UTF-8 in the user and the vhost (rabbitmq-c's amqp_parse_url
+       refuses any %XX above %7F, and cuts a name at %00 without a word: see amqpcfg.c) */
+    assert_int_equal(amqp_url_parse("amqp://us%C3%A9r:p@h/v%C3%A9", &s, err, sizeof err), 0);
+    assert_string_equal(s.user, "us\xc3\xa9r");
+    assert_string_equal(s.vhost, "v\xc3\xa9");
     amqp_sink_conf_clear(&s);
 }
 
