@@ -353,34 +353,31 @@ static int st_fetch(odbcsrc_db *db, SQLHSTMT h, const char *what)
     return 1;
 }
 
-static int get_i64(odbcsrc_db *db, SQLHSTMT h, int col, int64_t *v, bool *isnull)
+/* A fixed-size column (ctype) into buf; a NULL reads as zero, *isnull (may be NULL) says. */
+static int get_fixed(odbcsrc_db *db, SQLHSTMT h, int col, SQLSMALLINT ctype, void *buf,
+                     SQLLEN size, bool *isnull)
 {
     SQLLEN ind = 0;
-    int64_t x = 0;
-    SQLRETURN rc = SQLGetData(h, (SQLUSMALLINT)col, SQL_C_SBIGINT, &x, sizeof x, &ind);
+    SQLRETURN rc = SQLGetData(h, (SQLUSMALLINT)col, ctype, buf, size, &ind);
     if (!SQL_SUCCEEDED(rc)) {
         diag(db, SQL_HANDLE_STMT, h, "reading a result column");
         return -1;
     }
     if (isnull)
         *isnull = ind == SQL_NULL_DATA;
-    *v = ind == SQL_NULL_DATA ? 0 : x;
+    if (ind == SQL_NULL_DATA)
+        memset(buf, 0, (size_t)size);
     return 0;
+}
+
+static int get_i64(odbcsrc_db *db, SQLHSTMT h, int col, int64_t *v, bool *isnull)
+{
+    return get_fixed(db, h, col, SQL_C_SBIGINT, v, sizeof *v, isnull);
 }
 
 static int get_f64(odbcsrc_db *db, SQLHSTMT h, int col, double *v, bool *isnull)
 {
-    SQLLEN ind = 0;
-    double x = 0;
-    SQLRETURN rc = SQLGetData(h, (SQLUSMALLINT)col, SQL_C_DOUBLE, &x, sizeof x, &ind);
-    if (!SQL_SUCCEEDED(rc)) {
-        diag(db, SQL_HANDLE_STMT, h, "reading a result column");
-        return -1;
-    }
-    if (isnull)
-        *isnull = ind == SQL_NULL_DATA;
-    *v = ind == SQL_NULL_DATA ? 0 : x;
-    return 0;
+    return get_fixed(db, h, col, SQL_C_DOUBLE, v, sizeof *v, isnull);
 }
 
 /* Reads a text column as UTF-16 in chunks and stores it as UTF-8 in out
