@@ -594,18 +594,7 @@ static int od_send(SQLHDBC c, const outbox_queue *q, const outbox_message *m, si
 done:
     if (inserted)
         *inserted = total;
-    rc = total < n ? OUTBOX_DUPLICATE : OUTBOX_OK;
-    if (rc == OUTBOX_DUPLICATE) {
-        const char *table = cl.mssql ? q->ms_table : q->pg_table;
-        if (batch)
-            outbox_i_err(err, OUTBOX_DUPLICATE, NULL,
-                         "%zu of %zu messages had a message_id already in %s (or repeated "
-                         "in the batch); the others were written", n - total, n, table);
-        else
-            outbox_i_err(err, OUTBOX_DUPLICATE, NULL,
-                         "message_id %s is already in %s; nothing written, transaction intact",
-                         v[0].message_id, table);
-    }
+    rc = outbox_i_sent(err, v, n, total, batch, cl.mssql ? q->ms_table : q->pg_table);
 fail:
     rows_free(rows, nu);
     free(u);

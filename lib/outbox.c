@@ -26,6 +26,20 @@ void outbox_i_err_clear(outbox_error *err)
     err->message[0] = '\0';
 }
 
+int outbox_i_sent(outbox_error *err, const outbox_i_msg *v, size_t n, size_t total, int batch,
+                  const char *table)
+{
+    if (total >= n)
+        return OUTBOX_OK;
+    if (batch)
+        return outbox_i_err(err, OUTBOX_DUPLICATE, NULL,
+                            "%zu of %zu messages had a message_id already in %s (or repeated "
+                            "in the batch); the others were written", n - total, n, table);
+    return outbox_i_err(err, OUTBOX_DUPLICATE, NULL,
+                        "message_id %s is already in %s; nothing written, transaction intact",
+                        v[0].message_id, table);
+}
+
 int outbox_i_err(outbox_error *err, int code, const char *sqlstate, const char *fmt, ...)
 {
     if (!err)

@@ -59,6 +59,12 @@ OUTBOX_HIDDEN int outbox_i_prepare(const outbox_queue *q, const outbox_message *
                                    outbox_error *err);
 OUTBOX_HIDDEN void outbox_i_msgs_free(outbox_i_msg *v, size_t n);
 
+/* The result of a send that wrote total of its n messages into table (both drivers):
+ * OUTBOX_OK, or OUTBOX_DUPLICATE with err saying which message_id (one message) or how
+ * many (a batch) were there already. */
+OUTBOX_HIDDEN int outbox_i_sent(outbox_error *err, const outbox_i_msg *v, size_t n, size_t total,
+                                int batch, const char *table);
+
 /* OUTBOX_OK when db (the connection's database; NULL if unknown) equals the
  * queue's database byte for byte, else OUTBOX_EDBNAME naming both. */
 OUTBOX_HIDDEN int outbox_i_check_dbname(const outbox_queue *q, const char *db, outbox_error *err);

@@ -269,17 +269,7 @@ static int pg_send(PGconn *c, const outbox_queue *q, const outbox_message *m, si
 done:
     if (inserted)
         *inserted = total;
-    rc = total < n ? OUTBOX_DUPLICATE : OUTBOX_OK;
-    if (rc == OUTBOX_DUPLICATE) {
-        if (batch)
-            outbox_i_err(err, OUTBOX_DUPLICATE, NULL,
-                         "%zu of %zu messages had a message_id already in %s (or repeated "
-                         "in the batch); the others were written", n - total, n, q->pg_table);
-        else
-            outbox_i_err(err, OUTBOX_DUPLICATE, NULL,
-                         "message_id %s is already in %s; nothing written, transaction intact",
-                         v[0].message_id, q->pg_table);
-    }
+    rc = outbox_i_sent(err, v, n, total, batch, q->pg_table);
 fail:
     free(sql);
     params_free(&p);
