@@ -15,42 +15,21 @@ SQL Server when OUTBOX_TEST_MSSQL holds an ODBC connection string to a SQL Serve
 reported SKIPPED."""
 import pytest
 
-from source_driver import Driver, driver_binary, driver_factory
-from test_source_contract import MSSQL, MSSQL_SKIP, MssqlSide, PgSide
+from test_source_contract import drivers, side_of  # noqa: F401 (drivers: the contract's fixture)
 
 
 @pytest.fixture(params=["odbc-postgres", "sqlserver"])
-def side(request, build):
-    if request.param == "sqlserver":
-        if not MSSQL:
-            pytest.skip(MSSQL_SKIP)
-        b = MssqlSide(build)
-    else:
-        b = PgSide(request.param, request.getfixturevalue("pgdb"))
-    try:
-        yield b
-    finally:
-        b.cleanup()
+def src(request, build):
+    yield from side_of(request, build)
 
 
-@pytest.fixture
-def drivers(side, build):
-    """make(*opts, database=): an ODBC source driver against the backend under test."""
-    binary = driver_binary(build)
-
-    def one(*opts, database=None):
-        return Driver(binary, "odbc", side.conninfo, database or side.database, *opts,
-                      table=side.table)
-    yield from driver_factory(one)
-
-
-def test_unchanged_down_reason_is_reported_once(side, drivers):
+def test_unchanged_down_reason_is_reported_once(src, drivers):
     """The ODBC source retries a failing connection with back-off (100 ms doubling, here
     capped at 500 ms) but reports DOWN again only when the reason changes (the libpq source
     reports every attempt: tests/test_pgsrc.py)."""
     r, _ = drivers().admin("init")
     assert r["rc"] == 0, r
-    wrong = side.database + "_other"
+    wrong = src.database + "_other"
     d = drivers(database=wrong)
     d.start()
     msg = d.down()

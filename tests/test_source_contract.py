@@ -434,8 +434,9 @@ class MssqlSide:
             self.helper.close()
 
 
-@pytest.fixture(params=BACKENDS)
-def src(request, build):
+def side_of(request, build):
+    """The adapter of the backend a fixture is parametrized with, cleaned up after (a
+    generator for the fixture to yield from); SQL Server is skipped without a server."""
     if request.param == "sqlserver":
         if not MSSQL:
             pytest.skip(MSSQL_SKIP)
@@ -446,6 +447,11 @@ def src(request, build):
         yield b
     finally:
         b.cleanup()
+
+
+@pytest.fixture(params=BACKENDS)
+def src(request, build):
+    yield from side_of(request, build)
 
 
 @pytest.fixture
