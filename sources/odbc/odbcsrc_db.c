@@ -1138,10 +1138,13 @@ int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full)
     memset(out, 0, sizeof *out);
     out->next_due_s = -1;   /* T-SQL does not say: the core uses it only where NOTIFY wakes it */
     if (is_tsql(db)) {
-        char tmpl[1024];
-        snprintf(tmpl, sizeof tmpl, "%s%s", sql_tsql_stats,
-                 full ? sql_tsql_stats_kept : "CAST(-1 AS bigint)");
-        sql = sql_for(db, tmpl);
+        outbox_util_buf t = {0};
+        outbox_util_buf_puts(&t, sql_tsql_stats);
+        outbox_util_buf_puts(&t, full ? sql_tsql_stats_kept : "CAST(-1 AS bigint)");
+        sql = t.failed ? NULL : sql_for(db, t.p);
+        if (t.failed)
+            set_err(db, "stats: out of memory");
+        outbox_util_buf_free(&t);
     } else {
         sql = sql_pg_stats(&db->conf->pgn, full);
         if (!sql)
