@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
-# services.sh — private PostgreSQL 15 and RabbitMQ for development and tests.
+# services.sh — private PostgreSQL 15, RabbitMQ and Babelfish (a T-SQL engine) for development
+# and tests.
 #
-#   scripts/services.sh start     install missing packages, start both (idempotent, fast when up)
-#   scripts/services.sh stop      stop both
-#   scripts/services.sh status    print their state (exit 0 only when both run)
+#   scripts/services.sh start     install missing packages, start all three (idempotent, fast when up)
+#   scripts/services.sh stop      stop them
+#   scripts/services.sh status    print their state (exit 0 only when all run)
 #   scripts/services.sh env       shell exports: eval "$(scripts/services.sh env)"
 #   scripts/services.sh rabbitmqctl ARGS...   rabbitmqctl against the private node
 #
 # State lives in <repo>/.services/ (override with OUTBOX_SERVICES_DIR): data, logs, sockets and
 # the ports picked at first start (ports.env). Nothing system-wide is started or changed, except
 # that missing Debian packages are installed and psqlODBC is registered with unixODBC if absent.
+#
+# Babelfish for PostgreSQL (T-SQL over TDS, SQL Server's wire protocol) comes from the prebuilt
+# tarball in OUTBOX_BABELFISH_TARBALL (default: ../shared/babelfish/babelfish-*.tar.xz beside the
+# repository); it is unpacked under .services/babelfish and reached with FreeTDS's ODBC driver.
+# Its T-SQL database for the tests is `outbox_test`.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -27,6 +33,13 @@ RMQ_HOME=$RMQ_DIR/home
 RMQ_LOG=$SVC/rabbitmq.log
 RMQ_OUT=$SVC/rabbitmq-console.log
 RMQ_PIDFILE=$RMQ_DIR/rabbitmq.pid
+
+BBF_DIR=$SVC/babelfish
+BBF_DATA=$BBF_DIR/data
+BBF_LOG=$SVC/babelfish.log
+BBF_LOGIN=babelfish_user
+BBF_PASSWORD=Babelfish-Pass1
+BBF_DB=outbox_test
 
 die() { echo "services.sh: $*" >&2; exit 1; }
 note() { echo "services.sh: $*" >&2; }
@@ -80,11 +93,11 @@ except OSError:
 EOF
 }
 
-pick_ports() {  # four distinct free ports outside the ephemeral range
+pick_ports() {  # six distinct free ports outside the ephemeral range
     /usr/bin/python3 - <<'EOF'
 import random, socket
 got = []
-while len(got) < 4:
+while len(got) < 6:
     p = random.randint(20000, 29999)
     if p in got or p == 25672:
         continue
@@ -96,7 +109,8 @@ while len(got) < 4:
     finally:
         s.close()
     got.append(p)
-print("PG_PORT=%d\nAMQP_PORT=%d\nDIST_PORT=%d\nEPMD_PORT=%d" % tuple(got))
+print("PG_PORT=%d\nAMQP_PORT=%d\nDIST_PORT=%d\nEPMD_PORT=%d\nBBF_PG_PORT=%d\nBBF_TDS_PORT=%d"
+      % tuple(got))
 EOF
 }
 
@@ -104,6 +118,7 @@ load_ports() {
     [[ -f $PORTS ]] || return 1
     # shellcheck disable=SC1090
     source "$PORTS"
+    [[ -n ${BBF_TDS_PORT:-} ]] || return 1   # written by a version without Babelfish
     RMQ_NODE=outbox-test-$AMQP_PORT@localhost
 }
 
@@ -317,6 +332,93 @@ rmq_stop() {
     (rmq_env; timeout 10 epmd -kill >/dev/null 2>&1) || true
 }
 
+# ---------------------------------------------------------------- babelfish
+bbf_tarball() {
+    local t=${OUTBOX_BABELFISH_TARBALL:-}
+    if [[ -z $t ]]; then
+        t=$(find "$ROOT/../shared/babelfish" -maxdepth 1 -name 'babelfish-*.tar.xz' 2>/dev/null | sort -V | tail -n1)
+    fi
+    [[ -n $t && -f $t ]] || die "Babelfish tarball not found (set OUTBOX_BABELFISH_TARBALL, or put shared/babelfish/ beside the repository)"
+    echo "$t"
+}
+
+bbf_prefix() {  # the unpacked install prefix, or nothing
+    [[ -d $BBF_DIR ]] || return 0
+    find "$BBF_DIR" -mindepth 1 -maxdepth 1 -type d -name 'babelfish-*' | sort | head -n1
+}
+
+tds_driver() {
+    local so
+    so=$(find /usr/lib -name libtdsodbc.so 2>/dev/null | head -n1)
+    [[ -n $so ]] || die "FreeTDS's ODBC driver (libtdsodbc.so) not found; is tdsodbc installed?"
+    echo "$so"
+}
+
+bbf_odbc() {  # the ODBC connection string to the private Babelfish, database $1
+    echo "Driver=$(tds_driver);Server=127.0.0.1;Port=$BBF_TDS_PORT;UID=$BBF_LOGIN;PWD=$BBF_PASSWORD;Database=$1;TDS_Version=7.4;ClientCharset=UTF-8"
+}
+
+bbf_running() {
+    local p; p=$(bbf_prefix)
+    [[ -n $p && -f $BBF_DATA/PG_VERSION ]] || return 1
+    as_pg "$p/bin/pg_ctl" -D "$BBF_DATA" status >/dev/null 2>&1
+}
+
+bbf_tsql() {  # T-SQL batch on stdin, over TDS; bounded
+    TDSVER=7.4 timeout 60 tsql -H 127.0.0.1 -p "$BBF_TDS_PORT" -U "$BBF_LOGIN" -P "$BBF_PASSWORD" 2>&1
+}
+
+bbf_start() {
+    local p out
+    p=$(bbf_prefix)
+    if [[ -z $p ]]; then
+        note "unpacking Babelfish into $BBF_DIR"
+        rm -rf "$BBF_DIR"; mkdir -p "$BBF_DIR"
+        tar -xJf "$(bbf_tarball)" -C "$BBF_DIR" || die "could not unpack Babelfish"
+        p=$(bbf_prefix)
+        [[ -n $p ]] || die "the Babelfish tarball holds no babelfish-*/ directory"
+    fi
+    if [[ $(id -u) == 0 ]]; then chown -R postgres:postgres "$BBF_DIR"; fi
+    if [[ ! -f $BBF_DATA/PG_VERSION ]]; then
+        rm -rf "$BBF_DATA"
+        if ! port_free "$BBF_PG_PORT" || ! port_free "$BBF_TDS_PORT"; then
+            die "Babelfish ports $BBF_PG_PORT/$BBF_TDS_PORT are taken (remove $PORTS to pick new ports)"
+        fi
+        note "initializing Babelfish (T-SQL on 127.0.0.1:$BBF_TDS_PORT)"
+        out=$(as_pg env DATADIR="$BBF_DATA" PGPORT="$BBF_PG_PORT" TDSPORT="$BBF_TDS_PORT" \
+              LISTEN=127.0.0.1 BBF_LOGIN="$BBF_LOGIN" BBF_PASSWORD="$BBF_PASSWORD" \
+              "$p/bin/babelfish-init.sh" 2>&1) || { echo "$out" >&2; die "Babelfish initialization failed"; }
+        echo "$out" > "$BBF_LOG"
+    fi
+    if ! bbf_running; then
+        port_free "$BBF_TDS_PORT" || die "Babelfish's TDS port $BBF_TDS_PORT is taken (remove $PORTS to pick new ports)"
+        note "starting Babelfish on 127.0.0.1:$BBF_TDS_PORT"
+        as_pg "$p/bin/pg_ctl" -D "$BBF_DATA" -l "$BBF_DATA/server.log" -w -t "$READY_TIMEOUT" start >/dev/null 2>&1 || {
+            tail -n 50 "$BBF_DATA/server.log" >&2
+            die "Babelfish did not start (log: $BBF_DATA/server.log)"
+        }
+    fi
+    local deadline=$((SECONDS + READY_TIMEOUT))
+    until printf 'SELECT 1\ngo\n' | bbf_tsql | grep -q '^1$'; do
+        if ((SECONDS >= deadline)); then
+            tail -n 50 "$BBF_DATA/server.log" >&2
+            die "Babelfish not ready on port $BBF_TDS_PORT after ${READY_TIMEOUT}s"
+        fi
+        sleep 0.2
+    done
+    out=$(printf "IF DB_ID('%s') IS NULL CREATE DATABASE %s\ngo\nSELECT 'db-' + CAST(DB_ID('%s') AS varchar(10))\ngo\n" \
+          "$BBF_DB" "$BBF_DB" "$BBF_DB" | bbf_tsql)
+    [[ $out == *"db-"[0-9]* ]] || { echo "$out" >&2; die "could not create the T-SQL database $BBF_DB on Babelfish"; }
+}
+
+bbf_stop() {
+    local p; p=$(bbf_prefix)
+    if bbf_running; then
+        note "stopping Babelfish"
+        as_pg "$p/bin/pg_ctl" -D "$BBF_DATA" -m fast -w -t 60 stop >/dev/null
+    fi
+}
+
 # ---------------------------------------------------------------- commands
 with_lock() {  # serialise start/stop between concurrent test sessions
     mkdir -p "$SVC"
@@ -331,7 +433,8 @@ cmd_start() {
     ensure_ports
     pg_start
     rmq_start
-    echo "services.sh: PostgreSQL 127.0.0.1:$PG_PORT, RabbitMQ 127.0.0.1:$AMQP_PORT ($RMQ_NODE)" >&2
+    bbf_start
+    echo "services.sh: PostgreSQL 127.0.0.1:$PG_PORT, RabbitMQ 127.0.0.1:$AMQP_PORT ($RMQ_NODE), Babelfish (T-SQL) 127.0.0.1:$BBF_TDS_PORT" >&2
 }
 
 cmd_stop() {
@@ -339,10 +442,11 @@ cmd_stop() {
     load_ports || { note "nothing to stop"; return 0; }
     rmq_stop
     pg_stop
+    bbf_stop
 }
 
 cmd_status() {
-    load_ports || { echo "postgresql: not set up"; echo "rabbitmq: not set up"; return 3; }
+    load_ports || { echo "postgresql: not set up"; echo "rabbitmq: not set up"; echo "babelfish: not set up"; return 3; }
     local rc=0
     if pg_running && pg_ready; then
         echo "postgresql: running on 127.0.0.1:$PG_PORT (data $PG_DATA)"
@@ -354,6 +458,11 @@ cmd_status() {
         echo "rabbitmq: running on 127.0.0.1:$AMQP_PORT (node $RMQ_NODE, pid $pid)"
     else
         echo "rabbitmq: stopped"; rc=3
+    fi
+    if bbf_running; then
+        echo "babelfish: running, T-SQL on 127.0.0.1:$BBF_TDS_PORT (data $BBF_DATA)"
+    else
+        echo "babelfish: stopped"; rc=3
     fi
     return $rc
 }
@@ -376,6 +485,9 @@ export ERL_EPMD_PORT='$EPMD_PORT'
 export PGHOST='127.0.0.1'
 export PGPORT='$PG_PORT'
 export PGUSER='postgres'
+export OUTBOX_BABELFISH_ODBC='$(bbf_odbc "$BBF_DB")'
+export OUTBOX_BABELFISH_PG_PORT='$BBF_PG_PORT'
+export OUTBOX_BABELFISH_LOG='$BBF_DATA/server.log'
 # rabbitmqctl needs the node's cookie: HOME=\$OUTBOX_RABBIT_HOME \$OUTBOX_RABBITMQCTL -n \$OUTBOX_RABBIT_NODE status
 # or simply: scripts/services.sh rabbitmqctl status
 EOF

@@ -2,6 +2,7 @@
 
 Fixtures (the contract other tests rely on):
   services  (session)  private servers started by scripts/services.sh; see class Services
+                       (PostgreSQL, RabbitMQ and Babelfish, the T-SQL engine)
   pgdb      (function) a fresh empty database t_<hex>, dropped afterwards; see class PgDb
   pgdb2     (function) a second one, for tests that need two databases
   build     (session)  pathlib.Path of the build dir (env OUTBOX_BUILD, default <repo>/build)
@@ -12,10 +13,12 @@ Helpers importable with `from conftest import ...`:
   prog_argv(argv)           argv wrapped in valgrind when OUTBOX_VALGRIND=1 (for Popen)
   wait_for(pred, timeout)   poll pred until truthy, instead of sleeping
   tail(path, n)             last n lines of a file
+  tsql_target(services)     (ODBC string, engine) of the T-SQL server the SQL Server tests use
 Run from the repo root: /usr/bin/python3 -m pytest tests   (or: make test)
 """
 import os
 import pathlib
+import re
 import secrets
 import shlex
 import subprocess
@@ -124,6 +127,8 @@ class Services:
         self._rabbit_home = env["OUTBOX_RABBIT_HOME"]
         self._rabbitmqctl = env["OUTBOX_RABBITMQCTL"]
         self._epmd_port = env["ERL_EPMD_PORT"]
+        self.babelfish_odbc = env["OUTBOX_BABELFISH_ODBC"]
+        self.babelfish_log = pathlib.Path(env["OUTBOX_BABELFISH_LOG"])
 
     def pg_dsn(self, dbname="postgres"):
         """libpq conninfo for dbname."""
@@ -164,6 +169,20 @@ class Services:
     def amqp_connect(self):
         import pika
         return pika.BlockingConnection(self.amqp_params())
+
+
+def tsql_target(services):
+    """(ODBC connection string, engine) of the T-SQL server the SQL Server tests run on.
+
+    A real SQL Server when OUTBOX_TEST_MSSQL holds an ODBC connection string to one of its
+    databases (engine "sqlserver"); otherwise the harness's private Babelfish, database
+    outbox_test (engine "babelfish"). Babelfish speaks T-SQL over TDS but reads with
+    PostgreSQL's snapshots and ignores table hints: tests that can only pass on SQL Server's
+    locking say so and check engine."""
+    conn = os.environ.get("OUTBOX_TEST_MSSQL", "")
+    if conn:
+        return conn, "sqlserver"
+    return services.babelfish_odbc, "babelfish"
 
 
 def _services_env():
@@ -279,8 +298,10 @@ def pytest_runtest_makereport(item, call):
     rep = outcome.get_result()
     if not rep.failed or _SERVICES is None or "services" not in item.fixturenames:
         return
-    for title, path in (("postgresql log", _SERVICES.pg_log),
-                        ("rabbitmq log", _SERVICES.rabbit_log)):
+    logs = [("postgresql log", _SERVICES.pg_log), ("rabbitmq log", _SERVICES.rabbit_log)]
+    if re.search(r"sqlserver|mssql|tsql", item.nodeid):
+        logs.append(("babelfish log", _SERVICES.babelfish_log))
+    for title, path in logs:
         text = tail(path, 50)
         if text:
             rep.sections.append((f"{title} {path} (last 50 lines)", text))

@@ -4,9 +4,9 @@
    Unicode"): the `backend` fixture below makes lib_send_test call outbox_odbc_send*
    (autocommit off = the caller's transaction; the "outside a transaction" case is
    autocommit on).
-2. The T-SQL path against a real SQL Server when env OUTBOX_TEST_MSSQL holds an ODBC
-   connection string to a database the test may create tables in; otherwise those tests
-   are reported as SKIPPED (never silently).
+2. The T-SQL path (FreeTDS's ODBC driver) against the harness's Babelfish, or against a real
+   SQL Server when env OUTBOX_TEST_MSSQL holds an ODBC connection string to a database the
+   test may create tables in (conftest.tsql_target).
 """
 import os
 import secrets
@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from conftest import run_prog
+from conftest import run_prog, tsql_target
 from test_lib_pg import *  # noqa: F401,F403 - the same cases, re-run through ODBC
 from test_lib_pg import T, Result, conn_str, rows, run_case, send_bin
 
@@ -49,13 +49,11 @@ def test_plain_sql_producer_gets_a_message_id(odb):
 
 
 # ---------------------------------------------------------------------------- SQL Server
-MSSQL_SKIP = "OUTBOX_TEST_MSSQL not set: SQL Server path untested here"
-
-
 class Mssql:
-    def __init__(self, build, conn):
+    def __init__(self, build, conn, engine):
         self.build = build
         self.conn = conn
+        self.engine = engine
         self.table = "outbox_t" + secrets.token_hex(3) + ".messages"
         self.db = None
 
@@ -78,11 +76,8 @@ class Mssql:
 
 
 @pytest.fixture
-def mssql(build):
-    conn = os.environ.get("OUTBOX_TEST_MSSQL")
-    if not conn:
-        pytest.skip(MSSQL_SKIP)
-    m = Mssql(build, conn)
+def mssql(build, services):
+    m = Mssql(build, *tsql_target(services))
     m.db = m.value("SELECT DB_NAME()")
     assert m.db, "cannot read DB_NAME()"
     m.run("ddl")

@@ -6,10 +6,11 @@ the source registered under that name, as the relay does.
 Backends (the `src` fixture):
   postgres       sources/pg (libpq) against the harness's PostgreSQL
   odbc-postgres  sources/odbc through psqlODBC against the same PostgreSQL
-  sqlserver      sources/odbc against SQL Server when OUTBOX_TEST_MSSQL holds an ODBC
-                 connection string to a SQL Server database (one fresh table per test);
-                 otherwise SKIPPED with that reason. It cannot run here: its test-side SQL
-                 goes through the driver's own `sql` command (no Python client).
+  sqlserver      sources/odbc through FreeTDS against the harness's Babelfish (a T-SQL
+                 engine), or against a real SQL Server when OUTBOX_TEST_MSSQL holds an ODBC
+                 connection string to one of its databases (conftest.tsql_target); one
+                 fresh table per test. Its test-side SQL goes through the driver's own `sql`
+                 command (no Python client).
 
 What a test may use of a backend is the small adapter below (PgSide, MssqlSide): inserting
 rows, reading and nudging their columns, row and table locks, killing the source's session,
@@ -32,12 +33,9 @@ import uuid
 
 import pytest
 
-from conftest import wait_for
+from conftest import tsql_target, wait_for
 from source_driver import SLOW, Driver, driver_binary, driver_factory, parse_fields
 
-MSSQL = os.environ.get("OUTBOX_TEST_MSSQL", "")
-MSSQL_SKIP = ("OUTBOX_TEST_MSSQL not set: the SQL Server source is untested here (set it to an "
-              "ODBC connection string to a SQL Server database to run it)")
 
 BACKENDS = ["postgres", "odbc-postgres", "sqlserver"]
 
@@ -237,10 +235,10 @@ class MssqlSide:
     clock_tolerance_s = 300
     driver_backend = "odbc"
 
-    def __init__(self, build):
+    def __init__(self, build, services):
         self.binary = driver_binary(build)
         self.name = "sqlserver"
-        self.conninfo = MSSQL
+        self.conninfo, self.engine = tsql_target(services)
         self.tab = "t" + secrets.token_hex(5)
         self.table = "outbox." + self.tab
         self.table2 = f"outbox.{self.tab}_b"
@@ -438,9 +436,7 @@ def side_of(request, build):
     """The adapter of the backend a fixture is parametrized with, cleaned up after (a
     generator for the fixture to yield from); SQL Server is skipped without a server."""
     if request.param == "sqlserver":
-        if not MSSQL:
-            pytest.skip(MSSQL_SKIP)
-        b = MssqlSide(build)
+        b = MssqlSide(build, request.getfixturevalue("services"))
     else:
         b = PgSide(request.param, request.getfixturevalue("pgdb"))
     try:
