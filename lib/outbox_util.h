@@ -20,12 +20,18 @@
 #include <stddef.h>
 #include <stdint.h>
 
+/* OUTBOX_MUST_CHECK marks a function whose result must not be dropped: a
+ * status that says whether it worked, memory the caller now owns, or a value
+ * that is the whole point of the call. GCC warns even through a (void) cast,
+ * so a function some caller may rightly ignore does not carry it. */
 #if defined(__GNUC__)
 #define OUTBOX_HIDDEN __attribute__((visibility("hidden")))
 #define OUTBOX_PRINTF(a, b) __attribute__((format(printf, a, b)))
+#define OUTBOX_MUST_CHECK __attribute__((warn_unused_result))
 #else
 #define OUTBOX_HIDDEN
 #define OUTBOX_PRINTF(a, b)
+#define OUTBOX_MUST_CHECK
 #endif
 
 /* ------------------------------------------------------------------ UTF-8 */
@@ -34,11 +40,11 @@
  * 0 when there is none (n == 0, a continuation or invalid lead byte, an
  * overlong form, a surrogate, a code point above U+10FFFF, a sequence cut
  * short). *cp (cp may be NULL) gets the code point of a valid sequence. */
-OUTBOX_HIDDEN size_t outbox_util_utf8_seq(const char *s, size_t n, uint32_t *cp);
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK size_t outbox_util_utf8_seq(const char *s, size_t n, uint32_t *cp);
 
 /* -1 when s[0..len) is valid UTF-8 (an embedded NUL is), else the byte offset
  * of the first bad sequence. */
-OUTBOX_HIDDEN long outbox_util_utf8_check(const char *s, size_t len);
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK long outbox_util_utf8_check(const char *s, size_t len);
 
 /* ---------------------------------------------------------------- buffers */
 
@@ -72,7 +78,7 @@ OUTBOX_HIDDEN void outbox_util_buf_free(outbox_util_buf *b);
  * Each byte that does not start a valid UTF-8 sequence becomes U+FFFD (input
  * is never refused, nothing valid is lost). NULL when memory (or iconv, which
  * holds UTF-8 and UTF-16 built in) fails. */
-OUTBOX_HIDDEN uint16_t *outbox_util_utf16_from_utf8(const char *s, size_t len, size_t *units);
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK uint16_t *outbox_util_utf16_from_utf8(const char *s, size_t len, size_t *units);
 
 /* Appends w[0..n) (host byte order) to b as UTF-8; each unpaired surrogate
  * becomes U+FFFD. A U+0000 unit is copied as a NUL byte. 0, or -1 (failed). */
@@ -84,7 +90,7 @@ OUTBOX_HIDDEN int outbox_util_utf16_to_utf8(outbox_util_buf *b, const uint16_t *
  * else its escape: \" \\ \n \r \t \b \f, and \u00XX for the other control
  * characters below 0x20 (built in esc). DEL and bytes >= 0x80 are not
  * escaped. */
-OUTBOX_HIDDEN const char *outbox_util_json_esc(unsigned char c, char esc[7]);
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK const char *outbox_util_json_esc(unsigned char c, char esc[7]);
 
 /* Appends s as a JSON string literal, quotes included, escaped as above. Each
  * byte that does not start a valid UTF-8 sequence becomes U+FFFD, so the result
@@ -97,11 +103,11 @@ OUTBOX_HIDDEN int outbox_util_json_string(outbox_util_buf *b, const char *s, siz
 /* The delay after a failure that followed a delay of cur_ms: twice cur_ms,
  * capped at max_ms, and never below min_ms (min_ms wins over a smaller max_ms);
  * cur_ms <= 0 (no delay yet) gives min_ms. Never overflows. */
-OUTBOX_HIDDEN int64_t outbox_util_backoff_next(int64_t cur_ms, int64_t min_ms, int64_t max_ms);
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK int64_t outbox_util_backoff_next(int64_t cur_ms, int64_t min_ms, int64_t max_ms);
 
 /* The delay before retry n (n >= 1) of a back-off that starts at first_ms and
  * doubles: first_ms * 2^(n-1), capped at max_ms (also when first_ms is larger).
  * Never overflows. */
-OUTBOX_HIDDEN int64_t outbox_util_backoff_nth(int64_t first_ms, int64_t max_ms, int n);
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK int64_t outbox_util_backoff_nth(int64_t first_ms, int64_t max_ms, int n);
 
 #endif

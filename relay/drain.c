@@ -41,7 +41,7 @@ typedef struct sconn {
     source       *src;
     bool          up;
     bool          busy;          /* a request is outstanding */
-    int           busy_req;
+    enum src_req  busy_req;
     ev_tstamp     req_started;
     bool          holding;       /* no request until hold_timer fires */
     int64_t       fail_delay_ms; /* back-off after a failed request while the connection stays up */
@@ -677,7 +677,7 @@ static bool start_settle(drain *d)
     return true;
 }
 
-static bool main_request(drain *d, int req);
+static bool main_request(drain *d, enum src_req req);
 
 static void check_stopped(drain *d)
 {
@@ -704,7 +704,7 @@ static void check_stopped(drain *d)
 }
 
 /* Starts a request on the main connection; false if it could not start. */
-static bool main_request(drain *d, int req)
+static bool main_request(drain *d, enum src_req req)
 {
     sconn *c = &d->main;
     c->busy = true;

@@ -521,7 +521,7 @@ static void entry_free(ledger *l, led_entry *e)
     }
 }
 
-static void set_state(ledger *l, led_entry *e, int state, int glist)
+static void set_state(ledger *l, led_entry *e, enum led_state state, int glist)
 {
     bool was = unsettled_sent(e);
     gmove(l, e, glist);
@@ -535,7 +535,8 @@ static void set_state(ledger *l, led_entry *e, int state, int glist)
 /* Decides e's outcome (e is new, BUFFERED, or INFLIGHT with its counters
  * already updated). A non-SENT outcome blocks e's key: its later buffered
  * rows are given back too (I5). */
-static void decide(ledger *l, led_entry *e, int kind, int64_t backoff_ms, const char *reason)
+static void decide(ledger *l, led_entry *e, enum src_outcome_kind kind, int64_t backoff_ms,
+                   const char *reason)
 {
     heap_remove(l, e);
     e->kind = (uint8_t)kind;
@@ -837,7 +838,7 @@ void ledger_unpark(ledger *l)
     }
 }
 
-void ledger_refused(ledger *l, led_entry *e, int why, const char *reason, double now)
+void ledger_refused(ledger *l, led_entry *e, enum led_refusal why, const char *reason, double now)
 {
     l->now = now;
     if (e->state != LED_BUFFERED)
@@ -860,7 +861,8 @@ void ledger_refused(ledger *l, led_entry *e, int why, const char *reason, double
     attempt_failed(l, e, reason && reason[0] ? reason : "refused by the broker");
 }
 
-void ledger_result(ledger *l, led_entry *e, int outcome, const char *reason, double now)
+void ledger_result(ledger *l, led_entry *e, enum sink_outcome outcome, const char *reason,
+                   double now)
 {
     keyq *k = e->k;
     l->now = now;

@@ -31,6 +31,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "relay/row.h"
+#include "relay/sink.h"
 #include "relay/source.h"
 
 typedef struct ledger ledger;
@@ -96,9 +97,11 @@ void    ledger_published(ledger *l, led_entry *e, double now);
 void    ledger_wait(ledger *l, led_entry *e);
 void    ledger_unpark(ledger *l);
 /* The sink refused the row before sending it; reason is copied. */
-void    ledger_refused(ledger *l, led_entry *e, int why, const char *reason, double now);
-/* The sink's final result for an in-flight row (enum sink_outcome). */
-void    ledger_result(ledger *l, led_entry *e, int sink_outcome, const char *reason, double now);
+void    ledger_refused(ledger *l, led_entry *e, enum led_refusal why, const char *reason,
+                       double now);
+/* The sink's final result for an in-flight row. */
+void    ledger_result(ledger *l, led_entry *e, enum sink_outcome sink_outcome, const char *reason,
+                      double now);
 
 /* --- settles: at most one runs at a time --- */
 /* Moves every decided outcome into the settle; *v (owned by the ledger, valid

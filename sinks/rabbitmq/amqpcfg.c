@@ -67,7 +67,7 @@ static char *pct_decode(const char *p, size_t n, const char **why)
     return out;
 }
 
-int amqp_url_parse(const char *url, amqp_sink_conf *s, char *err, size_t errlen)
+int amqpsink_url_parse(const char *url, amqpsink_conf *s, char *err, size_t errlen)
 {
     char *user = NULL, *pass = NULL, *host = NULL, *vhost = NULL;
     const char *why = NULL, *p, *auth_end, *at, *hp, *port_s = NULL;
@@ -286,10 +286,10 @@ static bool same_secret(const char *a, const char *b)
     return d == 0;
 }
 
-int amqp_urls_parse(const char *list, amqp_sink_conf *s, char *err, size_t errlen)
+int amqpsink_urls_parse(const char *list, amqpsink_conf *s, char *err, size_t errlen)
 {
-    amqp_sink_conf first, t;
-    amqp_broker   *br = NULL;
+    amqpsink_conf first, t;
+    amqpsink_broker   *br = NULL;
     size_t         n = 0, total = 1, idx = 0;
     const char    *p;
     char           why[200], *elem = NULL;
@@ -300,7 +300,7 @@ int amqp_urls_parse(const char *list, amqp_sink_conf *s, char *err, size_t errle
     memset(&t, 0, sizeof t);
     if (list == NULL || strchr(list, ',') == NULL) {
         /* one URL: its own words */
-        if (amqp_url_parse(list, &first, err, errlen) < 0)
+        if (amqpsink_url_parse(list, &first, err, errlen) < 0)
             return -1;
         if ((br = calloc(1, sizeof *br)) == NULL || (br[0].host = strdup(first.host)) == NULL ||
             (br[0].addr = broker_addr(first.host, first.port)) == NULL) {
@@ -325,8 +325,8 @@ int amqp_urls_parse(const char *list, amqp_sink_conf *s, char *err, size_t errle
                 cut = true;
         }
     }
-    if (total > AMQP_MAX_BROKERS) {
-        snprintf(err, errlen, "%zu URLs, at most %d", total, AMQP_MAX_BROKERS);
+    if (total > AMQPSINK_MAX_BROKERS) {
+        snprintf(err, errlen, "%zu URLs, at most %d", total, AMQPSINK_MAX_BROKERS);
         return -2;
     }
     if ((br = calloc(total, sizeof *br)) == NULL) {
@@ -355,7 +355,7 @@ int amqp_urls_parse(const char *list, amqp_sink_conf *s, char *err, size_t errle
             snprintf(err, errlen, "out of memory");
             goto fail;
         }
-        if (amqp_url_parse(elem, &t, why, sizeof why) < 0) {
+        if (amqpsink_url_parse(elem, &t, why, sizeof why) < 0) {
             snprintf(err, errlen, "URL %zu of %zu: %s%s", idx + 1, total, why,
                      cut ? "; URLs are separated by commas: a comma inside one is written %2C" : "");
             goto fail;
@@ -409,7 +409,7 @@ done:
     free(s->user);
     cfg_free_secret(s->pass);
     free(s->vhost);
-    amqp_brokers_free(s);
+    amqpsink_brokers_free(s);
     s->host = first.host;
     s->user = first.user;
     s->pass = first.pass;
@@ -437,7 +437,7 @@ fail:
     return rc;
 }
 
-void amqp_brokers_free(amqp_sink_conf *s)
+void amqpsink_brokers_free(amqpsink_conf *s)
 {
     for (size_t i = 0; i < s->n_brokers; i++) {
         free(s->brokers[i].host);
@@ -448,13 +448,13 @@ void amqp_brokers_free(amqp_sink_conf *s)
     s->n_brokers = 0;
 }
 
-void amqp_sink_conf_clear(amqp_sink_conf *s)
+void amqpsink_conf_clear(amqpsink_conf *s)
 {
     free(s->host);
     free(s->user);
     cfg_free_secret(s->pass);
     free(s->vhost);
-    amqp_brokers_free(s);
+    amqpsink_brokers_free(s);
     free(s->tls_ca_file);
     free(s->tls_cert);
     free(s->tls_key);
@@ -463,7 +463,7 @@ void amqp_sink_conf_clear(amqp_sink_conf *s)
 
 static void conf_free(void *conf)
 {
-    amqp_sink_conf_clear(conf);
+    amqpsink_conf_clear(conf);
 }
 
 static bool str_eq(const char *a, const char *b)
@@ -476,7 +476,7 @@ static bool str_eq(const char *a, const char *b)
 /* Reload: the same settings, the contents of the TLS files included (files_digest). */
 static bool conf_equal(const void *va, const void *vb)
 {
-    const amqp_sink_conf *a = va, *b = vb;
+    const amqpsink_conf *a = va, *b = vb;
 
     if (a->n_brokers != b->n_brokers)
         return false;
@@ -495,7 +495,7 @@ static bool conf_equal(const void *va, const void *vb)
 /* Folds a file's bytes into *h (FNV-1a 64): certificates are read when a connection is
    made, so a reload compares their contents, not only their paths. -1 (errno) when the
    file cannot be read. */
-static int digest_file(const char *path, uint64_t *h)
+static OUTBOX_MUST_CHECK int digest_file(const char *path, uint64_t *h)
 {
     unsigned char buf[8192];
     size_t n;
@@ -519,8 +519,8 @@ static int digest_file(const char *path, uint64_t *h)
 }
 
 /* The keys only this sink has (registered with config/ in sinks/sink.c), applied to its
-   amqp_sink_conf. */
-#define F(f) offsetof(amqp_sink_conf, f)
+   amqpsink_conf. */
+#define F(f) offsetof(amqpsink_conf, f)
 static const cfg_key amqpsink_keys[] = {
     { "mandatory",        CFG_KT_BOOL, CFG_KF_MUST_TRUE, "true", 0, 0, NULL, NULL, F(mandatory),
       "true (mandatory publishing is required: without it an unroutable message would be "
@@ -539,12 +539,12 @@ static const cfg_key amqpsink_keys[] = {
 
 void amqpsink_finish_cfg(cfg_sink *sk, cfg_report *r)
 {
-    amqp_sink_conf *s = sk->backend_conf;
+    amqpsink_conf *s = sk->backend_conf;
     char why[200];
 
     if (sk->url == NULL)
         return;   /* already reported */
-    switch (amqp_urls_parse(sk->url, s, why, sizeof why)) {
+    switch (amqpsink_urls_parse(sk->url, s, why, sizeof why)) {
     case 0:
         break;
     case -1:
@@ -592,7 +592,7 @@ const cfg_backend amqpsink_backend = {
     .name = "rabbitmq",
     .expect = "the broker's URL, or a comma-separated list of URLs of one cluster",
     .url_default = "amqp://guest:guest@127.0.0.1:5672/%2f",
-    .conf_size = sizeof(amqp_sink_conf),
+    .conf_size = sizeof(amqpsink_conf),
     .keys = amqpsink_keys,
     .n_keys = sizeof amqpsink_keys / sizeof amqpsink_keys[0],
     .finish_sink = amqpsink_finish_cfg,

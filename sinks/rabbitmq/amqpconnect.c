@@ -17,6 +17,7 @@
  */
 #include "sinks/rabbitmq/amqpconnect.h"
 #include "sinks/rabbitmq/amqpcfg.h"
+#include "lib/outbox_util.h"
 
 #include <amqp.h>
 #include <amqp_ssl_socket.h>
@@ -69,7 +70,7 @@ struct amqpsink_job {
     struct ev_loop *loop;
     /* inputs: the worker's own copies */
     cfg_sink        cfg;           /* name owned; backend_conf = &conf */
-    amqp_sink_conf  conf;          /* strings owned; host and port: this attempt's address */
+    amqpsink_conf  conf;          /* strings owned; host and port: this attempt's address */
     char           *conn_name;
     amqp_channel_t  ch;
     /* outputs */
@@ -123,7 +124,7 @@ static struct timeval tv_ms(int64_t ms)
     return tv;
 }
 
-static int heartbeat_s(const amqp_sink_conf *c)
+static int heartbeat_s(const amqpsink_conf *c)
 {
     int64_t s;
 
@@ -133,7 +134,7 @@ static int heartbeat_s(const amqp_sink_conf *c)
     return s > 65535 ? 65535 : (int)s;
 }
 
-void amqpsink_ident(char *buf, size_t len, const amqp_sink_conf *c, size_t i)
+void amqpsink_ident(char *buf, size_t len, const amqpsink_conf *c, size_t i)
 {
     if (i < c->n_brokers)
         snprintf(buf, len, "broker %s vhost %s", c->brokers[i].addr,
@@ -339,7 +340,7 @@ out:
 static void fmt_login_fail(amqp_rpc_reply_t r, const char *what, const cfg_sink *c, char *buf,
                            size_t len)
 {
-    const amqp_sink_conf *ac = amqp_sink_conf_of(c);
+    const amqpsink_conf *ac = amqpsink_conf_of(c);
     double t = (double)c->connect_timeout_ms / 1000.;
 
     if (r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION && r.reply.id == AMQP_CONNECTION_CLOSE_METHOD) {
@@ -386,7 +387,7 @@ static void fmt_login_fail(amqp_rpc_reply_t r, const char *what, const cfg_sink 
 /* Why opening the socket (TCP connect, and for amqps the TLS handshake) failed. */
 static void fmt_open_fail(int rc, const cfg_sink *c, char *buf, size_t len)
 {
-    const amqp_sink_conf *ac = amqp_sink_conf_of(c);
+    const amqpsink_conf *ac = amqpsink_conf_of(c);
     char                  why[300];
     double                t = (double)c->connect_timeout_ms / 1000.;
 
@@ -440,7 +441,7 @@ static bool is_ip_address(const char *h)
  * by OpenSSL itself (chain, then the host name or IP address against the
  * certificate's SANs; rabbitmq-c 0.11's own host name check knows DNS names
  * only, so amqps://127.0.0.1 failed even with an IP SAN). */
-static int tls_setup(amqp_socket_t *sock, const amqp_sink_conf *c, char *err, size_t errlen)
+static OUTBOX_MUST_CHECK int tls_setup(amqp_socket_t *sock, const amqpsink_conf *c, char *err, size_t errlen)
 {
     const char *ca = c->tls_ca_file;
     SSL_CTX    *ctx = amqp_ssl_socket_get_context(sock);
@@ -500,10 +501,10 @@ static int tls_setup(amqp_socket_t *sock, const amqp_sink_conf *c, char *err, si
  * jb is given, the socket is published there while the handshake runs so
  * that destroy() can cut it short. Returns 0 and *out, or -1 with err (the
  * reason in words, without the peer: the caller adds ident). */
-static int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch, amqpsink_job *jb,
+static OUTBOX_MUST_CHECK int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch, amqpsink_job *jb,
                      amqp_connection_state_t *out, char *err, size_t errlen)
 {
-    const amqp_sink_conf   *ac = amqp_sink_conf_of(c);
+    const amqpsink_conf   *ac = amqpsink_conf_of(c);
     amqp_connection_state_t conn;
     amqp_socket_t          *sock;
     struct timeval          tv = tv_ms(c->connect_timeout_ms);
@@ -622,12 +623,12 @@ void amqpsink_conn_close(amqp_connection_state_t conn, bool polite)
 
 /* ------------------------------------------------- the settings a connection needs */
 
-void amqpsink_cfg_free(cfg_sink *c, amqp_sink_conf *conf)
+void amqpsink_cfg_free(cfg_sink *c, amqpsink_conf *conf)
 {
     free(c->name);
     c->name = NULL;
     c->backend_conf = NULL;
-    amqp_sink_conf_clear(conf);
+    amqpsink_conf_clear(conf);
 }
 
 int amqpsink_dupstr(char **dst, const char *src)
@@ -639,9 +640,9 @@ int amqpsink_dupstr(char **dst, const char *src)
     return *dst ? 0 : -1;
 }
 
-int amqpsink_cfg_dup(cfg_sink *dst, amqp_sink_conf *dconf, const cfg_sink *src)
+int amqpsink_cfg_dup(cfg_sink *dst, amqpsink_conf *dconf, const cfg_sink *src)
 {
-    const amqp_sink_conf *sconf = amqp_sink_conf_of(src);
+    const amqpsink_conf *sconf = amqpsink_conf_of(src);
     size_t                n = sconf->n_brokers > 0 ? sconf->n_brokers : 1;
 
     *dst = *src;
@@ -663,9 +664,9 @@ int amqpsink_cfg_dup(cfg_sink *dst, amqp_sink_conf *dconf, const cfg_sink *src)
         return -1;
     if ((dconf->brokers = calloc(n, sizeof *dconf->brokers)) == NULL)
         return -1;
-    dconf->n_brokers = n;   /* amqp_brokers_free frees what was copied */
+    dconf->n_brokers = n;   /* amqpsink_brokers_free frees what was copied */
     for (size_t i = 0; i < n; i++) {
-        amqp_broker *b = &dconf->brokers[i];
+        amqpsink_broker *b = &dconf->brokers[i];
         const char  *h = sconf->n_brokers > 0 ? sconf->brokers[i].host : sconf->host;
 
         b->port = sconf->n_brokers > 0 ? sconf->brokers[i].port : sconf->port;
@@ -775,7 +776,7 @@ int amqpsink_job_start(struct ev_loop *loop, ev_async *wake, const cfg_sink *c, 
                        const char *conn_name, amqp_channel_t ch, amqpsink_job **out, char *err,
                        size_t errlen)
 {
-    const amqp_broker *addr = &amqp_sink_conf_of(c)->brokers[broker];
+    const amqpsink_broker *addr = &amqpsink_conf_of(c)->brokers[broker];
     pthread_attr_t attr;
     pthread_t      th;
     sigset_t       all, old;
@@ -897,10 +898,10 @@ void amqpsink_job_cancel(amqpsink_job *jb)
  * addresses, a note naming them. */
 int amqpsink_check(const cfg_sink *sc, char *err, size_t errlen)
 {
-    const amqp_sink_conf   *ac = amqp_sink_conf_of(sc);
+    const amqpsink_conf   *ac = amqpsink_conf_of(sc);
     amqp_connection_state_t conn;
     cfg_sink                one;
-    amqp_sink_conf          oneconf;
+    amqpsink_conf          oneconf;
     char                    ident[300], why[800];
     size_t                  n, bad = 0, o = 0;
 

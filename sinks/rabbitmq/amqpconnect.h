@@ -39,10 +39,10 @@ static inline amqp_bytes_t amqpsink_bytes(const char *s)
 
 /* The peer, as every message about a sink's connection names it (run and check
  * alike): "broker 127.0.0.1:5672 vhost /"; i: which address of the list. */
-void amqpsink_ident(char *buf, size_t len, const amqp_sink_conf *c, size_t i);
+void amqpsink_ident(char *buf, size_t len, const amqpsink_conf *c, size_t i);
 
 /* *dst = a copy of src (NULL stays NULL): 0, or -1 when out of memory. */
-int amqpsink_dupstr(char **dst, const char *src);
+OUTBOX_MUST_CHECK int amqpsink_dupstr(char **dst, const char *src);
 
 /* Deep copy of what a connection needs: the generic settings with the name (url and
  * password are not kept: they may carry the password; dconf's pass is the one copy)
@@ -50,21 +50,21 @@ int amqpsink_dupstr(char **dst, const char *src);
  * too: a conf filled by hand without one (a test driver) gets its host:port as the
  * only address. -1 when out of memory (dst, dconf then hold whatever was copied: free
  * them with amqpsink_cfg_free). */
-int amqpsink_cfg_dup(cfg_sink *dst, amqp_sink_conf *dconf, const cfg_sink *src);
+OUTBOX_MUST_CHECK int amqpsink_cfg_dup(cfg_sink *dst, amqpsink_conf *dconf, const cfg_sink *src);
 /* Frees what amqpsink_cfg_dup copied. */
-void amqpsink_cfg_free(cfg_sink *c, amqp_sink_conf *conf);
+void amqpsink_cfg_free(cfg_sink *c, amqpsink_conf *conf);
 
 /* Starts a connection attempt to address `broker` of c's list on a worker thread
  * (login, channel.open(ch), confirm.select, each bounded by connect_timeout). wake
  * (on loop) is started here and signalled when the attempt is over; the caller
  * then takes the result with amqpsink_job_take. 0 and *out, or -1 with err. */
-int amqpsink_job_start(struct ev_loop *loop, ev_async *wake, const cfg_sink *c, size_t broker,
+OUTBOX_MUST_CHECK int amqpsink_job_start(struct ev_loop *loop, ev_async *wake, const cfg_sink *c, size_t broker,
                        const char *conn_name, amqp_channel_t ch, amqpsink_job **out, char *err,
                        size_t errlen);
 /* When the attempt is over: true, *conn (ownership to the caller; NULL when it
  * failed, err then says why, without the peer) and jb is gone. False while the
  * worker still runs. */
-bool amqpsink_job_take(amqpsink_job *jb, amqp_connection_state_t *conn, char *err,
+OUTBOX_MUST_CHECK bool amqpsink_job_take(amqpsink_job *jb, amqp_connection_state_t *conn, char *err,
                        size_t errlen);
 /* Abandons an attempt (NULL: none): cuts its handshake short and waits for the
  * worker only briefly; a worker still busy cleans up after itself. jb is gone. */
@@ -76,6 +76,6 @@ void amqpsink_quiesce(int64_t timeout_ms);
 void amqpsink_conn_close(amqp_connection_state_t conn, bool polite);
 
 /* The sink's check: connects to every address of the list in turn, blocking. */
-int amqpsink_check(const cfg_sink *sc, char *err, size_t errlen);
+OUTBOX_MUST_CHECK int amqpsink_check(const cfg_sink *sc, char *err, size_t errlen);
 
 #endif

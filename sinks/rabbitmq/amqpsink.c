@@ -68,14 +68,14 @@ static const char *ident_peer(const char *ident)
 
 /* ------------------------------------------------------------ ring / state */
 
-static entry *slot(sink *s, uint64_t tag)
+static ring_msg *slot(sink *s, uint64_t tag)
 {
     return &s->ring[tag & s->ring_mask];
 }
 
-static entry *find_live(sink *s, uint64_t tag)
+static ring_msg *find_live(sink *s, uint64_t tag)
 {
-    entry *e;
+    ring_msg *e;
 
     if (tag < s->tail_tag || tag >= s->next_tag)
         return NULL;
@@ -89,7 +89,7 @@ static void advance_tail(sink *s)
         s->tail_tag++;
 }
 
-static int cur_state(const sink *s)
+static enum sink_state cur_state(const sink *s)
 {
     if (s->conn == NULL || !s->chan_ok || s->broken)
         return SINK_DOWN;
@@ -100,18 +100,18 @@ static int cur_state(const sink *s)
 
 /* Each helper that calls back returns false when destroy() was called from
  * the callback: the caller must then return at once without touching s. */
-static bool emit_state(sink *s, const char *msg)
+static OUTBOX_MUST_CHECK bool emit_state(sink *s, const char *msg)
 {
-    int st = cur_state(s);
+    enum sink_state st = cur_state(s);
 
     s->reported = st;
     s->cbs.on_state(s->cbs.ud, st, ident_peer(s->ident), msg);
     return !s->dying;
 }
 
-static bool settle(sink *s, uint64_t tag, int outcome, const char *reason)
+static OUTBOX_MUST_CHECK bool report_result(sink *s, uint64_t tag, enum sink_outcome outcome, const char *reason)
 {
-    entry *e = slot(s, tag);
+    ring_msg *e = slot(s, tag);
     void  *ud = e->msg_ud;
     char  *ret = e->ret_reason;   /* freed after the callback */
     bool   alive;
@@ -153,13 +153,13 @@ static bool settle(sink *s, uint64_t tag, int outcome, const char *reason)
     return alive;
 }
 
-/* Every live entry gets outcome (in tag order), then the tag counter resets. */
-static bool fail_all(sink *s, int outcome, const char *reason)
+/* Every live message gets outcome (in tag order), then the tag counter resets. */
+static OUTBOX_MUST_CHECK bool fail_all(sink *s, enum sink_outcome outcome, const char *reason)
 {
     uint64_t end = s->next_tag;
 
     for (uint64_t t = s->tail_tag; t < end; t++) {
-        if (find_live(s, t) && !settle(s, t, outcome, reason))
+        if (find_live(s, t) && !report_result(s, t, outcome, reason))
             return false;
     }
     s->next_tag = s->tail_tag = 1;
@@ -258,7 +258,7 @@ bool amqpsink_conn_fail(sink *s, const char *why)
     s->connected = -1;
     s->blocked = false;
     s->broken = false;
-    s->ret_stage = 0;
+    s->ret_stage = RET_NONE;
     /* The exchange cache belongs to the connection. Rows held back with
      * SINK_EWAIT hear on_writable once connected again (want_writable). */
     if (s->xq_len > 0 || s->ck_cur != NULL || s->ck_resolved)
@@ -331,10 +331,10 @@ bool amqpsink_sock_room(sink *s, size_t need)
     return (size_t)queued + need <= s->sndcap;
 }
 
-static bool drain(sink *s);
+static OUTBOX_MUST_CHECK bool read_frames(sink *s);
 static void nack_check(sink *s);
 static bool pch_kick(sink *s);
-static bool pch_timeout(sink *s);
+static OUTBOX_MUST_CHECK bool pch_timeout(sink *s);
 
 static void sink_free(sink *s);
 
@@ -405,7 +405,7 @@ static void jobw_cb(struct ev_loop *loop, ev_async *w, int revents)
     s->blocked = false;
     s->broken = false;
     s->next_tag = s->tail_tag = 1;
-    s->ret_stage = 0;
+    s->ret_stage = RET_NONE;
     amqpsink_xcheck_reset(s);
     s->ck_ch = amqpsink_xcheck_channel(s->conn);
     set_sock_opts(s);
@@ -432,7 +432,7 @@ static void jobw_cb(struct ev_loop *loop, ev_async *w, int revents)
             goto out;
     }
     /* Frames may have been queued during the synchronous handshake. */
-    if (!drain(s))
+    if (!read_frames(s))
         goto out;
     (void)maybe_writable(s);
 out:
@@ -447,7 +447,7 @@ static void rio_cb(struct ev_loop *loop, ev_io *w, int revents)
     (void)revents;
     ENTER(s);
     s->last_rx = ev_time();
-    if (s->conn != NULL && drain(s))
+    if (s->conn != NULL && read_frames(s))
         (void)maybe_writable(s);
     LEAVE(s);
 }
@@ -460,7 +460,7 @@ static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
     ENTER(s);
     if (s->conn == NULL)
         goto out;
-    if (!drain(s) || s->conn == NULL)
+    if (!read_frames(s) || s->conn == NULL)
         goto out;
     /* rabbitmq-c checks missed heartbeats only in calls with a deadline in
      * the future, never with our zero timeout: watch the socket ourselves.
@@ -478,7 +478,7 @@ static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
      * confirms back for as long as the alarm lasts: that is flow control, not a
      * dead connection, so the confirm clock only runs while unblocked. */
     if (s->cfg.confirm_timeout_ms > 0 && s->inflight > 0 && !s->blocked) {
-        entry *e = find_live(s, s->tail_tag);
+        ring_msg *e = find_live(s, s->tail_tag);
         ev_tstamp since = e == NULL ? 0 : e->published_at > s->unblocked_at ? e->published_at
                                                                            : s->unblocked_at;
 
@@ -575,7 +575,7 @@ static amqp_channel_t next_channel(const sink *s)
     return (amqp_channel_t)(s->ch >= max ? 1 : s->ch + 1);
 }
 
-static bool emit_event(sink *s, int ev, const char *msg)
+static OUTBOX_MUST_CHECK bool emit_event(sink *s, int ev, const char *msg)
 {
     if (s->cbs.on_event != NULL) {
         s->cbs.on_event(s->cbs.ud, ev, msg);
@@ -584,7 +584,7 @@ static bool emit_event(sink *s, int ev, const char *msg)
     return true;
 }
 
-/* A channel that got only nacks for nack_reopen (at least AMQP_NACK_REOPEN_MIN,
+/* A channel that got only nacks for nack_reopen (at least AMQPSINK_NACK_REOPEN_MIN,
  * no ack) is reopened: RabbitMQ 3.10 nacks every publish of a channel that
  * first published to a quorum queue while its leader's node was down, until
  * that node returns, while a channel opened after the new leader was elected
@@ -596,7 +596,7 @@ static void nack_check(sink *s)
     ev_tstamp now = ev_now(s->loop);
 
     if (s->conf.nack_reopen_ms <= 0 || s->conn == NULL || !s->chan_ok || s->broken ||
-        s->pch != PCH_OPEN || s->nack_run < AMQP_NACK_REOPEN_MIN ||
+        s->pch != PCH_OPEN || s->nack_run < AMQPSINK_NACK_REOPEN_MIN ||
         now - s->nack_since < (double)s->conf.nack_reopen_ms / 1000.)
         return;
     snprintf(s->nack_why, sizeof s->nack_why, "channel %u got only nacks (%u in %.1f s, no ack)",
@@ -674,7 +674,7 @@ static bool pch_kick(sink *s)
 /* channel.open or confirm.select without an answer within connect_timeout (the
  * bound the blocking reopen had; the clock stops while the broker blocks the
  * connection). Returns false when the sink was destroyed. */
-static bool pch_timeout(sink *s)
+static OUTBOX_MUST_CHECK bool pch_timeout(sink *s)
 {
     ev_tstamp since;
     char      why[300];
@@ -691,7 +691,7 @@ static bool pch_timeout(sink *s)
 }
 
 /* A frame on the publishing channel's new number while it is being opened. */
-static bool on_reopen_frame(sink *s, const amqp_frame_t *f)
+static OUTBOX_MUST_CHECK bool on_reopen_frame(sink *s, const amqp_frame_t *f)
 {
     if (f->frame_type != AMQP_FRAME_METHOD)
         return true;
@@ -736,7 +736,8 @@ static bool on_reopen_frame(sink *s, const amqp_frame_t *f)
 
 /* ------------------------------------------------------------ frame handling */
 
-static bool on_ack(sink *s, uint64_t tag, bool multiple, int outcome, const char *reason)
+static OUTBOX_MUST_CHECK bool on_ack(sink *s, uint64_t tag, bool multiple, enum sink_outcome outcome,
+                   const char *reason)
 {
     if (multiple) {
         uint64_t end = s->next_tag;
@@ -744,26 +745,26 @@ static bool on_ack(sink *s, uint64_t tag, bool multiple, int outcome, const char
         if (tag == 0 || tag >= end)
             tag = end - 1;
         for (uint64_t t = s->tail_tag; t <= tag; t++) {
-            if (find_live(s, t) && !settle(s, t, outcome, reason))
+            if (find_live(s, t) && !report_result(s, t, outcome, reason))
                 return false;
         }
         return true;
     }
     if (find_live(s, tag))
-        return settle(s, tag, outcome, reason);
+        return report_result(s, tag, outcome, reason);
     return true;   /* unknown tag: stale or duplicate, ignore */
 }
 
-static bool on_return_header(sink *s, const amqp_frame_t *f)
+static OUTBOX_MUST_CHECK bool on_return_header(sink *s, const amqp_frame_t *f)
 {
     const amqp_basic_properties_t *p = f->payload.properties.decoded;
 
     s->ret_left = f->payload.properties.body_size;
-    s->ret_stage = s->ret_left > 0 ? 2 : 0;
+    s->ret_stage = s->ret_left > 0 ? RET_SKIP_BODY : RET_NONE;
     if (p == NULL || !(p->_flags & AMQP_BASIC_MESSAGE_ID_FLAG))
         return true;
     for (uint64_t t = s->tail_tag; t < s->next_tag; t++) {
-        entry *e = find_live(s, t);
+        ring_msg *e = find_live(s, t);
 
         if (e != NULL && !e->returned && strlen(e->r->message_id) == p->message_id.len &&
             memcmp(e->r->message_id, p->message_id.bytes, p->message_id.len) == 0) {
@@ -776,8 +777,8 @@ static bool on_return_header(sink *s, const amqp_frame_t *f)
     return true;
 }
 
-/* Is the entry's exchange named (quoted) in the broker's reply text? */
-static bool names_exchange(const entry *e, const char *text)
+/* Is the message's exchange named (quoted) in the broker's reply text? */
+static bool names_exchange(const ring_msg *e, const char *text)
 {
     char q[300];
 
@@ -787,7 +788,7 @@ static bool names_exchange(const entry *e, const char *text)
     return strstr(text, q) != NULL;
 }
 
-static bool on_channel_close(sink *s, unsigned code, const char *text)
+static OUTBOX_MUST_CHECK bool on_channel_close(sink *s, unsigned code, const char *text)
 {
     char                    msg[700];
     amqp_channel_close_ok_t ok;
@@ -801,7 +802,7 @@ static bool on_channel_close(sink *s, unsigned code, const char *text)
     memset(&ok, 0, sizeof ok);
     rc = amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
     s->chan_ok = false;
-    s->ret_stage = 0;
+    s->ret_stage = RET_NONE;
     if (rc != AMQP_STATUS_OK) {
         char why[800];
 
@@ -821,7 +822,7 @@ static bool on_channel_close(sink *s, unsigned code, const char *text)
     if (sz != NULL)
         size = strtoull(sz + 13, NULL, 10);
     for (uint64_t t = s->tail_tag; t < s->next_tag && culprit == 0; t++) {
-        entry *e = find_live(s, t);
+        ring_msg *e = find_live(s, t);
 
         if (e != NULL && names_exchange(e, text)) {
             culprit = t;
@@ -838,7 +839,7 @@ static bool on_channel_close(sink *s, unsigned code, const char *text)
         char reason[800];
 
         snprintf(reason, sizeof reason, "%u %s", code, text);
-        if (!settle(s, culprit, SINK_REJECTED, reason))
+        if (!report_result(s, culprit, SINK_REJECTED, reason))
             return false;
     }
     if (!fail_all(s, SINK_LOST, msg))
@@ -853,7 +854,7 @@ static bool on_channel_close(sink *s, unsigned code, const char *text)
     return pch_kick(s);
 }
 
-static bool handle_frame(sink *s, const amqp_frame_t *f)
+static OUTBOX_MUST_CHECK bool handle_frame(sink *s, const amqp_frame_t *f)
 {
     if (f->channel == 0) {
         if (f->frame_type != AMQP_FRAME_METHOD)
@@ -926,7 +927,7 @@ static bool handle_frame(sink *s, const amqp_frame_t *f)
                      (int)m->reply_text.len, (const char *)m->reply_text.bytes,
                      (int)m->exchange.len, (const char *)m->exchange.bytes,
                      (int)m->routing_key.len, (const char *)m->routing_key.bytes);
-            s->ret_stage = 1;
+            s->ret_stage = RET_WANT_HEADER;
             return true;
         }
         case AMQP_CHANNEL_CLOSE_METHOD: {
@@ -941,16 +942,16 @@ static bool handle_frame(sink *s, const amqp_frame_t *f)
             return true;
         }
     case AMQP_FRAME_HEADER:
-        if (s->ret_stage == 1)
+        if (s->ret_stage == RET_WANT_HEADER)
             return on_return_header(s, f);
         return true;
     case AMQP_FRAME_BODY:
-        if (s->ret_stage == 2) {
+        if (s->ret_stage == RET_SKIP_BODY) {
             size_t n = f->payload.body_fragment.len;
 
             s->ret_left = n >= s->ret_left ? 0 : s->ret_left - n;
             if (s->ret_left == 0)
-                s->ret_stage = 0;
+                s->ret_stage = RET_NONE;
         }
         return true;
     default:
@@ -961,7 +962,7 @@ static bool handle_frame(sink *s, const amqp_frame_t *f)
 /* Reads and handles every frame available now. Returns false when the sink
  * was destroyed from a callback; s->conn is NULL afterwards when the
  * connection failed. */
-static bool drain(sink *s)
+static OUTBOX_MUST_CHECK bool read_frames(sink *s)
 {
     struct timeval zero = { 0, 0 };
     int            n = 0;
@@ -1019,7 +1020,7 @@ static void sink_free(sink *s)
 static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char *conn_name,
                            const sink_cbs *cbs, sink **out, char *err, size_t errlen)
 {
-    const amqp_sink_conf *ac = amqp_sink_conf_of(sc);
+    const amqpsink_conf *ac = amqpsink_conf_of(sc);
     sink                 *s;
     uint64_t              cap = 1;
 
@@ -1140,7 +1141,7 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
     amqp_bytes_t            body;
     void                   *hmem = NULL;
     size_t                  est, nframes;
-    entry                  *e;
+    ring_msg               *e;
     int                     rc;
 
     /* Permanent problems first: the row can never be published. */
@@ -1251,7 +1252,7 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
 
 static size_t amqpsink_addresses(const cfg_sink *sc, const char **out, size_t max)
 {
-    const amqp_sink_conf *ac = amqp_sink_conf_of(sc);
+    const amqpsink_conf *ac = amqpsink_conf_of(sc);
     size_t                n = 0;
 
     for (; ac != NULL && n < ac->n_brokers && n < max; n++)
@@ -1259,7 +1260,7 @@ static size_t amqpsink_addresses(const cfg_sink *sc, const char **out, size_t ma
     return n;
 }
 
-static long amqpsink_broker(const sink *s)
+static long amqpsink_broker_index(const sink *s)
 {
     return s->connected;
 }
@@ -1274,5 +1275,5 @@ const sink_ops amqpsink_ops = {
     .check     = amqpsink_check,
     .quiesce   = amqpsink_quiesce,
     .addresses = amqpsink_addresses,
-    .broker    = amqpsink_broker,
+    .broker    = amqpsink_broker_index,
 };

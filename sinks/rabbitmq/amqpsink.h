@@ -34,7 +34,7 @@ typedef struct xent {
     struct xent *next;       /* hash chain */
     struct xent *qnext;      /* check FIFO (X_QUEUED only) */
     ev_tstamp    expires;    /* X_EXISTS / X_MISSING / X_REFUSED */
-    int          state;      /* enum xstate */
+    enum xstate  state;
     char        *why;        /* owned; the refusal for X_MISSING / X_REFUSED */
     char         name[];
 } xent;
@@ -61,7 +61,16 @@ enum pchstate {
     PCH_SELECTING   /* confirm.select sent on ch */
 };
 
-typedef struct entry {
+/* A basic.return read from the publishing channel: its method, then its
+ * content header (which names the message), then body frames to skip. */
+enum ret_stage {
+    RET_NONE = 0,      /* no basic.return in progress */
+    RET_WANT_HEADER,   /* basic.return seen: its content header names the message */
+    RET_SKIP_BODY      /* header seen: ret_left body bytes follow, unused */
+};
+
+/* A published message waiting for its confirm, in the ring (by delivery tag). */
+typedef struct ring_msg {
     const row    *r;           /* borrowed: the caller keeps it valid until on_result */
     void         *msg_ud;
     uint64_t      tag;
@@ -69,12 +78,12 @@ typedef struct entry {
     bool          live;
     bool          returned;
     char         *ret_reason;  /* owned; set by basic.return */
-} entry;
+} ring_msg;
 
 struct sink {
     struct ev_loop *loop;
     cfg_sink        cfg;          /* copy: name owned, no url or password; backend_conf = &conf */
-    amqp_sink_conf  conf;         /* deep copy (owned) */
+    amqpsink_conf  conf;         /* deep copy (owned) */
     char           *conn_name;    /* owned */
     char            ident[300];   /* "broker host:port vhost V" for messages */
     amqpsink_job   *job;          /* the connection attempt in progress, or NULL */
@@ -84,7 +93,7 @@ struct sink {
     amqp_connection_state_t conn; /* NULL when down */
     amqp_channel_t  ch;
     bool            chan_ok;
-    int             pch;          /* enum pchstate */
+    enum pchstate   pch;
     ev_tstamp       pch_sent_at;  /* when channel.open / confirm.select was sent */
     uint32_t        nack_run;     /* messages nacked in a row on this channel (no ack since) */
     ev_tstamp       nack_since;   /* when the first of them was nacked */
@@ -106,16 +115,16 @@ struct sink {
     int             hb;           /* negotiated heartbeat, seconds (0: off) */
     ev_tstamp       last_rx;      /* last time the socket had data for us */
 
-    entry          *ring;         /* owned, ring_mask + 1 slots */
+    ring_msg       *ring;         /* owned, ring_mask + 1 slots */
     uint64_t        ring_mask;
     uint64_t        next_tag;     /* next delivery tag on this channel */
-    uint64_t        tail_tag;     /* no live entry below this tag */
+    uint64_t        tail_tag;     /* no live message below this tag */
     size_t          inflight;
     bool            want_writable;
     size_t          want_bytes;
 
     /* basic.return in progress: method seen, header/body frames follow */
-    int             ret_stage;    /* 0 none, 1 want header, 2 skipping body */
+    enum ret_stage  ret_stage;
     uint64_t        ret_left;
     char            ret_reason[700];
 
@@ -132,7 +141,7 @@ struct sink {
     xent           *xq_head, *xq_tail;      /* names waiting for a check */
     size_t          xq_len;
     amqp_channel_t  ck_ch;        /* the check channel; 0: none (channel_max < 2) */
-    int             ck_state;     /* enum ckstate */
+    enum ckstate    ck_state;
     xent           *ck_cur;       /* the exchange being checked (CK_BUSY) */
     ev_tstamp       ck_sent_at;   /* when the pending channel.open / declare was sent */
     bool            ck_resolved;  /* a check answered: on_writable is due */
@@ -145,7 +154,7 @@ struct sink {
 
 /* Whether the socket's send buffer has room for need more bytes (an empty one
  * always has: TCP_USER_TIMEOUT bounds it). */
-bool amqpsink_sock_room(sink *s, size_t need);
+OUTBOX_MUST_CHECK bool amqpsink_sock_room(sink *s, size_t need);
 /* A send failed: the connection may be mid-frame. Fails it from the loop soon
  * (the caller may be publish(), which must not call back). */
 void amqpsink_mark_broken(sink *s, const char *what, int rc);
@@ -164,14 +173,14 @@ void amqpsink_xcheck_reset(sink *s);
 /* Whether a row to exchange ex may be published now: SINK_QUEUED (go on),
  * SINK_EWAIT (its check is pending), SINK_EREFUSED (err says why) or
  * SINK_EAGAIN (too many names waiting). Never calls back. */
-int amqpsink_xcheck_dest(sink *s, const char *ex, char *err, size_t errlen);
+OUTBOX_MUST_CHECK int amqpsink_xcheck_dest(sink *s, const char *ex, char *err, size_t errlen);
 /* Sends the check channel's next step when it has one and the socket has room. */
 void amqpsink_xcheck_kick(sink *s);
 /* Fails the connection when a check went unanswered for confirm_timeout.
  * False when the sink was destroyed. */
-bool amqpsink_xcheck_timeout(sink *s);
+OUTBOX_MUST_CHECK bool amqpsink_xcheck_timeout(sink *s);
 /* A frame on the check channel. False when the sink was destroyed. */
-bool amqpsink_xcheck_frame(sink *s, const amqp_frame_t *f);
+OUTBOX_MUST_CHECK bool amqpsink_xcheck_frame(sink *s, const amqp_frame_t *f);
 /* The publishing channel was closed by a 404 naming ex: remember it missing. */
 void amqpsink_xcheck_missing(sink *s, const char *ex, const char *text);
 

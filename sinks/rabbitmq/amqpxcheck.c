@@ -109,7 +109,7 @@ static xent *x_add(sink *s, const char *name)
     return x;
 }
 
-static void x_set(sink *s, xent *x, int state, const char *why)
+static void x_set(sink *s, xent *x, enum xstate state, const char *why)
 {
     x->state = state;
     x->expires = ev_now(s->loop) + (state == X_EXISTS ? AMQPSINK_XOK_TTL : AMQPSINK_XMISSING_TTL);
