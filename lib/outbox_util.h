@@ -6,7 +6,9 @@
  *   - UTF-8 <-> UTF-16 in host byte order (ODBC's SQLWCHAR), through iconv
  *   - a growable byte buffer with a sticky failure flag
  *   - JSON string escaping
- *   - capped exponential back-off
+ *   - capped exponential back-off, and the one jitter rule for reconnects
+ *   - hashing (FNV-1a), pseudo-random numbers (splitmix64, xorshift64)
+ *   - comparing strings that may be NULL
  *
  * Internal: not installed and not liboutbox's API. Any file of the project may
  * call these; applications must not. Every symbol is prefixed outbox_util_ and
@@ -17,6 +19,7 @@
 #ifndef OUTBOX_UTIL_H
 #define OUTBOX_UTIL_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -109,5 +112,44 @@ OUTBOX_HIDDEN OUTBOX_MUST_CHECK int64_t outbox_util_backoff_next(int64_t cur_ms,
  * doubles: first_ms * 2^(n-1), capped at max_ms (also when first_ms is larger).
  * Never overflows. */
 OUTBOX_HIDDEN OUTBOX_MUST_CHECK int64_t outbox_util_backoff_nth(int64_t first_ms, int64_t max_ms, int n);
+
+/* The delay to actually wait for a reconnect back-off step of step_ms: drawn
+ * uniformly from [step_ms/2, step_ms) with *rng (an xorshift64 state), so that
+ * many clients that lost the same server do not all come back at once, while
+ * the step (and so the configured ceiling of the back-off) is never exceeded
+ * and never undercut by more than half. step_ms <= 1 gives step_ms (0 when
+ * negative). Every reconnect of the relay (the database and broker
+ * connections) waits by this rule. */
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK int64_t outbox_util_jitter(int64_t step_ms, uint64_t *rng);
+
+/* ---------------------------------------------------------------- hashing */
+
+/* FNV-1a, 64 bits: h folded with n bytes at p (start from OUTBOX_UTIL_FNV64_INIT;
+ * feeding the bytes in pieces gives the hash of the whole). Fast, not keyed:
+ * for hash tables, rate-limit slots and change detection, never for secrets. */
+#define OUTBOX_UTIL_FNV64_INIT 0xcbf29ce484222325ULL
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK uint64_t outbox_util_fnv1a64(uint64_t h, const void *p, size_t n);
+/* FNV-1a 64 of the NUL-terminated string s. */
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK uint64_t outbox_util_fnv1a64_str(const char *s);
+
+/* --------------------------------------------------------- random numbers */
+
+/* Not for secrets (tokens that must be unguessable come from getrandom). */
+
+/* splitmix64: advances *state (any value) and returns its next output. Every
+ * seed gives a full-period sequence of distinct 64-bit values. */
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK uint64_t outbox_util_splitmix64(uint64_t *state);
+/* splitmix64's finaliser alone: a bijective mix of x's bits (a hash's last step). */
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK uint64_t outbox_util_mix64(uint64_t x);
+/* xorshift64 (13, 7, 17): advances *state, which must not be 0, and returns it. */
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK uint64_t outbox_util_xorshift64(uint64_t *state);
+/* A nonzero seed for xorshift64 that differs between processes and between
+ * objects of one process: the time, the process id and the address p. */
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK uint64_t outbox_util_seed(const void *p);
+
+/* ---------------------------------------------------------------- strings */
+
+/* a and b hold the same text, or are both NULL. */
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK bool outbox_util_str_eq(const char *a, const char *b);
 
 #endif

@@ -1,7 +1,8 @@
 /*
  * util.c — strict UTF-8, UTF-8 <-> UTF-16 (iconv), growable buffers, JSON
- * string escaping and capped exponential back-off, shared by liboutbox and
- * outbox-relay (see outbox_util.h for who may call what).
+ * string escaping, capped exponential back-off and its jitter, FNV-1a,
+ * splitmix64 and xorshift64, shared by liboutbox and outbox-relay (see
+ * outbox_util.h for who may call what).
  */
 #include "outbox_util.h"
 
@@ -11,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------ UTF-8 */
 
@@ -295,4 +298,74 @@ int64_t outbox_util_backoff_nth(int64_t first_ms, int64_t max_ms, int n)
     for (int i = 1; i < n && d > 0 && d < max_ms; i++)
         d = d > max_ms / 2 ? max_ms : d * 2;
     return d;
+}
+
+int64_t outbox_util_jitter(int64_t step_ms, uint64_t *rng)
+{
+    int64_t half, span;
+
+    if (step_ms <= 1)
+        return step_ms < 0 ? 0 : step_ms;
+    half = step_ms / 2;
+    span = step_ms - half;   /* >= 1: the result stays below step_ms */
+    return half + (int64_t)(outbox_util_xorshift64(rng) % (uint64_t)span);
+}
+
+/* ---------------------------------------------------------------- hashing */
+
+uint64_t outbox_util_fnv1a64(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+
+    for (size_t i = 0; i < n; i++) {
+        h ^= b[i];
+        h *= 0x100000001b3ULL;
+    }
+    return h;
+}
+
+uint64_t outbox_util_fnv1a64_str(const char *s)
+{
+    return outbox_util_fnv1a64(OUTBOX_UTIL_FNV64_INIT, s, strlen(s));
+}
+
+/* --------------------------------------------------------- random numbers */
+
+uint64_t outbox_util_mix64(uint64_t x)
+{
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+uint64_t outbox_util_splitmix64(uint64_t *state)
+{
+    return outbox_util_mix64(*state += 0x9e3779b97f4a7c15ULL);
+}
+
+uint64_t outbox_util_xorshift64(uint64_t *state)
+{
+    uint64_t x = *state;
+
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    *state = x;
+    return x;
+}
+
+uint64_t outbox_util_seed(const void *p)
+{
+    uint64_t s = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid() ^ (uint64_t)(uintptr_t)p;
+
+    return s != 0 ? s : 0x9e3779b97f4a7c15ULL;
+}
+
+/* ---------------------------------------------------------------- strings */
+
+bool outbox_util_str_eq(const char *a, const char *b)
+{
+    if (a == NULL || b == NULL)
+        return a == b;
+    return strcmp(a, b) == 0;
 }

@@ -135,10 +135,7 @@ static int64_t new_token(drain *d)
 {
     uint64_t t = 0;
     while (t == 0) {
-        uint64_t z = (d->token_state += 0x9e3779b97f4a7c15ull);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        t = (z ^ (z >> 31)) & INT64_MAX;
+        t = outbox_util_splitmix64(&d->token_state) & INT64_MAX;
     }
     return (int64_t)t;
 }

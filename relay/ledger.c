@@ -205,24 +205,9 @@ static void gmove(ledger *l, led_entry *e, int to)
 
 /* ------------------------------------------------------------ hash tables */
 
-static uint64_t mix64(uint64_t x)
-{
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-}
-
 static uint64_t str_hash(const char *s)
 {
-    uint64_t h = 0xcbf29ce484222325ULL;
-    for (; *s; s++) {
-        h ^= (unsigned char)*s;
-        h *= 0x100000001b3ULL;
-    }
-    return mix64(h);
+    return outbox_util_mix64(outbox_util_fnv1a64_str(s));
 }
 
 static int ptab_resize(ptab *t, size_t cap)
@@ -313,7 +298,7 @@ static bool key_eq(const void *p, const void *k)
 
 static led_entry *id_find(const ledger *l, int64_t id)
 {
-    return ptab_get(&l->ids, mix64((uint64_t)id), id_eq, &id);
+    return ptab_get(&l->ids, outbox_util_mix64((uint64_t)id), id_eq, &id);
 }
 
 /* ------------------------------------------------------------ heap */
@@ -502,7 +487,7 @@ static void entry_free(ledger *l, led_entry *e)
         lremove(&l->gl[e->glist], e, 1);
     if (k != NULL && e->klist != KL_NONE)
         lremove(klist_of(k, e->klist), e, 0);
-    ptab_del(&l->ids, mix64((uint64_t)e->id), e);
+    ptab_del(&l->ids, outbox_util_mix64((uint64_t)e->id), e);
     if (unsettled_sent(e))
         l->n_unsettled_sent--;
     if (e->state == LED_INFLIGHT) {
@@ -716,7 +701,7 @@ void ledger_claimed(ledger *l, row **rows, size_t n, double deadline)
             free(e);
             e = NULL;
         }
-        if (e == NULL || ptab_put(&l->ids, mix64((uint64_t)r->id), e) != 0) {
+        if (e == NULL || ptab_put(&l->ids, outbox_util_mix64((uint64_t)r->id), e) != 0) {
             /* the row keeps its lease and becomes claimable again when it expires */
             if (!l->oom_warned)
                 log_ev(LOG_ERROR, &(log_fields){ .event = "out_of_memory",

@@ -466,13 +466,6 @@ static void conf_free(void *conf)
     amqpsink_conf_clear(conf);
 }
 
-static bool str_eq(const char *a, const char *b)
-{
-    if (a == NULL || b == NULL)
-        return a == b;
-    return strcmp(a, b) == 0;
-}
-
 /* Reload: the same settings, the contents of the TLS files included (files_digest). */
 static bool conf_equal(const void *va, const void *vb)
 {
@@ -481,14 +474,14 @@ static bool conf_equal(const void *va, const void *vb)
     if (a->n_brokers != b->n_brokers)
         return false;
     for (size_t i = 0; i < a->n_brokers; i++)
-        if (!str_eq(a->brokers[i].host, b->brokers[i].host) ||
+        if (!outbox_util_str_eq(a->brokers[i].host, b->brokers[i].host) ||
             a->brokers[i].port != b->brokers[i].port)
             return false;
-    return str_eq(a->host, b->host) && a->port == b->port && str_eq(a->user, b->user) &&
-           str_eq(a->pass, b->pass) && str_eq(a->vhost, b->vhost) && a->tls == b->tls &&
+    return outbox_util_str_eq(a->host, b->host) && a->port == b->port && outbox_util_str_eq(a->user, b->user) &&
+           outbox_util_str_eq(a->pass, b->pass) && outbox_util_str_eq(a->vhost, b->vhost) && a->tls == b->tls &&
            a->mandatory == b->mandatory && a->heartbeat_ms == b->heartbeat_ms &&
-           str_eq(a->tls_ca_file, b->tls_ca_file) && a->tls_verify == b->tls_verify &&
-           str_eq(a->tls_cert, b->tls_cert) && str_eq(a->tls_key, b->tls_key) &&
+           outbox_util_str_eq(a->tls_ca_file, b->tls_ca_file) && a->tls_verify == b->tls_verify &&
+           outbox_util_str_eq(a->tls_cert, b->tls_cert) && outbox_util_str_eq(a->tls_key, b->tls_key) &&
            a->nack_reopen_ms == b->nack_reopen_ms && a->files_digest == b->files_digest;
 }
 
@@ -504,11 +497,10 @@ static OUTBOX_MUST_CHECK int digest_file(const char *path, uint64_t *h)
     if (f == NULL)
         return -1;
     if (*h == 0)
-        *h = 0xcbf29ce484222325ull;
+        *h = OUTBOX_UTIL_FNV64_INIT;
     while ((n = fread(buf, 1, sizeof buf, f)) > 0)
-        for (size_t i = 0; i < n; i++)
-            *h = (*h ^ buf[i]) * 0x100000001b3ull;
-    *h = (*h ^ 0xff) * 0x100000001b3ull;   /* where one file ends */
+        *h = outbox_util_fnv1a64(*h, buf, n);
+    *h = outbox_util_fnv1a64(*h, "\xff", 1);   /* where one file ends */
     int bad = ferror(f);
     fclose(f);
     if (bad) {

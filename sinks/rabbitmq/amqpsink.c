@@ -205,22 +205,17 @@ static bool maybe_writable(sink *s)
  * before lists existed). */
 static void schedule_reconnect(sink *s)
 {
-    double d, base = AMQPSINK_BACKOFF_MIN / 1000.;
+    int64_t base = AMQPSINK_BACKOFF_MIN;
 
     s->cur = (s->cur + 1) % s->conf.n_brokers;
     if (++s->round_fails >= s->conf.n_brokers) {
         s->round_fails = 0;
-        base = (double)s->backoff_ms / 1000.;
+        base = s->backoff_ms;
         s->backoff_ms = outbox_util_backoff_next(s->backoff_ms, AMQPSINK_BACKOFF_MIN,
                                                  s->cfg.reconnect_max_ms);
     }
-    /* xorshift64 jitter: delay in [base/2, base) */
-    s->rnd ^= s->rnd << 13;
-    s->rnd ^= s->rnd >> 7;
-    s->rnd ^= s->rnd << 17;
-    d = base * (0.5 + 0.5 * (double)(s->rnd % 1000000) / 1e6);
     ev_timer_stop(s->loop, &s->retry);
-    ev_timer_set(&s->retry, d, 0.);
+    ev_timer_set(&s->retry, (double)outbox_util_jitter(base, &s->rnd) / 1000., 0.);
     ev_timer_start(s->loop, &s->retry);
 }
 
@@ -1056,9 +1051,7 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
     s->ring_mask = cap - 1;
     s->next_tag = s->tail_tag = 1;
     s->backoff_ms = AMQPSINK_BACKOFF_MIN;
-    s->rnd = (uint64_t)(uintptr_t)s ^ ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid();
-    if (s->rnd == 0)
-        s->rnd = 88172645463325252ULL;
+    s->rnd = outbox_util_seed(s);
     s->cur = 0;
     s->connected = s->last_up = -1;
     amqpsink_ident(s->ident, sizeof s->ident, &s->conf, 0);

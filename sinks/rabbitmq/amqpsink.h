@@ -132,7 +132,7 @@ struct sink {
     ev_timer        tick, retry, wretry, failt;
     ev_timer        nackt;        /* nack_reopen after the first nack of a run */
     int64_t         backoff_ms;
-    uint64_t        rnd;
+    uint64_t        rnd;          /* xorshift64 state of the reconnect jitter */
 
     /* Exchange checks (see the top of amqpxcheck.c). All of it belongs to the
      * connection: amqpsink_conn_fail() forgets it. */

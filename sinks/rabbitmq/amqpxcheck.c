@@ -22,6 +22,7 @@
  * one each.
  */
 #include "sinks/rabbitmq/amqpsink.h"
+#include "lib/outbox_util.h"
 
 #include <amqp.h>
 #include <ev.h>
@@ -43,13 +44,7 @@ static bool x_is_pending(const xent *x)
 
 static size_t x_bucket(const char *name)
 {
-    uint32_t h = 2166136261u;   /* FNV-1a */
-
-    for (const unsigned char *p = (const unsigned char *)name; *p != '\0'; p++) {
-        h ^= *p;
-        h *= 16777619u;
-    }
-    return h % AMQPSINK_XBUCKETS;
+    return (size_t)(outbox_util_fnv1a64_str(name) % AMQPSINK_XBUCKETS);
 }
 
 static xent *x_find(sink *s, const char *name)
