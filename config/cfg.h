@@ -1,5 +1,5 @@
 /*
- * cfg.h — the relay's configuration (SPEC §5): parse → validate → use.
+ * cfg.h — the relay's configuration (every key: config/README.md): parse → validate → use.
  *
  * cfg_load() reads an ini file with iniparser, takes every value as a raw
  * string and parses it strictly itself. It never touches live state: on any

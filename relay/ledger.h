@@ -1,8 +1,9 @@
 /*
  * ledger.h — the life of every row one drain holds, from claim to settled.
  *
- * The ledger is pure bookkeeping: no I/O, no clock of its own (callers pass
- * `now`, a monotonic time in seconds), no libev. relay/drain.c wires it to a
+ * The ledger is pure bookkeeping: no database or broker I/O (it only logs),
+ * no clock of its own (callers pass `now`, a monotonic time in seconds), no
+ * libev. relay/drain.c wires it to a
  * source, a sink and timers; tests/c/ledger_test.c drives it through scripted
  * and seeded random event orders against a fake database and a fake broker.
  *
