@@ -28,9 +28,9 @@
  * that is the whole point of the call. GCC warns even through a (void) cast,
  * so a function some caller may rightly ignore does not carry it. */
 #if defined(__GNUC__)
-#define OUTBOX_HIDDEN __attribute__((visibility("hidden")))
+#define OUTBOX_HIDDEN       __attribute__((visibility("hidden")))
 #define OUTBOX_PRINTF(a, b) __attribute__((format(printf, a, b)))
-#define OUTBOX_MUST_CHECK __attribute__((warn_unused_result))
+#define OUTBOX_MUST_CHECK   __attribute__((warn_unused_result))
 #else
 #define OUTBOX_HIDDEN
 #define OUTBOX_PRINTF(a, b)
@@ -55,10 +55,10 @@ OUTBOX_HIDDEN OUTBOX_MUST_CHECK long outbox_util_utf8_check(const char *s, size_
  * start. After an allocation failure `failed` stays set and every later append
  * does nothing and returns -1, so a builder may check once at the end. */
 typedef struct outbox_util_buf {
-    char  *p;       /* owned */
+    char *p; /* owned */
     size_t len;
     size_t cap;
-    int    failed;
+    int failed;
 } outbox_util_buf;
 
 /* Room for extra more bytes and the NUL (allocates even for extra == 0).
@@ -81,7 +81,8 @@ OUTBOX_HIDDEN void outbox_util_buf_free(outbox_util_buf *b);
  * Each byte that does not start a valid UTF-8 sequence becomes U+FFFD (input
  * is never refused, nothing valid is lost). NULL when memory (or iconv, which
  * holds UTF-8 and UTF-16 built in) fails. */
-OUTBOX_HIDDEN OUTBOX_MUST_CHECK uint16_t *outbox_util_utf16_from_utf8(const char *s, size_t len, size_t *units);
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK uint16_t *outbox_util_utf16_from_utf8(const char *s, size_t len,
+                                                                      size_t *units);
 
 /* Appends w[0..n) (host byte order) to b as UTF-8; each unpaired surrogate
  * becomes U+FFFD. A U+0000 unit is copied as a NUL byte. 0, or -1 (failed). */
@@ -106,12 +107,14 @@ OUTBOX_HIDDEN int outbox_util_json_string(outbox_util_buf *b, const char *s, siz
 /* The delay after a failure that followed a delay of cur_ms: twice cur_ms,
  * capped at max_ms, and never below min_ms (min_ms wins over a smaller max_ms);
  * cur_ms <= 0 (no delay yet) gives min_ms. Never overflows. */
-OUTBOX_HIDDEN OUTBOX_MUST_CHECK int64_t outbox_util_backoff_next(int64_t cur_ms, int64_t min_ms, int64_t max_ms);
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK int64_t outbox_util_backoff_next(int64_t cur_ms, int64_t min_ms,
+                                                                 int64_t max_ms);
 
 /* The delay before retry n (n >= 1) of a back-off that starts at first_ms and
  * doubles: first_ms * 2^(n-1), capped at max_ms (also when first_ms is larger).
  * Never overflows. */
-OUTBOX_HIDDEN OUTBOX_MUST_CHECK int64_t outbox_util_backoff_nth(int64_t first_ms, int64_t max_ms, int n);
+OUTBOX_HIDDEN OUTBOX_MUST_CHECK int64_t outbox_util_backoff_nth(int64_t first_ms, int64_t max_ms,
+                                                                int n);
 
 /* The delay to actually wait for a reconnect back-off step of step_ms: drawn
  * uniformly from [step_ms/2, step_ms) with *rng (an xorshift64 state), so that

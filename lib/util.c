@@ -31,16 +31,22 @@ size_t outbox_util_utf8_seq(const char *str, size_t n, uint32_t *cp)
     size_t len;
     uint32_t v, min;
     if (c >= 0xC2 && c <= 0xDF) {
-        len = 2; v = c & 0x1Fu; min = 0x80;
+        len = 2;
+        v = c & 0x1Fu;
+        min = 0x80;
     } else if (c >= 0xE0 && c <= 0xEF) {
-        len = 3; v = c & 0x0Fu; min = 0x800;
+        len = 3;
+        v = c & 0x0Fu;
+        min = 0x800;
     } else if (c >= 0xF0 && c <= 0xF4) {
-        len = 4; v = c & 0x07u; min = 0x10000;
+        len = 4;
+        v = c & 0x07u;
+        min = 0x10000;
     } else {
-        return 0;   /* continuation byte, C0/C1 (always overlong), F5..FF */
+        return 0; /* continuation byte, C0/C1 (always overlong), F5..FF */
     }
     if (len > n)
-        return 0;   /* cut short */
+        return 0; /* cut short */
     for (size_t i = 1; i < len; i++) {
         if ((s[i] & 0xC0u) != 0x80u)
             return 0;
@@ -195,7 +201,7 @@ uint16_t *outbox_util_utf16_from_utf8(const char *s, size_t len, size_t *units)
         free(w);
         return NULL;
     }
-    char *in = (char *)(uintptr_t)s;   /* iconv's prototype lacks the const */
+    char *in = (char *)(uintptr_t)s; /* iconv's prototype lacks the const */
     char *out = (char *)w;
     size_t outleft = len * sizeof *w;
     int rc = iconv_replacing(cd, &in, len, &out, &outleft, 1, &fffd, sizeof fffd);
@@ -206,7 +212,7 @@ uint16_t *outbox_util_utf16_from_utf8(const char *s, size_t len, size_t *units)
     }
     *units = (size_t)(out - (char *)w) / sizeof *w;
     w[*units] = 0;
-    return w;   /* caller frees */
+    return w; /* caller frees */
 }
 
 int outbox_util_utf16_to_utf8(outbox_util_buf *b, const uint16_t *w, size_t n)
@@ -226,8 +232,7 @@ int outbox_util_utf16_to_utf8(outbox_util_buf *b, const uint16_t *w, size_t n)
     char *in = (char *)(uintptr_t)w;
     char *out = b->p + b->len;
     size_t outleft = n * 3;
-    int rc = iconv_replacing(cd, &in, n * sizeof *w, &out, &outleft, sizeof *w,
-                             "\xEF\xBF\xBD", 3);
+    int rc = iconv_replacing(cd, &in, n * sizeof *w, &out, &outleft, sizeof *w, "\xEF\xBF\xBD", 3);
     iconv_close(cd);
     if (rc < 0) {
         b->failed = 1;
@@ -244,20 +249,32 @@ const char *outbox_util_json_esc(unsigned char c, char esc[7])
 {
     static const char hex[] = "0123456789abcdef";
     switch (c) {
-    case '"':  return "\\\"";
-    case '\\': return "\\\\";
-    case '\n': return "\\n";
-    case '\r': return "\\r";
-    case '\t': return "\\t";
-    case '\b': return "\\b";
-    case '\f': return "\\f";
+    case '"':
+        return "\\\"";
+    case '\\':
+        return "\\\\";
+    case '\n':
+        return "\\n";
+    case '\r':
+        return "\\r";
+    case '\t':
+        return "\\t";
+    case '\b':
+        return "\\b";
+    case '\f':
+        return "\\f";
     default:
         break;
     }
     if (c >= 0x20)
         return NULL;
-    esc[0] = '\\'; esc[1] = 'u'; esc[2] = '0'; esc[3] = '0';
-    esc[4] = hex[c >> 4]; esc[5] = hex[c & 15]; esc[6] = '\0';
+    esc[0] = '\\';
+    esc[1] = 'u';
+    esc[2] = '0';
+    esc[3] = '0';
+    esc[4] = hex[c >> 4];
+    esc[5] = hex[c & 15];
+    esc[6] = '\0';
     return esc;
 }
 
@@ -276,7 +293,7 @@ int outbox_util_json_string(outbox_util_buf *b, const char *s, size_t maxlen)
         if (l == 1 && (esc = outbox_util_json_esc((unsigned char)s[i], u)) != NULL)
             outbox_util_buf_puts(b, esc);
         else if (l == 1 && (unsigned char)s[i] >= 0x80)
-            outbox_util_buf_put(b, "\xEF\xBF\xBD", 3);   /* not UTF-8: U+FFFD */
+            outbox_util_buf_put(b, "\xEF\xBF\xBD", 3); /* not UTF-8: U+FFFD */
         else
             outbox_util_buf_put(b, s + i, l);
         i += l;
@@ -307,7 +324,7 @@ int64_t outbox_util_jitter(int64_t step_ms, uint64_t *rng)
     if (step_ms <= 1)
         return step_ms < 0 ? 0 : step_ms;
     half = step_ms / 2;
-    span = step_ms - half;   /* >= 1: the result stays below step_ms */
+    span = step_ms - half; /* >= 1: the result stays below step_ms */
     return half + (int64_t)(outbox_util_xorshift64(rng) % (uint64_t)span);
 }
 

@@ -26,9 +26,12 @@
 
 static int hexval(int c)
 {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
     return -1;
 }
 
@@ -289,12 +292,12 @@ static bool same_secret(const char *a, const char *b)
 int amqpsink_urls_parse(const char *list, amqpsink_conf *s, char *err, size_t errlen)
 {
     amqpsink_conf first, t;
-    amqpsink_broker   *br = NULL;
-    size_t         n = 0, total = 1, idx = 0;
-    const char    *p;
-    char           why[200], *elem = NULL;
-    int            rc = -2;
-    bool           cut = false;   /* some element does not start like a URL */
+    amqpsink_broker *br = NULL;
+    size_t n = 0, total = 1, idx = 0;
+    const char *p;
+    char why[200], *elem = NULL;
+    int rc = -2;
+    bool cut = false; /* some element does not start like a URL */
 
     memset(&first, 0, sizeof first);
     memset(&t, 0, sizeof t);
@@ -315,7 +318,7 @@ int amqpsink_urls_parse(const char *list, amqpsink_conf *s, char *err, size_t er
     }
     for (p = list; *p; p++) {
         total += *p == ',';
-        if (p == list || p[-1] == ',') {   /* an element that is no URL: a comma inside one? */
+        if (p == list || p[-1] == ',') { /* an element that is no URL: a comma inside one? */
             const char *b = p;
 
             while (*b == ' ' || *b == '\t')
@@ -335,7 +338,7 @@ int amqpsink_urls_parse(const char *list, amqpsink_conf *s, char *err, size_t er
     }
     for (p = list; idx < total; idx++) {
         const char *e = strchr(p, ','), *b = p;
-        size_t      len;
+        size_t len;
 
         if (e == NULL)
             e = p + strlen(p);
@@ -357,30 +360,36 @@ int amqpsink_urls_parse(const char *list, amqpsink_conf *s, char *err, size_t er
         }
         if (amqpsink_url_parse(elem, &t, why, sizeof why) < 0) {
             snprintf(err, errlen, "URL %zu of %zu: %s%s", idx + 1, total, why,
-                     cut ? "; URLs are separated by commas: a comma inside one is written %2C" : "");
+                     cut ? "; URLs are separated by commas: a comma inside one is written %2C"
+                         : "");
             goto fail;
         }
         if (idx == 0) {
-            first = t;   /* takes the strings */
+            first = t; /* takes the strings */
             memset(&t, 0, sizeof t);
         } else if (t.tls != first.tls) {
-            snprintf(err, errlen, "URL %zu of %zu is %s:// and URL 1 %s:// (every URL of the list "
-                     "must use the same scheme)", idx + 1, total, t.tls ? "amqps" : "amqp",
-                     first.tls ? "amqps" : "amqp");
+            snprintf(err, errlen,
+                     "URL %zu of %zu is %s:// and URL 1 %s:// (every URL of the list "
+                     "must use the same scheme)",
+                     idx + 1, total, t.tls ? "amqps" : "amqp", first.tls ? "amqps" : "amqp");
             goto fail;
         } else if (strcmp(t.user, first.user) != 0 || !same_secret(t.pass, first.pass)) {
-            snprintf(err, errlen, "URL %zu of %zu has another user or password than URL 1 (the nodes "
-                     "of a cluster share them: write the same in every URL; none means guest:guest)",
-                     idx + 1, total);
+            snprintf(
+                err, errlen,
+                "URL %zu of %zu has another user or password than URL 1 (the nodes "
+                "of a cluster share them: write the same in every URL; none means guest:guest)",
+                idx + 1, total);
             goto fail;
         } else if (strcmp(t.vhost, first.vhost) != 0) {
-            snprintf(err, errlen, "URL %zu of %zu names another vhost than URL 1 (every URL of the "
-                     "list must name the same vhost)", idx + 1, total);
+            snprintf(err, errlen,
+                     "URL %zu of %zu names another vhost than URL 1 (every URL of the "
+                     "list must name the same vhost)",
+                     idx + 1, total);
             goto fail;
         }
         {
             const char *host = idx == 0 ? first.host : t.host;
-            int         port = idx == 0 ? first.port : t.port;
+            int port = idx == 0 ? first.port : t.port;
 
             for (size_t j = 0; j < n; j++) {
                 if (strcasecmp(br[j].host, host) == 0 && br[j].port == port) {
@@ -389,8 +398,9 @@ int amqpsink_urls_parse(const char *list, amqpsink_conf *s, char *err, size_t er
                     goto fail;
                 }
             }
-            if ((br[n].host = strdup(host)) == NULL || (br[n].addr = broker_addr(host, port)) == NULL) {
-                n++;   /* freed below */
+            if ((br[n].host = strdup(host)) == NULL ||
+                (br[n].addr = broker_addr(host, port)) == NULL) {
+                n++; /* freed below */
                 snprintf(err, errlen, "out of memory");
                 goto fail;
             }
@@ -477,12 +487,14 @@ static bool conf_equal(const void *va, const void *vb)
         if (!outbox_util_str_eq(a->brokers[i].host, b->brokers[i].host) ||
             a->brokers[i].port != b->brokers[i].port)
             return false;
-    return outbox_util_str_eq(a->host, b->host) && a->port == b->port && outbox_util_str_eq(a->user, b->user) &&
-           outbox_util_str_eq(a->pass, b->pass) && outbox_util_str_eq(a->vhost, b->vhost) && a->tls == b->tls &&
+    return outbox_util_str_eq(a->host, b->host) && a->port == b->port &&
+           outbox_util_str_eq(a->user, b->user) && outbox_util_str_eq(a->pass, b->pass) &&
+           outbox_util_str_eq(a->vhost, b->vhost) && a->tls == b->tls &&
            a->mandatory == b->mandatory && a->heartbeat_ms == b->heartbeat_ms &&
            outbox_util_str_eq(a->tls_ca_file, b->tls_ca_file) && a->tls_verify == b->tls_verify &&
-           outbox_util_str_eq(a->tls_cert, b->tls_cert) && outbox_util_str_eq(a->tls_key, b->tls_key) &&
-           a->nack_reopen_ms == b->nack_reopen_ms && a->files_digest == b->files_digest;
+           outbox_util_str_eq(a->tls_cert, b->tls_cert) &&
+           outbox_util_str_eq(a->tls_key, b->tls_key) && a->nack_reopen_ms == b->nack_reopen_ms &&
+           a->files_digest == b->files_digest;
 }
 
 /* Folds a file's bytes into *h (FNV-1a 64): certificates are read when a connection is
@@ -500,7 +512,7 @@ static OUTBOX_MUST_CHECK int digest_file(const char *path, uint64_t *h)
         *h = OUTBOX_UTIL_FNV64_INIT;
     while ((n = fread(buf, 1, sizeof buf, f)) > 0)
         *h = outbox_util_fnv1a64(*h, buf, n);
-    *h = outbox_util_fnv1a64(*h, "\xff", 1);   /* where one file ends */
+    *h = outbox_util_fnv1a64(*h, "\xff", 1); /* where one file ends */
     int bad = ferror(f);
     fclose(f);
     if (bad) {
@@ -514,18 +526,19 @@ static OUTBOX_MUST_CHECK int digest_file(const char *path, uint64_t *h)
    amqpsink_conf. */
 #define F(f) offsetof(amqpsink_conf, f)
 static const cfg_key amqpsink_keys[] = {
-    { "mandatory",        CFG_KT_BOOL, CFG_KF_MUST_TRUE, "true", 0, 0, NULL, NULL, F(mandatory),
+    { "mandatory", CFG_KT_BOOL, CFG_KF_MUST_TRUE, "true", 0, 0, NULL, NULL, F(mandatory),
       "true (mandatory publishing is required: without it an unroutable message would be "
       "acknowledged and lost)" },
-    { "heartbeat",        CFG_KT_DUR,  CFG_KF_WHOLE_SEC, "30s", 0, 65535 * CFG_MS_S, NULL, NULL, F(heartbeat_ms), NULL },
-    { "tls_ca_file",      CFG_KT_STR,  CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL, F(tls_ca_file),
-      "a readable CA bundle file" },
-    { "tls_verify",       CFG_KT_BOOL, 0, "true", 0, 0, NULL, NULL, F(tls_verify), NULL },
-    { "tls_cert",         CFG_KT_STR,  CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL, F(tls_cert),
-      "a readable PEM client certificate file" },
-    { "tls_key",          CFG_KT_STR,  CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL,
-      F(tls_key), "a readable PEM private key file" },
-    { "nack_reopen",      CFG_KT_DUR,  0, "1s", 0, CFG_MS_H, NULL, NULL, F(nack_reopen_ms), NULL },
+    { "heartbeat", CFG_KT_DUR, CFG_KF_WHOLE_SEC, "30s", 0, 65535 * CFG_MS_S, NULL, NULL,
+      F(heartbeat_ms), NULL },
+    { "tls_ca_file", CFG_KT_STR, CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL,
+      F(tls_ca_file), "a readable CA bundle file" },
+    { "tls_verify", CFG_KT_BOOL, 0, "true", 0, 0, NULL, NULL, F(tls_verify), NULL },
+    { "tls_cert", CFG_KT_STR, CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL,
+      F(tls_cert), "a readable PEM client certificate file" },
+    { "tls_key", CFG_KT_STR, CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL, F(tls_key),
+      "a readable PEM private key file" },
+    { "nack_reopen", CFG_KT_DUR, 0, "1s", 0, CFG_MS_H, NULL, NULL, F(nack_reopen_ms), NULL },
 };
 #undef F
 
@@ -535,19 +548,23 @@ void amqpsink_finish_cfg(cfg_sink *sk, cfg_report *r)
     char why[200];
 
     if (sk->url == NULL)
-        return;   /* already reported */
+        return; /* already reported */
     switch (amqpsink_urls_parse(sk->url, s, why, sizeof why)) {
     case 0:
         break;
     case -1:
-        cfg_report_error(r, "url", "expected an amqp:// or amqps:// URL like "
-                         "amqp://user:pass@host:5672/vhost, got <secret> (%s)", why);
+        cfg_report_error(r, "url",
+                         "expected an amqp:// or amqps:// URL like "
+                         "amqp://user:pass@host:5672/vhost, got <secret> (%s)",
+                         why);
         return;
     default:
-        cfg_report_error(r, "url", "expected a comma-separated list of amqp:// or amqps:// "
+        cfg_report_error(r, "url",
+                         "expected a comma-separated list of amqp:// or amqps:// "
                          "URLs naming the nodes of one cluster, like "
                          "amqp://user:pass@node1:5672/vhost, amqp://user:pass@node2:5672/vhost, "
-                         "got <secret> (%s)", why);
+                         "got <secret> (%s)",
+                         why);
         return;
     }
     if (sk->password) {
@@ -557,17 +574,22 @@ void amqpsink_finish_cfg(cfg_sink *sk, cfg_report *r)
             return;
         }
         cfg_free_secret(s->pass);
-        s->pass = p;   /* password_file overrides the URL's password */
+        s->pass = p; /* password_file overrides the URL's password */
     }
     if (s->tls_ca_file && !s->tls) {
         char qb[300];
-        cfg_report_error(r, "tls_ca_file", "expected an amqps:// url when tls_ca_file is set, "
-                         "got %s with an amqp:// url", cfg_quote(s->tls_ca_file, qb, sizeof qb));
+        cfg_report_error(r, "tls_ca_file",
+                         "expected an amqps:// url when tls_ca_file is set, "
+                         "got %s with an amqp:// url",
+                         cfg_quote(s->tls_ca_file, qb, sizeof qb));
     }
     const char *files[] = { s->tls_ca_file, s->tls_cert, s->tls_key };
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++)
         if (files[i] != NULL && digest_file(files[i], &s->files_digest) < 0)
-            cfg_report_error(r, i == 0 ? "tls_ca_file" : i == 1 ? "tls_cert" : "tls_key",
+            cfg_report_error(r,
+                             i == 0   ? "tls_ca_file"
+                             : i == 1 ? "tls_cert"
+                                      : "tls_key",
                              "cannot read the file: %s", strerror(errno));
     if ((s->tls_cert || s->tls_key) && !s->tls)
         cfg_report_error(r, s->tls_cert ? "tls_cert" : "tls_key",
@@ -576,7 +598,8 @@ void amqpsink_finish_cfg(cfg_sink *sk, cfg_report *r)
     else if ((s->tls_cert != NULL) != (s->tls_key != NULL))
         cfg_report_error(r, s->tls_cert ? "tls_key" : "tls_cert",
                          "expected both tls_cert and tls_key (a client certificate needs its "
-                         "key), got only %s", s->tls_cert ? "tls_cert" : "tls_key");
+                         "key), got only %s",
+                         s->tls_cert ? "tls_cert" : "tls_key");
 }
 
 const cfg_backend amqpsink_backend = {

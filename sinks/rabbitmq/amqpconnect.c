@@ -49,33 +49,34 @@
 #define OUTBOX_VERSION "dev"
 #endif
 
-#define AMQPSINK_CLOSE_TIMEOUT 2000   /* ms, destroy()'s connection.close */
-#define AMQPSINK_CANCEL_WAIT_MS 20    /* destroy() waits this long for an abandoned connect
+#define AMQPSINK_CLOSE_TIMEOUT 2000 /* ms, destroy()'s connection.close */
+#define AMQPSINK_CANCEL_WAIT_MS \
+    20 /* destroy() waits this long for an abandoned connect
                                          attempt (a handshake ends at once once its socket
                                          is shut down; a TCP connect or a name lookup may not,
                                          and is left to end on its own) */
-#define AMQPSINK_SYS_CA        "/etc/ssl/certs/ca-certificates.crt"
+#define AMQPSINK_SYS_CA "/etc/ssl/certs/ca-certificates.crt"
 
 /* One connection attempt on a worker thread. Shared by the sink and the
  * worker (refs). mu guards refs, done, abandoned, fd, conn and err; the
  * inputs are written before the thread starts and only read by it. */
 struct amqpsink_job {
     pthread_mutex_t mu;
-    pthread_cond_t  cv;            /* signalled when done */
-    int             refs;          /* 2 while both hold it; the last one frees it */
-    bool            done;          /* the worker has finished: conn/err are set */
-    bool            abandoned;     /* the sink is gone: the worker cleans up */
-    int             fd;            /* the socket while the handshake runs, else -1 */
-    ev_async       *wake;          /* the sink's watcher (valid until abandoned) */
+    pthread_cond_t cv; /* signalled when done */
+    int refs;          /* 2 while both hold it; the last one frees it */
+    bool done;         /* the worker has finished: conn/err are set */
+    bool abandoned;    /* the sink is gone: the worker cleans up */
+    int fd;            /* the socket while the handshake runs, else -1 */
+    ev_async *wake;    /* the sink's watcher (valid until abandoned) */
     struct ev_loop *loop;
     /* inputs: the worker's own copies */
-    cfg_sink        cfg;           /* name owned; backend_conf = &conf */
-    amqpsink_conf  conf;          /* strings owned; host and port: this attempt's address */
-    char           *conn_name;
-    amqp_channel_t  ch;
+    cfg_sink cfg;       /* name owned; backend_conf = &conf */
+    amqpsink_conf conf; /* strings owned; host and port: this attempt's address */
+    char *conn_name;
+    amqp_channel_t ch;
     /* outputs */
-    amqp_connection_state_t conn;  /* owned by the job until taken */
-    char            err[AMQPSINK_ERR_MAX];
+    amqp_connection_state_t conn; /* owned by the job until taken */
+    char err[AMQPSINK_ERR_MAX];
 };
 /* ------------------------------------------------------------------ utils */
 
@@ -103,8 +104,7 @@ static void fmt_reply(amqp_rpc_reply_t r, const char *what, char *buf, size_t le
                      (unsigned)m->reply_code, (int)m->reply_text.len,
                      (const char *)m->reply_text.bytes);
         } else {
-            snprintf(buf, len, "%s: unexpected broker method 0x%08x", what,
-                     (unsigned)r.reply.id);
+            snprintf(buf, len, "%s: unexpected broker method 0x%08x", what, (unsigned)r.reply.id);
         }
         break;
     default:
@@ -137,13 +137,11 @@ static int heartbeat_s(const amqpsink_conf *c)
 void amqpsink_ident(char *buf, size_t len, const amqpsink_conf *c, size_t i)
 {
     if (i < c->n_brokers)
-        snprintf(buf, len, "broker %s vhost %s", c->brokers[i].addr,
-                 c->vhost ? c->vhost : "?");
+        snprintf(buf, len, "broker %s vhost %s", c->brokers[i].addr, c->vhost ? c->vhost : "?");
     else
         snprintf(buf, len, "broker %s:%d vhost %s", c->host ? c->host : "?", c->port,
                  c->vhost ? c->vhost : "?");
 }
-
 
 /* ------------------------------------------------------------ client properties */
 
@@ -155,10 +153,9 @@ struct props_storage {
 
 static amqp_table_t client_props(struct props_storage *ps, const char *conn_name)
 {
-    static const char *const capnames[5] = {
-        "publisher_confirms", "basic.nack", "connection.blocked",
-        "consumer_cancel_notify", "authentication_failure_close"
-    };
+    static const char *const capnames[5] = { "publisher_confirms", "basic.nack",
+                                             "connection.blocked", "consumer_cancel_notify",
+                                             "authentication_failure_close" };
     amqp_table_t t;
 
     for (int i = 0; i < 5; i++) {
@@ -188,8 +185,8 @@ static amqp_table_t client_props(struct props_storage *ps, const char *conn_name
 
 /* The first certificate problem OpenSSL met during this thread's handshake:
  * the verify callback runs on the thread that connects (a worker, or check). */
-static _Thread_local int  tl_verify_err;
-static _Thread_local int  tl_verify_depth;
+static _Thread_local int tl_verify_err;
+static _Thread_local int tl_verify_depth;
 static _Thread_local char tl_verify_subject[256];
 
 static int verify_cb(int ok, X509_STORE_CTX *x)
@@ -204,7 +201,7 @@ static int verify_cb(int ok, X509_STORE_CTX *x)
             X509_NAME_oneline(X509_get_subject_name(cert), tl_verify_subject,
                               (int)sizeof tl_verify_subject);
     }
-    return ok;   /* rabbitmq-c checks the verify result after the handshake */
+    return ok; /* rabbitmq-c checks the verify result after the handshake */
 }
 
 /* The last TLS alert the broker sent during this thread's connect
@@ -221,8 +218,9 @@ static void info_cb(const SSL *ssl, int where, int ret)
     if ((where & SSL_CB_READ_ALERT) != SSL_CB_READ_ALERT || tl_alert[0] != '\0')
         return;
     desc = SSL_alert_desc_string_long(ret);
-    if ((ret & 0xff) == 116)   /* TLS 1.3 certificate_required: unnamed in OpenSSL 3.0 */
-        desc = "certificate required (the broker asked for a client certificate: tls_cert, tls_key)";
+    if ((ret & 0xff) == 116) /* TLS 1.3 certificate_required: unnamed in OpenSSL 3.0 */
+        desc =
+            "certificate required (the broker asked for a client certificate: tls_cert, tls_key)";
     if (desc == NULL || strcmp(desc, "unknown") == 0)
         snprintf(tl_alert, sizeof tl_alert, "%s alert %d from the broker",
                  SSL_alert_type_string_long(ret), ret & 0xff);
@@ -242,7 +240,7 @@ static int client_cert_cb(SSL *ssl, X509 **x509, EVP_PKEY **pkey)
     (void)x509;
     (void)pkey;
     tl_cert_asked = true;
-    return 0;   /* none: the handshake goes on without one */
+    return 0; /* none: the handshake goes on without one */
 }
 
 /* Appends why TLS failed: the broker's request for a client certificate we do
@@ -253,11 +251,12 @@ static int client_cert_cb(SSL *ssl, X509 **x509, EVP_PKEY **pkey)
 static void add_ssl_error(char *buf, size_t len)
 {
     unsigned long e = ERR_peek_last_error();
-    const char   *r;
-    size_t        n = strlen(buf);
+    const char *r;
+    size_t n = strlen(buf);
 
-    if (tl_cert_asked && n < len) {   /* first: the same words whether the alert was read or not */
-        snprintf(buf + n, len - n, ": the broker asked for a client certificate and none is "
+    if (tl_cert_asked && n < len) { /* first: the same words whether the alert was read or not */
+        snprintf(buf + n, len - n,
+                 ": the broker asked for a client certificate and none is "
                  "configured (tls_cert, tls_key)");
     } else if (tl_alert[0] != '\0' && n < len) {
         snprintf(buf + n, len - n, ": %s", tl_alert);
@@ -287,9 +286,9 @@ static int no_passphrase_cb(char *buf, int size, int rwflag, void *u)
 static void probe_connect(const char *host, int port, int64_t timeout_ms, char *buf, size_t len)
 {
     struct addrinfo hint, *res = NULL;
-    char            portstr[16];
-    int             fd = -1, rc, soerr = 0;
-    socklen_t       sl = sizeof soerr;
+    char portstr[16];
+    int fd = -1, rc, soerr = 0;
+    socklen_t sl = sizeof soerr;
 
     memset(&hint, 0, sizeof hint);
     hint.ai_family = AF_UNSPEC;
@@ -329,7 +328,7 @@ static void probe_connect(const char *host, int port, int64_t timeout_ms, char *
     }
     snprintf(buf, len, "%s", strerror(soerr));
     if (buf[0] >= 'A' && buf[0] <= 'Z' && buf[1] >= 'a' && buf[1] <= 'z')
-        buf[0] = (char)(buf[0] - 'A' + 'a');   /* "connection refused" */
+        buf[0] = (char)(buf[0] - 'A' + 'a'); /* "connection refused" */
 out:
     if (fd >= 0)
         close(fd);
@@ -343,7 +342,8 @@ static void fmt_login_fail(amqp_rpc_reply_t r, const char *what, const cfg_sink 
     const amqpsink_conf *ac = amqpsink_conf_of(c);
     double t = (double)c->connect_timeout_ms / 1000.;
 
-    if (r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION && r.reply.id == AMQP_CONNECTION_CLOSE_METHOD) {
+    if (r.reply_type == AMQP_RESPONSE_SERVER_EXCEPTION &&
+        r.reply.id == AMQP_CONNECTION_CLOSE_METHOD) {
         const amqp_connection_close_t *m = r.reply.decoded;
         int n = (int)m->reply_text.len;
         const char *txt = (const char *)m->reply_text.bytes;
@@ -360,8 +360,10 @@ static void fmt_login_fail(amqp_rpc_reply_t r, const char *what, const cfg_sink 
     if (r.reply_type == AMQP_RESPONSE_LIBRARY_EXCEPTION) {
         switch (r.library_error) {
         case AMQP_STATUS_TIMEOUT:
-            snprintf(buf, len, "%s: timeout after %g s (the TCP connection is up, the broker "
-                     "does not answer)", what, t);
+            snprintf(buf, len,
+                     "%s: timeout after %g s (the TCP connection is up, the broker "
+                     "does not answer)",
+                     what, t);
             return;
         case AMQP_STATUS_CONNECTION_CLOSED:
         case AMQP_STATUS_SOCKET_ERROR:
@@ -388,15 +390,16 @@ static void fmt_login_fail(amqp_rpc_reply_t r, const char *what, const cfg_sink 
 static void fmt_open_fail(int rc, const cfg_sink *c, char *buf, size_t len)
 {
     const amqpsink_conf *ac = amqpsink_conf_of(c);
-    char                  why[300];
-    double                t = (double)c->connect_timeout_ms / 1000.;
+    char why[300];
+    double t = (double)c->connect_timeout_ms / 1000.;
 
     switch (rc) {
     case AMQP_STATUS_HOSTNAME_RESOLUTION_FAILED:
         snprintf(buf, len, "cannot resolve host name %s", ac->host);
         break;
     case AMQP_STATUS_TIMEOUT:
-        snprintf(buf, len, "%s: timeout after %g s", ac->tls ? "connect/TLS handshake" : "connect", t);
+        snprintf(buf, len, "%s: timeout after %g s", ac->tls ? "connect/TLS handshake" : "connect",
+                 t);
         break;
     case AMQP_STATUS_SOCKET_ERROR:
         probe_connect(ac->host, ac->port, c->connect_timeout_ms, why, sizeof why);
@@ -412,7 +415,8 @@ static void fmt_open_fail(int rc, const cfg_sink *c, char *buf, size_t len)
         ERR_clear_error();
         break;
     case AMQP_STATUS_SSL_HOSTNAME_VERIFY_FAILED:
-        snprintf(buf, len, "TLS: certificate verify failed: the certificate does not name %s", ac->host);
+        snprintf(buf, len, "TLS: certificate verify failed: the certificate does not name %s",
+                 ac->host);
         ERR_clear_error();
         break;
     case AMQP_STATUS_SSL_CONNECTION_FAILED:
@@ -441,11 +445,12 @@ static bool is_ip_address(const char *h)
  * by OpenSSL itself (chain, then the host name or IP address against the
  * certificate's SANs; rabbitmq-c 0.11's own host name check knows DNS names
  * only, so amqps://127.0.0.1 failed even with an IP SAN). */
-static OUTBOX_MUST_CHECK int tls_setup(amqp_socket_t *sock, const amqpsink_conf *c, char *err, size_t errlen)
+static OUTBOX_MUST_CHECK int tls_setup(amqp_socket_t *sock, const amqpsink_conf *c, char *err,
+                                       size_t errlen)
 {
     const char *ca = c->tls_ca_file;
-    SSL_CTX    *ctx = amqp_ssl_socket_get_context(sock);
-    int         rc;
+    SSL_CTX *ctx = amqp_ssl_socket_get_context(sock);
+    int rc;
 
     if (ctx == NULL) {
         snprintf(err, errlen, "cannot create a TLS context");
@@ -466,20 +471,20 @@ static OUTBOX_MUST_CHECK int tls_setup(amqp_socket_t *sock, const amqpsink_conf 
     SSL_CTX_set_default_passwd_cb(ctx, no_passphrase_cb);
     if (c->tls_cert != NULL &&
         (rc = amqp_ssl_socket_set_key(sock, c->tls_cert, c->tls_key)) != AMQP_STATUS_OK) {
-        snprintf(err, errlen, "tls_cert %s / tls_key %s (an unencrypted PEM key): %s",
-                 c->tls_cert, c->tls_key, amqp_error_string2(rc));
+        snprintf(err, errlen, "tls_cert %s / tls_key %s (an unencrypted PEM key): %s", c->tls_cert,
+                 c->tls_key, amqp_error_string2(rc));
         add_ssl_error(err, errlen);
         return -1;
     }
     amqp_ssl_socket_set_verify_peer(sock, c->tls_verify ? 1 : 0);
-    amqp_ssl_socket_set_verify_hostname(sock, 0);   /* OpenSSL checks it, below */
-    SSL_CTX_set_verify(ctx, SSL_VERIFY_NONE, verify_cb);   /* rabbitmq-c reads the result */
+    amqp_ssl_socket_set_verify_hostname(sock, 0);        /* OpenSSL checks it, below */
+    SSL_CTX_set_verify(ctx, SSL_VERIFY_NONE, verify_cb); /* rabbitmq-c reads the result */
     SSL_CTX_set_info_callback(ctx, info_cb);
     if (c->tls_cert == NULL)
         SSL_CTX_set_client_cert_cb(ctx, client_cert_cb);
     if (c->tls_verify) {
         X509_VERIFY_PARAM *vp = SSL_CTX_get0_param(ctx);
-        int                ok;
+        int ok;
 
         if (is_ip_address(c->host)) {
             ok = X509_VERIFY_PARAM_set1_ip_asc(vp, c->host);
@@ -501,18 +506,19 @@ static OUTBOX_MUST_CHECK int tls_setup(amqp_socket_t *sock, const amqpsink_conf 
  * jb is given, the socket is published there while the handshake runs so
  * that destroy() can cut it short. Returns 0 and *out, or -1 with err (the
  * reason in words, without the peer: the caller adds ident). */
-static OUTBOX_MUST_CHECK int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch, amqpsink_job *jb,
-                     amqp_connection_state_t *out, char *err, size_t errlen)
+static OUTBOX_MUST_CHECK int conn_open(const cfg_sink *c, const char *conn_name, amqp_channel_t ch,
+                                       amqpsink_job *jb, amqp_connection_state_t *out, char *err,
+                                       size_t errlen)
 {
-    const amqpsink_conf   *ac = amqpsink_conf_of(c);
+    const amqpsink_conf *ac = amqpsink_conf_of(c);
     amqp_connection_state_t conn;
-    amqp_socket_t          *sock;
-    struct timeval          tv = tv_ms(c->connect_timeout_ms);
-    struct props_storage    ps;
-    amqp_table_t            props;
-    amqp_rpc_reply_t        r;
-    int                     rc;
-    bool                    gone = false;
+    amqp_socket_t *sock;
+    struct timeval tv = tv_ms(c->connect_timeout_ms);
+    struct props_storage ps;
+    amqp_table_t props;
+    amqp_rpc_reply_t r;
+    int rc;
+    bool gone = false;
 
     *out = NULL;
     ERR_clear_error();
@@ -525,7 +531,7 @@ static OUTBOX_MUST_CHECK int conn_open(const cfg_sink *c, const char *conn_name,
         return -1;
     }
     if (ac->tls) {
-        sock = amqp_ssl_socket_new(conn);   /* owned by conn */
+        sock = amqp_ssl_socket_new(conn); /* owned by conn */
         if (sock == NULL) {
             snprintf(err, errlen, "cannot create a TLS socket");
             add_ssl_error(err, errlen);
@@ -534,7 +540,7 @@ static OUTBOX_MUST_CHECK int conn_open(const cfg_sink *c, const char *conn_name,
         if (tls_setup(sock, ac, err, errlen) < 0)
             goto fail;
     } else {
-        sock = amqp_tcp_socket_new(conn);   /* owned by conn */
+        sock = amqp_tcp_socket_new(conn); /* owned by conn */
         if (sock == NULL) {
             snprintf(err, errlen, "cannot create a socket");
             goto fail;
@@ -562,8 +568,8 @@ static OUTBOX_MUST_CHECK int conn_open(const cfg_sink *c, const char *conn_name,
         }
     }
     props = client_props(&ps, conn_name);
-    r = amqp_login_with_properties(conn, ac->vhost, 0, AMQPSINK_FRAME_MAX, heartbeat_s(ac),
-                                   &props, AMQP_SASL_METHOD_PLAIN, ac->user, ac->pass);
+    r = amqp_login_with_properties(conn, ac->vhost, 0, AMQPSINK_FRAME_MAX, heartbeat_s(ac), &props,
+                                   AMQP_SASL_METHOD_PLAIN, ac->user, ac->pass);
     if (r.reply_type != AMQP_RESPONSE_NORMAL) {
         fmt_login_fail(r, "login", c, err, errlen);
         goto fail;
@@ -585,7 +591,7 @@ static OUTBOX_MUST_CHECK int conn_open(const cfg_sink *c, const char *conn_name,
         jb->fd = -1;
         pthread_mutex_unlock(&jb->mu);
     }
-    *out = conn;   /* ownership to the caller */
+    *out = conn; /* ownership to the caller */
     return 0;
 fail:
     if (jb != NULL) {
@@ -605,17 +611,16 @@ void amqpsink_conn_close(amqp_connection_state_t conn, bool polite)
         return;
     if (polite) {
         struct timeval tv = tv_ms(AMQPSINK_CLOSE_TIMEOUT);
-        int            fd = amqp_get_sockfd(conn);
-        int            queued = 0;
-        int            sndbuf = 0;
-        socklen_t      sl = sizeof sndbuf;
+        int fd = amqp_get_sockfd(conn);
+        int queued = 0;
+        int sndbuf = 0;
+        socklen_t sl = sizeof sndbuf;
 
         /* Skip the courtesy when the send buffer is nearly full: the close
          * frame's send would wait without a deadline. */
         if (fd >= 0 && ioctl(fd, SIOCOUTQ, &queued) == 0 &&
             getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &sndbuf, &sl) == 0 &&
-            queued + 4096 < sndbuf / 2 &&
-            amqp_set_rpc_timeout(conn, &tv) == AMQP_STATUS_OK)
+            queued + 4096 < sndbuf / 2 && amqp_set_rpc_timeout(conn, &tv) == AMQP_STATUS_OK)
             (void)amqp_connection_close(conn, AMQP_REPLY_SUCCESS);
     }
     amqp_destroy_connection(conn);
@@ -643,7 +648,7 @@ int amqpsink_dupstr(char **dst, const char *src)
 int amqpsink_cfg_dup(cfg_sink *dst, amqpsink_conf *dconf, const cfg_sink *src)
 {
     const amqpsink_conf *sconf = amqpsink_conf_of(src);
-    size_t                n = sconf->n_brokers > 0 ? sconf->n_brokers : 1;
+    size_t n = sconf->n_brokers > 0 ? sconf->n_brokers : 1;
 
     *dst = *src;
     dst->url = NULL;
@@ -655,8 +660,10 @@ int amqpsink_cfg_dup(cfg_sink *dst, amqpsink_conf *dconf, const cfg_sink *src)
     dconf->tls_ca_file = dconf->tls_cert = dconf->tls_key = NULL;
     dconf->brokers = NULL;
     dconf->n_brokers = 0;
-    if (amqpsink_dupstr(&dst->name, src->name) < 0 || amqpsink_dupstr(&dconf->host, sconf->host) < 0 ||
-        amqpsink_dupstr(&dconf->user, sconf->user) < 0 || amqpsink_dupstr(&dconf->pass, sconf->pass) < 0 ||
+    if (amqpsink_dupstr(&dst->name, src->name) < 0 ||
+        amqpsink_dupstr(&dconf->host, sconf->host) < 0 ||
+        amqpsink_dupstr(&dconf->user, sconf->user) < 0 ||
+        amqpsink_dupstr(&dconf->pass, sconf->pass) < 0 ||
         amqpsink_dupstr(&dconf->vhost, sconf->vhost) < 0 ||
         amqpsink_dupstr(&dconf->tls_ca_file, sconf->tls_ca_file) < 0 ||
         amqpsink_dupstr(&dconf->tls_cert, sconf->tls_cert) < 0 ||
@@ -664,10 +671,10 @@ int amqpsink_cfg_dup(cfg_sink *dst, amqpsink_conf *dconf, const cfg_sink *src)
         return -1;
     if ((dconf->brokers = calloc(n, sizeof *dconf->brokers)) == NULL)
         return -1;
-    dconf->n_brokers = n;   /* amqpsink_brokers_free frees what was copied */
+    dconf->n_brokers = n; /* amqpsink_brokers_free frees what was copied */
     for (size_t i = 0; i < n; i++) {
         amqpsink_broker *b = &dconf->brokers[i];
-        const char  *h = sconf->n_brokers > 0 ? sconf->brokers[i].host : sconf->host;
+        const char *h = sconf->n_brokers > 0 ? sconf->brokers[i].host : sconf->host;
 
         b->port = sconf->n_brokers > 0 ? sconf->brokers[i].port : sconf->port;
         if (h == NULL || amqpsink_dupstr(&b->host, h) < 0)
@@ -725,8 +732,8 @@ static struct timespec deadline_in(int64_t ms)
 /* Worker threads still running (detached): the process waits for them before it
  * exits (amqpsink_quiesce), so none is cut off holding memory or a socket. */
 static pthread_mutex_t workers_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t  workers_cv = PTHREAD_COND_INITIALIZER;
-static unsigned        workers_live;
+static pthread_cond_t workers_cv = PTHREAD_COND_INITIALIZER;
+static unsigned workers_live;
 
 static void workers_add(int d)
 {
@@ -750,23 +757,23 @@ void amqpsink_quiesce(int64_t timeout_ms)
 
 static void *job_main(void *arg)
 {
-    amqpsink_job               *jb = arg;
+    amqpsink_job *jb = arg;
     amqp_connection_state_t conn = NULL;
-    char                    err[sizeof jb->err];
+    char err[sizeof jb->err];
 
     err[0] = '\0';
     if (conn_open(&jb->cfg, jb->conn_name, jb->ch, jb, &conn, err, sizeof err) < 0)
         conn = NULL;
     pthread_mutex_lock(&jb->mu);
-    jb->conn = conn;   /* the job owns it until the loop takes it */
+    jb->conn = conn; /* the job owns it until the loop takes it */
     snprintf(jb->err, sizeof jb->err, "%s", err);
     jb->done = true;
     pthread_cond_broadcast(&jb->cv);
     if (!jb->abandoned)
-        ev_async_send(jb->loop, jb->wake);   /* under mu: the sink is still there */
+        ev_async_send(jb->loop, jb->wake); /* under mu: the sink is still there */
     pthread_mutex_unlock(&jb->mu);
     ERR_clear_error();
-    job_release(jb);      /* the last reference may close the connection here */
+    job_release(jb);       /* the last reference may close the connection here */
     OPENSSL_thread_stop(); /* this thread's OpenSSL state, freed before the thread ends */
     workers_add(-1);
     return NULL;
@@ -778,10 +785,10 @@ int amqpsink_job_start(struct ev_loop *loop, ev_async *wake, const cfg_sink *c, 
 {
     const amqpsink_broker *addr = &amqpsink_conf_of(c)->brokers[broker];
     pthread_attr_t attr;
-    pthread_t      th;
-    sigset_t       all, old;
-    amqpsink_job      *jb;
-    int            rc;
+    pthread_t th;
+    sigset_t all, old;
+    amqpsink_job *jb;
+    int rc;
 
     jb = calloc(1, sizeof *jb);
     if (jb == NULL) {
@@ -842,19 +849,18 @@ int amqpsink_job_start(struct ev_loop *loop, ev_async *wake, const cfg_sink *c, 
         snprintf(err, errlen, "cannot start a connect thread: %s", strerror(rc));
         return -1;
     }
-    *out = jb;   /* the caller holds one reference: amqpsink_job_take or _cancel */
+    *out = jb; /* the caller holds one reference: amqpsink_job_take or _cancel */
     return 0;
 }
 
-bool amqpsink_job_take(amqpsink_job *jb, amqp_connection_state_t *conn, char *err,
-                       size_t errlen)
+bool amqpsink_job_take(amqpsink_job *jb, amqp_connection_state_t *conn, char *err, size_t errlen)
 {
     pthread_mutex_lock(&jb->mu);
     if (!jb->done) {
         pthread_mutex_unlock(&jb->mu);
         return false;
     }
-    *conn = jb->conn;   /* ownership to the caller */
+    *conn = jb->conn; /* ownership to the caller */
     jb->conn = NULL;
     snprintf(err, errlen, "%s", jb->err);
     pthread_mutex_unlock(&jb->mu);
@@ -872,7 +878,7 @@ bool amqpsink_job_take(amqpsink_job *jb, amqp_connection_state_t *conn, char *er
 void amqpsink_job_cancel(amqpsink_job *jb)
 {
     struct timespec dl;
-    int64_t         ms = AMQPSINK_CANCEL_WAIT_MS;
+    int64_t ms = AMQPSINK_CANCEL_WAIT_MS;
 
     if (jb == NULL)
         return;
@@ -880,15 +886,14 @@ void amqpsink_job_cancel(amqpsink_job *jb)
     pthread_mutex_lock(&jb->mu);
     jb->abandoned = true;
     if (jb->fd >= 0)
-        (void)shutdown(jb->fd, SHUT_RDWR);   /* the worker's recv/send fail at once */
+        (void)shutdown(jb->fd, SHUT_RDWR); /* the worker's recv/send fail at once */
     while (!jb->done) {
         if (pthread_cond_timedwait(&jb->cv, &jb->mu, &dl) == ETIMEDOUT)
             break;
     }
     pthread_mutex_unlock(&jb->mu);
-    job_release(jb);   /* a finished job's connection is closed with it */
+    job_release(jb); /* a finished job's connection is closed with it */
 }
-
 
 /* ------------------------------------------------------------ check */
 
@@ -898,12 +903,12 @@ void amqpsink_job_cancel(amqpsink_job *jb)
  * addresses, a note naming them. */
 int amqpsink_check(const cfg_sink *sc, char *err, size_t errlen)
 {
-    const amqpsink_conf   *ac = amqpsink_conf_of(sc);
+    const amqpsink_conf *ac = amqpsink_conf_of(sc);
     amqp_connection_state_t conn;
-    cfg_sink                one;
-    amqpsink_conf          oneconf;
-    char                    ident[300], why[800];
-    size_t                  n, bad = 0, o = 0;
+    cfg_sink one;
+    amqpsink_conf oneconf;
+    char ident[300], why[800];
+    size_t n, bad = 0, o = 0;
 
     if (errlen > 0)
         err[0] = '\0';
@@ -918,7 +923,7 @@ int amqpsink_check(const cfg_sink *sc, char *err, size_t errlen)
         return -1;
     }
     for (size_t i = 0; i < n; i++) {
-        one = *sc;   /* borrowed strings; only host and port change */
+        one = *sc; /* borrowed strings; only host and port change */
         oneconf = *ac;
         one.backend_conf = &oneconf;
         if (ac->n_brokers > 0) {
@@ -948,4 +953,3 @@ int amqpsink_check(const cfg_sink *sc, char *err, size_t errlen)
     }
     return 0;
 }
-

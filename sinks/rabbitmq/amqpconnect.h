@@ -19,10 +19,11 @@
 #include "config/cfg.h"
 #include "sinks/rabbitmq/amqpcfg.h"
 
-#define AMQPSINK_FRAME_MAX     32768   /* asked at login; rabbitmq-c keeps buffers of this size per
+#define AMQPSINK_FRAME_MAX \
+    32768                    /* asked at login; rabbitmq-c keeps buffers of this size per
                                           connection and channel (131072 cost fifty outboxes
                                           3 MiB), and larger bodies are split in frames */
-#define AMQPSINK_ERR_MAX       700     /* bytes of a failed attempt's reason */
+#define AMQPSINK_ERR_MAX 700 /* bytes of a failed attempt's reason */
 
 /* One connection attempt on a worker thread (opaque). */
 typedef struct amqpsink_job amqpsink_job;
@@ -58,14 +59,14 @@ void amqpsink_cfg_free(cfg_sink *c, amqpsink_conf *conf);
  * (login, channel.open(ch), confirm.select, each bounded by connect_timeout). wake
  * (on loop) is started here and signalled when the attempt is over; the caller
  * then takes the result with amqpsink_job_take. 0 and *out, or -1 with err. */
-OUTBOX_MUST_CHECK int amqpsink_job_start(struct ev_loop *loop, ev_async *wake, const cfg_sink *c, size_t broker,
-                       const char *conn_name, amqp_channel_t ch, amqpsink_job **out, char *err,
-                       size_t errlen);
+OUTBOX_MUST_CHECK int amqpsink_job_start(struct ev_loop *loop, ev_async *wake, const cfg_sink *c,
+                                         size_t broker, const char *conn_name, amqp_channel_t ch,
+                                         amqpsink_job **out, char *err, size_t errlen);
 /* When the attempt is over: true, *conn (ownership to the caller; NULL when it
  * failed, err then says why, without the peer) and jb is gone. False while the
  * worker still runs. */
 OUTBOX_MUST_CHECK bool amqpsink_job_take(amqpsink_job *jb, amqp_connection_state_t *conn, char *err,
-                       size_t errlen);
+                                         size_t errlen);
 /* Abandons an attempt (NULL: none): cuts its handshake short and waits for the
  * worker only briefly; a worker still busy cleans up after itself. jb is gone. */
 void amqpsink_job_cancel(amqpsink_job *jb);

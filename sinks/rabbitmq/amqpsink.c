@@ -56,9 +56,9 @@
 
 #include "lib/outbox_util.h"
 
-#define AMQPSINK_SNDBUF        (4 * 1024 * 1024)
-#define AMQPSINK_BACKOFF_MIN   100    /* ms */
-#define AMQPSINK_DRAIN_MAX     4096   /* frames per readable event before yielding */
+#define AMQPSINK_SNDBUF      (4 * 1024 * 1024)
+#define AMQPSINK_BACKOFF_MIN 100  /* ms */
+#define AMQPSINK_DRAIN_MAX   4096 /* frames per readable event before yielding */
 
 /* The peer in an ident, without the word "broker": on_state's peer (a log field). */
 static const char *ident_peer(const char *ident)
@@ -109,12 +109,13 @@ static OUTBOX_MUST_CHECK bool emit_state(sink *s, const char *msg)
     return !s->dying;
 }
 
-static OUTBOX_MUST_CHECK bool report_result(sink *s, uint64_t tag, enum sink_outcome outcome, const char *reason)
+static OUTBOX_MUST_CHECK bool report_result(sink *s, uint64_t tag, enum sink_outcome outcome,
+                                            const char *reason)
 {
     ring_msg *e = slot(s, tag);
-    void  *ud = e->msg_ud;
-    char  *ret = e->ret_reason;   /* freed after the callback */
-    bool   alive;
+    void *ud = e->msg_ud;
+    char *ret = e->ret_reason; /* freed after the callback */
+    bool alive;
 
     /* Does the channel work? An ack (returned or not) says so; nacks in a row,
      * and no ack, say it may not (nack_check). */
@@ -129,7 +130,7 @@ static OUTBOX_MUST_CHECK bool report_result(sink *s, uint64_t tag, enum sink_out
     } else if (outcome == SINK_ACK) {
         s->nack_run = 0;
         ev_timer_stop(s->loop, &s->nackt);
-        if (s->pch == PCH_DRAIN) {   /* it does after all: publish on it again */
+        if (s->pch == PCH_DRAIN) { /* it does after all: publish on it again */
             s->pch = PCH_OPEN;
             s->want_writable = true;
         }
@@ -187,11 +188,10 @@ static bool maybe_writable(sink *s)
     }
     if (!s->want_writable || cur_state(s) == SINK_DOWN || broker_silent(s) || s->pch != PCH_OPEN)
         return true;
-    if (s->inflight >= (size_t)s->cfg.publish_window ||
-        s->next_tag - s->tail_tag > s->ring_mask)
+    if (s->inflight >= (size_t)s->cfg.publish_window || s->next_tag - s->tail_tag > s->ring_mask)
         return true;
     if (ev_is_active(&s->wio) || ev_is_active(&s->wretry))
-        return true;   /* waiting for socket space */
+        return true; /* waiting for socket space */
     s->want_writable = false;
     s->cbs.on_writable(s->cbs.ud);
     return !s->dying;
@@ -288,7 +288,7 @@ void amqpsink_mark_broken(sink *s, const char *what, int rc)
  * window: the bound is lifted then (on = false) and restored when unblocked. */
 static void set_user_timeout(sink *s, bool on)
 {
-    int      fd = s->conn ? amqp_get_sockfd(s->conn) : -1;
+    int fd = s->conn ? amqp_get_sockfd(s->conn) : -1;
     unsigned ut = 0;
 
     if (fd < 0 || s->cfg.confirm_timeout_ms <= 0)
@@ -300,8 +300,8 @@ static void set_user_timeout(sink *s, bool on)
 
 static void set_sock_opts(sink *s)
 {
-    int       fd = amqp_get_sockfd(s->conn);
-    int       v = AMQPSINK_SNDBUF;
+    int fd = amqp_get_sockfd(s->conn);
+    int v = AMQPSINK_SNDBUF;
     socklen_t sl = sizeof v;
 
     s->sndcap = 64 * 1024;
@@ -312,7 +312,7 @@ static void set_sock_opts(sink *s)
     set_user_timeout(s, true);
     v = 0;
     if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &sl) == 0 && v > 0)
-        s->sndcap = (size_t)v / 2;   /* the kernel doubles the value for bookkeeping */
+        s->sndcap = (size_t)v / 2; /* the kernel doubles the value for bookkeeping */
 }
 
 bool amqpsink_sock_room(sink *s, size_t need)
@@ -322,7 +322,7 @@ bool amqpsink_sock_room(sink *s, size_t need)
     if (s->conn == NULL || (fd = amqp_get_sockfd(s->conn)) < 0)
         return true;
     if (ioctl(fd, SIOCOUTQ, &queued) < 0 || queued <= 0)
-        return true;   /* empty buffer: always allowed (TCP_USER_TIMEOUT bounds it) */
+        return true; /* empty buffer: always allowed (TCP_USER_TIMEOUT bounds it) */
     return (size_t)queued + need <= s->sndcap;
 }
 
@@ -336,10 +336,10 @@ static void sink_free(sink *s);
 /* ------------------------------------------------------------ loop callbacks */
 
 #define ENTER(s) ((s)->depth++)
-#define LEAVE(s)                                   \
-    do {                                           \
-        if (--(s)->depth == 0 && (s)->dying)       \
-            sink_free(s);                          \
+#define LEAVE(s)                             \
+    do {                                     \
+        if (--(s)->depth == 0 && (s)->dying) \
+            sink_free(s);                    \
     } while (0)
 
 /* A connect attempt failed (reason in words, without the peer). */
@@ -357,7 +357,7 @@ static void connect_failed(sink *s, const char *err)
 static void retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
     sink *s = w->data;
-    char  err[300];
+    char err[300];
 
     (void)loop;
     (void)revents;
@@ -365,7 +365,7 @@ static void retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
         return;
     ENTER(s);
     s->ch = 1;
-    amqpsink_ident(s->ident, sizeof s->ident, &s->conf, s->cur);   /* this attempt's peer */
+    amqpsink_ident(s->ident, sizeof s->ident, &s->conf, s->cur); /* this attempt's peer */
     if (amqpsink_job_start(s->loop, &s->jobw, &s->cfg, s->cur, s->conn_name, s->ch, &s->job, err,
                            sizeof err) < 0)
         connect_failed(s, err);
@@ -375,15 +375,15 @@ static void retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
 /* The worker is done: take its connection (or its reason) on the loop. */
 static void jobw_cb(struct ev_loop *loop, ev_async *w, int revents)
 {
-    sink                   *s = w->data;
+    sink *s = w->data;
     amqp_connection_state_t conn = NULL;
-    char                    err[AMQPSINK_ERR_MAX];
+    char err[AMQPSINK_ERR_MAX];
 
     (void)loop;
     (void)revents;
     if (s->job == NULL || !amqpsink_job_take(s->job, &conn, err, sizeof err))
         return;
-    s->job = NULL;   /* conn: ownership to the sink */
+    s->job = NULL; /* conn: ownership to the sink */
     ev_async_stop(s->loop, &s->jobw);
 
     ENTER(s);
@@ -474,8 +474,9 @@ static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
      * dead connection, so the confirm clock only runs while unblocked. */
     if (s->cfg.confirm_timeout_ms > 0 && s->inflight > 0 && !s->blocked) {
         ring_msg *e = find_live(s, s->tail_tag);
-        ev_tstamp since = e == NULL ? 0 : e->published_at > s->unblocked_at ? e->published_at
-                                                                           : s->unblocked_at;
+        ev_tstamp since = e == NULL                           ? 0
+                          : e->published_at > s->unblocked_at ? e->published_at
+                                                              : s->unblocked_at;
 
         if (e != NULL && ev_now(loop) - since > (double)s->cfg.confirm_timeout_ms / 1000.) {
             char why[200];
@@ -490,10 +491,10 @@ static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
         goto out;
     if (!pch_timeout(s) || s->conn == NULL)
         goto out;
-    nack_check(s);   /* only nacks for long enough, also when no more come */
-    if (!pch_kick(s) || s->conn == NULL)   /* a reopen held back for socket room */
+    nack_check(s);                       /* only nacks for long enough, also when no more come */
+    if (!pch_kick(s) || s->conn == NULL) /* a reopen held back for socket room */
         goto out;
-    amqpsink_xcheck_kick(s);   /* a check held back for socket room */
+    amqpsink_xcheck_kick(s); /* a check held back for socket room */
     (void)maybe_writable(s);
 out:
     LEAVE(s);
@@ -502,7 +503,7 @@ out:
 static void failt_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
     sink *s = w->data;
-    char  why[200];
+    char why[200];
 
     (void)loop;
     (void)revents;
@@ -566,7 +567,7 @@ static amqp_channel_t next_channel(const sink *s)
     if (max <= 0 || max > 65535)
         max = 65535;
     if (s->ck_ch != 0)
-        max = s->ck_ch - 1;   /* the check channel is the highest */
+        max = s->ck_ch - 1; /* the check channel is the highest */
     return (amqp_channel_t)(s->ch >= max ? 1 : s->ch + 1);
 }
 
@@ -615,11 +616,11 @@ static bool pch_kick(sink *s)
         return true;
     if (s->pch == PCH_DRAIN) {
         amqp_channel_close_t m;
-        amqp_channel_t       old = s->ch;
-        char                 msg[700];
+        amqp_channel_t old = s->ch;
+        char msg[700];
 
         if (s->inflight > 0)
-            return true;   /* their nacks (or acks) come first */
+            return true; /* their nacks (or acks) come first */
         memset(&m, 0, sizeof m);
         m.reply_code = AMQP_REPLY_SUCCESS;
         m.reply_text = amqpsink_bytes("outbox-relay: reopening a channel that got only nacks");
@@ -647,10 +648,10 @@ static bool pch_kick(sink *s)
         m.out_of_band = amqp_empty_bytes;
         rc = amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_OPEN_METHOD, &m);
         s->pch = PCH_OPENING;
-    } else {   /* PCH_WANT_SELECT */
+    } else { /* PCH_WANT_SELECT */
         amqp_confirm_select_t m;
 
-        memset(&m, 0, sizeof m);   /* nowait = 0: confirm.select-ok answers */
+        memset(&m, 0, sizeof m); /* nowait = 0: confirm.select-ok answers */
         rc = amqp_send_method(s->conn, s->ch, AMQP_CONFIRM_SELECT_METHOD, &m);
         s->pch = PCH_SELECTING;
     }
@@ -672,16 +673,18 @@ static bool pch_kick(sink *s)
 static OUTBOX_MUST_CHECK bool pch_timeout(sink *s)
 {
     ev_tstamp since;
-    char      why[300];
+    char why[300];
 
     if (s->conn == NULL || s->blocked || (s->pch != PCH_OPENING && s->pch != PCH_SELECTING))
         return true;
     since = s->pch_sent_at > s->unblocked_at ? s->pch_sent_at : s->unblocked_at;
     if (ev_now(s->loop) - since <= (double)s->cfg.connect_timeout_ms / 1000.)
         return true;
-    snprintf(why, sizeof why, "reopening the publishing channel: no answer to %s of channel %u "
-             "within %lld ms", s->pch == PCH_OPENING ? "channel.open" : "confirm.select",
-             (unsigned)s->ch, (long long)s->cfg.connect_timeout_ms);
+    snprintf(why, sizeof why,
+             "reopening the publishing channel: no answer to %s of channel %u "
+             "within %lld ms",
+             s->pch == PCH_OPENING ? "channel.open" : "confirm.select", (unsigned)s->ch,
+             (long long)s->cfg.connect_timeout_ms);
     return amqpsink_conn_fail(s, why);
 }
 
@@ -703,24 +706,26 @@ static OUTBOX_MUST_CHECK bool on_reopen_frame(sink *s, const amqp_frame_t *f)
         s->pch = PCH_OPEN;
         s->nack_run = 0;
         s->next_tag = s->tail_tag = 1;
-        if (!s->chan_ok) {   /* closed by the broker: DOWN until now */
+        if (!s->chan_ok) { /* closed by the broker: DOWN until now */
             char st[400];
 
             s->chan_ok = true;
             snprintf(st, sizeof st, "channel %u reopened on %s", (unsigned)s->ch, s->ident);
             return emit_state(s, st);
         }
-        s->want_writable = true;   /* rows held back with SINK_EAGAIN: on_writable */
+        s->want_writable = true; /* rows held back with SINK_EAGAIN: on_writable */
         return true;
     case AMQP_CHANNEL_CLOSE_METHOD: {
         const amqp_channel_close_t *m = f->payload.method.decoded;
-        amqp_channel_close_ok_t     ok;
-        char                        why[700];
+        amqp_channel_close_ok_t ok;
+        char why[700];
 
         memset(&ok, 0, sizeof ok);
         (void)amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
-        snprintf(why, sizeof why, "reopening the publishing channel: the broker closed channel "
-                 "%u: %u %.*s", (unsigned)s->ch, (unsigned)m->reply_code, (int)m->reply_text.len,
+        snprintf(why, sizeof why,
+                 "reopening the publishing channel: the broker closed channel "
+                 "%u: %u %.*s",
+                 (unsigned)s->ch, (unsigned)m->reply_code, (int)m->reply_text.len,
                  (const char *)m->reply_text.bytes);
         return amqpsink_conn_fail(s, why);
     }
@@ -731,8 +736,8 @@ static OUTBOX_MUST_CHECK bool on_reopen_frame(sink *s, const amqp_frame_t *f)
 
 /* ------------------------------------------------------------ frame handling */
 
-static OUTBOX_MUST_CHECK bool on_ack(sink *s, uint64_t tag, bool multiple, enum sink_outcome outcome,
-                   const char *reason)
+static OUTBOX_MUST_CHECK bool on_ack(sink *s, uint64_t tag, bool multiple,
+                                     enum sink_outcome outcome, const char *reason)
 {
     if (multiple) {
         uint64_t end = s->next_tag;
@@ -747,7 +752,7 @@ static OUTBOX_MUST_CHECK bool on_ack(sink *s, uint64_t tag, bool multiple, enum 
     }
     if (find_live(s, tag))
         return report_result(s, tag, outcome, reason);
-    return true;   /* unknown tag: stale or duplicate, ignore */
+    return true; /* unknown tag: stale or duplicate, ignore */
 }
 
 static OUTBOX_MUST_CHECK bool on_return_header(sink *s, const amqp_frame_t *f)
@@ -765,7 +770,7 @@ static OUTBOX_MUST_CHECK bool on_return_header(sink *s, const amqp_frame_t *f)
             memcmp(e->r->message_id, p->message_id.bytes, p->message_id.len) == 0) {
             e->returned = true;
             free(e->ret_reason);
-            e->ret_reason = strdup(s->ret_reason);   /* NULL: generic reason later */
+            e->ret_reason = strdup(s->ret_reason); /* NULL: generic reason later */
             break;
         }
     }
@@ -785,15 +790,15 @@ static bool names_exchange(const ring_msg *e, const char *text)
 
 static OUTBOX_MUST_CHECK bool on_channel_close(sink *s, unsigned code, const char *text)
 {
-    char                    msg[700];
+    char msg[700];
     amqp_channel_close_ok_t ok;
-    uint64_t                culprit = 0;
-    unsigned long long      size = 0;
-    const char             *sz;
-    int                     rc;
+    uint64_t culprit = 0;
+    unsigned long long size = 0;
+    const char *sz;
+    int rc;
 
-    snprintf(msg, sizeof msg, "channel %u closed by the broker: %u %s", (unsigned)s->ch,
-             code, text);
+    snprintf(msg, sizeof msg, "channel %u closed by the broker: %u %s", (unsigned)s->ch, code,
+             text);
     memset(&ok, 0, sizeof ok);
     rc = amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
     s->chan_ok = false;
@@ -857,8 +862,8 @@ static OUTBOX_MUST_CHECK bool handle_frame(sink *s, const amqp_frame_t *f)
         switch (f->payload.method.id) {
         case AMQP_CONNECTION_CLOSE_METHOD: {
             const amqp_connection_close_t *m = f->payload.method.decoded;
-            amqp_connection_close_ok_t     ok;
-            char                           why[600];
+            amqp_connection_close_ok_t ok;
+            char why[600];
 
             snprintf(why, sizeof why, "broker closed the connection: %u %.*s",
                      (unsigned)m->reply_code, (int)m->reply_text.len,
@@ -869,7 +874,7 @@ static OUTBOX_MUST_CHECK bool handle_frame(sink *s, const amqp_frame_t *f)
         }
         case AMQP_CONNECTION_BLOCKED_METHOD: {
             const amqp_connection_blocked_t *m = f->payload.method.decoded;
-            char                             why[400];
+            char why[400];
 
             s->blocked = true;
             set_user_timeout(s, false);
@@ -893,7 +898,7 @@ static OUTBOX_MUST_CHECK bool handle_frame(sink *s, const amqp_frame_t *f)
     if (s->ck_ch != 0 && f->channel == s->ck_ch)
         return amqpsink_xcheck_frame(s, f);
     if (f->channel != s->ch)
-        return true;   /* leftovers of a closed channel */
+        return true; /* leftovers of a closed channel */
     if (s->pch == PCH_OPENING || s->pch == PCH_SELECTING || s->pch == PCH_WANT_SELECT)
         return on_reopen_frame(s, f);
     if (!s->chan_ok)
@@ -912,22 +917,22 @@ static OUTBOX_MUST_CHECK bool handle_frame(sink *s, const amqp_frame_t *f)
                         "nacked by the broker (basic.nack)"))
                 return false;
             nack_check(s);
-            return pch_kick(s);   /* a channel draining for its reopen: its last answer? */
+            return pch_kick(s); /* a channel draining for its reopen: its last answer? */
         }
         case AMQP_BASIC_RETURN_METHOD: {
             const amqp_basic_return_t *m = f->payload.method.decoded;
 
             snprintf(s->ret_reason, sizeof s->ret_reason,
-                     "unroutable: %.*s exchange=%.*s routing_key=%.*s",
-                     (int)m->reply_text.len, (const char *)m->reply_text.bytes,
-                     (int)m->exchange.len, (const char *)m->exchange.bytes,
-                     (int)m->routing_key.len, (const char *)m->routing_key.bytes);
+                     "unroutable: %.*s exchange=%.*s routing_key=%.*s", (int)m->reply_text.len,
+                     (const char *)m->reply_text.bytes, (int)m->exchange.len,
+                     (const char *)m->exchange.bytes, (int)m->routing_key.len,
+                     (const char *)m->routing_key.bytes);
             s->ret_stage = RET_WANT_HEADER;
             return true;
         }
         case AMQP_CHANNEL_CLOSE_METHOD: {
             const amqp_channel_close_t *m = f->payload.method.decoded;
-            char                        text[512];
+            char text[512];
 
             snprintf(text, sizeof text, "%.*s", (int)m->reply_text.len,
                      (const char *)m->reply_text.bytes);
@@ -960,14 +965,14 @@ static OUTBOX_MUST_CHECK bool handle_frame(sink *s, const amqp_frame_t *f)
 static OUTBOX_MUST_CHECK bool read_frames(sink *s)
 {
     struct timeval zero = { 0, 0 };
-    int            n = 0;
+    int n = 0;
 
     while (s->conn != NULL) {
         amqp_frame_t f;
-        int          rc;
+        int rc;
 
         if (n++ == AMQPSINK_DRAIN_MAX) {
-            ev_feed_event(s->loop, &s->rio, EV_READ);   /* yield to the loop */
+            ev_feed_event(s->loop, &s->rio, EV_READ); /* yield to the loop */
             break;
         }
         rc = amqp_simple_wait_frame_noblock(s->conn, &f, &zero);
@@ -1016,8 +1021,8 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
                            const sink_cbs *cbs, sink **out, char *err, size_t errlen)
 {
     const amqpsink_conf *ac = amqpsink_conf_of(sc);
-    sink                 *s;
-    uint64_t              cap = 1;
+    sink *s;
+    uint64_t cap = 1;
 
     *out = NULL;
     if (ac != NULL && (!sc->confirms || !ac->mandatory)) {
@@ -1025,8 +1030,8 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
                  sc->name ? sc->name : "?");
         return -1;
     }
-    if (ac == NULL || sc->publish_window < 1 || sc->publish_window > 65535 ||
-        ac->host == NULL || ac->user == NULL || ac->pass == NULL || ac->vhost == NULL) {
+    if (ac == NULL || sc->publish_window < 1 || sc->publish_window > 65535 || ac->host == NULL ||
+        ac->user == NULL || ac->pass == NULL || ac->vhost == NULL) {
         snprintf(err, errlen, "sink %s: incomplete configuration", sc->name ? sc->name : "?");
         return -1;
     }
@@ -1036,9 +1041,10 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
     s->loop = loop;
     s->cbs = *cbs;
     s->reported = -1;
-    ev_async_init(&s->jobw, jobw_cb);   /* before any goto oom: sink_free stops it */
+    ev_async_init(&s->jobw, jobw_cb); /* before any goto oom: sink_free stops it */
     s->jobw.data = s;
-    if (amqpsink_cfg_dup(&s->cfg, &s->conf, sc) < 0 ||   /* url/password not kept: they may carry the password */
+    if (amqpsink_cfg_dup(&s->cfg, &s->conf, sc) <
+            0 || /* url/password not kept: they may carry the password */
         amqpsink_dupstr(&s->conn_name, conn_name) < 0)
         goto oom;
     if (s->cfg.reconnect_max_ms < 100)
@@ -1074,9 +1080,9 @@ static int amqpsink_create(struct ev_loop *loop, const cfg_sink *sc, const char 
     ev_timer_init(&s->wretry, wretry_cb, 0., 0.);
     ev_timer_init(&s->failt, failt_cb, 0., 0.);
     ev_timer_init(&s->nackt, nackt_cb, 0., 0.);
-    s->rio.data = s->wio.data = s->tick.data = s->retry.data = s->wretry.data =
-        s->failt.data = s->nackt.data = s;
-    *out = s;   /* ownership to the caller: amqpsink_destroy */
+    s->rio.data = s->wio.data = s->tick.data = s->retry.data = s->wretry.data = s->failt.data =
+        s->nackt.data = s;
+    *out = s; /* ownership to the caller: amqpsink_destroy */
     return 0;
 oom:
     snprintf(err, errlen, "sink %s: out of memory", sc->name ? sc->name : "?");
@@ -1131,11 +1137,11 @@ static int too_long(const char *what, const char *v, char *err, size_t errlen)
 static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size_t errlen)
 {
     amqp_basic_properties_t p;
-    amqp_bytes_t            body;
-    void                   *hmem = NULL;
-    size_t                  est, nframes;
-    ring_msg               *e;
-    int                     rc;
+    amqp_bytes_t body;
+    void *hmem = NULL;
+    size_t est, nframes;
+    ring_msg *e;
+    int rc;
 
     /* Permanent problems first: the row can never be published. */
     if (r->payload_len > s->cfg.max_message_size) {
@@ -1151,20 +1157,20 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
         return SINK_EPERM;
     memset(&p, 0, sizeof p);
     if (r->headers_json != NULL) {
-        if (amqpsink_json_headers(r->headers_json, strlen(r->headers_json), &p.headers,
-                                  &hmem, err, errlen) < 0)
+        if (amqpsink_json_headers(r->headers_json, strlen(r->headers_json), &p.headers, &hmem, err,
+                                  errlen) < 0)
             return SINK_EPERM;
         p._flags |= AMQP_BASIC_HEADERS_FLAG;
     }
 
     if (cur_state(s) != SINK_UP) {
         free(hmem);
-        return SINK_EAGAIN;   /* on_state(SINK_UP) follows */
+        return SINK_EAGAIN; /* on_state(SINK_UP) follows */
     }
-    if (s->pch != PCH_OPEN) {   /* the channel is being reopened (nack_reopen) */
+    if (s->pch != PCH_OPEN) { /* the channel is being reopened (nack_reopen) */
         s->want_writable = true;
         free(hmem);
-        return SINK_EAGAIN;   /* on_writable follows */
+        return SINK_EAGAIN; /* on_writable follows */
     }
     /* Does the exchange exist? Asked before the window: a refusal or a wait
      * needs no room, and the check starts early. */
@@ -1174,8 +1180,8 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
         return rc;
     }
     advance_tail(s);
-    if (s->inflight >= (size_t)s->cfg.publish_window ||
-        s->next_tag - s->tail_tag > s->ring_mask || broker_silent(s)) {
+    if (s->inflight >= (size_t)s->cfg.publish_window || s->next_tag - s->tail_tag > s->ring_mask ||
+        broker_silent(s)) {
         s->want_writable = true;
         free(hmem);
         return SINK_EAGAIN;
@@ -1213,8 +1219,9 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
     }
     body.len = r->payload_len;
     body.bytes = (void *)(uintptr_t)r->payload;
-    rc = amqp_basic_publish(s->conn, s->ch, amqpsink_bytes(r->exchange), amqpsink_bytes(r->routing_key),
-                            1 /* mandatory */, 0 /* immediate */, &p, body);
+    rc = amqp_basic_publish(s->conn, s->ch, amqpsink_bytes(r->exchange),
+                            amqpsink_bytes(r->routing_key), 1 /* mandatory */, 0 /* immediate */,
+                            &p, body);
     free(hmem);
     if (rc != AMQP_STATUS_OK) {
         if (rc == AMQP_STATUS_TABLE_TOO_BIG) {
@@ -1246,7 +1253,7 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
 static size_t amqpsink_addresses(const cfg_sink *sc, const char **out, size_t max)
 {
     const amqpsink_conf *ac = amqpsink_conf_of(sc);
-    size_t                n = 0;
+    size_t n = 0;
 
     for (; ac != NULL && n < ac->n_brokers && n < max; n++)
         out[n] = ac->brokers[n].addr;
@@ -1259,14 +1266,14 @@ static long amqpsink_broker_index(const sink *s)
 }
 
 const sink_ops amqpsink_ops = {
-    .name      = "rabbitmq",
-    .create    = amqpsink_create,
-    .destroy   = amqpsink_destroy,
-    .start     = amqpsink_start,
-    .publish   = amqpsink_publish,
+    .name = "rabbitmq",
+    .create = amqpsink_create,
+    .destroy = amqpsink_destroy,
+    .start = amqpsink_start,
+    .publish = amqpsink_publish,
     .in_flight = amqpsink_in_flight,
-    .check     = amqpsink_check,
-    .quiesce   = amqpsink_quiesce,
+    .check = amqpsink_check,
+    .quiesce = amqpsink_quiesce,
     .addresses = amqpsink_addresses,
-    .broker    = amqpsink_broker_index,
+    .broker = amqpsink_broker_index,
 };

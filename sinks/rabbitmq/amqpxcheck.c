@@ -30,10 +30,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define AMQPSINK_XOK_TTL       30.0   /* s */
-#define AMQPSINK_XMISSING_TTL  1.0    /* s */
-#define AMQPSINK_XQUEUE_MAX    1024   /* names waiting for a check; past it SINK_EAGAIN */
-#define AMQPSINK_XCACHE_MAX    2048   /* cached names (memory bound: names are <= 255 bytes) */
+#define AMQPSINK_XOK_TTL      30.0 /* s */
+#define AMQPSINK_XMISSING_TTL 1.0  /* s */
+#define AMQPSINK_XQUEUE_MAX   1024 /* names waiting for a check; past it SINK_EAGAIN */
+#define AMQPSINK_XCACHE_MAX   2048 /* cached names (memory bound: names are <= 255 bytes) */
 
 /* ------------------------------------------------------------ exchange cache */
 
@@ -85,12 +85,12 @@ static void x_sweep(sink *s, bool all)
 static xent *x_add(sink *s, const char *name)
 {
     size_t len = strlen(name), b;
-    xent  *x;
+    xent *x;
 
     if (s->xcount >= AMQPSINK_XCACHE_MAX)
         x_sweep(s, false);
     if (s->xcount >= AMQPSINK_XCACHE_MAX)
-        x_sweep(s, true);   /* pending names are at most AMQPSINK_XQUEUE_MAX + 1 */
+        x_sweep(s, true); /* pending names are at most AMQPSINK_XQUEUE_MAX + 1 */
     x = malloc(sizeof *x + len + 1);
     if (x == NULL)
         return NULL;
@@ -109,7 +109,7 @@ static void x_set(sink *s, xent *x, enum xstate state, const char *why)
     x->state = state;
     x->expires = ev_now(s->loop) + (state == X_EXISTS ? AMQPSINK_XOK_TTL : AMQPSINK_XMISSING_TTL);
     free(x->why);
-    x->why = why != NULL ? strdup(why) : NULL;   /* NULL: a generic reason later */
+    x->why = why != NULL ? strdup(why) : NULL; /* NULL: a generic reason later */
 }
 
 void amqpsink_xcheck_reset(sink *s)
@@ -130,7 +130,6 @@ void amqpsink_xcheck_reset(sink *s)
     s->ck_state = CK_CLOSED;
     s->ck_ch = 0;
 }
-
 
 /* ------------------------------------------------------------ exchange checks */
 
@@ -175,7 +174,7 @@ void amqpsink_xcheck_kick(sink *s)
         s->ck_state = CK_OPENING;
     } else {
         amqp_exchange_declare_t m;
-        xent                   *x = s->xq_head;
+        xent *x = s->xq_head;
 
         s->xq_head = x->qnext;
         if (s->xq_head == NULL)
@@ -187,7 +186,7 @@ void amqpsink_xcheck_kick(sink *s)
         memset(&m, 0, sizeof m);
         m.exchange = amqpsink_bytes(x->name);
         m.type = amqp_empty_bytes;
-        m.passive = 1;       /* only asks; never creates or changes anything */
+        m.passive = 1; /* only asks; never creates or changes anything */
         m.arguments = amqp_empty_table;
         rc = amqp_send_method(s->conn, s->ck_ch, AMQP_EXCHANGE_DECLARE_METHOD, &m);
         s->ck_state = CK_BUSY;
@@ -210,7 +209,7 @@ void amqpsink_xcheck_kick(sink *s)
 bool amqpsink_xcheck_timeout(sink *s)
 {
     ev_tstamp since;
-    char      why[500];
+    char why[500];
 
     if (s->conn == NULL || s->cfg.confirm_timeout_ms <= 0 || s->blocked ||
         (s->ck_state != CK_OPENING && s->ck_state != CK_BUSY))
@@ -219,12 +218,15 @@ bool amqpsink_xcheck_timeout(sink *s)
     if (ev_now(s->loop) - since <= (double)s->cfg.confirm_timeout_ms / 1000.)
         return true;
     if (s->ck_state == CK_BUSY && s->ck_cur != NULL)
-        snprintf(why, sizeof why, "no answer to the passive exchange.declare of exchange '%s' "
-                 "(checking channel %u) within %lld ms", s->ck_cur->name, (unsigned)s->ck_ch,
-                 (long long)s->cfg.confirm_timeout_ms);
+        snprintf(why, sizeof why,
+                 "no answer to the passive exchange.declare of exchange '%s' "
+                 "(checking channel %u) within %lld ms",
+                 s->ck_cur->name, (unsigned)s->ck_ch, (long long)s->cfg.confirm_timeout_ms);
     else
-        snprintf(why, sizeof why, "no answer to channel.open of the exchange checking channel %u "
-                 "within %lld ms", (unsigned)s->ck_ch, (long long)s->cfg.confirm_timeout_ms);
+        snprintf(why, sizeof why,
+                 "no answer to channel.open of the exchange checking channel %u "
+                 "within %lld ms",
+                 (unsigned)s->ck_ch, (long long)s->cfg.confirm_timeout_ms);
     return amqpsink_conn_fail(s, why);
 }
 
@@ -256,7 +258,7 @@ int amqpsink_xcheck_dest(sink *s, const char *ex, char *err, size_t errlen)
     if (s->xq_len >= AMQPSINK_XQUEUE_MAX)
         return SINK_EAGAIN;
     if (x == NULL && (x = x_add(s, ex)) == NULL)
-        return SINK_QUEUED;   /* out of memory: unchecked; a 404 still costs only a channel */
+        return SINK_QUEUED; /* out of memory: unchecked; a 404 still costs only a channel */
     x->state = X_QUEUED;
     free(x->why);
     x->why = NULL;
@@ -277,17 +279,19 @@ int amqpsink_xcheck_dest(sink *s, const char *ex, char *err, size_t errlen)
 void amqpsink_xcheck_missing(sink *s, const char *ex, const char *text)
 {
     xent *x;
-    char  why[1100];
+    char why[1100];
 
     if (x_unchecked(s, ex))
         return;
     x = x_find(s, ex);
     if (x != NULL && x_is_pending(x))
-        return;   /* its check answers soon */
+        return; /* its check answers soon */
     if (x == NULL && (x = x_add(s, ex)) == NULL)
         return;
-    snprintf(why, sizeof why, "exchange '%s' not found in vhost '%s' (404, the broker closed "
-             "the publishing channel: %s)", ex, s->conf.vhost, text);
+    snprintf(why, sizeof why,
+             "exchange '%s' not found in vhost '%s' (404, the broker closed "
+             "the publishing channel: %s)",
+             ex, s->conf.vhost, text);
     x_set(s, x, X_MISSING, why);
 }
 
@@ -314,18 +318,19 @@ bool amqpsink_xcheck_frame(sink *s, const amqp_frame_t *f)
         return true;
     case AMQP_CHANNEL_CLOSE_METHOD: {
         const amqp_channel_close_t *m = f->payload.method.decoded;
-        amqp_channel_close_ok_t     ok;
-        char                        text[512], why[1100];
-        int                         rc;
+        amqp_channel_close_ok_t ok;
+        char text[512], why[1100];
+        int rc;
 
         snprintf(text, sizeof text, "%.*s", (int)m->reply_text.len,
                  (const char *)m->reply_text.bytes);
         memset(&ok, 0, sizeof ok);
         rc = amqp_send_method(s->conn, s->ck_ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
         if (rc != AMQP_STATUS_OK) {
-            snprintf(why, sizeof why, "exchange checking channel %u closed by the broker: %u %s; "
-                     "channel.close-ok: %s", (unsigned)s->ck_ch, (unsigned)m->reply_code, text,
-                     amqp_error_string2(rc));
+            snprintf(why, sizeof why,
+                     "exchange checking channel %u closed by the broker: %u %s; "
+                     "channel.close-ok: %s",
+                     (unsigned)s->ck_ch, (unsigned)m->reply_code, text, amqp_error_string2(rc));
             return amqpsink_conn_fail(s, why);
         }
         if (s->ck_state != CK_BUSY || s->ck_cur == NULL) {
@@ -336,15 +341,18 @@ bool amqpsink_xcheck_frame(sink *s, const amqp_frame_t *f)
             return amqpsink_conn_fail(s, why);
         }
         if (m->reply_code == AMQP_NOT_FOUND)
-            snprintf(why, sizeof why, "exchange '%s' not found in vhost '%s' (404, checked with "
-                     "a passive exchange.declare)", s->ck_cur->name, s->conf.vhost);
+            snprintf(why, sizeof why,
+                     "exchange '%s' not found in vhost '%s' (404, checked with "
+                     "a passive exchange.declare)",
+                     s->ck_cur->name, s->conf.vhost);
         else
-            snprintf(why, sizeof why, "exchange '%s' in vhost '%s' refused by the broker: %u %s "
-                     "(checked with a passive exchange.declare)", s->ck_cur->name, s->conf.vhost,
-                     (unsigned)m->reply_code, text);
+            snprintf(why, sizeof why,
+                     "exchange '%s' in vhost '%s' refused by the broker: %u %s "
+                     "(checked with a passive exchange.declare)",
+                     s->ck_cur->name, s->conf.vhost, (unsigned)m->reply_code, text);
         x_set(s, s->ck_cur, m->reply_code == AMQP_NOT_FOUND ? X_MISSING : X_REFUSED, why);
         s->ck_cur = NULL;
-        s->ck_state = CK_CLOSED;   /* close-ok sent: ck_kick reopens it for the next check */
+        s->ck_state = CK_CLOSED; /* close-ok sent: ck_kick reopens it for the next check */
         s->ck_resolved = true;
         amqpsink_xcheck_kick(s);
         return true;
@@ -353,4 +361,3 @@ bool amqpsink_xcheck_frame(sink *s, const amqp_frame_t *f)
         return true;
     }
 }
-

@@ -25,6 +25,6 @@
  * On failure returns -1 with a one-line reason in err (jansson's text, with
  * the offset); nothing to free. */
 OUTBOX_MUST_CHECK int amqpsink_json_headers(const char *json, size_t len, amqp_table_t *out,
-                          void **mem, char *err, size_t errlen);
+                                            void **mem, char *err, size_t errlen);
 
 #endif
