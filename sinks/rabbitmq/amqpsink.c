@@ -96,7 +96,7 @@ static enum sink_state cur_state(const sink *s)
     return s->blocked ? SINK_BLOCKED : SINK_UP;
 }
 
-/* ---------------------------------------------- results, failure and reconnect */
+/* ------------------------------------- telling the relay; failure and reconnect */
 
 /* Each helper that calls back returns false when destroy() was called from
  * the callback: the caller must then return at once without touching s. */
