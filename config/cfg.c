@@ -1,5 +1,5 @@
 /*
- * cfg.c — loads and validates the relay's ini file (SPEC §5, contract in cfg.h).
+ * cfg.c — loads and validates the relay's ini file (contract in cfg.h, keys in README.md).
  *
  * Parse → validate → return: nothing here touches live state. iniparser only
  * splits the file into "section:key" → raw string; every value is parsed here

@@ -1,5 +1,5 @@
 /*
- * cfg.h — the relay's configuration (SPEC §5): parse → validate → use.
+ * cfg.h — the relay's configuration (every key: config/README.md): parse → validate → use.
  *
  * cfg_load() reads an ini file with iniparser, takes every value as a raw
  * string and parses it strictly itself. It never touches live state: on any
@@ -20,13 +20,17 @@ enum cfg_log_format { CFG_LOG_TEXT = 0, CFG_LOG_JSON };
 enum cfg_on_sent    { CFG_ON_SENT_MARK = 0, CFG_ON_SENT_DELETE };
 enum cfg_mode       { CFG_MODE_LEADER = 0, CFG_MODE_COMPETING };
 enum cfg_ordering   { CFG_ORDER_PIPELINED = 0, CFG_ORDER_STRICT };
+/* cfg.c stores every CFG_KT_ENUM key through an int */
+_Static_assert(sizeof(enum cfg_log_level) == sizeof(int) && sizeof(enum cfg_log_format) == sizeof(int)
+               && sizeof(enum cfg_on_sent) == sizeof(int) && sizeof(enum cfg_mode) == sizeof(int)
+               && sizeof(enum cfg_ordering) == sizeof(int), "enum keys are stored as int");
 
 typedef struct cfg_backend cfg_backend;
 
 typedef struct cfg_relay {
     char   *name;               /* default: hostname:pid */
-    int     log_level;          /* enum cfg_log_level, default info */
-    int     log_format;         /* enum cfg_log_format, default text */
+    enum cfg_log_level  log_level;  /* default info */
+    enum cfg_log_format log_format; /* default text */
     char   *log_file;           /* NULL: stderr; reopened on SIGHUP */
     char   *http_listen;        /* "127.0.0.1:9187" default; NULL when empty (disabled) */
     int64_t shutdown_timeout_ms;/* default 10s */
@@ -68,12 +72,12 @@ typedef struct cfg_outbox {
     int     max_attempts;       /* default 10 */
     int64_t retry_backoff_ms;   /* first retry delay, doubled per attempt; default 1s */
     int64_t retry_backoff_max_ms;/* cap, default 5m */
-    int     on_sent;            /* enum cfg_on_sent, default mark */
+    enum cfg_on_sent on_sent;   /* default mark */
     int64_t retention_ms;       /* default 7d */
     int     cleanup_batch;      /* rows deleted per retention statement, default 1000 */
     int64_t cleanup_interval_ms;/* default 10s */
-    int     mode;               /* enum cfg_mode, default leader */
-    int     ordering;           /* enum cfg_ordering, default pipelined */
+    enum cfg_mode mode;         /* default leader */
+    enum cfg_ordering ordering; /* default pipelined */
     int64_t query_timeout_ms;   /* statement timeout for the relay's queries, default 30s */
     int64_t connect_timeout_ms; /* default 5s */
     int64_t reconnect_max_ms;   /* default 30s */
@@ -149,7 +153,7 @@ enum cfg_key_type {
 
 typedef struct cfg_key {
     const char *key;
-    int         type;                /* enum cfg_key_type */
+    enum cfg_key_type type;
     unsigned    flags;               /* CFG_KF_* */
     const char *def;                 /* default, parsed like a value; NULL: none */
     int64_t     min, max;

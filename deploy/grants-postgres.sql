@@ -1,4 +1,4 @@
--- Least-privilege roles for outbox-relay on PostgreSQL (SPEC §7).
+-- Least-privilege roles for outbox-relay on PostgreSQL (deploy/README.md).
 --
 -- Run as the owner of the outbox tables (the role that ran `outbox-relay init`, or a
 -- superuser), in the application database, AFTER the tables exist:

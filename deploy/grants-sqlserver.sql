@@ -1,4 +1,4 @@
--- Least-privilege roles for outbox-relay on SQL Server (SPEC §7).
+-- Least-privilege roles for outbox-relay on SQL Server (deploy/README.md).
 --
 -- Run as db_owner in the application database, AFTER the tables exist
 -- (`outbox-relay schema --dialect sqlserver` | sqlcmd -I, or `outbox-relay init -c relay.ini`):

@@ -20,9 +20,6 @@
 #define OUTBOX_DEFAULT_SCHEMA "outbox"
 #define OUTBOX_DEFAULT_TABLE  "messages"
 
-/* init waits at most this long for a lock (lock_timeout / SET LOCK_TIMEOUT): an object
- * that must be created on a table in use never queues long behind a producer
- * transaction, with every later producer queued behind it. */
 /* The columns a producer writes, the same in the outbox and its dead-letter table (in
    the order of the DDL): the dead-letter moves of both dialects copy these. A literal for
    the statements built at compile time; it must equal outbox_producer_columns(),
@@ -34,6 +31,9 @@
    (malloc'd; NULL: out of memory). */
 char *outbox_producer_columns(void);
 
+/* init waits at most this long for a lock (lock_timeout / SET LOCK_TIMEOUT): an object
+ * that must be created on a table in use never queues long behind a producer
+ * transaction, with every later producer queued behind it. */
 #define OUTBOX_INIT_LOCK_TIMEOUT_MS 3000
 
 typedef enum { OUTBOX_DIALECT_POSTGRES = 0, OUTBOX_DIALECT_SQLSERVER = 1 } outbox_dialect;

@@ -1,7 +1,8 @@
 /*
  * util.c — strict UTF-8, UTF-8 <-> UTF-16 (iconv), growable buffers, JSON
- * string escaping and capped exponential back-off, shared by liboutbox and
- * outbox-relay (see outbox_util.h for who may call what).
+ * string escaping, capped exponential back-off and its jitter, FNV-1a,
+ * splitmix64 and xorshift64, shared by liboutbox and outbox-relay (see
+ * outbox_util.h for who may call what).
  */
 #include "outbox_util.h"
 
@@ -11,6 +12,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 /* ------------------------------------------------------------------ UTF-8 */
 
@@ -28,16 +31,22 @@ size_t outbox_util_utf8_seq(const char *str, size_t n, uint32_t *cp)
     size_t len;
     uint32_t v, min;
     if (c >= 0xC2 && c <= 0xDF) {
-        len = 2; v = c & 0x1Fu; min = 0x80;
+        len = 2;
+        v = c & 0x1Fu;
+        min = 0x80;
     } else if (c >= 0xE0 && c <= 0xEF) {
-        len = 3; v = c & 0x0Fu; min = 0x800;
+        len = 3;
+        v = c & 0x0Fu;
+        min = 0x800;
     } else if (c >= 0xF0 && c <= 0xF4) {
-        len = 4; v = c & 0x07u; min = 0x10000;
+        len = 4;
+        v = c & 0x07u;
+        min = 0x10000;
     } else {
-        return 0;   /* continuation byte, C0/C1 (always overlong), F5..FF */
+        return 0; /* continuation byte, C0/C1 (always overlong), F5..FF */
     }
     if (len > n)
-        return 0;   /* cut short */
+        return 0; /* cut short */
     for (size_t i = 1; i < len; i++) {
         if ((s[i] & 0xC0u) != 0x80u)
             return 0;
@@ -192,7 +201,7 @@ uint16_t *outbox_util_utf16_from_utf8(const char *s, size_t len, size_t *units)
         free(w);
         return NULL;
     }
-    char *in = (char *)(uintptr_t)s;   /* iconv's prototype lacks the const */
+    char *in = (char *)(uintptr_t)s; /* iconv's prototype lacks the const */
     char *out = (char *)w;
     size_t outleft = len * sizeof *w;
     int rc = iconv_replacing(cd, &in, len, &out, &outleft, 1, &fffd, sizeof fffd);
@@ -203,7 +212,7 @@ uint16_t *outbox_util_utf16_from_utf8(const char *s, size_t len, size_t *units)
     }
     *units = (size_t)(out - (char *)w) / sizeof *w;
     w[*units] = 0;
-    return w;   /* caller frees */
+    return w; /* caller frees */
 }
 
 int outbox_util_utf16_to_utf8(outbox_util_buf *b, const uint16_t *w, size_t n)
@@ -223,8 +232,7 @@ int outbox_util_utf16_to_utf8(outbox_util_buf *b, const uint16_t *w, size_t n)
     char *in = (char *)(uintptr_t)w;
     char *out = b->p + b->len;
     size_t outleft = n * 3;
-    int rc = iconv_replacing(cd, &in, n * sizeof *w, &out, &outleft, sizeof *w,
-                             "\xEF\xBF\xBD", 3);
+    int rc = iconv_replacing(cd, &in, n * sizeof *w, &out, &outleft, sizeof *w, "\xEF\xBF\xBD", 3);
     iconv_close(cd);
     if (rc < 0) {
         b->failed = 1;
@@ -241,20 +249,32 @@ const char *outbox_util_json_esc(unsigned char c, char esc[7])
 {
     static const char hex[] = "0123456789abcdef";
     switch (c) {
-    case '"':  return "\\\"";
-    case '\\': return "\\\\";
-    case '\n': return "\\n";
-    case '\r': return "\\r";
-    case '\t': return "\\t";
-    case '\b': return "\\b";
-    case '\f': return "\\f";
+    case '"':
+        return "\\\"";
+    case '\\':
+        return "\\\\";
+    case '\n':
+        return "\\n";
+    case '\r':
+        return "\\r";
+    case '\t':
+        return "\\t";
+    case '\b':
+        return "\\b";
+    case '\f':
+        return "\\f";
     default:
         break;
     }
     if (c >= 0x20)
         return NULL;
-    esc[0] = '\\'; esc[1] = 'u'; esc[2] = '0'; esc[3] = '0';
-    esc[4] = hex[c >> 4]; esc[5] = hex[c & 15]; esc[6] = '\0';
+    esc[0] = '\\';
+    esc[1] = 'u';
+    esc[2] = '0';
+    esc[3] = '0';
+    esc[4] = hex[c >> 4];
+    esc[5] = hex[c & 15];
+    esc[6] = '\0';
     return esc;
 }
 
@@ -273,7 +293,7 @@ int outbox_util_json_string(outbox_util_buf *b, const char *s, size_t maxlen)
         if (l == 1 && (esc = outbox_util_json_esc((unsigned char)s[i], u)) != NULL)
             outbox_util_buf_puts(b, esc);
         else if (l == 1 && (unsigned char)s[i] >= 0x80)
-            outbox_util_buf_put(b, "\xEF\xBF\xBD", 3);   /* not UTF-8: U+FFFD */
+            outbox_util_buf_put(b, "\xEF\xBF\xBD", 3); /* not UTF-8: U+FFFD */
         else
             outbox_util_buf_put(b, s + i, l);
         i += l;
@@ -295,4 +315,74 @@ int64_t outbox_util_backoff_nth(int64_t first_ms, int64_t max_ms, int n)
     for (int i = 1; i < n && d > 0 && d < max_ms; i++)
         d = d > max_ms / 2 ? max_ms : d * 2;
     return d;
+}
+
+int64_t outbox_util_jitter(int64_t step_ms, uint64_t *rng)
+{
+    int64_t half, span;
+
+    if (step_ms <= 1)
+        return step_ms < 0 ? 0 : step_ms;
+    half = step_ms / 2;
+    span = step_ms - half; /* >= 1: the result stays below step_ms */
+    return half + (int64_t)(outbox_util_xorshift64(rng) % (uint64_t)span);
+}
+
+/* ---------------------------------------------------------------- hashing */
+
+uint64_t outbox_util_fnv1a64(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *b = p;
+
+    for (size_t i = 0; i < n; i++) {
+        h ^= b[i];
+        h *= 0x100000001b3ULL;
+    }
+    return h;
+}
+
+uint64_t outbox_util_fnv1a64_str(const char *s)
+{
+    return outbox_util_fnv1a64(OUTBOX_UTIL_FNV64_INIT, s, strlen(s));
+}
+
+/* --------------------------------------------------------- random numbers */
+
+uint64_t outbox_util_mix64(uint64_t x)
+{
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+uint64_t outbox_util_splitmix64(uint64_t *state)
+{
+    return outbox_util_mix64(*state += 0x9e3779b97f4a7c15ULL);
+}
+
+uint64_t outbox_util_xorshift64(uint64_t *state)
+{
+    uint64_t x = *state;
+
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    *state = x;
+    return x;
+}
+
+uint64_t outbox_util_seed(const void *p)
+{
+    uint64_t s = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid() ^ (uint64_t)(uintptr_t)p;
+
+    return s != 0 ? s : 0x9e3779b97f4a7c15ULL;
+}
+
+/* ---------------------------------------------------------------- strings */
+
+bool outbox_util_str_eq(const char *a, const char *b)
+{
+    if (a == NULL || b == NULL)
+        return a == b;
+    return strcmp(a, b) == 0;
 }

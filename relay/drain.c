@@ -41,7 +41,7 @@ typedef struct sconn {
     source       *src;
     bool          up;
     bool          busy;          /* a request is outstanding */
-    int           busy_req;
+    enum src_req  busy_req;
     ev_tstamp     req_started;
     bool          holding;       /* no request until hold_timer fires */
     int64_t       fail_delay_ms; /* back-off after a failed request while the connection stays up */
@@ -135,10 +135,7 @@ static int64_t new_token(drain *d)
 {
     uint64_t t = 0;
     while (t == 0) {
-        uint64_t z = (d->token_state += 0x9e3779b97f4a7c15ull);
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        t = (z ^ (z >> 31)) & INT64_MAX;
+        t = outbox_util_splitmix64(&d->token_state) & INT64_MAX;
     }
     return (int64_t)t;
 }
@@ -677,7 +674,7 @@ static bool start_settle(drain *d)
     return true;
 }
 
-static bool main_request(drain *d, int req);
+static bool main_request(drain *d, enum src_req req);
 
 static void check_stopped(drain *d)
 {
@@ -704,7 +701,7 @@ static void check_stopped(drain *d)
 }
 
 /* Starts a request on the main connection; false if it could not start. */
-static bool main_request(drain *d, int req)
+static bool main_request(drain *d, enum src_req req)
 {
     sconn *c = &d->main;
     c->busy = true;

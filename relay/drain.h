@@ -3,7 +3,7 @@
  * rows from its source to its own sink connection. It never names a database
  * or a broker; it drives source_ops and sink_ops on the shared libev loop.
  *
- * Rules it keeps (SPEC §4), through the ledger (relay/ledger.c, where the
+ * Rules it keeps (README.md, "Running the relay"), through the ledger (relay/ledger.c, where the
  * invariants are written down and checked):
  *  - a row is settled SENT only after the sink's ACK, by id and lease token;
  *  - rows of one partition key reach the broker in id order; several may be in

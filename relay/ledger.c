@@ -205,24 +205,9 @@ static void gmove(ledger *l, led_entry *e, int to)
 
 /* ------------------------------------------------------------ hash tables */
 
-static uint64_t mix64(uint64_t x)
-{
-    x ^= x >> 30;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    x ^= x >> 27;
-    x *= 0x94d049bb133111ebULL;
-    x ^= x >> 31;
-    return x;
-}
-
 static uint64_t str_hash(const char *s)
 {
-    uint64_t h = 0xcbf29ce484222325ULL;
-    for (; *s; s++) {
-        h ^= (unsigned char)*s;
-        h *= 0x100000001b3ULL;
-    }
-    return mix64(h);
+    return outbox_util_mix64(outbox_util_fnv1a64_str(s));
 }
 
 static int ptab_resize(ptab *t, size_t cap)
@@ -313,7 +298,7 @@ static bool key_eq(const void *p, const void *k)
 
 static led_entry *id_find(const ledger *l, int64_t id)
 {
-    return ptab_get(&l->ids, mix64((uint64_t)id), id_eq, &id);
+    return ptab_get(&l->ids, outbox_util_mix64((uint64_t)id), id_eq, &id);
 }
 
 /* ------------------------------------------------------------ heap */
@@ -502,7 +487,7 @@ static void entry_free(ledger *l, led_entry *e)
         lremove(&l->gl[e->glist], e, 1);
     if (k != NULL && e->klist != KL_NONE)
         lremove(klist_of(k, e->klist), e, 0);
-    ptab_del(&l->ids, mix64((uint64_t)e->id), e);
+    ptab_del(&l->ids, outbox_util_mix64((uint64_t)e->id), e);
     if (unsettled_sent(e))
         l->n_unsettled_sent--;
     if (e->state == LED_INFLIGHT) {
@@ -521,7 +506,7 @@ static void entry_free(ledger *l, led_entry *e)
     }
 }
 
-static void set_state(ledger *l, led_entry *e, int state, int glist)
+static void set_state(ledger *l, led_entry *e, enum led_state state, int glist)
 {
     bool was = unsettled_sent(e);
     gmove(l, e, glist);
@@ -535,7 +520,8 @@ static void set_state(ledger *l, led_entry *e, int state, int glist)
 /* Decides e's outcome (e is new, BUFFERED, or INFLIGHT with its counters
  * already updated). A non-SENT outcome blocks e's key: its later buffered
  * rows are given back too (I5). */
-static void decide(ledger *l, led_entry *e, int kind, int64_t backoff_ms, const char *reason)
+static void decide(ledger *l, led_entry *e, enum src_outcome_kind kind, int64_t backoff_ms,
+                   const char *reason)
 {
     heap_remove(l, e);
     e->kind = (uint8_t)kind;
@@ -715,7 +701,7 @@ void ledger_claimed(ledger *l, row **rows, size_t n, double deadline)
             free(e);
             e = NULL;
         }
-        if (e == NULL || ptab_put(&l->ids, mix64((uint64_t)r->id), e) != 0) {
+        if (e == NULL || ptab_put(&l->ids, outbox_util_mix64((uint64_t)r->id), e) != 0) {
             /* the row keeps its lease and becomes claimable again when it expires */
             if (!l->oom_warned)
                 log_ev(LOG_ERROR, &(log_fields){ .event = "out_of_memory",
@@ -837,7 +823,7 @@ void ledger_unpark(ledger *l)
     }
 }
 
-void ledger_refused(ledger *l, led_entry *e, int why, const char *reason, double now)
+void ledger_refused(ledger *l, led_entry *e, enum led_refusal why, const char *reason, double now)
 {
     l->now = now;
     if (e->state != LED_BUFFERED)
@@ -860,7 +846,8 @@ void ledger_refused(ledger *l, led_entry *e, int why, const char *reason, double
     attempt_failed(l, e, reason && reason[0] ? reason : "refused by the broker");
 }
 
-void ledger_result(ledger *l, led_entry *e, int outcome, const char *reason, double now)
+void ledger_result(ledger *l, led_entry *e, enum sink_outcome outcome, const char *reason,
+                   double now)
 {
     keyq *k = e->k;
     l->now = now;

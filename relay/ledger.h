@@ -1,8 +1,9 @@
 /*
  * ledger.h — the life of every row one drain holds, from claim to settled.
  *
- * The ledger is pure bookkeeping: no I/O, no clock of its own (callers pass
- * `now`, a monotonic time in seconds), no libev. relay/drain.c wires it to a
+ * The ledger is pure bookkeeping: no database or broker I/O (it only logs),
+ * no clock of its own (callers pass `now`, a monotonic time in seconds), no
+ * libev. relay/drain.c wires it to a
  * source, a sink and timers; tests/c/ledger_test.c drives it through scripted
  * and seeded random event orders against a fake database and a fake broker.
  *
@@ -31,6 +32,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include "relay/row.h"
+#include "relay/sink.h"
 #include "relay/source.h"
 
 typedef struct ledger ledger;
@@ -96,9 +98,11 @@ void    ledger_published(ledger *l, led_entry *e, double now);
 void    ledger_wait(ledger *l, led_entry *e);
 void    ledger_unpark(ledger *l);
 /* The sink refused the row before sending it; reason is copied. */
-void    ledger_refused(ledger *l, led_entry *e, int why, const char *reason, double now);
-/* The sink's final result for an in-flight row (enum sink_outcome). */
-void    ledger_result(ledger *l, led_entry *e, int sink_outcome, const char *reason, double now);
+void    ledger_refused(ledger *l, led_entry *e, enum led_refusal why, const char *reason,
+                       double now);
+/* The sink's final result for an in-flight row. */
+void    ledger_result(ledger *l, led_entry *e, enum sink_outcome sink_outcome, const char *reason,
+                      double now);
 
 /* --- settles: at most one runs at a time --- */
 /* Moves every decided outcome into the settle; *v (owned by the ledger, valid

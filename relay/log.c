@@ -339,12 +339,8 @@ static double mono_s(void)
 
 static uint64_t text_hash(const char *s)
 {
-    uint64_t h = 14695981039346656037ULL;   /* FNV-1a */
+    uint64_t h = outbox_util_fnv1a64_str(s);
 
-    for (const unsigned char *p = (const unsigned char *)s; *p != '\0'; p++) {
-        h ^= *p;
-        h *= 1099511628211ULL;
-    }
     return h != 0 ? h : 1;   /* 0 marks a free slot */
 }
 

@@ -182,7 +182,7 @@ static int keep_restart_only(const cfg *old, cfg *nc)
     return 0;
 }
 
-/* SIGHUP: parse → validate → swap (STYLE.md). The new file goes through the same
+/* SIGHUP: parse → validate → swap, never half-applied. The new file goes through the same
    loader as `check` and `run`; on any problem the running configuration stays, every
    problem is logged at ERROR and nothing changes. */
 static void reload(relay_state *st)

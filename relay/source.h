@@ -47,7 +47,7 @@ enum src_outcome_kind {
 typedef struct src_outcome {
     int64_t     id;
     int64_t     lease_token;  /* applied only where the row still carries this token */
-    int         kind;         /* enum src_outcome_kind */
+    enum src_outcome_kind kind;
     int64_t     backoff_ms;   /* SRC_RETRY */
     const char *reason;       /* SRC_RETRY, SRC_DEAD: stored as last_error / reason */
 } src_outcome;
@@ -64,7 +64,7 @@ typedef struct src_stats {
 } src_stats;
 
 typedef struct src_result {
-    int         req;            /* enum src_req */
+    enum src_req req;
     int         ok;             /* 0 success, -1 failed (error says why; the source may go DOWN) */
     const char *error;          /* valid during the callback only */
     /* SRC_REQ_LEAD */

@@ -93,6 +93,8 @@ run_step() {
     tally "$name" "$log" "${PIPESTATUS[0]}"
 }
 
+run_step format format-check   # the files the Makefile lists in FORMATTED follow .clang-format
+
 # The plain and the instrumented suites are independent and mostly wait on the servers: they
 # run at the same time (OUTBOX_TEST_PARALLEL=0: one after the other), the instrumented one
 # against its own private PostgreSQL and RabbitMQ (.services-san/); their logs are shown one

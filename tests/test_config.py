@@ -1,4 +1,4 @@
-"""Configuration (SPEC §5): the invalid-file corpus in config/bad/, the example file and the
+"""Configuration: the invalid-file corpus in config/bad/, the example file and the
 documented defaults in config/README.md, all through `cfg_test --load FILE` (which prints
 one line per error and exits 1, or a normalized dump and exits 0) and the cmocka unit tests
 in tests/c/cfg_test.c. No servers needed."""

@@ -1,4 +1,4 @@
-"""Shipped files that work as written (SPEC §5, §7).
+"""Shipped files that work as written (deploy/README.md).
 
 - Every relay ini the project ships — config/*.ini (not config/bad/), deploy/**/*.ini and the
   relay.ini embedded in a ConfigMap of deploy/*.yaml, all found by glob — loads through the

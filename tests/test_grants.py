@@ -1,4 +1,4 @@
-"""deploy/grants-postgres.sql gives least privilege (SPEC §7), checked on a real server:
+"""deploy/grants-postgres.sql gives least privilege (deploy/README.md), checked on a real server:
 the producer role may only INSERT; the relay role may read/update/delete the outbox, insert
 into it (dead retry) and select/insert/delete dead rows — and nothing else."""
 import secrets

@@ -1,4 +1,4 @@
-"""`make install` (SPEC §3: headers, liboutbox.a, liboutbox.so, outbox.pc, outbox-relay, the man
+"""`make install` (headers, liboutbox.a, liboutbox.so, outbox.pc, outbox-relay, the man
 pages outbox-relay(1) and outbox-relay.ini(5)) into a staging directory, and README.md's C
 example built against the staged files with pkg-config and run against a fresh database: keeps
 the README's example true. Also: the default `make` target builds what ships and nothing that

@@ -1,4 +1,4 @@
-"""liboutbox through ODBC (SPEC §3).
+"""liboutbox through ODBC.
 
 1. Every test of tests/test_lib_pg.py again, through unixODBC + psqlODBC ("PostgreSQL
    Unicode"): the `backend` fixture below makes lib_send_test call outbox_odbc_send*

@@ -1,4 +1,4 @@
-"""liboutbox on a real PostgreSQL (SPEC §3), through libpq.
+"""liboutbox on a real PostgreSQL, through libpq.
 
 Each case runs build/tests/lib_send_test (so OUTBOX_VALGRIND=1 and sanitizer builds cover
 the library) and the database state is then checked with psycopg. tests/test_lib_odbc.py

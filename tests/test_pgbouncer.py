@@ -1,4 +1,4 @@
-"""The relay behind PgBouncer in transaction pooling (SPEC §4: no session state is needed for
+"""The relay behind PgBouncer in transaction pooling (required: no session state is needed for
 correctness) — a private pgbouncer (Debian's package) in front of the private PostgreSQL,
 real relay processes, real RabbitMQ.
 

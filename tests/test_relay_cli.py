@@ -1,4 +1,4 @@
-"""The relay's command line, probes and logs (SPEC §4–§6): `check`, `init`, `schema`, `stats`,
+"""The relay's command line, probes and logs: `check`, `init`, `schema`, `stats`,
 `dead`, `--help`/`--version`, exit codes; /healthz, /readyz, /metrics of a running relay; JSON
 logs without secrets; log_file reopened on SIGHUP; SIGTERM/SIGINT handling. Everything runs
 the real binary against the harness's PostgreSQL and RabbitMQ."""

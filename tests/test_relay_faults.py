@@ -1,4 +1,4 @@
-"""Fault tests of `outbox-relay run` (SPEC §4: "Survives: broker restart, database restart,
+"""Fault tests of `outbox-relay run` (required: "Survives: broker restart, database restart,
 dropped connections, broker flow control, slow consumers; reconnects with capped back-off;
 never loses a row").
 

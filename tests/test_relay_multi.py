@@ -1,4 +1,4 @@
-"""Several relays on one outbox (SPEC §4): leadership as a fenced lease, takeover when the
+"""Several relays on one outbox: leadership as a fenced lease, takeover when the
 leader freezes or dies, and per-key order in competing mode — real PostgreSQL and RabbitMQ,
 2 or 3 relay processes.
 

@@ -1,4 +1,4 @@
-"""What an operator sees when the broker or the database is wrong (SPEC §4 "every failure an
+"""What an operator sees when the broker or the database is wrong (required: "every failure an
 operator must act on ... is logged at the default level, naming the peer and the reason; the
 event loop never blocks on a connect, so probes always answer"), and TLS with a client
 certificate. Real servers only: the harness's PostgreSQL and RabbitMQ (with an extra TLS

@@ -1,4 +1,4 @@
-"""SIGHUP reloads the configuration (SPEC §4, issue 12; PgBouncer's RELOAD).
+"""SIGHUP reloads the configuration (issue 12; PgBouncer's RELOAD).
 
 The new file goes through the same loader as `check`. A bad one is refused with `check`'s own
 error lines at ERROR and the running configuration goes on. A good one is applied outbox by

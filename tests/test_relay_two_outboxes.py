@@ -1,4 +1,4 @@
-"""Two outboxes in one `outbox-relay run` process (SPEC §4: "one relay may drain several"):
+"""Two outboxes in one `outbox-relay run` process ("one relay may drain several"):
 two [outbox.*] sections on two PostgreSQL databases, each with its own table and queue, both
 with partition keys, one shared sink.
 

@@ -1,4 +1,4 @@
-"""Identifier validation and the outbox DDL (SPEC §2), from lib/schema.c.
+"""Identifier validation and the outbox DDL, from lib/schema.c.
 
 The DDL is printed by build/tests/lib_unit_test --print-ddl (the same outbox_ddl_script
 that `outbox-relay schema` prints); the PostgreSQL one is applied for real, twice."""

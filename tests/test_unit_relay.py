@@ -26,7 +26,7 @@ def test_util(build):
     r = run_prog([str(build / "tests" / "util_test")], timeout=120)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert "13 test(s) run" in out
+    assert "17 test(s) run" in out
     assert "20000 random UTF-8/UTF-16 runs ok" in out
 
 

@@ -26,9 +26,12 @@
 
 static int hexval(int c)
 {
-    if (c >= '0' && c <= '9') return c - '0';
-    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
-    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    if (c >= 'a' && c <= 'f')
+        return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F')
+        return c - 'A' + 10;
     return -1;
 }
 
@@ -67,7 +70,7 @@ static char *pct_decode(const char *p, size_t n, const char **why)
     return out;
 }
 
-int amqp_url_parse(const char *url, amqp_sink_conf *s, char *err, size_t errlen)
+int amqpsink_url_parse(const char *url, amqpsink_conf *s, char *err, size_t errlen)
 {
     char *user = NULL, *pass = NULL, *host = NULL, *vhost = NULL;
     const char *why = NULL, *p, *auth_end, *at, *hp, *port_s = NULL;
@@ -286,21 +289,21 @@ static bool same_secret(const char *a, const char *b)
     return d == 0;
 }
 
-int amqp_urls_parse(const char *list, amqp_sink_conf *s, char *err, size_t errlen)
+int amqpsink_urls_parse(const char *list, amqpsink_conf *s, char *err, size_t errlen)
 {
-    amqp_sink_conf first, t;
-    amqp_broker   *br = NULL;
-    size_t         n = 0, total = 1, idx = 0;
-    const char    *p;
-    char           why[200], *elem = NULL;
-    int            rc = -2;
-    bool           cut = false;   /* some element does not start like a URL */
+    amqpsink_conf first, t;
+    amqpsink_broker *br = NULL;
+    size_t n = 0, total = 1, idx = 0;
+    const char *p;
+    char why[200], *elem = NULL;
+    int rc = -2;
+    bool cut = false; /* some element does not start like a URL */
 
     memset(&first, 0, sizeof first);
     memset(&t, 0, sizeof t);
     if (list == NULL || strchr(list, ',') == NULL) {
         /* one URL: its own words */
-        if (amqp_url_parse(list, &first, err, errlen) < 0)
+        if (amqpsink_url_parse(list, &first, err, errlen) < 0)
             return -1;
         if ((br = calloc(1, sizeof *br)) == NULL || (br[0].host = strdup(first.host)) == NULL ||
             (br[0].addr = broker_addr(first.host, first.port)) == NULL) {
@@ -315,7 +318,7 @@ int amqp_urls_parse(const char *list, amqp_sink_conf *s, char *err, size_t errle
     }
     for (p = list; *p; p++) {
         total += *p == ',';
-        if (p == list || p[-1] == ',') {   /* an element that is no URL: a comma inside one? */
+        if (p == list || p[-1] == ',') { /* an element that is no URL: a comma inside one? */
             const char *b = p;
 
             while (*b == ' ' || *b == '\t')
@@ -325,8 +328,8 @@ int amqp_urls_parse(const char *list, amqp_sink_conf *s, char *err, size_t errle
                 cut = true;
         }
     }
-    if (total > AMQP_MAX_BROKERS) {
-        snprintf(err, errlen, "%zu URLs, at most %d", total, AMQP_MAX_BROKERS);
+    if (total > AMQPSINK_MAX_BROKERS) {
+        snprintf(err, errlen, "%zu URLs, at most %d", total, AMQPSINK_MAX_BROKERS);
         return -2;
     }
     if ((br = calloc(total, sizeof *br)) == NULL) {
@@ -335,7 +338,7 @@ int amqp_urls_parse(const char *list, amqp_sink_conf *s, char *err, size_t errle
     }
     for (p = list; idx < total; idx++) {
         const char *e = strchr(p, ','), *b = p;
-        size_t      len;
+        size_t len;
 
         if (e == NULL)
             e = p + strlen(p);
@@ -355,32 +358,38 @@ int amqp_urls_parse(const char *list, amqp_sink_conf *s, char *err, size_t errle
             snprintf(err, errlen, "out of memory");
             goto fail;
         }
-        if (amqp_url_parse(elem, &t, why, sizeof why) < 0) {
+        if (amqpsink_url_parse(elem, &t, why, sizeof why) < 0) {
             snprintf(err, errlen, "URL %zu of %zu: %s%s", idx + 1, total, why,
-                     cut ? "; URLs are separated by commas: a comma inside one is written %2C" : "");
+                     cut ? "; URLs are separated by commas: a comma inside one is written %2C"
+                         : "");
             goto fail;
         }
         if (idx == 0) {
-            first = t;   /* takes the strings */
+            first = t; /* takes the strings */
             memset(&t, 0, sizeof t);
         } else if (t.tls != first.tls) {
-            snprintf(err, errlen, "URL %zu of %zu is %s:// and URL 1 %s:// (every URL of the list "
-                     "must use the same scheme)", idx + 1, total, t.tls ? "amqps" : "amqp",
-                     first.tls ? "amqps" : "amqp");
+            snprintf(err, errlen,
+                     "URL %zu of %zu is %s:// and URL 1 %s:// (every URL of the list "
+                     "must use the same scheme)",
+                     idx + 1, total, t.tls ? "amqps" : "amqp", first.tls ? "amqps" : "amqp");
             goto fail;
         } else if (strcmp(t.user, first.user) != 0 || !same_secret(t.pass, first.pass)) {
-            snprintf(err, errlen, "URL %zu of %zu has another user or password than URL 1 (the nodes "
-                     "of a cluster share them: write the same in every URL; none means guest:guest)",
-                     idx + 1, total);
+            snprintf(
+                err, errlen,
+                "URL %zu of %zu has another user or password than URL 1 (the nodes "
+                "of a cluster share them: write the same in every URL; none means guest:guest)",
+                idx + 1, total);
             goto fail;
         } else if (strcmp(t.vhost, first.vhost) != 0) {
-            snprintf(err, errlen, "URL %zu of %zu names another vhost than URL 1 (every URL of the "
-                     "list must name the same vhost)", idx + 1, total);
+            snprintf(err, errlen,
+                     "URL %zu of %zu names another vhost than URL 1 (every URL of the "
+                     "list must name the same vhost)",
+                     idx + 1, total);
             goto fail;
         }
         {
             const char *host = idx == 0 ? first.host : t.host;
-            int         port = idx == 0 ? first.port : t.port;
+            int port = idx == 0 ? first.port : t.port;
 
             for (size_t j = 0; j < n; j++) {
                 if (strcasecmp(br[j].host, host) == 0 && br[j].port == port) {
@@ -389,8 +398,9 @@ int amqp_urls_parse(const char *list, amqp_sink_conf *s, char *err, size_t errle
                     goto fail;
                 }
             }
-            if ((br[n].host = strdup(host)) == NULL || (br[n].addr = broker_addr(host, port)) == NULL) {
-                n++;   /* freed below */
+            if ((br[n].host = strdup(host)) == NULL ||
+                (br[n].addr = broker_addr(host, port)) == NULL) {
+                n++; /* freed below */
                 snprintf(err, errlen, "out of memory");
                 goto fail;
             }
@@ -409,7 +419,7 @@ done:
     free(s->user);
     cfg_free_secret(s->pass);
     free(s->vhost);
-    amqp_brokers_free(s);
+    amqpsink_brokers_free(s);
     s->host = first.host;
     s->user = first.user;
     s->pass = first.pass;
@@ -437,7 +447,7 @@ fail:
     return rc;
 }
 
-void amqp_brokers_free(amqp_sink_conf *s)
+void amqpsink_brokers_free(amqpsink_conf *s)
 {
     for (size_t i = 0; i < s->n_brokers; i++) {
         free(s->brokers[i].host);
@@ -448,13 +458,13 @@ void amqp_brokers_free(amqp_sink_conf *s)
     s->n_brokers = 0;
 }
 
-void amqp_sink_conf_clear(amqp_sink_conf *s)
+void amqpsink_conf_clear(amqpsink_conf *s)
 {
     free(s->host);
     free(s->user);
     cfg_free_secret(s->pass);
     free(s->vhost);
-    amqp_brokers_free(s);
+    amqpsink_brokers_free(s);
     free(s->tls_ca_file);
     free(s->tls_cert);
     free(s->tls_key);
@@ -463,39 +473,34 @@ void amqp_sink_conf_clear(amqp_sink_conf *s)
 
 static void conf_free(void *conf)
 {
-    amqp_sink_conf_clear(conf);
-}
-
-static bool str_eq(const char *a, const char *b)
-{
-    if (a == NULL || b == NULL)
-        return a == b;
-    return strcmp(a, b) == 0;
+    amqpsink_conf_clear(conf);
 }
 
 /* Reload: the same settings, the contents of the TLS files included (files_digest). */
 static bool conf_equal(const void *va, const void *vb)
 {
-    const amqp_sink_conf *a = va, *b = vb;
+    const amqpsink_conf *a = va, *b = vb;
 
     if (a->n_brokers != b->n_brokers)
         return false;
     for (size_t i = 0; i < a->n_brokers; i++)
-        if (!str_eq(a->brokers[i].host, b->brokers[i].host) ||
+        if (!outbox_util_str_eq(a->brokers[i].host, b->brokers[i].host) ||
             a->brokers[i].port != b->brokers[i].port)
             return false;
-    return str_eq(a->host, b->host) && a->port == b->port && str_eq(a->user, b->user) &&
-           str_eq(a->pass, b->pass) && str_eq(a->vhost, b->vhost) && a->tls == b->tls &&
+    return outbox_util_str_eq(a->host, b->host) && a->port == b->port &&
+           outbox_util_str_eq(a->user, b->user) && outbox_util_str_eq(a->pass, b->pass) &&
+           outbox_util_str_eq(a->vhost, b->vhost) && a->tls == b->tls &&
            a->mandatory == b->mandatory && a->heartbeat_ms == b->heartbeat_ms &&
-           str_eq(a->tls_ca_file, b->tls_ca_file) && a->tls_verify == b->tls_verify &&
-           str_eq(a->tls_cert, b->tls_cert) && str_eq(a->tls_key, b->tls_key) &&
-           a->nack_reopen_ms == b->nack_reopen_ms && a->files_digest == b->files_digest;
+           outbox_util_str_eq(a->tls_ca_file, b->tls_ca_file) && a->tls_verify == b->tls_verify &&
+           outbox_util_str_eq(a->tls_cert, b->tls_cert) &&
+           outbox_util_str_eq(a->tls_key, b->tls_key) && a->nack_reopen_ms == b->nack_reopen_ms &&
+           a->files_digest == b->files_digest;
 }
 
 /* Folds a file's bytes into *h (FNV-1a 64): certificates are read when a connection is
    made, so a reload compares their contents, not only their paths. -1 (errno) when the
    file cannot be read. */
-static int digest_file(const char *path, uint64_t *h)
+static OUTBOX_MUST_CHECK int digest_file(const char *path, uint64_t *h)
 {
     unsigned char buf[8192];
     size_t n;
@@ -504,11 +509,10 @@ static int digest_file(const char *path, uint64_t *h)
     if (f == NULL)
         return -1;
     if (*h == 0)
-        *h = 0xcbf29ce484222325ull;
+        *h = OUTBOX_UTIL_FNV64_INIT;
     while ((n = fread(buf, 1, sizeof buf, f)) > 0)
-        for (size_t i = 0; i < n; i++)
-            *h = (*h ^ buf[i]) * 0x100000001b3ull;
-    *h = (*h ^ 0xff) * 0x100000001b3ull;   /* where one file ends */
+        *h = outbox_util_fnv1a64(*h, buf, n);
+    *h = outbox_util_fnv1a64(*h, "\xff", 1); /* where one file ends */
     int bad = ferror(f);
     fclose(f);
     if (bad) {
@@ -519,43 +523,48 @@ static int digest_file(const char *path, uint64_t *h)
 }
 
 /* The keys only this sink has (registered with config/ in sinks/sink.c), applied to its
-   amqp_sink_conf. */
-#define F(f) offsetof(amqp_sink_conf, f)
+   amqpsink_conf. */
+#define F(f) offsetof(amqpsink_conf, f)
 static const cfg_key amqpsink_keys[] = {
-    { "mandatory",        CFG_KT_BOOL, CFG_KF_MUST_TRUE, "true", 0, 0, NULL, NULL, F(mandatory),
+    { "mandatory", CFG_KT_BOOL, CFG_KF_MUST_TRUE, "true", 0, 0, NULL, NULL, F(mandatory),
       "true (mandatory publishing is required: without it an unroutable message would be "
       "acknowledged and lost)" },
-    { "heartbeat",        CFG_KT_DUR,  CFG_KF_WHOLE_SEC, "30s", 0, 65535 * CFG_MS_S, NULL, NULL, F(heartbeat_ms), NULL },
-    { "tls_ca_file",      CFG_KT_STR,  CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL, F(tls_ca_file),
-      "a readable CA bundle file" },
-    { "tls_verify",       CFG_KT_BOOL, 0, "true", 0, 0, NULL, NULL, F(tls_verify), NULL },
-    { "tls_cert",         CFG_KT_STR,  CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL, F(tls_cert),
-      "a readable PEM client certificate file" },
-    { "tls_key",          CFG_KT_STR,  CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL,
-      F(tls_key), "a readable PEM private key file" },
-    { "nack_reopen",      CFG_KT_DUR,  0, "1s", 0, CFG_MS_H, NULL, NULL, F(nack_reopen_ms), NULL },
+    { "heartbeat", CFG_KT_DUR, CFG_KF_WHOLE_SEC, "30s", 0, 65535 * CFG_MS_S, NULL, NULL,
+      F(heartbeat_ms), NULL },
+    { "tls_ca_file", CFG_KT_STR, CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL,
+      F(tls_ca_file), "a readable CA bundle file" },
+    { "tls_verify", CFG_KT_BOOL, 0, "true", 0, 0, NULL, NULL, F(tls_verify), NULL },
+    { "tls_cert", CFG_KT_STR, CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL,
+      F(tls_cert), "a readable PEM client certificate file" },
+    { "tls_key", CFG_KT_STR, CFG_KF_EMPTY_NULL | CFG_KF_READABLE, "", 0, 0, NULL, NULL, F(tls_key),
+      "a readable PEM private key file" },
+    { "nack_reopen", CFG_KT_DUR, 0, "1s", 0, CFG_MS_H, NULL, NULL, F(nack_reopen_ms), NULL },
 };
 #undef F
 
 void amqpsink_finish_cfg(cfg_sink *sk, cfg_report *r)
 {
-    amqp_sink_conf *s = sk->backend_conf;
+    amqpsink_conf *s = sk->backend_conf;
     char why[200];
 
     if (sk->url == NULL)
-        return;   /* already reported */
-    switch (amqp_urls_parse(sk->url, s, why, sizeof why)) {
+        return; /* already reported */
+    switch (amqpsink_urls_parse(sk->url, s, why, sizeof why)) {
     case 0:
         break;
     case -1:
-        cfg_report_error(r, "url", "expected an amqp:// or amqps:// URL like "
-                         "amqp://user:pass@host:5672/vhost, got <secret> (%s)", why);
+        cfg_report_error(r, "url",
+                         "expected an amqp:// or amqps:// URL like "
+                         "amqp://user:pass@host:5672/vhost, got <secret> (%s)",
+                         why);
         return;
     default:
-        cfg_report_error(r, "url", "expected a comma-separated list of amqp:// or amqps:// "
+        cfg_report_error(r, "url",
+                         "expected a comma-separated list of amqp:// or amqps:// "
                          "URLs naming the nodes of one cluster, like "
                          "amqp://user:pass@node1:5672/vhost, amqp://user:pass@node2:5672/vhost, "
-                         "got <secret> (%s)", why);
+                         "got <secret> (%s)",
+                         why);
         return;
     }
     if (sk->password) {
@@ -565,17 +574,22 @@ void amqpsink_finish_cfg(cfg_sink *sk, cfg_report *r)
             return;
         }
         cfg_free_secret(s->pass);
-        s->pass = p;   /* password_file overrides the URL's password */
+        s->pass = p; /* password_file overrides the URL's password */
     }
     if (s->tls_ca_file && !s->tls) {
         char qb[300];
-        cfg_report_error(r, "tls_ca_file", "expected an amqps:// url when tls_ca_file is set, "
-                         "got %s with an amqp:// url", cfg_quote(s->tls_ca_file, qb, sizeof qb));
+        cfg_report_error(r, "tls_ca_file",
+                         "expected an amqps:// url when tls_ca_file is set, "
+                         "got %s with an amqp:// url",
+                         cfg_quote(s->tls_ca_file, qb, sizeof qb));
     }
     const char *files[] = { s->tls_ca_file, s->tls_cert, s->tls_key };
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++)
         if (files[i] != NULL && digest_file(files[i], &s->files_digest) < 0)
-            cfg_report_error(r, i == 0 ? "tls_ca_file" : i == 1 ? "tls_cert" : "tls_key",
+            cfg_report_error(r,
+                             i == 0   ? "tls_ca_file"
+                             : i == 1 ? "tls_cert"
+                                      : "tls_key",
                              "cannot read the file: %s", strerror(errno));
     if ((s->tls_cert || s->tls_key) && !s->tls)
         cfg_report_error(r, s->tls_cert ? "tls_cert" : "tls_key",
@@ -584,7 +598,8 @@ void amqpsink_finish_cfg(cfg_sink *sk, cfg_report *r)
     else if ((s->tls_cert != NULL) != (s->tls_key != NULL))
         cfg_report_error(r, s->tls_cert ? "tls_key" : "tls_cert",
                          "expected both tls_cert and tls_key (a client certificate needs its "
-                         "key), got only %s", s->tls_cert ? "tls_cert" : "tls_key");
+                         "key), got only %s",
+                         s->tls_cert ? "tls_cert" : "tls_key");
 }
 
 const cfg_backend amqpsink_backend = {
@@ -592,7 +607,7 @@ const cfg_backend amqpsink_backend = {
     .name = "rabbitmq",
     .expect = "the broker's URL, or a comma-separated list of URLs of one cluster",
     .url_default = "amqp://guest:guest@127.0.0.1:5672/%2f",
-    .conf_size = sizeof(amqp_sink_conf),
+    .conf_size = sizeof(amqpsink_conf),
     .keys = amqpsink_keys,
     .n_keys = sizeof amqpsink_keys / sizeof amqpsink_keys[0],
     .finish_sink = amqpsink_finish_cfg,

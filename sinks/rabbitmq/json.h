@@ -18,11 +18,13 @@
 #include <stddef.h>
 #include <amqp.h>
 
+#include "lib/outbox_util.h"
+
 /* Parses len bytes of json into *out. On success returns 0 and *mem owns
  * every byte out points into (free(*mem) when done; NULL for "{}").
  * On failure returns -1 with a one-line reason in err (jansson's text, with
  * the offset); nothing to free. */
-int amqpsink_json_headers(const char *json, size_t len, amqp_table_t *out,
-                          void **mem, char *err, size_t errlen);
+OUTBOX_MUST_CHECK int amqpsink_json_headers(const char *json, size_t len, amqp_table_t *out,
+                                            void **mem, char *err, size_t errlen);
 
 #endif

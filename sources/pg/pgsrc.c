@@ -146,16 +146,6 @@ static bool cb_done(source *s, const src_result *res)
     return after_cb(s);
 }
 
-static uint64_t rng_next(source *s)
-{
-    uint64_t x = s->rng;
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    s->rng = x;
-    return x;
-}
-
 static void notice_cb(void *arg, const char *message)
 {
     source *s = arg;
@@ -208,11 +198,7 @@ static void conn_close(source *s)
 static void schedule_reconnect(source *s)
 {
     int64_t max = s->cfg.reconnect_max_ms > 0 ? s->cfg.reconnect_max_ms : 30000;
-    int64_t d = s->backoff_ms < max ? s->backoff_ms : max;
-    /* jitter: 75%..125% of the step, still capped */
-    d = d * 3 / 4 + (int64_t)(rng_next(s) % (uint64_t)(d / 2 + 1));
-    if (d > max)
-        d = max;
+    int64_t d = outbox_util_jitter(s->backoff_ms < max ? s->backoff_ms : max, &s->rng);
     s->backoff_ms = outbox_util_backoff_next(s->backoff_ms, BACKOFF_MIN_MS, max);
     s->phase = PH_BACKOFF;
     ev_timer_stop(s->loop, &s->retry);
@@ -873,9 +859,7 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
         !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats)
         goto oom;
     s->backoff_ms = BACKOFF_MIN_MS;
-    s->rng = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid() ^ (uint64_t)(uintptr_t)s;
-    if (!s->rng)
-        s->rng = 0x9e3779b97f4a7c15ull;
+    s->rng = outbox_util_seed(s);
     ev_io_init(&s->io, io_cb, -1, EV_READ);
     s->io.data = s;
     ev_timer_init(&s->deadline, deadline_cb, 1., 0.);

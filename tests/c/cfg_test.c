@@ -57,7 +57,7 @@ static void dump(const cfg *c)
         printf("max_rows_in_memory = %d\n", c->relay.max_rows_in_memory);
     for (size_t i = 0; i < c->n_sinks; i++) {
         const cfg_sink *s = &c->sinks[i];
-        const amqp_sink_conf *a = amqp_sink_conf_of(s);
+        const amqpsink_conf *a = amqpsink_conf_of(s);
         printf("[sink.%s]\n", s->name);
         printf("type = %s\n", s->type->name);
         printf("url = %s\n", secret(s->url));
@@ -344,12 +344,12 @@ static void t_size(void **st)
 
 static void t_amqp_url_ok(void **st)
 {
-    amqp_sink_conf s;
+    amqpsink_conf s;
     char err[200];
     (void)st;
 
     memset(&s, 0, sizeof s);
-    assert_int_equal(amqp_url_parse("amqp://guest:guest@127.0.0.1:5672/%2f", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_url_parse("amqp://guest:guest@127.0.0.1:5672/%2f", &s, err, sizeof err), 0);
     assert_string_equal(s.host, "127.0.0.1");
     assert_int_equal(s.port, 5672);
     assert_string_equal(s.user, "guest");
@@ -358,7 +358,7 @@ static void t_amqp_url_ok(void **st)
     assert_false(s.tls);
 
     /* re-parse into the same sink: old strings freed (valgrind/ASan check it) */
-    assert_int_equal(amqp_url_parse("amqps://broker.example.com", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_url_parse("amqps://broker.example.com", &s, err, sizeof err), 0);
     assert_string_equal(s.host, "broker.example.com");
     assert_int_equal(s.port, 5671);
     assert_true(s.tls);
@@ -366,44 +366,44 @@ static void t_amqp_url_ok(void **st)
     assert_string_equal(s.pass, "guest");
     assert_string_equal(s.vhost, "/");
 
-    assert_int_equal(amqp_url_parse("AMQPS://h:1234/", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_url_parse("AMQPS://h:1234/", &s, err, sizeof err), 0);
     assert_int_equal(s.port, 1234);
     assert_true(s.tls);
     assert_string_equal(s.vhost, "/");   /* empty path segment → "/" */
 
-    assert_int_equal(amqp_url_parse("amqp://us%40er:p%3Ass%2Fw%25rd@h/my%20vhost", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_url_parse("amqp://us%40er:p%3Ass%2Fw%25rd@h/my%20vhost", &s, err, sizeof err), 0);
     assert_string_equal(s.user, "us@er");
     assert_string_equal(s.pass, "p:ss/w%rd");
     assert_string_equal(s.vhost, "my vhost");
     assert_int_equal(s.port, 5672);
 
-    assert_int_equal(amqp_url_parse("amqp://u:a:b@h/a%2Fb", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_url_parse("amqp://u:a:b@h/a%2Fb", &s, err, sizeof err), 0);
     assert_string_equal(s.pass, "a:b");
     assert_string_equal(s.vhost, "a/b");
 
-    assert_int_equal(amqp_url_parse("amqp://alice@h", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_url_parse("amqp://alice@h", &s, err, sizeof err), 0);
     assert_string_equal(s.user, "alice");
     assert_string_equal(s.pass, "guest");
 
-    assert_int_equal(amqp_url_parse("amqp://u:@h/v", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_url_parse("amqp://u:@h/v", &s, err, sizeof err), 0);
     assert_string_equal(s.pass, "");
     assert_string_equal(s.vhost, "v");
 
-    assert_int_equal(amqp_url_parse("amqp://[::1]:5673/prod", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_url_parse("amqp://[::1]:5673/prod", &s, err, sizeof err), 0);
     assert_string_equal(s.host, "::1");
     assert_int_equal(s.port, 5673);
     assert_string_equal(s.vhost, "prod");
 
-    assert_int_equal(amqp_url_parse("amqps://u:p@[fe80::1:2]", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_url_parse("amqps://u:p@[fe80::1:2]", &s, err, sizeof err), 0);
     assert_string_equal(s.host, "fe80::1:2");
     assert_int_equal(s.port, 5671);
 
     /* percent-encoded UTF-8 in the user and the vhost (rabbitmq-c's amqp_parse_url
        refuses any %XX above %7F, and cuts a name at %00 without a word: see amqpcfg.c) */
-    assert_int_equal(amqp_url_parse("amqp://us%C3%A9r:p@h/v%C3%A9", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_url_parse("amqp://us%C3%A9r:p@h/v%C3%A9", &s, err, sizeof err), 0);
     assert_string_equal(s.user, "us\xc3\xa9r");
     assert_string_equal(s.vhost, "v\xc3\xa9");
-    amqp_sink_conf_clear(&s);
+    amqpsink_conf_clear(&s);
 }
 
 static void t_amqp_url_bad(void **st)
@@ -439,38 +439,38 @@ static void t_amqp_url_bad(void **st)
         { "amqp://h/\tv", "whitespace" },
         { "amqp://h%41/", "bad character" },
     };
-    amqp_sink_conf s;
+    amqpsink_conf s;
     char err[200];
     (void)st;
 
     memset(&s, 0, sizeof s);
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         err[0] = '\0';
-        if (amqp_url_parse(bad[i].url, &s, err, sizeof err) == 0)
+        if (amqpsink_url_parse(bad[i].url, &s, err, sizeof err) == 0)
             fail_msg("URL \"%s\" accepted", bad[i].url);
         if (!strstr(err, bad[i].why))
             fail_msg("URL \"%s\": reason \"%s\" lacks \"%s\"", bad[i].url, err, bad[i].why);
         assert_null(s.host);   /* untouched on error */
     }
-    assert_int_equal(amqp_url_parse(NULL, &s, err, sizeof err), -1);
+    assert_int_equal(amqpsink_url_parse(NULL, &s, err, sizeof err), -1);
 }
 
 static void t_amqp_url_list_ok(void **st)
 {
-    amqp_sink_conf s;
+    amqpsink_conf s;
     char err[400];
     (void)st;
 
     memset(&s, 0, sizeof s);
     /* one URL: one address, as before lists */
-    assert_int_equal(amqp_urls_parse("amqps://u:p@[::1]/v", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_urls_parse("amqps://u:p@[::1]/v", &s, err, sizeof err), 0);
     assert_int_equal(s.n_brokers, 1);
     assert_string_equal(s.brokers[0].host, "::1");
     assert_int_equal(s.brokers[0].port, 5671);
     assert_string_equal(s.brokers[0].addr, "[::1]:5671");
 
     /* a list: every address in order, spaces around the commas; the rest is common */
-    assert_int_equal(amqp_urls_parse("amqp://relay:pw@n1:5672/prod , amqp://relay:pw@n2/prod,"
+    assert_int_equal(amqpsink_urls_parse("amqp://relay:pw@n1:5672/prod , amqp://relay:pw@n2/prod,"
                                          "\tamqp://relay:pw@[fe80::2]:5673/prod", &s, err,
                                          sizeof err), 0);
     assert_int_equal(s.n_brokers, 3);
@@ -487,18 +487,18 @@ static void t_amqp_url_list_ok(void **st)
     assert_false(s.tls);
 
     /* defaults apply per URL: guest:guest, "/" and the scheme's port */
-    assert_int_equal(amqp_urls_parse("amqps://a,amqps://b:5671/%2f", &s, err, sizeof err), 0);
+    assert_int_equal(amqpsink_urls_parse("amqps://a,amqps://b:5671/%2f", &s, err, sizeof err), 0);
     assert_int_equal(s.n_brokers, 2);
     assert_string_equal(s.brokers[1].addr, "b:5671");
     assert_true(s.tls);
 
     /* the same host on other ports is another node (one machine, one cluster) */
-    assert_int_equal(amqp_urls_parse("amqp://h:1,amqp://h:2,amqp://h:3,amqp://h:4,amqp://h:5,"
+    assert_int_equal(amqpsink_urls_parse("amqp://h:1,amqp://h:2,amqp://h:3,amqp://h:4,amqp://h:5,"
                                          "amqp://h:6,amqp://h:7,amqp://h:8,amqp://h:9,amqp://h:10,"
                                          "amqp://h:11,amqp://h:12,amqp://h:13,amqp://h:14,"
                                          "amqp://h:15,amqp://h:16", &s, err, sizeof err), 0);
-    assert_int_equal(s.n_brokers, AMQP_MAX_BROKERS);
-    amqp_sink_conf_clear(&s);
+    assert_int_equal(s.n_brokers, AMQPSINK_MAX_BROKERS);
+    amqpsink_conf_clear(&s);
 }
 
 static void t_amqp_url_list_bad(void **st)
@@ -526,7 +526,7 @@ static void t_amqp_url_list_bad(void **st)
         { "http://a", "unsupported scheme", -1 },
         { "", "empty", -1 },
     };
-    amqp_sink_conf s;
+    amqpsink_conf s;
     char err[400];
     (void)st;
 
@@ -535,7 +535,7 @@ static void t_amqp_url_list_bad(void **st)
         int rc;
 
         err[0] = '\0';
-        rc = amqp_urls_parse(bad[i].url, &s, err, sizeof err);
+        rc = amqpsink_urls_parse(bad[i].url, &s, err, sizeof err);
         if (rc != bad[i].rc)
             fail_msg("URL list \"%s\": returned %d, not %d (%s)", bad[i].url, rc, bad[i].rc, err);
         if (!strstr(err, bad[i].why))
@@ -579,7 +579,7 @@ static void t_load_defaults(void **st)
 
     assert_int_equal(c->n_sinks, 1);
     const cfg_sink *s = &c->sinks[0];
-    const amqp_sink_conf *a = amqp_sink_conf_of(s);
+    const amqpsink_conf *a = amqpsink_conf_of(s);
     assert_string_equal(s->name, "main");
     assert_string_equal(s->type->name, "rabbitmq");
     assert_string_equal(s->url, "amqp://guest:guest@127.0.0.1:5672/%2f");
@@ -831,7 +831,7 @@ static void t_load_values(void **st)
     assert_int_equal(cfg_max_rows_in_memory(c), 65535 + 2 * 100000);
     assert_int_equal(c->n_sinks, 1);
     assert_string_equal(c->sinks[0].name, "bus");
-    const amqp_sink_conf *bus = amqp_sink_conf_of(&c->sinks[0]);
+    const amqpsink_conf *bus = amqpsink_conf_of(&c->sinks[0]);
     assert_string_equal(bus->host, "::1");
     assert_int_equal(bus->port, 5999);
     assert_string_equal(bus->user, "app");
@@ -891,12 +891,12 @@ static void t_env_and_secret_files(void **st)
     c = load_text(text, &e, NULL);
     print_errs(&e);
     assert_non_null(c);
-    assert_string_equal(amqp_sink_conf_of(&c->sinks[0])->host, "10.1.2.3");
-    assert_string_equal(amqp_sink_conf_of(&c->sinks[0])->pass, "from-env");
+    assert_string_equal(amqpsink_conf_of(&c->sinks[0])->host, "10.1.2.3");
+    assert_string_equal(amqpsink_conf_of(&c->sinks[0])->pass, "from-env");
     assert_null(c->sinks[0].password);
-    assert_string_equal(amqp_sink_conf_of(&c->sinks[1])->user, "u");
+    assert_string_equal(amqpsink_conf_of(&c->sinks[1])->user, "u");
     /* password_file overrides the URL */
-    assert_string_equal(amqp_sink_conf_of(&c->sinks[1])->pass, "s3cr3t");
+    assert_string_equal(amqpsink_conf_of(&c->sinks[1])->pass, "s3cr3t");
     assert_string_equal(c->sinks[1].password, "s3cr3t");   /* one trailing newline trimmed */
     assert_string_equal(c->outboxes[0].conninfo, "host=10.1.2.3 dbname=appdb password=$x");
     assert_string_equal(c->outboxes[0].database, "appdb");

@@ -428,7 +428,7 @@ int main(int argc, char **argv)
 {
     drv                         d;
     cfg_sink                    c;
-    amqp_sink_conf              a;
+    amqpsink_conf              a;
     sink_cbs                    cbs;
     struct amqp_connection_info ci;
     char                       *urlcopy = NULL;
@@ -467,7 +467,7 @@ int main(int argc, char **argv)
     if (strchr(argv[1], ',') != NULL) {
         /* a cluster list: as the relay's config loader reads it (a owns the strings) */
         list = 1;
-        if (amqp_urls_parse(argv[1], &a, err, sizeof err) < 0) {
+        if (amqpsink_urls_parse(argv[1], &a, err, sizeof err) < 0) {
             fprintf(stderr, "bad url list: %s\n", err);
             return 1;
         }
@@ -660,7 +660,7 @@ out:
     free(d.scratch);
     free(urlcopy);
     if (list)
-        amqp_sink_conf_clear(&a);
+        amqpsink_conf_clear(&a);
     if (d.ops != NULL && d.ops->quiesce != NULL)
         d.ops->quiesce(30000);   /* a connect worker still running ends first */
     return rc;

@@ -2,7 +2,8 @@
  * util_test.c — cmocka unit tests for lib/util.c (outbox_util.h): strict
  * UTF-8, UTF-8 <-> UTF-16 through iconv (also against a decoder written here
  * from outbox_util_utf8_seq, on seeded random input), buffers, JSON escaping,
- * back-off. tests/test_unit_relay.py runs it.
+ * back-off and its jitter, FNV-1a, splitmix64/xorshift64, str_eq.
+ * tests/test_unit_relay.py runs it.
  */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -453,6 +454,91 @@ static void backoff_nth(void **state)
     }
 }
 
+/* The one jitter rule: uniform in [step/2, step), never above the step. */
+static void jitter_rule(void **state)
+{
+    (void)state;
+    uint64_t r = 0x2545f4914f6cdd1dULL;
+    /* degenerate steps: nothing to spread */
+    assert_int_equal(outbox_util_jitter(0, &r), 0);
+    assert_int_equal(outbox_util_jitter(-7, &r), 0);
+    assert_int_equal(outbox_util_jitter(1, &r), 1);
+    for (int i = 0; i < 100; i++)
+        assert_int_equal(outbox_util_jitter(2, &r), 1);   /* [1, 2) */
+    assert_int_equal(outbox_util_jitter(3, &r) >= 1, 1);
+    /* bounds, and both halves of the range are reached, for a few steps */
+    static const int64_t steps[] = { 100, 101, 1000, 30000, INT64_MAX };
+    for (size_t k = 0; k < sizeof steps / sizeof steps[0]; k++) {
+        int64_t step = steps[k], lo = INT64_MAX, hi = 0, low_half = 0;
+        for (int i = 0; i < 20000; i++) {
+            int64_t d = outbox_util_jitter(step, &r);
+            assert_true(d >= step / 2);
+            assert_true(d < step);
+            lo = d < lo ? d : lo;
+            hi = d > hi ? d : hi;
+            low_half += d < step / 2 + (step - step / 2) / 2;
+        }
+        /* spread over the range: near both ends, about half below its middle */
+        assert_true(lo - step / 2 <= (step - step / 2) / 100);
+        assert_true(step - 1 - hi <= (step - step / 2) / 100);
+        assert_true(low_half > 9000 && low_half < 11000);
+    }
+    /* the same state gives the same delays: the rule is the state's, no hidden one */
+    uint64_t a = 42, b = 42;
+    for (int i = 0; i < 100; i++)
+        assert_int_equal(outbox_util_jitter(5000, &a), outbox_util_jitter(5000, &b));
+}
+
+/* FNV-1a 64: the published test vectors, and pieces hash like the whole. */
+static void fnv1a64_vectors(void **state)
+{
+    (void)state;
+    assert_true(outbox_util_fnv1a64_str("") == 0xcbf29ce484222325ULL);
+    assert_true(outbox_util_fnv1a64_str("a") == 0xaf63dc4c8601ec8cULL);
+    assert_true(outbox_util_fnv1a64_str("foobar") == 0x85944171f73967e8ULL);
+    assert_true(outbox_util_fnv1a64(OUTBOX_UTIL_FNV64_INIT, "foobar", 6) == 0x85944171f73967e8ULL);
+    uint64_t h = outbox_util_fnv1a64(OUTBOX_UTIL_FNV64_INIT, "foo", 3);
+    assert_true(outbox_util_fnv1a64(h, "bar", 3) == 0x85944171f73967e8ULL);
+    assert_true(outbox_util_fnv1a64(h, NULL, 0) == h);
+    /* bytes above 0x7f and NUL count as bytes */
+    assert_true(outbox_util_fnv1a64(OUTBOX_UTIL_FNV64_INIT, "a\0b", 3) !=
+                outbox_util_fnv1a64(OUTBOX_UTIL_FNV64_INIT, "ab", 2));
+    assert_true(outbox_util_fnv1a64_str("\xc3\xa9") != outbox_util_fnv1a64_str("\xc3\xa8"));
+}
+
+static void prng_sequences(void **state)
+{
+    (void)state;
+    /* splitmix64 from seed 0: the reference implementation's first outputs */
+    uint64_t sm = 0;
+    assert_true(outbox_util_splitmix64(&sm) == 0xe220a8397b1dcdafULL);
+    assert_true(outbox_util_splitmix64(&sm) == 0x6e789e6aa1b965f4ULL);
+    assert_true(outbox_util_mix64(0x9e3779b97f4a7c15ULL) == 0xe220a8397b1dcdafULL);
+    /* xorshift64 (13, 7, 17) from 1 */
+    uint64_t xs = 1;
+    assert_true(outbox_util_xorshift64(&xs) == 0x40822041ULL);
+    assert_true(outbox_util_xorshift64(&xs) == 0x100041060c011441ULL);
+    assert_true(xs == 0x100041060c011441ULL);
+    /* seeds are never 0 (xorshift64 would stay at 0) and depend on the address */
+    int x, y;
+    assert_true(outbox_util_seed(&x) != 0);
+    assert_true(outbox_util_seed(NULL) != 0);
+    assert_true(outbox_util_seed(&x) != outbox_util_seed(&y));
+}
+
+static void str_eq_cases(void **state)
+{
+    (void)state;
+    assert_true(outbox_util_str_eq(NULL, NULL));
+    assert_false(outbox_util_str_eq("a", NULL));
+    assert_false(outbox_util_str_eq(NULL, "a"));
+    assert_false(outbox_util_str_eq(NULL, ""));
+    assert_true(outbox_util_str_eq("", ""));
+    assert_true(outbox_util_str_eq("abc", "abc"));
+    assert_false(outbox_util_str_eq("abc", "abd"));
+    assert_false(outbox_util_str_eq("abc", "ab"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -469,6 +555,10 @@ int main(void)
         cmocka_unit_test(json_maxlen),
         cmocka_unit_test(backoff_next),
         cmocka_unit_test(backoff_nth),
+        cmocka_unit_test(jitter_rule),
+        cmocka_unit_test(fnv1a64_vectors),
+        cmocka_unit_test(prng_sequences),
+        cmocka_unit_test(str_eq_cases),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     if (rc == 0)
