@@ -863,8 +863,8 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
         s->cfg.reconnect_max_ms = 30000;
     sql_pg_names_init(ob, &s->names);
     s->sql_lead = sql_pg_lead(&s->names);
-    s->sql_claim = sql_pg_claim(&s->names, false);
-    s->sql_claim_competing = sql_pg_claim(&s->names, true);
+    s->sql_claim = sql_pg_claim_bytes(&s->names, false);
+    s->sql_claim_competing = sql_pg_claim_bytes(&s->names, true);
     s->sql_settle = sql_pg_settle(&s->names, ob->on_sent);
     s->sql_settle_sent = sql_pg_settle_sent(&s->names, ob->on_sent);
     s->sql_cleanup = sql_pg_cleanup(&s->names);
@@ -976,15 +976,18 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     int rc = req_begin(s, SRC_REQ_CLAIM);
     if (rc)
         return rc < 0 ? -1 : 0;
-    char lim[24], tok[24], lease[24], ep[24];
+    char lim[24], tok[24], lease[24], ep[24], bytes[24];
     snprintf(lim, sizeof lim, "%zu", a->max_rows);
+    /* the byte limit as a bigint: "0" (none) when it does not fit */
+    snprintf(bytes, sizeof bytes, "%zu", a->max_bytes > INT64_MAX ? 0 : a->max_bytes);
     snprintf(tok, sizeof tok, "%" PRId64, a->lease_token);
     snprintf(lease, sizeof lease, "%" PRId64, a->lease_ms);
     snprintf(ep, sizeof ep, "%" PRId64, a->competing ? 0 : a->epoch);
-    const char *vals[5] = {lim, a->owner ? a->owner : "", tok, lease, ep};
+    const char *vals[7] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
+                           a->first_whole ? "true" : "false"};
     s->claim_token = a->lease_token;
     /* binary results: payload as is */
-    return req_send(s, a->competing ? s->sql_claim_competing : s->sql_claim, 5, vals, 1);
+    return req_send(s, a->competing ? s->sql_claim_competing : s->sql_claim, 7, vals, 1);
 }
 
 static int pgsrc_settle(source *s, const src_outcome *v, size_t n)
@@ -1041,6 +1044,13 @@ static bool pgsrc_notifies(const source *s)
     return s->phase == PH_UP && !s->pooled;
 }
 
+/* The claim stops at its byte limit (sql_pg_claim_bytes). */
+static bool pgsrc_claims_bytes(const source *s)
+{
+    (void)s;
+    return true;
+}
+
 const source_ops pgsrc_ops = {
     .name = "postgres",
     .create = pgsrc_create,
@@ -1052,6 +1062,7 @@ const source_ops pgsrc_ops = {
     .cleanup = pgsrc_cleanup,
     .stats = pgsrc_stats,
     .notifies = pgsrc_notifies,
+    .claims_bytes = pgsrc_claims_bytes,
     .peer = pgsrc_peer,
     .check = pgsrc_check,
     .init = pgsrc_init,
