@@ -69,6 +69,10 @@ struct source {
     bool      req_deferred;
     src_result dres;          /* the deferred result */
     int64_t   claim_token;    /* the outstanding claim's token, copied into its rows */
+    bool      single_next;    /* the next query is read a row at a time (the claim) */
+    row     **crows;          /* the running claim's rows so far (owned), in arrival order */
+    size_t    n_crows, cap_crows;
+    char      crows_err[256]; /* the first row that could not be decoded ("": none) */
     char      derr[512];
 
     char      prev_pid[16];   /* our previous session on the server: pid and backend_start */
@@ -83,8 +87,19 @@ struct source {
 
 /* ------------------------------------------------------------ helpers */
 
+static void crows_free(source *s)
+{
+    for (size_t i = 0; i < s->n_crows; i++)
+        row_free(s->crows[i]);
+    free(s->crows);
+    s->crows = NULL;
+    s->n_crows = s->cap_crows = 0;
+    s->crows_err[0] = '\0';
+}
+
 static void src_free(source *s)
 {
+    crows_free(s);
     free(s->conninfo);
     if (s->password) {
         explicit_bzero(s->password, strlen(s->password));
@@ -197,6 +212,7 @@ static void conn_close(source *s)
         PQclear(s->qres);
         s->qres = NULL;
     }
+    crows_free(s);
     s->qop = Q_NONE;
     s->flushing = false;
     if (s->conn) {
@@ -270,7 +286,14 @@ static int q_flush(source *s)
 static int q_send(source *s, int op, const char *sql, int n, const char *const *vals,
                   int result_format)
 {
+    bool single = s->single_next;
+    s->single_next = false;
     if (!PQsendQueryParams(s->conn, sql, n, NULL, vals, NULL, NULL, result_format))
+        return -1;
+    /* a claim's rows are read one at a time (PGRES_SINGLE_TUPLE) and turned into rows as
+       they come: libpq never holds the whole result beside the rows built from it, so a
+       claim of many large rows costs their size once, not twice */
+    if (single && !PQsetSingleRowMode(s->conn))
         return -1;
     s->qop = op;
     if (q_flush(s) < 0)
@@ -396,24 +419,28 @@ static int row_cmp(const void *a, const void *b)
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
-/* Builds the claimed rows from a binary-format result. 0 or -1 (err set). */
-static int decode_claim(const PGresult *r, int64_t token, row ***out, size_t *n_out,
-                        char *err, size_t errlen)
+/* Appends the claimed rows of a binary-format result (one row in single-row mode, or
+   none: the final result) to s->crows. 0 or -1 (err set; what was appended stays). */
+static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, size_t errlen)
 {
     int n = PQntuples(r);
-    row **rows = NULL;
-    *out = NULL;
-    *n_out = 0;
     if (PQnfields(r) != 13) {
         snprintf(err, errlen, "claim: unexpected result shape (%d columns)", PQnfields(r));
         return -1;
     }
     if (n == 0)
         return 0;
-    rows = calloc((size_t)n, sizeof *rows);
-    if (!rows) {
-        snprintf(err, errlen, "claim: out of memory");
-        return -1;
+    if (s->n_crows + (size_t)n > s->cap_crows) {
+        size_t nc = s->cap_crows ? s->cap_crows * 2 : 64;
+        while (nc < s->n_crows + (size_t)n)
+            nc *= 2;
+        row **nr = realloc(s->crows, nc * sizeof *nr);
+        if (!nr) {
+            snprintf(err, errlen, "claim: out of memory");
+            return -1;
+        }
+        s->crows = nr;
+        s->cap_crows = nc;
     }
     for (int i = 0; i < n; i++) {
         row_fields f;
@@ -424,8 +451,9 @@ static int decode_claim(const PGresult *r, int64_t token, row ***out, size_t *n_
             PQgetisnull(r, i, 10) || PQgetlength(r, i, 10) != 4 ||
             PQgetisnull(r, i, 11) || PQgetlength(r, i, 11) != 8 ||
             PQgetisnull(r, i, 9)) {
-            snprintf(err, errlen, "claim: unexpected column encoding in row %d", i);
-            goto fail;
+            snprintf(err, errlen, "claim: unexpected column encoding in row %zu",
+                     s->n_crows);
+            return -1;
         }
         const unsigned char *u = (const unsigned char *)PQgetvalue(r, i, 1);
         snprintf(uuid, sizeof uuid,
@@ -447,21 +475,14 @@ static int decode_claim(const PGresult *r, int64_t token, row ***out, size_t *n_
         f.attempts = be32(PQgetvalue(r, i, 10));
         f.created_at_us = be64(PQgetvalue(r, i, 11));
         f.age_us = PQgetisnull(r, i, 12) ? -1 : be64(PQgetvalue(r, i, 12));
-        rows[i] = row_new(&f);
-        if (!rows[i]) {
+        row *w = row_new(&f);
+        if (!w) {
             snprintf(err, errlen, "claim: out of memory building row %" PRId64, f.id);
-            goto fail;
+            return -1;
         }
+        s->crows[s->n_crows++] = w;
     }
-    qsort(rows, (size_t)n, sizeof *rows, row_cmp);  /* RETURNING order is not id order */
-    *out = rows;  /* ownership to the caller */
-    *n_out = (size_t)n;
     return 0;
-fail:
-    for (int i = 0; i < n; i++)
-        row_free(rows[i]);
-    free(rows);
-    return -1;
 }
 
 /* ------------------------------------------------------------ request completion */
@@ -500,9 +521,21 @@ static void req_complete(source *s, PGresult *r)
             res.n_reset = strtoll(PQgetvalue(r, 0, 3), NULL, 10);
             break;
         case SRC_REQ_CLAIM:
-            if (decode_claim(r, s->claim_token, &res.rows, &res.n_rows, err, sizeof err) < 0) {
+            if (s->crows_err[0] != '\0') {
+                snprintf(err, sizeof err, "%s", s->crows_err);
                 res.ok = -1;
                 res.error = err;
+            } else if (decode_claim(s, r, s->claim_token, err, sizeof err) < 0) {
+                res.ok = -1;
+                res.error = err;
+            } else {
+                /* RETURNING order is not id order */
+                if (s->n_crows > 1)
+                    qsort(s->crows, s->n_crows, sizeof *s->crows, row_cmp);
+                res.rows = s->crows;     /* ownership to the callee */
+                res.n_rows = s->n_crows;
+                s->crows = NULL;
+                s->n_crows = s->cap_crows = 0;
             }
             break;
         case SRC_REQ_SETTLE:
@@ -522,6 +555,7 @@ static void req_complete(source *s, PGresult *r)
             break;
         }
     }
+    crows_free(s);      /* a failed claim's rows so far (the statement rolled back) */
     s->req = 0;
     s->req_deferred = false;
     if (!cb_done(s, &res))
@@ -733,6 +767,15 @@ static void io_process(source *s, int revents)
             q_done(s);  /* may call back, destroy, fail, or send the next query */
             if (s->destroyed || !s->conn)
                 return;
+            continue;
+        }
+        if (PQresultStatus(r) == PGRES_SINGLE_TUPLE) {
+            /* one row of the claim: built now, the result freed at once */
+            char err[256];
+            if (s->qop == Q_REQ && s->req == SRC_REQ_CLAIM && s->crows_err[0] == '\0' &&
+                decode_claim(s, r, s->claim_token, err, sizeof err) < 0)
+                snprintf(s->crows_err, sizeof s->crows_err, "%s", err);
+            PQclear(r);
             continue;
         }
         if (!s->qres) {
@@ -986,6 +1029,7 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     const char *vals[7] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
                            a->first_whole ? "true" : "false"};
     s->claim_token = a->lease_token;
+    s->single_next = true;
     /* binary results: payload as is */
     return req_send(s, a->competing ? s->sql_claim_competing : s->sql_claim, 7, vals, 1);
 }
