@@ -240,3 +240,38 @@ def test_byte_budget_shared_by_two_outboxes(services, relay_bin, tmp_path):
     assert both, "the two outboxes never held rows at the same time"
     for o, v in held.items():
         assert max(v) > 0, f"outbox {o} never held a row"
+
+
+def test_byte_budget_holds_through_the_odbc_source(services, pgdb, relay_bin, tmp_path):
+    """The ODBC source (here through psqlODBC) under max_bytes_in_memory = 4M: 40 rows of
+    512 KiB are delivered in order, and the bytes the process holds (sampled) stay within the
+    budget. A source whose claim cannot stop at a byte limit is asked for as many rows as fit
+    at max_message_size (1M here) each; one that can is asked for the bytes: either way the
+    budget holds."""
+    n, size, budget = 40, 512 << 10, 4 * MIB
+    q = f"qodbcb-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    r = _relay(services, pgdb, relay_bin, tmp_path, "odbcb", relay={"max_bytes_in_memory": "4M"},
+               sink={"max_message_size": "1M"}, source="sqlserver", conninfo=pgdb.odbc,
+               poll_interval="200ms")
+    try:
+        r.wait_log(r"became the active relay", timeout=30)
+        sampler = MetricSampler(r, "outbox_relay_bytes_in_memory", outbox=None, interval=0.002)
+        try:
+            insert_rows(pgdb, n, 2, routing_key=q, size=size)
+            got = consume(ch, q, n, timeout=120, idle=0.5)
+        finally:
+            held = sampler.stop()
+    finally:
+        conn.close()
+        _stop(r)
+    seqs = [int(p.headers["seq"]) for p, _, _ in got]
+    assert sorted(seqs) == list(range(n)), seqs
+    for k in range(2):
+        mine = [s for s in seqs if s % 2 == k]
+        assert mine == sorted(mine), f"key {k} out of order: {mine}"
+    print(f"bytes in memory max {max(held) / MIB:.2f} MiB of {budget / MIB:.0f} "
+          f"({len(held)} samples)")
+    assert max(held) <= budget, f"{max(held) / MIB:.2f} MiB held"
+    assert max(held) >= size, "the sampler never saw a row held"
