@@ -525,6 +525,8 @@ static const cfg_key relay_keys[] = {
     { "shutdown_timeout", CFG_KT_DUR,    0, "10s", 0, 24 * MS_H, NULL, NULL, R(shutdown_timeout_ms), NULL },
     { "max_rows_in_memory", CFG_KT_INT,  CFG_KF_AUTO, "auto", 1, 10000000, NULL, NULL,
       R(max_rows_in_memory), NULL },
+    { "max_bytes_in_memory", CFG_KT_SIZE, 0, "64M", 1024LL * 1024,
+      64LL * 1024 * 1024 * 1024, NULL, NULL, R(max_bytes_in_memory), NULL },
 };
 #undef R
 

@@ -35,6 +35,7 @@ typedef struct cfg_relay {
     char   *http_listen;        /* "127.0.0.1:9187" default; NULL when empty (disabled) */
     int64_t shutdown_timeout_ms;/* default 10s */
     int     max_rows_in_memory; /* 0: auto (cfg_max_rows_in_memory) */
+    size_t  max_bytes_in_memory;/* default 64M: payload + header bytes of those rows */
 } cfg_relay;
 
 /* A sink: what the relay core uses of it, whatever the backend. What only its backend

@@ -333,6 +333,7 @@ void outbox_queue_free(outbox_queue *q)
 const char *outbox_queue_database(const outbox_queue *q) { return q ? q->database : NULL; }
 const char *outbox_queue_schema(const outbox_queue *q) { return q ? q->name.schema : NULL; }
 const char *outbox_queue_table(const outbox_queue *q) { return q ? q->name.table : NULL; }
+size_t outbox_queue_max_payload(const outbox_queue *q) { return q ? q->max_payload : 0; }
 
 /* ------------------------------------------------------------- validation */
 
@@ -446,7 +447,8 @@ static int check_message(const outbox_queue *q, const outbox_message *m, size_t 
                             fname(&f, batch, i, "payload"), m->payload_len);
     if (m->payload_len > q->max_payload)
         return outbox_i_err(err, OUTBOX_EINVAL, NULL,
-                            "%s: %zu bytes, larger than the limit of %zu bytes",
+                            "%s: %zu bytes, larger than the limit of %zu bytes (the queue's "
+                            "max_payload: the relay dead-letters rows over its max_message_size)",
                             fname(&f, batch, i, "payload"), m->payload_len, q->max_payload);
 
     if (m->delay_ms > OUTBOX_MAX_DELAY_MS)

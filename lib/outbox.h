@@ -36,6 +36,17 @@ enum {
 
 #define OUTBOX_MAX_IDENT        63        /* bytes per identifier part */
 #define OUTBOX_MAX_SHORTSTR     255       /* exchange, routing key, header keys, ... */
+/* The largest payload a queue accepts unless told otherwise: the relay's default
+ * [sink] max_message_size (RabbitMQ's own default). A larger payload is OUTBOX_EINVAL
+ * ("payload: N bytes, larger than the limit of M bytes ..."), refused before anything
+ * reaches the table; a relay whose max_message_size is lower dead-letters such a row,
+ * so set max_payload (outbox_queue_options) to the relay's max_message_size.
+ *
+ * Memory per send: the library does not copy the payload; the drivers do. Measured
+ * for one 64 MiB payload (examples/producer, peak RSS beyond the caller's own buffer):
+ * libpq about 1x the payload (it assembles the whole Bind message in its output buffer
+ * before sending), psqlODBC about 2x (it converts the bound bytes into its own buffers).
+ * A batch holds every message of the batch at once. */
 #define OUTBOX_DEFAULT_MAX_PAYLOAD (128u * 1024u * 1024u) /* RabbitMQ's default max_message_size */
 
 typedef struct outbox_error {
@@ -69,7 +80,7 @@ typedef struct outbox_queue outbox_queue;
 typedef struct outbox_queue_options {
     const char *database;        /* required: compared byte for byte with the connection's */
     const char *table;           /* "schema.table" or "table" (schema "outbox"); NULL: outbox.messages */
-    size_t      max_payload;     /* 0: OUTBOX_DEFAULT_MAX_PAYLOAD */
+    size_t      max_payload;     /* 0: OUTBOX_DEFAULT_MAX_PAYLOAD; the relay's max_message_size */
 } outbox_queue_options;
 
 /* Creates an immutable queue handle. On failure *q is NULL and err says why. */
@@ -83,6 +94,7 @@ void outbox_queue_free(outbox_queue *q);
 const char *outbox_queue_database(const outbox_queue *q);
 const char *outbox_queue_schema(const outbox_queue *q);
 const char *outbox_queue_table(const outbox_queue *q);
+size_t      outbox_queue_max_payload(const outbox_queue *q);   /* bytes; 0 for NULL */
 
 /* Static description of a status code ("invalid argument", ...). Never NULL. */
 const char *outbox_strerror(int code);

@@ -12,15 +12,17 @@
 
 static bool is_busy(const rb_member *m)
 {
-    return m->held > 0 || m->waiting;
+    return m->held > 0 || m->held_bytes > 0 || m->waiting;
 }
 
-static void set_member(rbudget *b, rb_member *m, size_t held, bool waiting)
+static void set_member(rbudget *b, rb_member *m, size_t held, size_t held_bytes, bool waiting)
 {
     bool was = is_busy(m);
     b->used = b->used - m->held + held;
+    b->used_bytes = b->used_bytes - m->held_bytes + held_bytes;
     b->n_waiting = b->n_waiting - (m->waiting ? 1 : 0) + (waiting ? 1 : 0);
     m->held = held;
+    m->held_bytes = held_bytes;
     m->waiting = waiting;
     bool now = is_busy(m);
     if (now && !was)
@@ -49,6 +51,12 @@ void rbudget_set_limit(rbudget *b, size_t limit)
     wake_waiting(b);
 }
 
+void rbudget_set_byte_limit(rbudget *b, size_t limit_bytes)
+{
+    b->limit_bytes = limit_bytes;
+    wake_waiting(b);
+}
+
 void rbudget_join(rbudget *b, rb_member *m, void (*wake)(void *ud), void *ud)
 {
     *m = (rb_member){ .next = b->head, .wake = wake, .ud = ud };
@@ -59,8 +67,8 @@ void rbudget_join(rbudget *b, rb_member *m, void (*wake)(void *ud), void *ud)
 
 void rbudget_leave(rbudget *b, rb_member *m)
 {
-    bool released = m->held > 0;
-    set_member(b, m, 0, false);
+    bool released = m->held > 0 || m->held_bytes > 0;
+    set_member(b, m, 0, 0, false);
     if (m->prev != NULL)
         m->prev->next = m->next;
     else
@@ -95,21 +103,59 @@ size_t rbudget_avail(const rbudget *b, const rb_member *m)
 
 void rbudget_wait(rbudget *b, rb_member *m)
 {
-    set_member(b, m, m->held, true);
+    set_member(b, m, m->held, m->held_bytes, true);
 }
 
 void rbudget_unwait(rbudget *b, rb_member *m)
 {
     if (m->waiting)
-        set_member(b, m, m->held, false);
+        set_member(b, m, m->held, m->held_bytes, false);
 }
 
-void rbudget_hold(rbudget *b, rb_member *m, size_t n)
+void rbudget_hold(rbudget *b, rb_member *m, size_t n, size_t bytes)
 {
-    bool released = n < m->held;
-    set_member(b, m, n, n > m->held ? false : m->waiting);
+    bool released = n < m->held || bytes < m->held_bytes;
+    bool grew = n > m->held || bytes > m->held_bytes;
+    set_member(b, m, n, bytes, grew ? false : m->waiting);
     if (released)
         wake_waiting(b);
+}
+
+size_t rbudget_share_bytes(const rbudget *b, const rb_member *m)
+{
+    if (b->limit_bytes == 0)
+        return SIZE_MAX;
+    size_t busy = b->n_busy + (is_busy(m) ? 0 : 1);   /* m asking counts */
+    size_t share = b->limit_bytes / busy;
+    return share > 0 ? share : 1;
+}
+
+size_t rbudget_avail_bytes(const rbudget *b, const rb_member *m)
+{
+    if (b->limit_bytes == 0)
+        return SIZE_MAX;
+    size_t share = rbudget_share_bytes(b, m);
+    size_t mine = share > m->held_bytes ? share - m->held_bytes : 0;
+    size_t left = b->limit_bytes > b->used_bytes ? b->limit_bytes - b->used_bytes : 0;
+    return mine < left ? mine : left;
+}
+
+size_t rbudget_claim_bytes(rbudget *b, rb_member *m, size_t held, bool *first_whole)
+{
+    *first_whole = held == 0;
+    if (b->limit_bytes == 0)
+        return SIZE_MAX;
+    size_t share = rbudget_share_bytes(b, m);
+    size_t avail = rbudget_avail_bytes(b, m);
+    size_t chunk = share / 2 > 0 ? share / 2 : 1;
+    if (held == 0 && avail > 0)
+        return avail < chunk ? avail : chunk;   /* its first row comes whatever its size */
+    if (held > 0 && avail >= chunk)
+        return chunk;
+    /* holding rows with less than half a share free (claim again once a good part of
+       it is published), or nothing free at all: wait until bytes are released */
+    rbudget_wait(b, m);
+    return 0;
 }
 
 size_t rbudget_claim_size(rbudget *b, rb_member *m, size_t used, size_t own, size_t batch)

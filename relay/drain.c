@@ -75,6 +75,7 @@ struct drain {
     double    leader_until;      /* monotonic: we may act as leader until then */
     double    lead_sent;         /* monotonic time the outstanding lead request was sent */
     size_t    claim_asked;
+    size_t    claim_bytes;       /* the running claim's byte limit (reserved), 0: none */
     double    claim_sent;        /* monotonic time the outstanding claim was sent */
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
 
@@ -152,6 +153,12 @@ static double poll_s(const drain *d)
     return (double)cfg_poll_interval_ms(d->ob, notified(d)) / 1000.0;
 }
 
+/* Does the source stop its claims at a byte limit (src_claim_args.max_bytes)? */
+static bool claims_bytes(const drain *d)
+{
+    return d->sops->claims_bytes != NULL && d->sops->claims_bytes(d->main.src);
+}
+
 static void schedule_kick(drain *d)
 {
     if (!ev_is_active(&d->kick_idle))
@@ -168,11 +175,20 @@ static size_t rows_held(const drain *d)
     return n;
 }
 
+/* Their bytes (payload + headers), a running claim's byte limit included. */
+static size_t bytes_held(const drain *d)
+{
+    size_t n = ledger_bytes(d->led);
+    if (d->main.busy && d->main.busy_req == SRC_REQ_CLAIM)
+        n += d->claim_bytes;
+    return n;
+}
+
 /* Copies the ledger's counters into the metrics the HTTP endpoint renders, and what the
    drain holds into the row budget. */
 static void sync_metrics(drain *d)
 {
-    rbudget_hold(d->budget, &d->rb, rows_held(d));
+    rbudget_hold(d->budget, &d->rb, rows_held(d), bytes_held(d));
     const ledger_stats *st = ledger_get_stats(d->led);
     d->m.relayed = st->relayed;
     d->m.failed = st->failed;
@@ -187,6 +203,7 @@ static void sync_metrics(drain *d)
     d->m.lease_lost = st->lease_lost;
     d->m.in_flight = ledger_n_inflight(d->led);
     d->m.buffered = ledger_n_buffered(d->led);
+    d->m.held_bytes = ledger_bytes(d->led);
     d->m.unmarked = ledger_n_unsettled_sent(d->led);
 }
 
@@ -439,13 +456,22 @@ static void on_claimed(drain *d, const src_result *res)
     d->m.claimed_rows += res->n_rows;
     if (res->n_rows > 0)
         d->active = true;
+    /* cut by its byte limit (another row as large as its largest would not have fitted):
+       more rows may wait, as after a full claim */
+    size_t got = 0, largest = 0;
+    for (size_t i = 0; i < res->n_rows && d->claim_bytes > 0; i++) {
+        size_t b = src_row_bytes(res->rows[i]);
+        got += b;
+        largest = b > largest ? b : largest;
+    }
+    bool cut = d->claim_bytes > 0 && res->n_rows > 0 && got + largest > d->claim_bytes;
     for (size_t i = 0; i < res->n_rows; i++)    /* for the end-to-end latency */
         res->rows[i]->origin_mono = d->claim_sent - (double)res->rows[i]->age_us / 1e6;
     ledger_claimed(d->led, res->rows, res->n_rows, d->claim_deadline);   /* takes the rows */
     free(res->rows);
     if (d->stopping)
         ledger_giveback_buffered(d->led);
-    if (res->n_rows >= d->claim_asked) {
+    if (res->n_rows >= d->claim_asked || cut) {
         d->want_claim = true;
         d->poll_delay = min_poll;
     } else {
@@ -643,7 +669,10 @@ static bool may_drain(drain *d)
    500, so claims are whole batches, issued while up to two batches beyond the
    window are still buffered: the window stays full while the database answers.
    Memory stays bounded by publish_window + 2 * batch_size rows per outbox, and by
-   max_rows_in_memory for the process (rbudget_claim_size). */
+   max_rows_in_memory for the process (rbudget_claim_size), and in bytes by
+   max_bytes_in_memory (claim_bytes). */
+static size_t claim_bytes(drain *d, bool *first_whole);
+
 static size_t claim_size(drain *d)
 {
     size_t batch = (size_t)d->ob->batch_size;
@@ -653,7 +682,30 @@ static size_t claim_size(drain *d)
         return 0;    /* outcomes waiting for the database count too: memory stays bounded */
     }
     size_t used = ledger_n_inflight(d->led) + ledger_n_buffered(d->led);
-    return rbudget_claim_size(d->budget, &d->rb, used, limit, batch);
+    size_t n = rbudget_claim_size(d->budget, &d->rb, used, limit, batch);
+    bool whole = false;
+    size_t bytes = n > 0 ? claim_bytes(d, &whole) : 0;
+    if (bytes == 0)
+        return 0;
+    if (bytes != SIZE_MAX && !claims_bytes(d)) {
+        /* the source cannot stop at a byte limit: as many rows as fit at the largest
+           one the sink publishes, a single one when the drain holds nothing */
+        size_t fit = bytes / d->ob->sink->max_message_size;
+        if (fit == 0 && !whole) {
+            rbudget_wait(d->budget, &d->rb);
+            return 0;
+        }
+        n = fit == 0 ? 1 : n < fit ? n : fit;
+    }
+    return n;
+}
+
+/* The bytes a claim may ask for now (SIZE_MAX: no limit; 0: not now, the drain waits
+   for bytes to be released), and whether its first row comes whatever its size (the
+   drain holds no rows: a row larger than the budget goes through alone). */
+static size_t claim_bytes(drain *d, bool *first_whole)
+{
+    return rbudget_claim_bytes(d->budget, &d->rb, ledger_bytes(d->led), first_whole);
 }
 
 static bool start_settle(drain *d)
@@ -719,8 +771,15 @@ static bool main_request(drain *d, enum src_req req)
     case SRC_REQ_CLAIM: {
         d->claim_sent = mono_now();
         d->claim_deadline = d->claim_sent + d->ob->lease_ms / 1000.0 - lease_margin(d);
+        bool whole = false;
+        size_t rows = d->resigned ? 0 : claim_size(d);
+        size_t bytes = rows > 0 ? claim_bytes(d, &whole) : 0;
+        if (bytes == SIZE_MAX)
+            bytes = 0;       /* no byte limit */
         src_claim_args a = {
-            .max_rows = d->resigned ? 0 : claim_size(d),
+            .max_rows = rows,
+            .max_bytes = claims_bytes(d) ? bytes : 0,
+            .first_whole = whole,
             .lease_ms = d->resigned ? 0 : d->ob->lease_ms,
             .lease_token = new_token(d),
             .owner = d->owner,
@@ -728,12 +787,13 @@ static bool main_request(drain *d, enum src_req req)
             .competing = d->ob->mode == CFG_MODE_COMPETING,
         };
         d->claim_asked = a.max_rows;
+        d->claim_bytes = bytes;
         ledger_claim_started(d->led);
         rc = d->sops->claim(c->src, &a);
         if (rc != 0)
             ledger_claim_failed(d->led);
         else
-            rbudget_hold(d->budget, &d->rb, rows_held(d));   /* the rows asked for */
+            rbudget_hold(d->budget, &d->rb, rows_held(d), bytes_held(d));   /* asked for */
         break;
     }
     case SRC_REQ_CLEANUP:
@@ -760,7 +820,7 @@ static void kick(drain *d)
     sconn *st = &d->settler, *mc = &d->main;
     if (ledger_n_pending(d->led) > 0 && st->up && !st->busy && !st->holding)
         start_settle(d);
-    rbudget_hold(d->budget, &d->rb, rows_held(d));    /* a claim may have ended */
+    rbudget_hold(d->budget, &d->rb, rows_held(d), bytes_held(d));    /* a claim may have ended */
     if (mc->up && !mc->busy && !mc->holding) {
         bool may_claim = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
                          ledger_n_old(d->led) == 0 && d->want_claim;

@@ -248,6 +248,7 @@ int dset_apply(dset *s, cfg *c, dset_diff *df, char *err, size_t errlen)
 
     /* commit: nothing below fails */
     rbudget_set_limit(&s->budget, cfg_max_rows_in_memory(c));
+    rbudget_set_byte_limit(&s->budget, c->relay.max_bytes_in_memory);
     double timeout_s = (double)c->relay.shutdown_timeout_ms / 1000.0;
     for (size_t j = 0; j < s->n; j++) {
         dentry *e = s->v[j];

@@ -112,6 +112,7 @@ struct ledger {
     bool          claim_running;
     size_t        n_old;
     size_t        n_unsettled_sent;   /* SENT outcomes not yet committed (OUTCOME, SETTLING) */
+    size_t        bytes;              /* src_row_bytes of the rows held (BUFFERED, INFLIGHT) */
     uint64_t      order_violations;   /* I5 broken at publish time: must stay 0 */
     struct { uint64_t dest; double until; } cautious[LED_NCAUTIOUS];
     ledger_stats  st;
@@ -496,6 +497,8 @@ static void entry_free(ledger *l, led_entry *e)
         if (e->old)
             l->n_old--;
     }
+    if (e->r != NULL)
+        l->bytes -= src_row_bytes(e->r);
     row_free(e->r);
     free(e->reason);
     free(e);
@@ -535,6 +538,8 @@ static void decide(ledger *l, led_entry *e, enum src_outcome_kind kind, int64_t 
                l->cfg.outbox, e->id);
         l->oom_warned = true;
     }
+    if (e->r != NULL)
+        l->bytes -= src_row_bytes(e->r);
     row_free(e->r);
     e->r = NULL;
     e->parked = false;
@@ -721,6 +726,7 @@ void ledger_claimed(ledger *l, row **rows, size_t n, double deadline)
         e->token = r->lease_token;
         e->deadline = deadline;
         e->r = r;
+        l->bytes += src_row_bytes(r);
         e->k = k;
         e->dest = dest_hash(r);
         e->glist = GL_N;
@@ -984,6 +990,7 @@ size_t ledger_n_buffered(const ledger *l)
 }
 
 size_t ledger_n_inflight(const ledger *l) { return l->gl[GL_INFLIGHT].n; }
+size_t ledger_bytes(const ledger *l) { return l->bytes; }
 size_t ledger_n_old(const ledger *l) { return l->n_old; }
 size_t ledger_n_pending(const ledger *l) { return l->gl[GL_PENDING].n; }
 size_t ledger_n_keys(const ledger *l) { return l->keys.used; }
@@ -1057,7 +1064,7 @@ static int check_key(const ledger *l, const keyq *k, char *err, size_t errlen)
 
 int ledger_check(const ledger *l, char *err, size_t errlen)
 {
-    size_t total = 0, old = 0, unsettled = 0;
+    size_t total = 0, old = 0, unsettled = 0, bytes = 0;
     if (l->order_violations)
         FAIL("I5: %" PRIu64 " rows were published out of turn", l->order_violations);
     for (int g = 0; g < GL_N; g++) {
@@ -1083,6 +1090,8 @@ int ledger_check(const ledger *l, char *err, size_t errlen)
             if (e->state == LED_INFLIGHT && e->old)
                 old++;
             unsettled += unsettled_sent(e);
+            if (e->r != NULL)
+                bytes += src_row_bytes(e->r);
         }
         if (n != l->gl[g].n)
             FAIL("I1: list %d counts %zu, holds %zu", g, l->gl[g].n, n);
@@ -1094,6 +1103,8 @@ int ledger_check(const ledger *l, char *err, size_t errlen)
         FAIL("I1: %zu old rows in flight, counted %zu", old, l->n_old);
     if (unsettled != l->n_unsettled_sent)
         FAIL("I1: %zu confirmed rows unsettled, counted %zu", unsettled, l->n_unsettled_sent);
+    if (bytes != l->bytes)
+        FAIL("I2: rows held have %zu bytes, counted %zu", bytes, l->bytes);
     size_t nkeys = 0;
     for (size_t i = 0; i < l->keys.cap; i++) {
         const keyq *k = l->keys.s[i].p;

@@ -122,6 +122,7 @@ void    ledger_drop_buffered(ledger *l);
 /* --- counts --- */
 size_t  ledger_n_buffered(const ledger *l);   /* rows held unpublished (incl. waiting) */
 size_t  ledger_n_inflight(const ledger *l);
+size_t  ledger_bytes(const ledger *l);        /* src_row_bytes of the BUFFERED and INFLIGHT rows */
 size_t  ledger_n_old(const ledger *l);        /* in flight since before ledger_drop_buffered */
 size_t  ledger_n_pending(const ledger *l);    /* outcomes waiting for a settle */
 size_t  ledger_n_outcomes(const ledger *l);   /* OUTCOME + SETTLING + LINGER */

@@ -318,6 +318,8 @@ static char *metrics_cb(void *ud, size_t *len)
     n = dset_metrics(st->set, m, n);
     st->rm.rows_in_memory = dset_budget(st->set)->used;
     st->rm.rows_in_memory_limit = dset_budget(st->set)->limit;
+    st->rm.bytes_in_memory = dset_budget(st->set)->used_bytes;
+    st->rm.bytes_in_memory_limit = dset_budget(st->set)->limit_bytes;
     char *body = metrics_render(&st->rm, m, n, len);
     free(m);
     return body;

@@ -104,6 +104,13 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
                 "# TYPE outbox_relay_rows_in_memory_limit gauge\n"
                 "outbox_relay_rows_in_memory_limit %zu\n",
             r->rows_in_memory, r->rows_in_memory_limit);
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_bytes_in_memory Payload and header bytes of those rows (a running claim counts the bytes it asked for).\n"
+                "# TYPE outbox_relay_bytes_in_memory gauge\n"
+                "outbox_relay_bytes_in_memory %zu\n"
+                "# HELP outbox_relay_bytes_in_memory_limit The process-wide limit on those bytes (max_bytes_in_memory).\n"
+                "# TYPE outbox_relay_bytes_in_memory_limit gauge\n"
+                "outbox_relay_bytes_in_memory_limit %zu\n",
+            r->bytes_in_memory, r->bytes_in_memory_limit);
     counter(&b, m, n, "relayed_total", "Messages confirmed by the broker and settled as sent.", OFF(relayed));
     counter(&b, m, n, "failed_total", "Failed publish attempts (returned, nacked or rejected).", OFF(failed));
     counter(&b, m, n, "returned_total", "Messages returned as unroutable (mandatory).", OFF(returned));
@@ -155,6 +162,11 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
     for (size_t i = 0; i < n; i++)
         outbox_util_buf_printf(&b, "outbox_relay_buffered{outbox=\"%s\"} %llu\n", m[i]->outbox,
                 (unsigned long long)m[i]->buffered);
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_held_bytes Payload and header bytes of the outbox's buffered and in-flight rows.\n"
+                "# TYPE outbox_relay_held_bytes gauge\n");
+    for (size_t i = 0; i < n; i++)
+        outbox_util_buf_printf(&b, "outbox_relay_held_bytes{outbox=\"%s\"} %llu\n", m[i]->outbox,
+                (unsigned long long)m[i]->held_bytes);
     hist(&b, m, n, "confirm_latency_seconds", "Publish to broker confirm.", OFF(confirm_latency));
     hist(&b, m, n, "claim_latency_seconds", "Claim query round trip.", OFF(claim_latency));
     hist(&b, m, n, "settle_latency_seconds", "Settle (mark, retry, dead letter) round trip, commit included.", OFF(settle_latency));

@@ -43,6 +43,7 @@ typedef struct ob_metrics {
     int      standby_logged; /* "standing by" was logged at INFO once */
     uint64_t in_flight;
     uint64_t buffered;
+    uint64_t held_bytes;     /* payload + header bytes of its buffered and in-flight rows */
     uint64_t unmarked;       /* confirmed, mark not committed yet (counts against the window) */
     const char *const *brokers; /* borrowed: each address of the sink's url list ("host:port") */
     size_t   n_brokers;
@@ -63,6 +64,8 @@ typedef struct relay_metrics {
     double   last_reload_success_ts; /* Unix time the running configuration was loaded */
     size_t   rows_in_memory;         /* rows every outbox holds (relay/budget.h) */
     size_t   rows_in_memory_limit;   /* max_rows_in_memory in force */
+    size_t   bytes_in_memory;        /* their payload + header bytes */
+    size_t   bytes_in_memory_limit;  /* max_bytes_in_memory in force */
 } relay_metrics;
 
 void histogram_observe(histogram *h, double seconds);

@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 #include "config/cfg.h"
 #include "relay/row.h"
 
@@ -100,6 +101,13 @@ typedef struct src_cbs {
 
 typedef struct src_claim_args {
     size_t      max_rows;
+    /* The bytes the claimed rows may hold (src_row_bytes summed), 0: no limit. Rows are
+       taken in id order while their running sum stays within max_bytes, so a claim never
+       hands over more; with first_whole its first row comes whatever its size (alone
+       when it is larger), so a row larger than the whole budget still goes through.
+       Honoured only by a source whose claims_bytes says so. */
+    size_t      max_bytes;
+    bool        first_whole;
     int64_t     lease_ms;
     int64_t     lease_token;  /* the core's random token for this claim */
     const char *owner;        /* this relay instance, stored in lease_owner */
@@ -142,6 +150,10 @@ typedef struct source_ops {
     /* True while each commit to the outbox wakes this connection (LISTEN/NOTIFY is up
        and reaches it); the core then polls only as a safety net. NULL: never. */
     bool (*notifies)(const source *s);
+    /* True when this source's claims honour src_claim_args.max_bytes (the database
+       stops at the byte limit). NULL or false: the core cannot ask for a byte limit and
+       claims at most as many rows as fit at the sink's max_message_size each. */
+    bool (*claims_bytes)(const source *s);
     /* host:port/database (or what names the server) of a connection string, for log
        lines: nothing secret. Called through source_peer (both strings set, len > 0). */
     void (*peer)(const char *conninfo, const char *database, char *buf, size_t len);
@@ -163,6 +175,13 @@ typedef struct source_ops {
     int  (*dead_purge)(const cfg_outbox *cfg, const int64_t *ids, size_t n_ids,
                        size_t *affected, char *err, size_t errlen);
 } source_ops;
+
+/* The size of a row for the byte budget: its payload and its headers as text, the
+   part of a row that can be large (the claim's running sum counts the same columns). */
+static inline size_t src_row_bytes(const row *r)
+{
+    return r->payload_len + (r->headers_json != NULL ? strlen(r->headers_json) : 0);
+}
 
 /* The ops of an outbox's source (registered by sources/, found by config/). */
 static inline const source_ops *source_ops_of(const cfg_outbox *ob)

@@ -191,30 +191,51 @@ char *sql_pg_lead(const sql_pg_names *n)
  * before the LIMIT so they do not crowd out free keys. The claim also renews
  * this instance's membership and takes only keys that hash to it among the live
  * members (sources/sql_pg.h; $4 = 0 withdraws the membership). */
-char *sql_pg_claim(const sql_pg_names *n, bool competing)
+/* A claimed row's size for the byte limit: what src_row_bytes counts of the row the
+   claim returns (its payload, its headers as text). octet_length of a bytea reads the
+   stored length, without fetching a large payload. */
+#define SQL_PG_ROW_BYTES(M)                                                                \
+    "(coalesce(octet_length(" M ".payload), 0)::bigint + "                                 \
+    "coalesce(octet_length(" M ".headers::text), 0))"
+
+/* The byte limit of sql_pg_claim_bytes over the candidates C (id, sz), as a CTE `b`:
+   a prefix in id order whose running sum stays within $6 ($6 = 0: no limit), and the
+   first row whatever its size when $7. A prefix, never rows after one left out: a
+   key's rows stay in order. */
+#define SQL_PG_BYTE_PREFIX(C)                                                              \
+    "b AS (SELECT z.id FROM (SELECT " C ".id, sum(" C ".sz) OVER w AS run, "               \
+    "row_number() OVER w AS rn FROM " C " WINDOW w AS (ORDER BY " C ".id "                 \
+    "ROWS UNBOUNDED PRECEDING)) z "                                                        \
+    "WHERE $6::bigint = 0 OR z.run <= $6::bigint OR (z.rn = 1 AND $7::boolean)) "
+
+static char *claim(const sql_pg_names *n, bool competing, bool sized)
 {
     static const char ret[] =
         "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
         "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
         "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
         "(extract(epoch from now() - m.created_at) * 1000000)::bigint";
+    /* sized: the candidates carry their size, the rows leased are the prefix b */
+    const char *sz = sized ? ", " SQL_PG_ROW_BYTES("m") " AS sz" : "";
+    const char *bytes = sized ? ", " SQL_PG_BYTE_PREFIX("c") : " ";
+    const char *from = sized ? "b" : "c";
     if (!competing)
         return fmt(
-            "WITH c AS (SELECT m.id FROM %1$s m WHERE m.sent_at IS NULL AND m.available_at <= now() "
+            "WITH c AS (SELECT m.id%4$s FROM %1$s m WHERE m.sent_at IS NULL AND m.available_at <= now() "
             "AND (m.lease_until IS NULL OR m.lease_until < now()) "
             "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM %1$s p "
             "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
             "AND p.id < m.id)) "
             "AND ($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f WHERE f.name = 'leader' "
             "AND f.owner = $2::text AND f.epoch = $5::bigint AND f.expires_at > now())) "
-            "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED) "
+            "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED)%5$s"
             "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
             "lease_until = now() + $4::float8 * interval '1 millisecond' "
-            "FROM c WHERE m.id = c.id %3$s",
-            n->table, n->lease, ret);
+            "FROM %6$s WHERE m.id = %6$s.id %3$s",
+            n->table, n->lease, ret, sz, bytes, from);
     return fmt(
         "WITH " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
-        "c0 AS (SELECT m.id, m.partition_key FROM %1$s m WHERE m.sent_at IS NULL "
+        "c0 AS (SELECT m.id, m.partition_key%4$s FROM %1$s m WHERE m.sent_at IS NULL "
         "AND m.available_at <= now() AND (m.lease_until IS NULL OR m.lease_until < now()) "
         "AND ($5::bigint >= 0) AND " SQL_PG_MY_KEY("m") " "
         "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.id, h.attempts, "
@@ -230,12 +251,23 @@ char *sql_pg_claim(const sql_pg_names *n, bool competing)
         "WHERE p.partition_key = k.partition_key AND p.sent_at IS NULL "
         "AND NOT coalesce(p.lease_owner = $2::text AND p.lease_until >= now(), false) "
         "AND p.id NOT IN (SELECT id FROM c0) ORDER BY p.id LIMIT 1) AS gap FROM k), "
-        "c AS (SELECT c0.id FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key "
-        "WHERE c0.partition_key IS NULL OR g.gap IS NULL OR c0.id < g.gap) "
+        "c AS (SELECT c0.id%7$s FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key "
+        "WHERE c0.partition_key IS NULL OR g.gap IS NULL OR c0.id < g.gap)%5$s"
         "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
         "lease_until = now() + $4::float8 * interval '1 millisecond' "
-        "FROM c WHERE m.id = c.id %2$s",
-        n->table, ret, n->lease);
+        "FROM %6$s WHERE m.id = %6$s.id %2$s",
+        n->table, ret, n->lease, sz, bytes, from,
+        sized ? ", c0.sz" : "");
+}
+
+char *sql_pg_claim(const sql_pg_names *n, bool competing)
+{
+    return claim(n, competing, false);
+}
+
+char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing)
+{
+    return claim(n, competing, true);
 }
 
 /* The settle of a batch whose outcomes are all SENT (the usual case): $1 ids, $2 their

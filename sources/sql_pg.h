@@ -42,6 +42,11 @@ char *sql_pg_lead(const sql_pg_names *n);
       correlation_id, headers (text), payload, attempts, created_at (µs since the epoch),
       age (µs). */
 char *sql_pg_claim(const sql_pg_names *n, bool competing);
+/* The claim within a byte limit: as sql_pg_claim, and $6 max bytes (0: no limit), $7
+   first row whatever its size (boolean): the rows leased are the prefix, in id order,
+   whose payload + headers text bytes (src_row_bytes) sum to at most $6, or that first
+   row alone (src_claim_args.max_bytes, first_whole). Same result columns. */
+char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing);
 /* Settle of outcomes that are all SENT: $1 ids, $2 tokens (arrays). -> rows applied. */
 char *sql_pg_settle_sent(const sql_pg_names *n, int on_sent);
 /* Settle of any outcomes: $1 ids, $2 tokens, $3 kinds, $4 back-offs (ms), $5 reasons

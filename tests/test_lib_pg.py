@@ -46,6 +46,8 @@ INVALID = {  # sub-case → the text the error message must contain
     "message_id_long": "message_id",
     "payload_null": "payload",
     "payload_too_big": "payload: 257 bytes, larger than the limit of 256 bytes",
+    "payload_over_default": "payload: 134217729 bytes, larger than the limit of 134217728 bytes "
+                            "(the queue's max_payload",
     "headers_null": "headers",
     "header_key_null": "headers[1].key",
     "header_key_empty": "headers[0].key",
@@ -332,4 +334,18 @@ def test_server_error_is_edb_with_sqlstate_and_runs_once(odb, build, backend, ca
     assert c["rc"] == -5 and c["sqlstate"] == "P0999", r
     assert "boom from trigger" in c["message"]
     assert rows(odb, "SELECT last_value, is_called FROM outbox.err_counter") == [(1, True)]
+    assert count(odb) == 0
+
+
+@pytest.mark.parametrize("path", ["pg", "odbc"])
+def test_payload_over_the_default_limit_is_refused_on_both_paths(odb, build, path):
+    """With the default limit (the relay's default max_message_size, 128 MiB) a larger payload
+    is OUTBOX_EINVAL naming the field, its size and the limit, on libpq and on ODBC, before a
+    byte of it is read (the buffer behind it is far shorter than its stated length) and
+    before anything reaches the table."""
+    r = run_case(build, path, conn_str(path, odb), odb.name, "invalid", "payload_over_default")
+    assert r.calls, r
+    for c in r.calls:
+        assert c["rc"] == -1 and c["code"] == -1, r
+        assert INVALID["payload_over_default"] in c["message"], c["message"]
     assert count(odb) == 0

@@ -1147,3 +1147,105 @@ def test_connect_timeout_against_a_silent_server(src, drivers):
         took = time.monotonic() - t0
         assert src.connect_timeout_msg in msg, msg
         assert took < src.connect_timeout_ms / 1000 + 2.7 * SLOW, took
+
+
+# ---------------------------------------------------------------------------- byte limit
+def claims_bytes(d):
+    """Whether the source under test honours a claim's byte limit (source_ops.claims_bytes);
+    a source that does not gets its rows capped by the relay instead."""
+    d.send("caps")
+    return d.expect(r"^CAPS claims_bytes=([01])$").group(1) == "1"
+
+
+def row_bytes(r):
+    """What the byte limit counts of a claimed row: payload + headers text (src_row_bytes)."""
+    return len(r["payload_hex"]) // 2 + len((r["headers"] or "").encode())
+
+
+def claim_b(d, n, token, max_bytes, whole=False, competing=False, owner="me"):
+    cmd = f"claim {n} 600000 {token} {owner}"
+    if competing:
+        cmd += " 0 competing"
+    cmd += f" bytes={max_bytes}" + (" whole" if whole else "")
+    st, rows = d.request(cmd)
+    assert st["ok"] == 0, st
+    return rows
+
+
+def byte_limit_started(src, drivers):
+    init_schema(drivers)
+    d = started(drivers)
+    if not claims_bytes(d):
+        pytest.skip(f"the {src.name} source does not limit its claims by bytes (its "
+                    f"claims_bytes is unset): the relay claims at most as many rows as fit "
+                    f"at max_message_size each instead")
+    return d
+
+
+@pytest.mark.parametrize("competing", [False, True], ids=["leader", "competing"])
+def test_claim_stops_at_its_byte_limit(src, drivers, competing):
+    """A claim with a byte limit leases the rows in id order while their payload + headers
+    bytes sum to at most the limit: a prefix, never a later row past one that did not fit
+    (per-key order). Its first row comes whatever its size only when asked to (`whole`), and
+    then alone when it is larger than the limit; a limit of 0 is no limit."""
+    d = byte_limit_started(src, drivers)
+    hdr = '{"h": "' + "x" * 93 + '"}'      # 102 bytes as jsonb text
+    sizes = [300, 500, 200 - 102, 1000, 100, 2 << 20, 10, 10]
+    ids = src.insert(len(sizes), partition_key=lambda i: f"k{i % 2}",
+                     headers=lambda i: hdr if i == 2 else None,
+                     payload=lambda i: bytes([i]) * sizes[i])
+    rows = claim_b(d, 10, 1, 1000, competing=competing)
+    assert ids_of(rows) == ids[:3], "300 + 500 + (98 + 102 headers) = 1000: exactly the limit"
+    assert [row_bytes(r) for r in rows] == [300, 500, 200]
+    assert claim_b(d, 10, 2, 999, competing=competing) == [], \
+        "the next row (1000 bytes) does not fit 999 and the claim was not asked to take it whole"
+    rows = claim_b(d, 10, 3, 999, whole=True, competing=competing)
+    assert ids_of(rows) == [ids[3]] and row_bytes(rows[0]) == 1000, "the first row, alone"
+    rows = claim_b(d, 10, 4, 1 << 20, whole=True, competing=competing)
+    assert ids_of(rows) == [ids[4]], "100 bytes fit, the 2 MiB row after it does not"
+    rows = claim_b(d, 10, 5, 1 << 20, whole=True, competing=competing)
+    assert ids_of(rows) == [ids[5]] and row_bytes(rows[0]) == 2 << 20, \
+        "a row larger than the whole limit still comes, alone"
+    assert bytes.fromhex(rows[0]["payload_hex"]) == bytes([5]) * (2 << 20)
+    rows = claim_b(d, 1, 6, 0, competing=competing)
+    assert ids_of(rows) == [ids[6]], "max rows still apply with no byte limit"
+    rows = claim_b(d, 10, 7, 0, competing=competing)
+    assert ids_of(rows) == [ids[7]]
+    state = src.rows()
+    assert all(state[i]["token"] is not None for i in ids), "every row claimed once, leased"
+
+
+def test_claims_never_return_more_bytes_than_asked(src, drivers):
+    """Seeded: rows of random payload and header sizes, claimed over and over with random row
+    and byte limits. Each claim is the longest prefix of the pending rows (id order) within
+    both limits; more bytes than asked only as a single row asked for `whole`."""
+    import random
+    d = byte_limit_started(src, drivers)
+    rnd = random.Random(22)
+    n = 80
+    sizes = [rnd.choice([0, 1, 10, 100, 1000, 5000, 20000, 70000]) + rnd.randrange(50)
+             for _ in range(n)]
+    hdrs = [None if rnd.random() < 0.5 else '{"k": "' + "v" * rnd.randrange(300) + '"}'
+            for _ in range(n)]
+    ids = src.insert(n, headers=lambda i: hdrs[i], payload=lambda i: b"\xab" * sizes[i])
+    pending = list(ids)
+    token = 100
+    while pending:
+        max_rows = rnd.choice([1, 3, 10, 100])
+        max_bytes = rnd.choice([1, 500, 5000, 30000, 100000, 1000000])
+        whole = rnd.random() < 0.5
+        token += 1
+        rows = claim_b(d, max_rows, token, max_bytes, whole=whole)
+        got = ids_of(rows)
+        total = sum(row_bytes(r) for r in rows)
+        assert got == pending[:len(got)], "a prefix of the pending rows in id order"
+        if len(got) > 1 or not whole:
+            assert total <= max_bytes, (max_bytes, whole, [row_bytes(r) for r in rows])
+        nxt = pending[len(got):len(got) + 1]
+        if len(got) < max_rows and nxt:
+            # the longest prefix: the next row would not have fitted
+            nb = sizes[ids.index(nxt[0])] + len((hdrs[ids.index(nxt[0])] or "").encode())
+            may_take_whole = whole and not got
+            assert not may_take_whole, "a claim asked to take its first row whole took none"
+            assert total + nb > max_bytes, (total, nb, max_bytes)
+        pending = pending[len(got):]

@@ -69,6 +69,10 @@ struct source {
     bool      req_deferred;
     src_result dres;          /* the deferred result */
     int64_t   claim_token;    /* the outstanding claim's token, copied into its rows */
+    bool      single_next;    /* the next query is read a row at a time (the claim) */
+    row     **crows;          /* the running claim's rows so far (owned), in arrival order */
+    size_t    n_crows, cap_crows;
+    char      crows_err[256]; /* the first row that could not be decoded ("": none) */
     char      derr[512];
 
     char      prev_pid[16];   /* our previous session on the server: pid and backend_start */
@@ -83,8 +87,19 @@ struct source {
 
 /* ------------------------------------------------------------ helpers */
 
+static void crows_free(source *s)
+{
+    for (size_t i = 0; i < s->n_crows; i++)
+        row_free(s->crows[i]);
+    free(s->crows);
+    s->crows = NULL;
+    s->n_crows = s->cap_crows = 0;
+    s->crows_err[0] = '\0';
+}
+
 static void src_free(source *s)
 {
+    crows_free(s);
     free(s->conninfo);
     if (s->password) {
         explicit_bzero(s->password, strlen(s->password));
@@ -187,6 +202,7 @@ static void conn_close(source *s)
         PQclear(s->qres);
         s->qres = NULL;
     }
+    crows_free(s);
     s->qop = Q_NONE;
     s->flushing = false;
     if (s->conn) {
@@ -256,7 +272,14 @@ static int q_flush(source *s)
 static int q_send(source *s, int op, const char *sql, int n, const char *const *vals,
                   int result_format)
 {
+    bool single = s->single_next;
+    s->single_next = false;
     if (!PQsendQueryParams(s->conn, sql, n, NULL, vals, NULL, NULL, result_format))
+        return -1;
+    /* a claim's rows are read one at a time (PGRES_SINGLE_TUPLE) and turned into rows as
+       they come: libpq never holds the whole result beside the rows built from it, so a
+       claim of many large rows costs their size once, not twice */
+    if (single && !PQsetSingleRowMode(s->conn))
         return -1;
     s->qop = op;
     if (q_flush(s) < 0)
@@ -382,24 +405,28 @@ static int row_cmp(const void *a, const void *b)
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
-/* Builds the claimed rows from a binary-format result. 0 or -1 (err set). */
-static int decode_claim(const PGresult *r, int64_t token, row ***out, size_t *n_out,
-                        char *err, size_t errlen)
+/* Appends the claimed rows of a binary-format result (one row in single-row mode, or
+   none: the final result) to s->crows. 0 or -1 (err set; what was appended stays). */
+static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, size_t errlen)
 {
     int n = PQntuples(r);
-    row **rows = NULL;
-    *out = NULL;
-    *n_out = 0;
     if (PQnfields(r) != 13) {
         snprintf(err, errlen, "claim: unexpected result shape (%d columns)", PQnfields(r));
         return -1;
     }
     if (n == 0)
         return 0;
-    rows = calloc((size_t)n, sizeof *rows);
-    if (!rows) {
-        snprintf(err, errlen, "claim: out of memory");
-        return -1;
+    if (s->n_crows + (size_t)n > s->cap_crows) {
+        size_t nc = s->cap_crows ? s->cap_crows * 2 : 64;
+        while (nc < s->n_crows + (size_t)n)
+            nc *= 2;
+        row **nr = realloc(s->crows, nc * sizeof *nr);
+        if (!nr) {
+            snprintf(err, errlen, "claim: out of memory");
+            return -1;
+        }
+        s->crows = nr;
+        s->cap_crows = nc;
     }
     for (int i = 0; i < n; i++) {
         row_fields f;
@@ -410,8 +437,9 @@ static int decode_claim(const PGresult *r, int64_t token, row ***out, size_t *n_
             PQgetisnull(r, i, 10) || PQgetlength(r, i, 10) != 4 ||
             PQgetisnull(r, i, 11) || PQgetlength(r, i, 11) != 8 ||
             PQgetisnull(r, i, 9)) {
-            snprintf(err, errlen, "claim: unexpected column encoding in row %d", i);
-            goto fail;
+            snprintf(err, errlen, "claim: unexpected column encoding in row %zu",
+                     s->n_crows);
+            return -1;
         }
         const unsigned char *u = (const unsigned char *)PQgetvalue(r, i, 1);
         snprintf(uuid, sizeof uuid,
@@ -433,21 +461,14 @@ static int decode_claim(const PGresult *r, int64_t token, row ***out, size_t *n_
         f.attempts = be32(PQgetvalue(r, i, 10));
         f.created_at_us = be64(PQgetvalue(r, i, 11));
         f.age_us = PQgetisnull(r, i, 12) ? -1 : be64(PQgetvalue(r, i, 12));
-        rows[i] = row_new(&f);
-        if (!rows[i]) {
+        row *w = row_new(&f);
+        if (!w) {
             snprintf(err, errlen, "claim: out of memory building row %" PRId64, f.id);
-            goto fail;
+            return -1;
         }
+        s->crows[s->n_crows++] = w;
     }
-    qsort(rows, (size_t)n, sizeof *rows, row_cmp);  /* RETURNING order is not id order */
-    *out = rows;  /* ownership to the caller */
-    *n_out = (size_t)n;
     return 0;
-fail:
-    for (int i = 0; i < n; i++)
-        row_free(rows[i]);
-    free(rows);
-    return -1;
 }
 
 /* ------------------------------------------------------------ request completion */
@@ -486,9 +507,21 @@ static void req_complete(source *s, PGresult *r)
             res.n_reset = strtoll(PQgetvalue(r, 0, 3), NULL, 10);
             break;
         case SRC_REQ_CLAIM:
-            if (decode_claim(r, s->claim_token, &res.rows, &res.n_rows, err, sizeof err) < 0) {
+            if (s->crows_err[0] != '\0') {
+                snprintf(err, sizeof err, "%s", s->crows_err);
                 res.ok = -1;
                 res.error = err;
+            } else if (decode_claim(s, r, s->claim_token, err, sizeof err) < 0) {
+                res.ok = -1;
+                res.error = err;
+            } else {
+                /* RETURNING order is not id order */
+                if (s->n_crows > 1)
+                    qsort(s->crows, s->n_crows, sizeof *s->crows, row_cmp);
+                res.rows = s->crows;     /* ownership to the callee */
+                res.n_rows = s->n_crows;
+                s->crows = NULL;
+                s->n_crows = s->cap_crows = 0;
             }
             break;
         case SRC_REQ_SETTLE:
@@ -508,6 +541,7 @@ static void req_complete(source *s, PGresult *r)
             break;
         }
     }
+    crows_free(s);      /* a failed claim's rows so far (the statement rolled back) */
     s->req = 0;
     s->req_deferred = false;
     if (!cb_done(s, &res))
@@ -721,6 +755,15 @@ static void io_process(source *s, int revents)
                 return;
             continue;
         }
+        if (PQresultStatus(r) == PGRES_SINGLE_TUPLE) {
+            /* one row of the claim: built now, the result freed at once */
+            char err[256];
+            if (s->qop == Q_REQ && s->req == SRC_REQ_CLAIM && s->crows_err[0] == '\0' &&
+                decode_claim(s, r, s->claim_token, err, sizeof err) < 0)
+                snprintf(s->crows_err, sizeof s->crows_err, "%s", err);
+            PQclear(r);
+            continue;
+        }
         if (!s->qres) {
             s->qres = r;
         } else if (result_ok(s->qres) && !result_ok(r)) {
@@ -849,8 +892,8 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
         s->cfg.reconnect_max_ms = 30000;
     sql_pg_names_init(ob, &s->names);
     s->sql_lead = sql_pg_lead(&s->names);
-    s->sql_claim = sql_pg_claim(&s->names, false);
-    s->sql_claim_competing = sql_pg_claim(&s->names, true);
+    s->sql_claim = sql_pg_claim_bytes(&s->names, false);
+    s->sql_claim_competing = sql_pg_claim_bytes(&s->names, true);
     s->sql_settle = sql_pg_settle(&s->names, ob->on_sent);
     s->sql_settle_sent = sql_pg_settle_sent(&s->names, ob->on_sent);
     s->sql_cleanup = sql_pg_cleanup(&s->names);
@@ -960,15 +1003,19 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     int rc = req_begin(s, SRC_REQ_CLAIM);
     if (rc)
         return rc < 0 ? -1 : 0;
-    char lim[24], tok[24], lease[24], ep[24];
+    char lim[24], tok[24], lease[24], ep[24], bytes[24];
     snprintf(lim, sizeof lim, "%zu", a->max_rows);
+    /* the byte limit as a bigint: "0" (none) when it does not fit */
+    snprintf(bytes, sizeof bytes, "%zu", a->max_bytes > INT64_MAX ? 0 : a->max_bytes);
     snprintf(tok, sizeof tok, "%" PRId64, a->lease_token);
     snprintf(lease, sizeof lease, "%" PRId64, a->lease_ms);
     snprintf(ep, sizeof ep, "%" PRId64, a->competing ? 0 : a->epoch);
-    const char *vals[5] = {lim, a->owner ? a->owner : "", tok, lease, ep};
+    const char *vals[7] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
+                           a->first_whole ? "true" : "false"};
     s->claim_token = a->lease_token;
+    s->single_next = true;
     /* binary results: payload as is */
-    return req_send(s, a->competing ? s->sql_claim_competing : s->sql_claim, 5, vals, 1);
+    return req_send(s, a->competing ? s->sql_claim_competing : s->sql_claim, 7, vals, 1);
 }
 
 static int pgsrc_settle(source *s, const src_outcome *v, size_t n)
@@ -1025,6 +1072,13 @@ static bool pgsrc_notifies(const source *s)
     return s->phase == PH_UP && !s->pooled;
 }
 
+/* The claim stops at its byte limit (sql_pg_claim_bytes). */
+static bool pgsrc_claims_bytes(const source *s)
+{
+    (void)s;
+    return true;
+}
+
 const source_ops pgsrc_ops = {
     .name = "postgres",
     .create = pgsrc_create,
@@ -1036,6 +1090,7 @@ const source_ops pgsrc_ops = {
     .cleanup = pgsrc_cleanup,
     .stats = pgsrc_stats,
     .notifies = pgsrc_notifies,
+    .claims_bytes = pgsrc_claims_bytes,
     .peer = pgsrc_peer,
     .check = pgsrc_check,
     .init = pgsrc_init,

@@ -27,6 +27,13 @@ What it measures (every figure printed is a median over BENCH_ROUNDS rounds, min
    conninfo, database, sink url and http_listen set): drain time, rows/s, peak RSS vs 16 MiB.
 4. Competing: BENCH_ROWS rows drained by one relay and by two relays (mode = competing, both
    sides), alternating per round; the two/one ratio against the target >= 1.
+6. Big messages: BENCH_BIG_ROWS rows of BENCH_BIG_SIZE bytes (2,000 x 512 KiB = 1 GiB) drained
+   by a relay with default settings (max_bytes_in_memory 64M: the relay holds about 128 of
+   them at once), beside the broker's ceiling for the same message size measured by the
+   probe in the same run (window 1000), BENCH_BIG_ROUNDS rounds of probe then relay: rate in
+   msg/s and MiB/s, the relay/ceiling ratio (target >= 0.8) and the relay's peak RSS
+   (target <= 128 MiB). `make bench BENCH=big` (or BENCH=big in the environment) runs only
+   this; BENCH_BIG_ROWS=0 skips it.
 5. Many outboxes: one relay with BENCH_MANY outboxes (default settings, one sink) spread over
    BENCH_MANY_DBS databases, BENCH_MANY_ROWS rows in each table: the time until every table
    is drained, then the relay's idle CPU over BENCH_MANY_IDLE_S seconds (user+sys, all
@@ -57,6 +64,10 @@ Environment (defaults in brackets):
   BENCH_MANY_DBS [5]           databases they are spread over
   BENCH_MANY_ROWS [1000]       rows per outbox table (20 keys)
   BENCH_MANY_IDLE_S [30]       seconds of idle CPU measured
+  BENCH_BIG_ROWS [2000]        big-message run: rows; 0 skips it
+  BENCH_BIG_SIZE [524288]      ... bytes per row
+  BENCH_BIG_ROUNDS [1]         ... rounds (probe, relay)
+  BENCH [all]                  big: only the big-message run
   BENCH_POLL_MS [5]            queue-depth poll interval
   BENCH_TIMEOUT [600]          seconds a key-skew/competing relay run may take; a run cut
                                short is reported as partial (rows sent / elapsed)
@@ -106,6 +117,14 @@ BACKLOG = env_int("BENCH_BACKLOG_ROWS", 1000000)
 BACKLOG_KEYS = env_int("BENCH_BACKLOG_KEYS", 1000)
 COMPETING_KEYS = env_int("BENCH_COMPETING_KEYS", 100)
 POLL_MS = env_int("BENCH_POLL_MS", 5)
+BIG_ROWS = env_int("BENCH_BIG_ROWS", 2000)
+BIG_SIZE = env_int("BENCH_BIG_SIZE", 512 * 1024)
+BIG_ROUNDS = max(1, env_int("BENCH_BIG_ROUNDS", 1))
+BIG_RSS_TARGET_KIB = 128 * 1024
+BIG_RATIO_TARGET = 0.8
+ONLY = os.environ.get("BENCH", "").strip()
+if ONLY not in ("", "all", "big"):
+    sys.exit(f"bench: BENCH must be big (only the big-message run) or empty, got {ONLY!r}")
 MANY = env_int("BENCH_MANY", 50)
 MANY_DBS = max(1, env_int("BENCH_MANY_DBS", 5))
 MANY_ROWS = env_int("BENCH_MANY_ROWS", 1000)
@@ -114,6 +133,8 @@ MANY_CPU_TARGET = 0.002          # of one core, idle (issue 12)
 MANY_RSS_TARGET_KIB = 30 * 1024
 TIMEOUT = env_int("BENCH_TIMEOUT", 600)
 BACKLOG_TIMEOUT = env_int("BENCH_BACKLOG_TIMEOUT", 1800)
+if ONLY == "big":        # only the big-message run
+    KEYS, COMPETING_KEYS, BACKLOG, MANY = [], -1, 0, 0
 SIZE = 256
 QUEUE = "outbox-bench"
 DB = "outbox_bench"
@@ -546,13 +567,13 @@ class Sampler(threading.Thread):
 
 
 # ------------------------------------------------------------------ rows and configs
-def fill(conn, n, keys):
+def fill(conn, n, keys, size=SIZE):
     t0 = time.monotonic()
     conn.execute("truncate outbox.messages, outbox.messages_dead")
     key = f"'k' || (g %% {keys})" if keys else "NULL"   # %% : psycopg placeholder escape
     conn.execute(f"""insert into outbox.messages (message_id, routing_key, partition_key, payload)
                     select gen_random_uuid(), %s, {key},
-                           convert_to(rpad(g::text || '|', {SIZE}, 'x'), 'UTF8')
+                           convert_to(rpad(g::text || '|', {size}, 'x'), 'UTF8')
                     from generate_series(1, {n}) g""", (QUEUE,))
     conn.execute("vacuum analyze outbox.messages")
     conn.execute("checkpoint")
@@ -578,7 +599,7 @@ def write_cfg(path, svc, port, name=None, mode=None, defaults=False):
 
 
 # ------------------------------------------------------------------ one probe run
-def probe_run(svc, broker, conn, n):
+def probe_run(svc, broker, conn, n, size=SIZE):
     broker.reset()
     settle(svc)
     w = Watcher(svc, n)
@@ -587,7 +608,7 @@ def probe_run(svc, broker, conn, n):
     a = Snapshot(svc)
     try:
         p = subprocess.run([str(BUILD / "tests/amqp_probe"), svc.amqp_url, QUEUE, str(n),
-                            str(WINDOW), str(SIZE)], capture_output=True, text=True,
+                            str(WINDOW), str(size)], capture_output=True, text=True,
                            timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         stop(w.p)
@@ -958,6 +979,7 @@ def main():
     ok = False
     results = {k: {"probe": [], "relay": []} for k in KEYS}
     backlog = many = None
+    big = {"probe": [], "relay": []}
     competing = {"one": [], "two": []}
     try:
         init_cfg = write_cfg(tmp / "init.ini", svc, free_port(), name="bench-init")
@@ -970,6 +992,7 @@ def main():
               f"on_sent = {ON_SENT}{', ordering = ' + ORDERING if ORDERING else ''}, "
               f"keys {','.join(map(str, KEYS)) or 'none'}, {ROUNDS} rounds; "
               f"backlog {BACKLOG} rows; "
+              f"big messages {BIG_ROWS} x {BIG_SIZE} B; "
               f"competing {'off' if COMPETING_KEYS < 0 else f'{COMPETING_KEYS} keys'}; "
               f"queue polled every {POLL_MS} ms; {NCPU} cores; PostgreSQL fsync on")
         a = Snapshot(svc)
@@ -1037,6 +1060,31 @@ def main():
             broker.reset()
             conn.execute("truncate outbox.messages, outbox.messages_dead")
             sys.stdout.flush()
+
+        # ---- big messages: probe and relay with default settings, same size
+        if BIG_ROWS > 0:
+            for rnd in range(BIG_ROUNDS):
+                secs = fill(conn, BIG_ROWS, 100, BIG_SIZE)
+                print(f"  big messages, round {rnd + 1}: {BIG_ROWS} rows of {BIG_SIZE >> 10} KiB "
+                      f"({BIG_ROWS * BIG_SIZE / 2**20:.0f} MiB, 100 keys) written in {secs:.1f} s")
+                pr = probe_run(svc, broker, conn, BIG_ROWS, BIG_SIZE)
+                big["probe"].append(pr)
+                port = free_port()
+                cfg = write_cfg(tmp / "big.ini", svc, port, defaults=True)
+                rr = relay_run(svc, broker, conn, BIG_ROWS, [(cfg, port)], BACKLOG_TIMEOUT,
+                               [1000])
+                big["relay"].append(rr)
+                ratio = rr["rate"] / pr["rate"] if rr["rate"] and pr["rate"] else None
+                print(f"  big messages, round {rnd + 1}: ceiling {f0(pr['rate'])} msg/s "
+                      f"({f0(pr['rate'] * BIG_SIZE / 2**20)} MiB/s; {cores_line(pr['cpu'], 'probe')})"
+                      f" | relay {f0(rr['rate'])} msg/s ({f0((rr['rate'] or 0) * BIG_SIZE / 2**20)}"
+                      f" MiB/s){' PARTIAL' if rr['partial'] else ''} | ratio "
+                      f"{'-' if ratio is None else f'{ratio:.2f}'} | relay peak RSS "
+                      f"{(rr['rss'] or 0) / 1024:.1f} MiB")
+                print(relay_detail(rr))
+                broker.reset()
+                conn.execute("truncate outbox.messages, outbox.messages_dead")
+                sys.stdout.flush()
 
         # ---- many outboxes in one process
         if MANY > 0:
@@ -1138,8 +1186,26 @@ def main():
               f"{'PASS' if rss and rss <= RSS_TARGET_KIB else 'ABOVE'}); duplicates "
               f"{backlog['dups']}{disturbed([backlog])}")
         print(f"    {bound([backlog], BACKLOG_KEYS, 1000)}")
+    if big["relay"]:
+        rl, pr = big["relay"], big["probe"]
+        mr, mp = med(r["rate"] for r in rl), med(p["rate"] for p in pr)
+        ratio = mr / mp if mr and mp else None
+        rss = max((r["rss"] for r in rl if r["rss"]), default=None)
+        mib = BIG_SIZE / 2**20
+        print(f"  big messages ({BIG_ROWS} x {BIG_SIZE >> 10} KiB, default settings, "
+              f"{len(rl)} round{'s' if len(rl) != 1 else ''}): relay "
+              f"{(f0(mr) + ' ' + rng([r['rate'] for r in rl])).strip()} msg/s "
+              f"({f0((mr or 0) * mib)} MiB/s), ceiling "
+              f"{(f0(mp) + ' ' + rng([p['rate'] for p in pr])).strip()} msg/s "
+              f"({f0((mp or 0) * mib)} MiB/s), ratio {'-' if ratio is None else f'{ratio:.2f}'} "
+              f"(target >= {BIG_RATIO_TARGET}: {verdict(ratio, BIG_RATIO_TARGET)}); relay peak RSS "
+              f"{(rss or 0) / 1024:.1f} MiB (target <= {BIG_RSS_TARGET_KIB // 1024} MiB: "
+              f"{'PASS' if rss and rss <= BIG_RSS_TARGET_KIB else 'ABOVE'}); duplicates "
+              f"{sum(r['dups'] for r in rl)}{disturbed(rl + pr)}")
+        print(f"    {bound(rl, 100, 1000)}")
     runs = [r for k in KEYS for r in results[k]["relay"] + results[k]["probe"]]
     runs += competing["one"] + competing["two"] + ([backlog] if backlog else [])
+    runs += big["relay"] + big["probe"]
     noise = med(r["cpu"]["other"] for r in runs)
     pg_noise = med(r["cpu"].get("pg_other_tps", 0) for r in runs)
     if (noise is not None and noise > 0.2) or (pg_noise is not None and pg_noise >= 5):

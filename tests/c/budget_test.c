@@ -12,6 +12,16 @@
  *      release of rows;
  *   B4 nobody starves: once every member has released its rows, each waiting
  *      member gets rows when it asks again, in any order.
+ * The byte budget next to the rows (rbudget_claim_bytes), with claims that
+ * return rows of random sizes as a source does (a prefix in id order within
+ * the bytes asked for; the first row whatever its size when the member held
+ * nothing):
+ *   B5 used_bytes = the members' held bytes (a running claim's included);
+ *   B6 a member holding rows never claims past its fair share of bytes nor the
+ *      sum past the limit; the limit is passed only by rows that came alone to
+ *      a member holding nothing (a row larger than what was left);
+ *   B7 a member refused bytes waits and is woken by the next release; once
+ *      everything is released, each member gets bytes when it asks again.
  * tests/test_unit_relay.py runs it; a failing seed is printed (BUDGET_SEED=N
  * reruns it alone).
  */
@@ -100,7 +110,7 @@ static size_t try_claim(size_t i)
     if (n == 0)
         return 0;
     S.asked[i] = n;
-    rbudget_hold(&S.b, &S.m[i], S.rows[i] + n);
+    rbudget_hold(&S.b, &S.m[i], S.rows[i] + n, 0);
     assert_false(S.m[i].waiting);
     assert_true(S.rows[i] + n <= S.own[i]);                 /* B2 */
     assert_true(S.m[i].held <= share);
@@ -114,7 +124,7 @@ static void claim_done(size_t i, size_t got)
 {
     S.rows[i] += got;
     S.asked[i] = 0;
-    rbudget_hold(&S.b, &S.m[i], S.rows[i]);
+    rbudget_hold(&S.b, &S.m[i], S.rows[i], 0);
 }
 
 static void release(size_t i, size_t n)
@@ -126,7 +136,7 @@ static void release(size_t i, size_t n)
         waited[j] = S.in[j] && S.m[j].waiting;
     }
     S.rows[i] -= n;
-    rbudget_hold(&S.b, &S.m[i], S.rows[i] + S.asked[i]);
+    rbudget_hold(&S.b, &S.m[i], S.rows[i] + S.asked[i], 0);
     if (n > 0)
         for (size_t j = 0; j < MAXM; j++)
             if (waited[j])
@@ -275,6 +285,212 @@ static void run_seed(uint64_t seed)
     assert_null(S.b.head);
 }
 
+/* ---------- bytes ---------- */
+
+#define MIB ((size_t)1 << 20)
+
+typedef struct bsim {
+    rbudget   b;
+    rb_member m[MAXM];
+    bool      in[MAXM];
+    size_t    held[MAXM];      /* bytes of the rows it holds */
+    size_t    over[MAXM];      /* of those, what a row that came alone put past the limit */
+    size_t    asked[MAXM];     /* a running claim's byte limit, 0: none */
+    bool      whole[MAXM];     /* ... and whether its first row comes whatever its size */
+    unsigned  woken[MAXM];
+} bsim;
+
+static bsim B;
+
+static void wake_b(void *ud)
+{
+    B.woken[(size_t)(uintptr_t)ud]++;
+}
+
+static void bjoin(size_t i)
+{
+    rbudget_join(&B.b, &B.m[i], wake_b, (void *)(uintptr_t)i);
+    B.in[i] = true;
+    B.held[i] = B.asked[i] = B.over[i] = 0;
+}
+
+static void bhold(size_t i)
+{
+    size_t bytes = B.held[i] + B.asked[i];
+    rbudget_hold(&B.b, &B.m[i], bytes > 0 ? 1 : 0, bytes);
+}
+
+static void bcheck(void)
+{
+    size_t used = 0, over = 0;
+    for (size_t i = 0; i < MAXM; i++) {
+        if (!B.in[i])
+            continue;
+        assert_int_equal(B.m[i].held_bytes, B.held[i] + B.asked[i]);
+        used += B.m[i].held_bytes;
+        over += B.over[i];
+    }
+    assert_int_equal(B.b.used_bytes, used);                     /* B5 */
+    assert_true(B.b.used_bytes <= B.b.limit_bytes + over);      /* B6 */
+}
+
+/* Member i asks to claim, as drain.c does; returns the bytes asked for (0: none). */
+static size_t bclaim(size_t i)
+{
+    if (B.asked[i] > 0)
+        return 0;
+    unsigned woken = B.woken[i];
+    size_t share = rbudget_share_bytes(&B.b, &B.m[i]);
+    bool whole = false;
+    size_t n = rbudget_claim_bytes(&B.b, &B.m[i], B.held[i], &whole);
+    assert_int_equal(B.woken[i], woken);
+    assert_true(whole == (B.held[i] == 0));
+    if (n == 0) {
+        assert_true(B.m[i].waiting);                            /* B7 */
+        return 0;
+    }
+    assert_true(B.held[i] + n <= share);                        /* B6 */
+    assert_true(B.b.used_bytes + n <= B.b.limit_bytes);
+    B.asked[i] = n;
+    B.whole[i] = whole;
+    bhold(i);
+    assert_false(B.m[i].waiting);
+    return n;
+}
+
+/* Member i's claim returns rows of the given sizes, cut as a source cuts them. */
+static size_t bclaim_done(size_t i, const size_t *sizes, size_t n)
+{
+    size_t got = 0, max = B.asked[i];
+    for (size_t k = 0; k < n; k++) {
+        if (got + sizes[k] > max && !(k == 0 && B.whole[i]))
+            break;
+        got += sizes[k];
+    }
+    /* a row that came alone past the bytes asked for: what it put past the limit */
+    size_t left = B.b.limit_bytes > B.b.used_bytes - B.asked[i] ?
+                  B.b.limit_bytes - (B.b.used_bytes - B.asked[i]) : 0;
+    if (got > max && got > left)
+        B.over[i] = got - left;
+    B.held[i] += got;
+    B.asked[i] = 0;
+    bhold(i);
+    return got;
+}
+
+static void brelease(size_t i, size_t n)
+{
+    bool waited[MAXM];
+    unsigned before[MAXM];
+    for (size_t j = 0; j < MAXM; j++) {
+        waited[j] = B.in[j] && B.m[j].waiting;
+        before[j] = B.woken[j];
+    }
+    B.held[i] -= n;
+    B.over[i] = B.over[i] > n ? B.over[i] - n : 0;
+    if (B.held[i] == 0)
+        B.over[i] = 0;
+    bhold(i);
+    if (n > 0)
+        for (size_t j = 0; j < MAXM; j++)
+            if (waited[j])
+                assert_true(B.woken[j] > before[j]);            /* B7 */
+}
+
+static void test_bytes_shares_and_oversized_rows(void **state)
+{
+    (void)state;
+    memset(&B, 0, sizeof B);
+    rbudget_init(&B.b, 0);
+    rbudget_set_byte_limit(&B.b, 64 * MIB);
+    bjoin(0);
+    bjoin(1);
+    /* alone: half of the 64 MiB at a time, its first row whatever its size */
+    assert_int_equal(bclaim(0), 32 * MIB);
+    assert_true(B.whole[0]);
+    size_t mib[40];
+    for (size_t k = 0; k < 40; k++)
+        mib[k] = MIB;
+    assert_int_equal(bclaim_done(0, mib, 40), 32 * MIB);   /* 32 of the 40 rows fit */
+    assert_int_equal(bclaim(0), 32 * MIB);
+    assert_false(B.whole[0]);                  /* it holds rows: no row past the limit */
+    assert_int_equal(bclaim_done(0, mib, 40), 32 * MIB);
+    bcheck();
+    assert_int_equal(bclaim(0), 0);            /* 64 MiB held */
+    assert_int_equal(bclaim(1), 0);            /* nothing left for the other */
+    brelease(0, 10 * MIB);                     /* wakes both */
+    assert_int_equal(bclaim(0), 0);            /* 10 MiB free: less than half a share */
+    /* the other holds nothing: share 32 MiB, 10 MiB left of the budget */
+    assert_int_equal(bclaim(1), 10 * MIB);
+    size_t big = 100 * MIB;
+    assert_int_equal(bclaim_done(1, &big, 1), big);   /* comes alone, past the limit */
+    bcheck();
+    assert_int_equal(bclaim(1), 0);            /* holding it, nothing more */
+    brelease(0, 54 * MIB);
+    assert_int_equal(bclaim(0), 0);            /* the big row still fills the budget */
+    brelease(1, big);
+    assert_int_equal(bclaim(0), 16 * MIB);     /* two busy: share 32, 16 at a time */
+    assert_int_equal(bclaim(1), 16 * MIB);
+    bcheck();
+    /* a byte limit raised on reload wakes the waiting */
+    assert_int_equal(bclaim_done(0, mib, 40), 16 * MIB);
+    assert_int_equal(bclaim_done(1, mib, 40), 16 * MIB);
+    assert_int_equal(bclaim(0), 16 * MIB);
+    assert_int_equal(bclaim_done(0, mib, 40), 16 * MIB);
+    assert_int_equal(bclaim(0), 0);
+    unsigned w = B.woken[0];
+    rbudget_set_byte_limit(&B.b, 256 * MIB);
+    assert_true(B.woken[0] > w);
+    assert_true(bclaim(0) > 0);
+    bcheck();
+}
+
+static void run_bytes_seed(uint64_t seed)
+{
+    memset(&B, 0, sizeof B);
+    S.rng = seed * 40503u + 7;
+    rbudget_init(&B.b, 0);
+    rbudget_set_byte_limit(&B.b, (1 + rnd(256)) * MIB);
+    size_t nm = 1 + rnd(16);
+    for (size_t i = 0; i < nm; i++)
+        bjoin(i);
+    size_t sizes[64];
+    for (int step = 0; step < 3000; step++) {
+        size_t i = rnd(nm);
+        int ev = (int)rnd(100);
+        if (ev < 40) {
+            bclaim(i);
+        } else if (ev < 70) {
+            if (B.asked[i] > 0) {
+                size_t n = rnd(65), scale = rnd(3) == 0 ? 64 * MIB : 2 * MIB;
+                for (size_t k = 0; k < n; k++)
+                    sizes[k] = 1 + rnd(scale);
+                bclaim_done(i, sizes, n);
+            }
+        } else if (ev < 98) {
+            if (B.held[i] > 0)
+                brelease(i, rnd(3) == 0 ? B.held[i] : 1 + rnd(B.held[i]));
+        } else if (B.asked[i] == 0) {
+            rbudget_unwait(&B.b, &B.m[i]);
+        }
+        bcheck();
+    }
+    /* B7: everything released, every member that asks gets bytes */
+    for (size_t i = 0; i < nm; i++) {
+        if (B.asked[i] > 0)
+            bclaim_done(i, sizes, 0);
+        brelease(i, B.held[i]);
+    }
+    for (size_t i = 0; i < nm; i++) {
+        assert_true(bclaim(i) > 0 || B.b.used_bytes >= B.b.limit_bytes);
+        bcheck();
+    }
+    for (size_t i = 0; i < nm; i++)
+        rbudget_leave(&B.b, &B.m[i]);
+    assert_int_equal(B.b.used_bytes, 0);
+    assert_int_equal(B.b.n_busy, 0);
+}
+
 static uint64_t seed_now;    /* the run in progress; 0: none */
 
 static int report_seed(void **state)
@@ -291,8 +507,10 @@ static void test_seeded_runs(void **state)
     (void)state;
     const char *one = getenv("BUDGET_SEED");
     uint64_t from = one ? strtoull(one, NULL, 10) : 1, to = one ? from : 500;
-    for (seed_now = from; seed_now <= to; seed_now++)
+    for (seed_now = from; seed_now <= to; seed_now++) {
         run_seed(seed_now);
+        run_bytes_seed(seed_now);
+    }
     seed_now = 0;
     printf("%llu seeded runs ok\n", (unsigned long long)(to - from + 1));
 }
@@ -303,6 +521,7 @@ int main(void)
         cmocka_unit_test(test_one_drain_gets_everything),
         cmocka_unit_test(test_shares_and_wakeups),
         cmocka_unit_test(test_more_drains_than_rows),
+        cmocka_unit_test(test_bytes_shares_and_oversized_rows),
         cmocka_unit_test_teardown(test_seeded_runs, report_seed),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -55,6 +55,7 @@ static void dump(const cfg *c)
         printf("max_rows_in_memory = auto\n");
     else
         printf("max_rows_in_memory = %d\n", c->relay.max_rows_in_memory);
+    printf("max_bytes_in_memory = %zu\n", c->relay.max_bytes_in_memory);
     for (size_t i = 0; i < c->n_sinks; i++) {
         const cfg_sink *s = &c->sinks[i];
         const amqpsink_conf *a = amqpsink_conf_of(s);

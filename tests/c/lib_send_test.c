@@ -274,6 +274,12 @@ static const char *make_invalid(const char *name, outbox_message *m, outbox_head
     CASE("payload_too_big") {
         m->payload = long_str; m->payload_len = 257; *max_payload = 256;
         return "payload: 257 bytes, larger than the limit of 256 bytes"; }
+    CASE("payload_over_default") {
+        /* the default limit (the relay's default max_message_size), checked before a
+           byte of the payload is read: the buffer is far shorter than its stated length */
+        m->payload = long_str; m->payload_len = (size_t)OUTBOX_DEFAULT_MAX_PAYLOAD + 1;
+        return "payload: 134217729 bytes, larger than the limit of 134217728 bytes "
+               "(the queue's max_payload"; }
     CASE("headers_null") { m->headers = NULL; m->n_headers = 2; return "headers"; }
     CASE("header_key_null") {
         hs[0].key = "ok"; hs[0].value = "v"; hs[1].key = NULL; hs[1].value = "v";

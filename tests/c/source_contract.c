@@ -19,7 +19,10 @@
  * "2 " too (dead-list rows excepted):
  *   start | stop (destroy the source; prints STOPPED ms=N)
  *   lead OWNER [EPOCH [LEASE_MS]]
- *   claim MAX LEASE_MS TOKEN OWNER [EPOCH [competing]]
+ *   claim MAX LEASE_MS TOKEN OWNER [EPOCH [competing]] [bytes=N [whole]]
+ *               bytes=N: the claim's byte limit (src_claim_args.max_bytes), whole:
+ *               its first row whatever its size (first_whole)
+ *   caps        prints CAPS claims_bytes=0|1 (the source honours a byte limit)
  *   drain BATCH LEASE_MS TOKEN OWNER    claim until a claim returns nothing
  *   settle ID:TOKEN:KIND:BACKOFF_MS[:REASON_HEX] ...  (KIND S sent, R retry,
  *                                       D dead, U unclaim; no REASON_HEX: NULL)
@@ -696,10 +699,19 @@ static void source_command(slot *s, char *line, char *arg)
             printf("%sACCEPT %d\n", s->tag, ops->lead(s->src, &la));
             memset(owner, 'X', sizeof owner - 1);  /* not kept by the source */
         }
+    } else if (!strcmp(line, "caps")) {
+        printf("%sCAPS claims_bytes=%d\n", s->tag,
+               s->src != NULL && ops->claims_bytes != NULL && ops->claims_bytes(s->src));
     } else if (!strcmp(line, "claim")) {
         src_claim_args c = { 0 };
         char owner[256], mode[16] = "";
         long long mx, lease, token, ep = 0;
+        char *opt = strstr(arg, "bytes=");
+        if (opt != NULL) {      /* the byte options come last */
+            c.max_bytes = (size_t)strtoull(opt + 6, NULL, 10);
+            c.first_whole = strstr(opt, " whole") != NULL;
+            *opt = '\0';
+        }
         if (sscanf(arg, "%lld %lld %lld %255s %lld %15s", &mx, &lease, &token, owner, &ep,
                    mode) < 4) {
             printf("%sERR usage: claim MAX LEASE_MS TOKEN OWNER [EPOCH [competing]]\n", s->tag);

@@ -1,0 +1,277 @@
+"""Memory bounded in bytes (issue 22): [relay] max_bytes_in_memory bounds the payload + header
+bytes of the rows a relay process holds (claimed and buffered, or in flight), next to their
+number; a claim asks the database for no more than fits; a single row larger than the whole
+budget still goes through, alone; outboxes share the budget; a row over the sink's
+max_message_size is dead-lettered with its size in the reason and the rows after it flow.
+
+The claim's byte limit itself is checked per source in tests/test_source_contract.py
+(test_claim_stops_at_its_byte_limit); the budget's arithmetic in tests/c/budget_test.c."""
+import contextlib
+import time
+import uuid
+
+import pytest
+
+from conftest import scratch_database, wait_for
+from relay_util import (MetricSampler, Relay, amqp_channel, consume, declare, free_port,
+                        insert_rows, memory_unmeasurable, proc_status_kb, psql_rows,
+                        write_config)
+from test_relay import init_schema
+
+MIB = 1 << 20
+
+
+def _relay(services, db, relay_bin, tmp_path, tag, relay=None, sink=None, outboxes=None,
+           before_start=None, **ob):
+    """A relay on its own config (schema applied; before_start() runs after that and before
+    the relay starts)."""
+    port = free_port()
+    rk = {"name": f"bytes-{tag}", "http_listen": f"127.0.0.1:{port}"}
+    rk.update(relay or {})
+    cfg = write_config(tmp_path / f"{tag}.ini", services, db, relay=rk, sink=sink,
+                       outboxes=outboxes, **ob)
+    init_schema(relay_bin, cfg)
+    if before_start is not None:
+        before_start()
+    return Relay(relay_bin, cfg, tmp_path / f"{tag}.log", http_port=port)
+
+
+def _sent(db, table="outbox.messages"):
+    return psql_rows(db, f"select count(*) from {table} where sent_at is not null")[0][0]
+
+
+def _stop(r):
+    r.assert_clean_exit(r.stop())
+
+
+class _Snapshots:
+    """Samples several metrics from the same /metrics response (so they are of one moment)
+    in a background thread until stop(), which returns the tuples read."""
+
+    def __init__(self, relay, names, interval=0.002):
+        import re
+        import threading
+        self.relay, self.interval, self.snaps = relay, interval, []
+        self.rx = [re.compile("^" + re.escape(n) + r" (\S+)$", re.M) for n in names]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            try:
+                text = self.relay.metrics()
+            except OSError:
+                text = ""
+            ms = [rx.search(text) for rx in self.rx]
+            if all(ms):
+                self.snaps.append(tuple(float(m.group(1)) for m in ms))
+            self._stop.wait(self.interval)
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join(30)
+        return self.snaps
+
+
+def test_byte_budget_bounds_rss_under_large_rows(services, pgdb, relay_bin, tmp_path):
+    """300 rows of 1 MiB (300 MiB of backlog) drained by one relay with the default
+    publish_window (1000) and batch_size (500), which alone would let it claim all 300 at
+    once, and max_bytes_in_memory = 16M. Every row is confirmed and marked; the process's
+    bytes in memory (sampled) never pass the budget; its peak RSS stays within a bound derived
+    from the budget:
+
+      VmHWM <= RSS before the backlog (connections, libraries, broker frames)
+               + 16 MiB  rows held (the budget)
+               +  8 MiB  a claim's result while it is turned into rows (libpq keeps the
+                         result until each row is copied out; a claim asks for at most half
+                         of the budget)
+               +  8 MiB  allocator slack and libpq's input buffer (a 1 MiB row at a time)
+
+    Without the byte budget the first claim takes all 300 rows and the peak is over 300 MiB.
+    The queue is capped (drop-head) and not durable: the broker stays small and fast, and
+    what is measured is the relay."""
+    why = memory_unmeasurable(relay_bin)
+    if why:
+        pytest.skip(f"memory is not measurable in this build: {why}")
+    n, size, budget = 300, MIB, 16 * MIB
+    q = f"qbytes-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    ch.queue_declare(queue=q, durable=False, arguments={"x-max-length": 20})
+    conn.close()
+    r = _relay(services, pgdb, relay_bin, tmp_path, "rss",
+               relay={"max_bytes_in_memory": "16M"}, batch_size="500",
+               conninfo=pgdb.dsn + " options='-c synchronous_commit=off'")
+    try:
+        r.wait_log(r"became the active relay", timeout=30)
+        wait_for(lambda: r.metric("outbox_relay_bytes_in_memory_limit", None) == budget, 10,
+                 desc="the byte limit in the metrics")
+        base = proc_status_kb(r.proc.pid, "VmHWM")
+        sampler = MetricSampler(r, "outbox_relay_bytes_in_memory", outbox=None, interval=0.002)
+        try:
+            insert_rows(pgdb, n, 4, routing_key=q, size=size)
+            t0 = time.monotonic()
+            wait_for(lambda: _sent(pgdb) == n, 180, interval=0.2, desc="every row marked sent")
+            took = time.monotonic() - t0
+        finally:
+            held = sampler.stop()
+        hwm = proc_status_kb(r.proc.pid, "VmHWM")
+        relayed = r.metric("outbox_relay_relayed_total")
+    finally:
+        _stop(r)
+    bound = base + (16 + 8 + 8) * 1024
+    print(f"{n} rows of {size >> 10} KiB drained in {took:.1f}s ({n * size / MIB / took:.0f} "
+          f"MiB/s); VmHWM {base / 1024:.1f} MiB before the backlog, {hwm / 1024:.1f} MiB after "
+          f"(bound {bound / 1024:.1f} MiB); bytes in memory max {max(held) / MIB:.1f} MiB of "
+          f"{budget / MIB:.0f} ({len(held)} samples)")
+    assert relayed == n
+    assert max(held) > budget / 4, "the budget was never used: was anything drained?"
+    assert max(held) <= budget, f"bytes in memory {max(held):.0f} > {budget}"
+    assert hwm <= bound, (f"peak RSS {hwm / 1024:.1f} MiB > {bound / 1024:.1f} MiB (RSS before "
+                          f"the backlog {base / 1024:.1f} MiB + 32 MiB)")
+
+
+def test_row_larger_than_the_byte_budget_goes_through_alone(services, pgdb, relay_bin,
+                                                            tmp_path):
+    """max_bytes_in_memory = 1M and a 3 MiB row between small rows of the same key: it is
+    delivered byte for byte, in order, and while the relay holds it, it holds nothing else of
+    that outbox (bytes in memory never reach two big rows' worth)."""
+    q = f"qbig-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    r = _relay(services, pgdb, relay_bin, tmp_path, "alone",
+               relay={"max_bytes_in_memory": "1M"}, sink={"max_message_size": "8M"})
+    try:
+        r.wait_log(r"became the active relay", timeout=30)
+        sampler = MetricSampler(r, "outbox_relay_bytes_in_memory", outbox=None, interval=0.002)
+        try:
+            insert_rows(pgdb, 10, 1, routing_key=q, size=1000)
+            insert_rows(pgdb, 2, 1, start=10, routing_key=q, size=3 * MIB)
+            insert_rows(pgdb, 10, 1, start=12, routing_key=q, size=1000)
+            got = consume(ch, q, 22, timeout=60, idle=0.5)
+        finally:
+            held = sampler.stop()
+    finally:
+        conn.close()
+        _stop(r)
+    seqs = [int(p.headers["seq"]) for p, _, _ in got]
+    assert seqs == list(range(22)), seqs
+    for p, body, _ in got:
+        seq = int(p.headers["seq"])
+        want = 3 * MIB if seq in (10, 11) else 1000
+        head = f"msg|{seq}|".encode()
+        assert body == head + b"x" * (want - len(head)), (seq, len(body))
+    print(f"bytes in memory max {max(held) / MIB:.2f} MiB ({len(held)} samples)")
+    assert max(held) < 2 * 3 * MIB, "both big rows were held at once"
+    assert max(held) >= 3 * MIB, "the sampler never saw the big row held"
+
+
+def test_oversized_row_dead_lettered_with_its_size(services, pgdb, relay_bin, tmp_path):
+    """A row written by plain SQL over the sink's max_message_size (64k) is dead-lettered at
+    once with its size and the limit in the reason; the rows after it, of its key and of
+    others, are delivered in order."""
+    q = f"qover-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    r = _relay(services, pgdb, relay_bin, tmp_path, "over", sink={"max_message_size": "64k"})
+    try:
+        insert_rows(pgdb, 30, 3, routing_key=q, size=500, bad=[4], bad_size=100000)
+        got = consume(ch, q, 29, timeout=60, idle=0.5)
+        wait_for(lambda: psql_rows(pgdb, "select count(*) from outbox.messages_dead")[0][0] == 1,
+                 30, desc="the oversized row in the dead-letter table")
+    finally:
+        conn.close()
+        _stop(r)
+    seqs = [int(p.headers["seq"]) for p, _, _ in got]
+    assert sorted(seqs) == [s for s in range(30) if s != 4], seqs
+    for k in range(3):
+        mine = [s for s in seqs if s % 3 == k]
+        assert mine == sorted(mine), f"key {k} out of order: {mine}"
+    (seq, reason, size), = psql_rows(
+        pgdb, "select headers->>'seq', reason, octet_length(payload) from outbox.messages_dead")
+    assert seq == "4" and size == 100000
+    assert "100000 bytes" in reason and "max_message_size 65536" in reason, reason
+
+
+def test_byte_budget_shared_by_two_outboxes(services, relay_bin, tmp_path):
+    """Two outboxes of one process drain 200 rows of 256 KiB each at once under
+    max_bytes_in_memory = 8M: together they never hold more than the budget (plus, per
+    outbox, one row that may come alone to an outbox holding nothing), both hold rows at the
+    same time (the budget is shared, not taken by one), and both drain completely in order."""
+    n, size, budget = 200, 256 << 10, 8 * MIB
+    q = f"qshare-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    with contextlib.ExitStack() as stack:
+        db = stack.enter_context(contextlib.contextmanager(scratch_database)(services))
+        stack.callback(conn.close)
+        ob = {"source": "postgres", "conninfo": db.dsn, "database": db.name, "sink": "main",
+              "batch_size": "500", "poll_interval": "1s", "lease": "30s"}
+        outboxes = {"a": dict(ob, table="outbox.ma"), "b": dict(ob, table="outbox.mb")}
+        def backlog():        # both backlogs are there when the relay starts
+            insert_rows(db, n, 2, routing_key=q, size=size, prefix="a", table="outbox.ma")
+            insert_rows(db, n, 2, routing_key=q, size=size, prefix="b", table="outbox.mb")
+
+        r = _relay(services, db, relay_bin, tmp_path, "share", outboxes=outboxes,
+                   relay={"max_bytes_in_memory": "8M"}, before_start=backlog)
+        stack.callback(lambda: r.proc.poll() is None and r.stop())
+        sampler = _Snapshots(r, ["outbox_relay_bytes_in_memory",
+                                 'outbox_relay_held_bytes{outbox="a"}',
+                                 'outbox_relay_held_bytes{outbox="b"}'])
+        try:
+            got = consume(ch, q, 2 * n, timeout=120, idle=0.5)
+        finally:
+            snaps = sampler.stop()
+        _stop(r)
+    tot = [t for t, _, _ in snaps]
+    held = {"a": [a for _, a, _ in snaps], "b": [b for _, _, b in snaps]}
+    by = {}
+    for p, body, _ in got:
+        by.setdefault(body.split(b"|")[0].decode(), []).append(int(p.headers["seq"]))
+    for o in outboxes:
+        assert sorted(by.get(o, [])) == list(range(n)), f"outbox {o}: {len(by.get(o, []))} rows"
+        for k in range(2):
+            mine = [s for s in by[o] if s % 2 == k]
+            assert mine == sorted(mine), f"outbox {o} key {k} out of order"
+    print(f"bytes in memory max {max(tot) / MIB:.2f} MiB of {budget / MIB:.0f}; per outbox max "
+          + ", ".join(f"{o} {max(v) / MIB:.2f} MiB" for o, v in held.items()))
+    assert max(tot) <= budget + 2 * size, f"{max(tot) / MIB:.2f} MiB held together"
+    both = [1 for _, a, b in snaps if a > 0 and b > 0]
+    assert both, "the two outboxes never held rows at the same time"
+    for o, v in held.items():
+        assert max(v) > 0, f"outbox {o} never held a row"
+
+
+def test_byte_budget_holds_through_the_odbc_source(services, pgdb, relay_bin, tmp_path):
+    """The ODBC source (here through psqlODBC) under max_bytes_in_memory = 4M: 40 rows of
+    512 KiB are delivered in order, and the bytes the process holds (sampled) stay within the
+    budget. A source whose claim cannot stop at a byte limit is asked for as many rows as fit
+    at max_message_size (1M here) each; one that can is asked for the bytes: either way the
+    budget holds."""
+    n, size, budget = 40, 512 << 10, 4 * MIB
+    q = f"qodbcb-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    r = _relay(services, pgdb, relay_bin, tmp_path, "odbcb", relay={"max_bytes_in_memory": "4M"},
+               sink={"max_message_size": "1M"}, source="sqlserver", conninfo=pgdb.odbc,
+               poll_interval="200ms")
+    try:
+        r.wait_log(r"became the active relay", timeout=30)
+        sampler = MetricSampler(r, "outbox_relay_bytes_in_memory", outbox=None, interval=0.002)
+        try:
+            insert_rows(pgdb, n, 2, routing_key=q, size=size)
+            got = consume(ch, q, n, timeout=120, idle=0.5)
+        finally:
+            held = sampler.stop()
+    finally:
+        conn.close()
+        _stop(r)
+    seqs = [int(p.headers["seq"]) for p, _, _ in got]
+    assert sorted(seqs) == list(range(n)), seqs
+    for k in range(2):
+        mine = [s for s in seqs if s % 2 == k]
+        assert mine == sorted(mine), f"key {k} out of order: {mine}"
+    print(f"bytes in memory max {max(held) / MIB:.2f} MiB of {budget / MIB:.0f} "
+          f"({len(held)} samples)")
+    assert max(held) <= budget, f"{max(held) / MIB:.2f} MiB held"
+    assert max(held) >= size, "the sampler never saw a row held"
