@@ -282,6 +282,10 @@ def test_shipped_config_keeps_the_service_down_until_configured(installed, servi
     shipped = CONF.read_text()
     settings = [ln for ln in shipped.splitlines() if ln.strip() and ln.lstrip()[0] not in ";#"]
     assert not settings, settings
+    example = [ln for ln in (ROOT / "config" / "relay.example.ini").read_text().splitlines()
+               if ln.strip() and not ln.lstrip().startswith(";")]
+    assert [ln[1:] for ln in shipped.splitlines() if ln.startswith("#")] == example, \
+        "relay.ini is not config/relay.example.ini with every setting commented out"
     r = run([RELAY, "check", "-c", CONF])
     assert r.returncode == 2 and "[outbox.NAME]" in r.stderr, r.stdout + r.stderr
     cond = exec_condition()

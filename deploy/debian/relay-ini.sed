@@ -1,6 +1,6 @@
 # config/relay.example.ini → /etc/outbox-relay/relay.ini: every setting commented out with
 # "#" (the explanations keep their ";"), under a header saying how to configure the service.
-1s/ *(SPEC §[0-9]*)//
+1s/ ([^)]*)\././
 2s/config\/README.md documents each one/man 5 outbox-relay.ini documents each one/
 1i\
 ; /etc/outbox-relay/relay.ini: the configuration of the outbox-relay service, which runs\
