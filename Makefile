@@ -177,8 +177,8 @@ install: $(LIBA) $(LIBSO) $(RELAY) $(MAN_OUT)
 
 # Debian packages. dpkg-buildpackage builds in a copy of the tree under build/deb/ (the tree's
 # top level has no debian/: deploy/debian/ is copied there), with debian/changelog written from
-# VERSION; the three packages land in build/, the .changes, .buildinfo and the debug symbol
-# packages (*-dbgsym) stay in build/deb/. The changelog's date is the last commit's, so that a rebuild of the same
+# VERSION; the three packages land in build/, the source package (.dsc, .tar.xz), .changes,
+# .buildinfo and the debug symbol packages (*-dbgsym) stay in build/deb/. The changelog's date is the last commit's, so that a rebuild of the same
 # commit gives the same packages.
 DEB_DIR := build/deb
 DEB_SRC := $(DEB_DIR)/outbox-relay-$(VERSION)
@@ -195,7 +195,7 @@ deb:
 		> $(DEB_SRC)/debian/changelog
 	rm $(DEB_SRC)/debian/changelog.in
 	cd $(DEB_SRC) && DEB_BUILD_OPTIONS="$${DEB_BUILD_OPTIONS:-parallel=2}" \
-		dpkg-buildpackage --build=binary --no-sign
+		dpkg-buildpackage --build=full --no-sign
 	for p in outbox-relay liboutbox1 liboutbox-dev; do mv $(DEB_DIR)/$${p}_*.deb build/ || exit 1; done
 	@ls -1 build/*.deb
 
