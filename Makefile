@@ -11,6 +11,11 @@
 #   make bench                relay throughput vs. broker ceiling (not part of test)
 #   make format-check         the files listed in FORMATTED follow .clang-format
 #   make install PREFIX=/usr/local DESTDIR=   (man pages under $(PREFIX)/share/man, or MANDIR=)
+#   make deb                  Debian packages outbox-relay, liboutbox1, liboutbox-dev into build/
+#                             (debhelper, from deploy/debian/; needs the packages
+#                             scripts/packages.txt lists for it)
+# The one version of the tree: the binaries, outbox.pc, the man pages and the Debian packages
+# (whose debian/changelog `make deb` writes from it) all take it from here.
 VERSION    := 0.1.0
 SOMAJOR    := 1
 SOVERSION  := $(SOMAJOR).0.0
@@ -89,7 +94,7 @@ LIBSO := $(BUILD)/liboutbox.so.$(SOVERSION)
 RELAY := $(BUILD)/outbox-relay
 RELAYA := $(BUILD)/librelay.a
 
-.PHONY: all lib man test-programs test bench install clean services-start services-stop
+.PHONY: all lib man test-programs test bench install clean services-start services-stop deb
 # What ships, and only that: the test programs need libcmocka-dev (see scripts/packages.txt).
 all: $(LIBA) $(LIBSO) $(RELAY) $(EXAMPLE_BIN) $(BUILD)/outbox.pc $(MAN_OUT)
 
@@ -184,6 +189,30 @@ install: $(LIBA) $(LIBSO) $(RELAY) $(MAN_OUT)
 	install -m 755 $(RELAY) $(DESTDIR)$(PREFIX)/bin/
 	install -m 644 $(BUILD)/man/outbox-relay.1 $(DESTDIR)$(MANDIR)/man1/
 	install -m 644 $(BUILD)/man/outbox-relay.ini.5 $(DESTDIR)$(MANDIR)/man5/
+
+# Debian packages. dpkg-buildpackage builds in a copy of the tree under build/deb/ (the tree's
+# top level has no debian/: deploy/debian/ is copied there), with debian/changelog written from
+# VERSION; the three packages land in build/, the source package (.dsc, .tar.xz), .changes,
+# .buildinfo and the debug symbol packages (*-dbgsym) stay in build/deb/. The changelog's date is the last commit's, so that a rebuild of the same
+# commit gives the same packages.
+DEB_DIR := build/deb
+DEB_SRC := $(DEB_DIR)/outbox-relay-$(VERSION)
+DEB_DATE = $(shell date -u -R -d @$$(git log -1 --format=%ct 2>/dev/null || date +%s))
+deb:
+	rm -rf $(DEB_DIR)
+	rm -f build/outbox-relay_*.deb build/liboutbox1_*.deb build/liboutbox-dev_*.deb \
+		build/*-dbgsym_*.deb
+	mkdir -p $(DEB_SRC)
+	tar -c --exclude=./build --exclude='./build-*' --exclude='./.services*' --exclude=./.git \
+		--exclude='__pycache__' --exclude='.pytest_cache' . | tar -x -C $(DEB_SRC)
+	cp -R deploy/debian $(DEB_SRC)/debian
+	sed -e 's|@VERSION@|$(VERSION)|g' -e 's|@DATE@|$(DEB_DATE)|g' deploy/debian/changelog.in \
+		> $(DEB_SRC)/debian/changelog
+	rm $(DEB_SRC)/debian/changelog.in
+	cd $(DEB_SRC) && DEB_BUILD_OPTIONS="$${DEB_BUILD_OPTIONS:-parallel=2}" \
+		dpkg-buildpackage --build=full --no-sign
+	for p in outbox-relay liboutbox1 liboutbox-dev; do mv $(DEB_DIR)/$${p}_*.deb build/ || exit 1; done
+	@ls -1 build/*.deb
 
 clean:
 	rm -rf build build-address build-undefined build-address+undefined

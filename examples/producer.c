@@ -5,13 +5,17 @@
  *
  *   producer [--odbc] --dsn DSN --database DB [--table S.T] [--count N]
  *            [--keys K] [--exchange X] [--routing-key R] [--size BYTES]
- *            [--batch B] [--prefix P] [--start I] [--trace]
+ *            [--batch B] [--prefix P] [--start I] [--trace] [--json]
  *
  * Message i (I <= i < I+N): partition_key "key-<i mod K>" (none when K = 0),
  * message_type "test.event", content_type "application/octet-stream",
  * correlation_id "corr-<i>", headers {"seq": "<i>", "origin": "producer"},
  * payload "<prefix>|<i>|" followed by bytes (i + j) mod 256 — NULs included —
- * up to BYTES (at least the text part). With --trace each message also carries
+ * up to BYTES (at least the text part): the tests check every byte of it.
+ * With --json the payload is instead a JSON object a person can read,
+ * {"event":"<prefix>","seq":<i>,"key":"key-<i mod K>","text":"message <i> of
+ * <prefix>"} (no "key" when K = 0), message_type "<prefix>", content_type
+ * "application/json", and BYTES is ignored. With --trace each message also carries
  * the W3C trace context an application would take from its current span:
  * "traceparent" 00-<trace-id i+1, 32 hex>-<parent-id i+1, 16 hex>-01 and
  * "tracestate" "producer=<i>"; the relay forwards both as AMQP headers.
@@ -32,7 +36,7 @@
 typedef struct opts {
     const char *dsn, *database, *table, *exchange, *routing_key, *prefix;
     long count, keys, size, batch, start;
-    int odbc, trace;
+    int odbc, trace, json;
 } opts;
 
 typedef struct msgbuf {
@@ -42,16 +46,46 @@ typedef struct msgbuf {
     unsigned char *payload;
 } msgbuf;
 
+/* The payload buffer holds BYTES + PAYLOAD_SLACK bytes: room for the text part of a binary
+ * payload and for a whole --json payload (the prefix is limited to fit). */
+#define PAYLOAD_SLACK 256
+#define PREFIX_MAX 64
+
+/* A prefix goes into the JSON payload as is: no quote, backslash or control character. */
+static int json_plain(const char *s)
+{
+    for (; *s != '\0'; s++)
+        if ((unsigned char)*s < 0x20 || *s == '"' || *s == '\\')
+            return 0;
+    return 1;
+}
+
+static size_t fill_json(const opts *o, long i, msgbuf *b)
+{
+    char key[48] = "";
+    if (o->keys)
+        snprintf(key, sizeof key, "\"key\":\"%s\",", b->key);
+    int n = snprintf((char *)b->payload, (size_t)o->size + PAYLOAD_SLACK,
+                     "{\"event\":\"%s\",\"seq\":%ld,%s\"text\":\"message %ld of %s\"}",
+                     o->prefix, i, key, i, o->prefix);
+    return n > 0 ? (size_t)n : 0;
+}
+
 static void fill(const opts *o, long i, msgbuf *b)
 {
     memset(&b->m, 0, sizeof b->m);
-    int n = snprintf((char *)b->payload, (size_t)o->size + 64, "%s|%ld|", o->prefix, i);
-    size_t len = (size_t)n;
-    for (size_t j = len; j < (size_t)o->size; j++)
-        b->payload[j] = (unsigned char)((i + (long)j) % 256);
-    if ((size_t)o->size > len)
-        len = (size_t)o->size;
     snprintf(b->key, sizeof b->key, "key-%ld", o->keys ? i % o->keys : 0);
+    size_t len;
+    if (o->json) {
+        len = fill_json(o, i, b);
+    } else {
+        int n = snprintf((char *)b->payload, (size_t)o->size + PAYLOAD_SLACK, "%s|%ld|", o->prefix, i);
+        len = n > 0 ? (size_t)n : 0;
+        for (size_t j = len; j < (size_t)o->size; j++)
+            b->payload[j] = (unsigned char)((i + (long)j) % 256);
+        if ((size_t)o->size > len)
+            len = (size_t)o->size;
+    }
     snprintf(b->corr, sizeof b->corr, "corr-%ld", i);
     snprintf(b->seq, sizeof b->seq, "%ld", i);
     b->h[0] = (outbox_header){ "seq", b->seq };
@@ -61,8 +95,8 @@ static void fill(const opts *o, long i, msgbuf *b)
     b->m.payload = b->payload;
     b->m.payload_len = len;
     b->m.partition_key = o->keys ? b->key : NULL;
-    b->m.message_type = "test.event";
-    b->m.content_type = "application/octet-stream";
+    b->m.message_type = o->json ? o->prefix : "test.event";
+    b->m.content_type = o->json ? "application/json" : "application/octet-stream";
     b->m.correlation_id = b->corr;
     b->m.headers = b->h;
     b->m.n_headers = 2;
@@ -195,7 +229,7 @@ int main(int argc, char **argv)
         { "routing-key", required_argument, NULL, 'r' }, { "size", required_argument, NULL, 's' },
         { "batch", required_argument, NULL, 'b' }, { "prefix", required_argument, NULL, 'p' },
         { "start", required_argument, NULL, 'S' }, { "odbc", no_argument, NULL, 'o' },
-        { "trace", no_argument, NULL, 'T' },
+        { "trace", no_argument, NULL, 'T' }, { "json", no_argument, NULL, 'J' },
         { NULL, 0, NULL, 0 },
     };
     int ch;
@@ -214,14 +248,17 @@ int main(int argc, char **argv)
         case 'S': o.start = atol(optarg); break;
         case 'o': o.odbc = 1; break;
         case 'T': o.trace = 1; break;
+        case 'J': o.json = 1; break;
         default: return 2;
         }
     }
     if (o.dsn == NULL || o.database == NULL || o.count < 0 || o.batch < 1 || o.size < 0 ||
-        o.keys < 0 || o.size > 64L * 1024 * 1024) {
+        o.keys < 0 || o.size > 64L * 1024 * 1024 || strlen(o.prefix) > PREFIX_MAX ||
+        (o.json && !json_plain(o.prefix))) {
         fprintf(stderr, "usage: producer [--odbc] --dsn DSN --database DB [--table S.T] [--count N] "
                         "[--keys K] [--exchange X] [--routing-key R] [--size BYTES] [--batch B] "
-                        "[--prefix P] [--start I] [--trace]\n");
+                        "[--prefix P] [--start I] [--trace] [--json]\n"
+                        "  (--prefix: at most 64 bytes; with --json no quote, backslash or control character)\n");
         return 2;
     }
     outbox_queue *q = NULL;
@@ -236,7 +273,7 @@ int main(int argc, char **argv)
     if (bufs == NULL || msgs == NULL)
         goto out;
     for (long k = 0; k < o.batch; k++)
-        if ((bufs[k].payload = malloc((size_t)o.size + 64)) == NULL)
+        if ((bufs[k].payload = malloc((size_t)o.size + PAYLOAD_SLACK)) == NULL)
             goto out;
     rc = o.odbc ? run_odbc(&o, q, bufs, msgs) : run_pg(&o, q, bufs, msgs);
     if (rc == 0)

@@ -34,9 +34,9 @@ build/outbox-relay run -c config/demo.ini 2> .services/demo-relay.log &
 RELAY=$!
 trap 'kill -TERM $RELAY 2>/dev/null || true; wait $RELAY 2>/dev/null || true' EXIT
 
-echo "== the application: 10 messages over 3 partition keys, one transaction"
+echo "== the application: 10 JSON messages over 3 partition keys, one transaction"
 build/examples/producer --dsn "host=127.0.0.1 port=$OUTBOX_PG_PORT dbname=app user=postgres" \
-    --database app --count 10 --keys 3 --routing-key outbox-demo --batch 10 --prefix demo --size 48
+    --database app --count 10 --keys 3 --routing-key outbox-demo --batch 10 --prefix order.created --json
 
 echo "== what arrived in RabbitMQ"
 /usr/bin/python3 scripts/demo_consume.py "$OUTBOX_AMQP_PORT" outbox-demo 10
