@@ -113,8 +113,10 @@ $(LIBA): $(LIB_OBJ)
 	@rm -f $@
 	$(AR) rcs $@ $^
 
-$(LIBSO): $(LIB_OBJ)
-	$(CC) -shared -Wl,-soname,liboutbox.so.$(SOMAJOR) $(ALL_LDFLAGS) -o $@ $^ $(LIB_LIBS)
+# lib/liboutbox.map: the shared library exports the installed headers' API only
+$(LIBSO): $(LIB_OBJ) lib/liboutbox.map
+	$(CC) -shared -Wl,-soname,liboutbox.so.$(SOMAJOR) -Wl,--version-script=lib/liboutbox.map \
+	    $(ALL_LDFLAGS) -o $@ $(LIB_OBJ) $(LIB_LIBS)
 	ln -sf liboutbox.so.$(SOVERSION) $(BUILD)/liboutbox.so.$(SOMAJOR)
 	ln -sf liboutbox.so.$(SOMAJOR) $(BUILD)/liboutbox.so
 

@@ -583,3 +583,20 @@ def test_man_example_configurations_load(build, tmp_path):
         ini.write_text(text)
         r = run_prog([cfg_test, "--load", ini], timeout=60, env=env)
         assert r.returncode == 0, f"{page} example:\n{text}\n{r.stdout}{r.stderr}"
+
+
+def test_shared_library_exports_exactly_the_installed_api(build):
+    """liboutbox.so exports the functions the installed headers declare and nothing else
+    (lib/liboutbox.map), and deploy/debian/liboutbox1.symbols lists exactly those: a helper
+    leaking into the ABI, or an API function missing from the map, fails here."""
+    declared = set()
+    for h in ("outbox.h", "outbox_pg.h", "outbox_odbc.h"):
+        text = re.sub(r"/\*.*?\*/", "", (ROOT / "lib" / h).read_text(), flags=re.S)
+        declared |= set(re.findall(r"\b(outbox_\w+)\s*\(", text))
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(build / "liboutbox.so.1")],
+                        capture_output=True, text=True, check=True)
+    exported = {ln.split()[-1] for ln in nm.stdout.splitlines() if " T " in ln}
+    assert exported == declared, (sorted(exported - declared), sorted(declared - exported))
+    symbols = set(re.findall(r"^ (\w+)@Base", (ROOT / "deploy/debian/liboutbox1.symbols")
+                             .read_text(), flags=re.M))
+    assert symbols == declared, (sorted(symbols - declared), sorted(declared - symbols))
