@@ -88,7 +88,9 @@ class Background:
 
 
 def payload(i, size):
-    return bytes(((i * 7 + j * 13) & 0xFF) for j in range(size))
+    """Message i's body as the driver builds it: byte j = (i*7 + j*13) & 0xff (period 256)."""
+    block = bytes(((i * 7 + j * 13) & 0xFF) for j in range(256))
+    return (block * (size // 256 + 1))[:size]
 
 
 def mid(tag, i):

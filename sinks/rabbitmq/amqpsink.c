@@ -15,12 +15,24 @@
  *    bounded by connect_timeout; destroy() abandons a running attempt without
  *    waiting for it more than briefly.
  *  - publish: rabbitmq-c's send waits without a deadline when the socket
- *    buffer is full, so publish() first checks the free space in the socket
- *    send buffer (SIOCOUTQ vs SO_SNDBUF) and says SINK_EAGAIN when the encoded
- *    message might not fit. A message larger than the whole buffer is only
- *    written into an empty buffer; TCP_USER_TIMEOUT (= confirm_timeout, lifted
- *    while the broker blocks the connection) bounds how long the kernel keeps
- *    unacknowledged data before the socket errors.
+ *    buffer is full, so nothing is sent before the free space in the socket
+ *    send buffer (SIOCOUTQ vs SO_SNDBUF) is known to hold it. A message up to
+ *    AMQPSINK_STREAM_MIN goes out whole (amqp_basic_publish) once its encoded
+ *    size fits, else publish() says SINK_EAGAIN. A larger one is written in
+ *    frames as the socket drains (stream_pump): its method and header frames
+ *    and whatever body frames fit now in publish(), the rest from the write
+ *    watcher, at most AMQPSINK_PUMP_BYTES per loop callback, each frame only
+ *    when the socket has room for all of it. Its body is never copied: the
+ *    frames point into the row's payload (rabbitmq-c stages one frame at a
+ *    time in its frame_max buffer), which the caller keeps until on_result;
+ *    the kernel holds at most the send buffer of it. While it is being
+ *    written nothing else is published on the channel (SINK_EAGAIN, then
+ *    on_writable), so its frames stay contiguous there; between two of its
+ *    frames the loop reads acks, answers the broker and rabbitmq-c sends its
+ *    heartbeats. TCP_USER_TIMEOUT (= confirm_timeout, lifted while the broker
+ *    blocks the connection) bounds how long the kernel keeps unacknowledged
+ *    data before the socket errors, and a message whose frames the socket
+ *    stopped taking fails the connection after confirm_timeout.
  *  - destroy: connection.close with a short rpc timeout.
  *
  * Every in-flight message lives in a ring indexed by delivery tag. Results
@@ -57,8 +69,11 @@
 #include "lib/outbox_util.h"
 
 #define AMQPSINK_SNDBUF      (4 * 1024 * 1024)
-#define AMQPSINK_BACKOFF_MIN 100  /* ms */
-#define AMQPSINK_DRAIN_MAX   4096 /* frames per readable event before yielding */
+#define AMQPSINK_BACKOFF_MIN 100           /* ms */
+#define AMQPSINK_DRAIN_MAX   4096          /* frames per readable event before yielding */
+#define AMQPSINK_DRAIN_BYTES (1024 * 1024) /* body bytes read per readable event before yielding */
+#define AMQPSINK_STREAM_MIN  (256 * 1024)  /* larger messages are written as the socket drains */
+#define AMQPSINK_PUMP_BYTES  (1024 * 1024) /* body bytes of a large message per loop callback */
 
 /* The peer in an ident, without the word "broker": on_state's peer (a log field). */
 static const char *ident_peer(const char *ident)
@@ -142,6 +157,15 @@ static OUTBOX_MUST_CHECK bool report_result(sink *s, uint64_t tag, enum sink_out
     } else if (outcome == SINK_ACK) {
         reason = NULL;
     }
+    if (s->st.active && s->st.tag == tag) {
+        /* An answer for a message not yet written whole: only a torn-down
+         * channel or connection gets here (they stop the stream first), or a
+         * broker answering what it cannot have. Its body is the caller's from
+         * now on: stop writing it, and the connection cannot go on mid-message. */
+        s->st.active = false;
+        amqpsink_mark_broken(s, "an answer for a message still being sent",
+                             AMQP_STATUS_UNEXPECTED_STATE);
+    }
     e->live = false;
     e->returned = false;
     e->ret_reason = NULL;
@@ -186,7 +210,8 @@ static bool maybe_writable(sink *s)
         s->cbs.on_writable(s->cbs.ud);
         return !s->dying;
     }
-    if (!s->want_writable || cur_state(s) == SINK_DOWN || broker_silent(s) || s->pch != PCH_OPEN)
+    if (!s->want_writable || cur_state(s) == SINK_DOWN || broker_silent(s) || s->pch != PCH_OPEN ||
+        s->st.active)
         return true;
     if (s->inflight >= (size_t)s->cfg.publish_window || s->next_tag - s->tail_tag > s->ring_mask)
         return true;
@@ -243,6 +268,7 @@ bool amqpsink_conn_fail(sink *s, const char *why)
     ev_timer_stop(s->loop, &s->tick);
     ev_timer_stop(s->loop, &s->failt);
     ev_timer_stop(s->loop, &s->nackt);
+    s->st.active = false; /* its message is LOST below with the rest */
     if (s->conn != NULL) {
         amqp_destroy_connection(s->conn);
         s->conn = NULL;
@@ -332,6 +358,7 @@ static bool pch_kick(sink *s);
 static OUTBOX_MUST_CHECK bool pch_timeout(sink *s);
 
 static void sink_free(sink *s);
+static void stream_pump(sink *s);
 
 /* ------------------------------------------------------------ loop callbacks */
 
@@ -401,6 +428,7 @@ static void jobw_cb(struct ev_loop *loop, ev_async *w, int revents)
     s->broken = false;
     s->next_tag = s->tail_tag = 1;
     s->ret_stage = RET_NONE;
+    memset(&s->st, 0, sizeof s->st);
     amqpsink_xcheck_reset(s);
     s->ck_ch = amqpsink_xcheck_channel(s->conn);
     set_sock_opts(s);
@@ -478,7 +506,22 @@ static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
                           : e->published_at > s->unblocked_at ? e->published_at
                                                               : s->unblocked_at;
 
-        if (e != NULL && ev_now(loop) - since > (double)s->cfg.confirm_timeout_ms / 1000.) {
+        if (e != NULL && s->st.active && e->tag == s->st.tag) {
+            /* still being written: its confirm clock starts when it is whole;
+             * meanwhile the socket must keep taking its frames */
+            since = s->st.progress_at > s->unblocked_at ? s->st.progress_at : s->unblocked_at;
+            if (ev_now(loop) - since > (double)s->cfg.confirm_timeout_ms / 1000.) {
+                char why[300];
+
+                snprintf(why, sizeof why,
+                         "sending delivery tag %llu: the socket took none of its frames for "
+                         "%lld ms (%zu of %zu body bytes written)",
+                         (unsigned long long)e->tag, (long long)s->cfg.confirm_timeout_ms,
+                         s->st.off, s->st.len);
+                (void)amqpsink_conn_fail(s, why);
+                goto out;
+            }
+        } else if (e != NULL && ev_now(loop) - since > (double)s->cfg.confirm_timeout_ms / 1000.) {
             char why[200];
 
             snprintf(why, sizeof why, "no publisher confirm for delivery tag %llu within %lld ms",
@@ -537,11 +580,18 @@ static void wio_cb(struct ev_loop *loop, ev_io *w, int revents)
     (void)revents;
     ENTER(s);
     ev_io_stop(loop, &s->wio);
-    if (!amqpsink_sock_room(s, s->want_bytes)) {
+    if (s->conn == NULL) {
+        /* gone meanwhile */
+    } else if (!amqpsink_sock_room(s, s->want_bytes)) {
         /* writable but not enough for the message: look again shortly
-         * (EV_WRITE is level-triggered; re-arming now would spin) */
-        ev_timer_set(&s->wretry, 0.005, 0.);
+         * (EV_WRITE is level-triggered; re-arming now would spin). A broker
+         * blocking the connection reads nothing until it unblocks. */
+        ev_timer_set(&s->wretry, s->blocked ? 0.05 : 0.005, 0.);
         ev_timer_start(loop, &s->wretry);
+    } else if (s->st.active) {
+        stream_pump(s);
+        if (!s->st.active) /* written whole: the relay may publish again */
+            (void)maybe_writable(s);
     } else {
         (void)maybe_writable(s);
     }
@@ -799,6 +849,9 @@ static OUTBOX_MUST_CHECK bool on_channel_close(sink *s, unsigned code, const cha
 
     snprintf(msg, sizeof msg, "channel %u closed by the broker: %u %s", (unsigned)s->ch, code,
              text);
+    /* The broker discards the rest of a message being written: no more of its
+     * frames after the close-ok (its result follows with the others). */
+    s->st.active = false;
     memset(&ok, 0, sizeof ok);
     rc = amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
     s->chan_ok = false;
@@ -966,13 +1019,16 @@ static OUTBOX_MUST_CHECK bool read_frames(sink *s)
 {
     struct timeval zero = { 0, 0 };
     int n = 0;
+    size_t bytes = 0;
 
     while (s->conn != NULL) {
         amqp_frame_t f;
         int rc;
 
-        if (n++ == AMQPSINK_DRAIN_MAX) {
-            ev_feed_event(s->loop, &s->rio, EV_READ); /* yield to the loop */
+        /* yield to the loop after many frames, or a large returned body's
+         * worth (its frames stay in the connection's pools until released) */
+        if (n++ == AMQPSINK_DRAIN_MAX || bytes >= AMQPSINK_DRAIN_BYTES) {
+            ev_feed_event(s->loop, &s->rio, EV_READ);
             break;
         }
         rc = amqp_simple_wait_frame_noblock(s->conn, &f, &zero);
@@ -980,6 +1036,8 @@ static OUTBOX_MUST_CHECK bool read_frames(sink *s)
             break;
         if (rc != AMQP_STATUS_OK)
             return amqpsink_conn_fail(s, amqp_error_string2(rc));
+        if (f.frame_type == AMQP_FRAME_BODY)
+            bytes += f.payload.body_fragment.len;
         if (!handle_frame(s, &f))
             return false;
     }
@@ -1004,7 +1062,8 @@ static void sink_free(sink *s)
     ev_timer_stop(s->loop, &s->wretry);
     ev_timer_stop(s->loop, &s->failt);
     ev_timer_stop(s->loop, &s->nackt);
-    amqpsink_conn_close(s->conn, !s->broken);
+    /* mid-message: no connection.close handshake behind half a message */
+    amqpsink_conn_close(s->conn, !s->broken && !s->st.active);
     s->conn = NULL;
     amqpsink_xcheck_reset(s);
     if (s->ring != NULL) {
@@ -1134,13 +1193,175 @@ static int too_long(const char *what, const char *v, char *err, size_t errlen)
     return 0;
 }
 
+/* A message goes out: its slot in the ring, under the next delivery tag. */
+static ring_msg *ring_add(sink *s, const row *r, void *msg_ud)
+{
+    ring_msg *e = slot(s, s->next_tag);
+
+    e->r = r;
+    e->msg_ud = msg_ud;
+    e->tag = s->next_tag++;
+    e->published_at = ev_now(s->loop);
+    e->live = true;
+    e->returned = false;
+    free(e->ret_reason);
+    e->ret_reason = NULL;
+    s->inflight++;
+    return e;
+}
+
+/* publish() waits for need bytes of room in the socket: on_writable follows. */
+static void wait_room(sink *s, size_t need)
+{
+    s->want_writable = true;
+    s->want_bytes = need;
+    if (!ev_is_active(&s->wretry))
+        ev_io_start(s->loop, &s->wio);
+}
+
+/* The socket room one body frame of n bytes needs (with TLS's records). */
+static size_t frame_room(const sink *s, size_t n)
+{
+    size_t need = n + 8;
+
+    return s->conf.tls ? need + need / 64 + 1024 : need;
+}
+
+/* The body bytes one frame carries: the negotiated frame_max less the frame's
+ * header and end octet. */
+static size_t frame_body_max(const sink *s)
+{
+    int fm = amqp_get_frame_max(s->conn);
+
+    return fm > 4096 ? (size_t)fm - 8 : 4096 - 8;
+}
+
+/* Writes body frames of the message in progress while the socket has room for
+ * a whole frame, at most AMQPSINK_PUMP_BYTES in one call; then goes back to the
+ * loop: the write watcher brings it back (wio_cb). When the last frame is out
+ * the message's confirm clock starts. Never calls back (publish() calls it). */
+static void stream_pump(sink *s)
+{
+    stream_msg *m = &s->st;
+    size_t fb = frame_body_max(s), written = 0;
+
+    while (m->active && m->off < m->len) {
+        size_t n = m->len - m->off < fb ? m->len - m->off : fb;
+        amqp_frame_t f;
+        int rc;
+
+        if (written >= AMQPSINK_PUMP_BYTES) { /* enough for one callback: yield */
+            s->want_bytes = frame_room(s, n);
+            ev_io_start(s->loop, &s->wio);
+            return;
+        }
+        if (!amqpsink_sock_room(s, frame_room(s, n))) {
+            /* wait until a useful piece fits, not a single frame */
+            size_t left = m->len - m->off;
+
+            s->want_bytes = frame_room(s, left < AMQPSINK_STREAM_MIN ? left : AMQPSINK_STREAM_MIN);
+            if (!ev_is_active(&s->wretry))
+                ev_io_start(s->loop, &s->wio);
+            return;
+        }
+        memset(&f, 0, sizeof f);
+        f.frame_type = AMQP_FRAME_BODY;
+        f.channel = s->ch;
+        f.payload.body_fragment.bytes = (void *)(uintptr_t)(m->body + m->off);
+        f.payload.body_fragment.len = n;
+        rc = amqp_send_frame(s->conn, &f);
+        if (rc != AMQP_STATUS_OK) {
+            m->active = false; /* the connection is failed from the loop: LOST */
+            amqpsink_mark_broken(s, "publish", rc);
+            return;
+        }
+        m->off += n;
+        written += n;
+        m->progress_at = ev_now(s->loop);
+    }
+    if (m->active) {
+        ring_msg *e = find_live(s, m->tag);
+
+        m->active = false;
+        if (e != NULL)
+            e->published_at = ev_now(s->loop);
+        s->want_writable = true; /* rows held back meanwhile: on_writable */
+    }
+}
+
+/* Publishes a message larger than AMQPSINK_STREAM_MIN: its method and header
+ * frames now, its body as the socket drains (stream_pump). head: the socket
+ * room the method and header frames may take. */
+static int publish_stream(sink *s, const row *r, amqp_basic_properties_t *p, void *msg_ud,
+                          size_t head, char *err, size_t errlen)
+{
+    size_t fb = frame_body_max(s);
+    size_t first = r->payload_len < fb ? r->payload_len : fb;
+    amqp_basic_publish_t m;
+    amqp_frame_t f;
+    ring_msg *e;
+    void *buf;
+    int rc;
+
+    if (!amqpsink_sock_room(s, head + frame_room(s, first))) {
+        wait_room(s, head + frame_room(s, first));
+        return SINK_EAGAIN;
+    }
+    /* The header frame must fit one frame: encoded once before anything is
+     * sent, so that a refusal leaves the channel as it was. */
+    buf = malloc(fb);
+    if (buf == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return SINK_EAGAIN; /* nothing sent; tried again later */
+    }
+    rc = amqp_encode_properties(AMQP_BASIC_CLASS, p,
+                                (amqp_bytes_t){ .len = fb - 12, .bytes = buf });
+    free(buf);
+    if (rc < 0) {
+        snprintf(err, errlen, "message properties too large for one frame");
+        return SINK_EPERM;
+    }
+
+    memset(&m, 0, sizeof m);
+    m.exchange = amqpsink_bytes(r->exchange);
+    m.routing_key = amqpsink_bytes(r->routing_key);
+    m.mandatory = 1;
+    rc = amqp_send_method(s->conn, s->ch, AMQP_BASIC_PUBLISH_METHOD, &m);
+    if (rc == AMQP_STATUS_OK) {
+        memset(&f, 0, sizeof f);
+        f.frame_type = AMQP_FRAME_HEADER;
+        f.channel = s->ch;
+        f.payload.properties.class_id = AMQP_BASIC_CLASS;
+        f.payload.properties.body_size = r->payload_len;
+        f.payload.properties.decoded = p;
+        rc = amqp_send_frame(s->conn, &f);
+    }
+    if (rc != AMQP_STATUS_OK) {
+        /* The connection is broken (maybe mid-message): fail it from the loop. */
+        amqpsink_mark_broken(s, "publish", rc);
+        return SINK_EAGAIN;
+    }
+    e = ring_add(s, r, msg_ud);
+    s->st.active = true;
+    s->st.tag = e->tag;
+    s->st.body = (const uint8_t *)r->payload;
+    s->st.len = r->payload_len;
+    s->st.off = 0;
+    s->st.progress_at = ev_now(s->loop);
+    stream_pump(s);
+    /* a send may read from the socket (heartbeat check): frames it queued
+     * would never wake the read watcher */
+    if (s->conn != NULL && (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn)))
+        ev_feed_event(s->loop, &s->rio, EV_READ);
+    return SINK_QUEUED;
+}
+
 static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size_t errlen)
 {
     amqp_basic_properties_t p;
     amqp_bytes_t body;
     void *hmem = NULL;
     size_t est, nframes;
-    ring_msg *e;
     int rc;
 
     /* Permanent problems first: the row can never be published. */
@@ -1167,7 +1388,9 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
         free(hmem);
         return SINK_EAGAIN; /* on_state(SINK_UP) follows */
     }
-    if (s->pch != PCH_OPEN) { /* the channel is being reopened (nack_reopen) */
+    if (s->pch != PCH_OPEN || s->st.active) {
+        /* the channel is being reopened (nack_reopen), or a large message is
+         * being written on it: its frames must stay contiguous */
         s->want_writable = true;
         free(hmem);
         return SINK_EAGAIN; /* on_writable follows */
@@ -1191,11 +1414,8 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
           (r->headers_json ? 2 * strlen(r->headers_json) : 0);
     if (s->conf.tls)
         est += est / 64 + 1024;
-    if (!amqpsink_sock_room(s, est)) {
-        s->want_writable = true;
-        s->want_bytes = est;
-        if (!ev_is_active(&s->wretry))
-            ev_io_start(s->loop, &s->wio);
+    if (est <= AMQPSINK_STREAM_MIN && !amqpsink_sock_room(s, est)) {
+        wait_room(s, est);
         free(hmem);
         return SINK_EAGAIN;
     }
@@ -1217,6 +1437,11 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
         p._flags |= AMQP_BASIC_CONTENT_TYPE_FLAG;
         p.content_type = amqpsink_bytes(r->content_type);
     }
+    if (est > AMQPSINK_STREAM_MIN) {
+        rc = publish_stream(s, r, &p, msg_ud, est - r->payload_len, err, errlen);
+        free(hmem);
+        return rc;
+    }
     body.len = r->payload_len;
     body.bytes = (void *)(uintptr_t)r->payload;
     rc = amqp_basic_publish(s->conn, s->ch, amqpsink_bytes(r->exchange),
@@ -1233,16 +1458,7 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
         amqpsink_mark_broken(s, "publish", rc);
         return SINK_EAGAIN;
     }
-    e = slot(s, s->next_tag);
-    e->r = r;
-    e->msg_ud = msg_ud;
-    e->tag = s->next_tag++;
-    e->published_at = ev_now(s->loop);
-    e->live = true;
-    e->returned = false;
-    free(e->ret_reason);
-    e->ret_reason = NULL;
-    s->inflight++;
+    (void)ring_add(s, r, msg_ud);
     /* basic_publish may read from the socket (heartbeat check): frames it
      * queued would never wake the read watcher. */
     if (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn))

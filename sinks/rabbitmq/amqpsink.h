@@ -80,6 +80,20 @@ typedef struct ring_msg {
     char *ret_reason; /* owned; set by basic.return */
 } ring_msg;
 
+/* A message written in frames as the socket drains (amqpsink.c, stream_pump):
+ * its method and header frames went out in publish(); its body frames follow,
+ * each whole (rabbitmq-c's amqp_send_frame), so the connection is always at a
+ * frame boundary between two calls and another channel's frames or a heartbeat
+ * may go in between. Nothing else is published on the channel meanwhile: the
+ * frames of one publish stay contiguous there. */
+typedef struct stream_msg {
+    bool active;
+    uint64_t tag;          /* its delivery tag: the ring slot */
+    const uint8_t *body;   /* borrowed: the row's payload, valid until on_result */
+    size_t len, off;       /* body bytes in all, and written so far */
+    ev_tstamp progress_at; /* when the socket last took a frame of it */
+} stream_msg;
+
 struct sink {
     struct ev_loop *loop;
     cfg_sink cfg;       /* copy: name owned, no url or password; backend_conf = &conf */
@@ -122,6 +136,8 @@ struct sink {
     size_t inflight;
     bool want_writable;
     size_t want_bytes;
+
+    stream_msg st; /* the large message being written, if any */
 
     /* basic.return in progress: method seen, header/body frames follow */
     enum ret_stage ret_stage;
