@@ -642,6 +642,27 @@ def test_stats_backlog_oldest_age_dead_and_kept(src, drivers):
 
 
 # ---------------------------------------------------------------------------- claim
+def test_text_outside_the_bmp_across_a_read_chunk_boundary(src, drivers):
+    """The ODBC source reads a long text column as UTF-16 in chunks of 4,095 units: a
+    character outside the BMP (a surrogate pair) that straddles two chunks arrives whole. (Each
+    chunk converted on its own made it two U+FFFD.) The headers text starts `{"k": "` (7
+    units, as stored and as PostgreSQL's jsonb prints it); pads of 4,086 to 4,088 put the
+    pair's high half at unit 4,093, 4,094 (the last of the first chunk) and 4,095."""
+    init_schema(drivers)
+    want = {}
+    for pad in (4086, 4087, 4088):
+        value = "a" * pad + "\U0001F600 end"
+        rid = src.insert(1, headers=json.dumps({"k": value}, ensure_ascii=False))[0]
+        want[rid] = value
+    d = started(drivers)
+    st, rows = d.claim(10, 5151, lease_ms=60000)
+    assert st["ok"] == 0 and ids_of(rows) == list(want), st
+    for r in rows:
+        got = json.loads(r["headers"])["k"]
+        assert "\ufffd" not in got and got == want[r["id"]], \
+            (r["id"], len(got), got[4080:].encode("unicode_escape"))
+
+
 def test_claim_in_id_order_with_leases_and_every_field(src, drivers):
     init_schema(drivers)
     payload = b"\x00\x01binary\x00\xff\xfe" + bytes(range(256)) * 300   # 76 KiB, NULs
