@@ -26,9 +26,17 @@ producers, READPAST only where it is legal under READ_COMMITTED_SNAPSHOT, an ide
 dead-letter move. test_checker_finds_broken_statements shows each rule failing on a
 broken statement.
 
-What this does not show: that SQL Server executes the statements as intended. That needs
-a server: OUTBOX_TEST_MSSQL runs tests/test_lib_odbc.py, tests/test_source_contract.py and
-tests/test_odbcsrc.py there.
+The relay's own locking on SQL Server (READ_COMMITTED_SNAPSHOT off), which Babelfish cannot
+show since it ignores table hints, has rules of its own (tsql_check.py, "relay locking
+rules"): membership and per-key probes that never wait, the leader fence held to the
+commit, OUTPUT INTO a table variable, no UPDATE or DELETE over 4,000 rows; each is shown
+failing on the statement it was written against. A deadlock victim (1205) is driven through
+the recorder's injected failures.
+
+What this does not show: that SQL Server executes the statements as intended. The same
+statements execute on Babelfish for PostgreSQL in tests/test_lib_odbc.py,
+tests/test_source_contract.py and tests/test_odbcsrc.py, and on a real SQL Server when
+OUTBOX_TEST_MSSQL names one.
 """
 import json
 import os
