@@ -99,12 +99,18 @@ class Relay:
             return r.read().decode()
 
     def metric(self, name, outbox="main"):
-        """A per-outbox metric's value; outbox=None: a process-wide one (no labels)."""
+        """A per-outbox metric's value; outbox=None: a process-wide one (no labels). The
+        relay renders every metric for every outbox from its start, so a metric missing from
+        an answer (renamed, dropped, a wrong label) fails the test: never read as 0."""
         labels = "" if outbox is None else f'{{outbox="{outbox}"}}'
-        m = re.search(rf'^{name}{labels} (\S+)$', self.metrics(), re.M)
-        return float(m.group(1)) if m else None
+        text = self.metrics()
+        m = re.search(rf'^{name}{labels} (\S+)$', text, re.M)
+        assert m, f"metric {name}{labels} missing from /metrics:\n{text[:3000]}"
+        return float(m.group(1))
 
     def stop(self, sig=signal.SIGTERM, timeout=30):
+        """Signals the relay (unless it already exited) and waits; returns its exit status
+        (also when it had exited before: a negative status is the signal that ended it)."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
@@ -119,11 +125,28 @@ class Relay:
         self.proc.kill()
         self.proc.wait()
         self.log.close()
+        self.killed = True
+
+    killed = False
 
     def assert_clean_exit(self, rc):
         text = self.text()
         assert rc == 0, f"relay exited {rc}; log:\n{text[-4000:]}"
         assert "ERROR: AddressSanitizer" not in text and "runtime error:" not in text, text[-4000:]
+
+    def stop_clean(self, sig=signal.SIGTERM, timeout=30):
+        """Stops a relay that must still be running and asserts it exited 0 on that signal.
+        One that had already exited (crashed after being woken from SIGSTOP, or exited on its
+        own after being fenced) fails with its exit status, whatever that was; a relay the
+        test killed itself (kill9) is not checked."""
+        if self.killed:
+            return None
+        before = self.proc.poll()
+        rc = self.stop(sig, timeout)
+        assert before is None, (f"the relay had already exited (status {before}) before the "
+                                f"test stopped it; log:\n{self.text()[-4000:]}")
+        self.assert_clean_exit(rc)
+        return rc
 
 
 def run_producer(build, dsn, database, *, count, keys=10, exchange="", routing_key="q",
