@@ -64,7 +64,8 @@ def write_config(path, services, db, *, outboxes=None, relay=None, sink=None, si
 class Relay:
     """An `outbox-relay run` process whose stderr goes to a log file."""
 
-    def __init__(self, relay_bin, config, log_path, http_port=None):
+    def __init__(self, relay_bin, config, log_path, http_port=None, env=None):
+        """env: variables added to the relay's environment."""
         self.config = config
         self.log_path = log_path
         self.http_port = http_port
@@ -75,7 +76,8 @@ class Relay:
                     "--errors-for-leak-kinds=definite", "--track-fds=no", "-q",
                     f"--suppressions={supp}"] + argv
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, **(env or {})))
 
     def text(self):
         with open(self.log_path, errors="replace") as f:
@@ -830,3 +832,40 @@ class BrokerTlsListener:
         self.services.rabbitmqctl(
             "eval", f'rabbit_networking:stop_tcp_listener({{"127.0.0.1", {self.port}}}).',
             timeout=120)
+
+
+# ---------------------------------------------------------------------------- whole-message oracle
+def check_against_db(got, db, table="outbox.messages"):
+    """Every delivery in got [(props, body, t)] is, byte for byte, a row of the outbox: its
+    message_id names a row whose payload is the body, and the AMQP properties are the row's
+    (persistent, correlation_id, type, content_type, timestamp = created_at in whole seconds,
+    every header of the row's headers JSON as a string header of the same name). Returns the
+    number of deliveries checked. A fault that corrupted or mixed up a body past the
+    `prefix|seq|` head, or lost a property, fails here."""
+    rows = {}
+    with db.connect() as c:
+        for mid, payload, corr, mtype, ctype, created, headers in c.execute(
+                f"SELECT message_id::text, payload, correlation_id, message_type, content_type, "
+                f"floor(extract(epoch FROM created_at))::bigint, headers FROM {table}"):
+            rows[mid] = (bytes(payload), corr, mtype, ctype, created, headers or {})
+    bad = []
+    for props, body, _ in got:
+        row = rows.get(props.message_id)
+        if row is None:
+            bad.append((props.message_id, "no such row"))
+            continue
+        payload, corr, mtype, ctype, created, headers = row
+        if body != payload:
+            bad.append((props.message_id, f"body {body[:60]!r}... != payload {payload[:60]!r}..."))
+        want = {"delivery_mode": 2, "correlation_id": corr, "type": mtype,
+                "content_type": ctype, "timestamp": created}
+        have = {k: getattr(props, k) for k in want}
+        if have != want:
+            bad.append((props.message_id, f"properties {have} != row {want}"))
+        hdrs = {k: (v.decode() if isinstance(v, bytes) else v)
+                for k, v in (props.headers or {}).items()}
+        missing = {k: v for k, v in headers.items() if hdrs.get(k) != str(v)}
+        if missing:
+            bad.append((props.message_id, f"headers {hdrs} lack the row's {missing}"))
+    assert not bad, f"{len(bad)} deliveries differ from their outbox row, e.g. {bad[:5]}"
+    return len(got)

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from conftest import wait_for
-from relay_util import (BlackholeProxy, BrokerCloser, Relay, amqp_channel, consume,
+from relay_util import (BlackholeProxy, BrokerCloser, Relay, amqp_channel, check_against_db, consume,
                         declare, delivery_report, free_port, log_events, log_lines_at, order_report, pg_ctl, proc_cpu_seconds,
                         queue_depth, run_producer, services_start, wait_log_at, write_config)
 from test_relay import init_schema
@@ -38,10 +38,12 @@ class Case:
         self.q = f"qf-{tag}-{uid}"
         self.name = f"flt-{tag}-{uid}"
         self.port = free_port()
-        self.window = int((sink or {}).get("publish_window", 1000))
-        self.batch = int(ob.get("batch_size", 500))
         rk = dict(relay or {}, name=self.name, http_listen=f"127.0.0.1:{self.port}")
         self.cfg = write_config(tmp_path / f"{tag}.ini", services, pgdb, relay=rk, sink=sink, **ob)
+        # the duplicate bounds use the window and batch this relay was given (read back from
+        # the file it runs with, not a default assumed here)
+        self.window = int(ini_value(self.cfg, "sink.main", "publish_window"))
+        self.batch = int(ini_value(self.cfg, "outbox.main", "batch_size"))
         if declare_queue:
             conn, ch = amqp_channel(services)
             declare(ch, "", self.q, self.q, **(qargs or {}))
@@ -75,7 +77,8 @@ class Case:
         return time.monotonic() - t0
 
     def collect(self, timeout=60):
-        """Everything in the queue (after the drain): [(props, body, t)]."""
+        """Everything in the queue (after the drain): [(props, body, t)], each delivery
+        checked whole (body and properties) against its outbox row."""
         depth = queue_depth(self.services, self.q)
         conn, ch = amqp_channel(self.services)
         try:
@@ -83,6 +86,7 @@ class Case:
         finally:
             conn.close()
         assert len(got) == depth, f"queue held {depth}, consumed {len(got)}"
+        check_against_db(got, self.pgdb)
         return got
 
 
@@ -92,6 +96,18 @@ class Case:
 # "... after N failure(s)". Progress lines ("connected", "became the active relay") are INFO.
 INFO = ("INFO",)
 RECOVERED = r" after (\d+) failures?$"
+
+
+def ini_value(path, section, key):
+    """A key's value in one section of an ini file the test wrote."""
+    sec = None
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            sec = line.strip("[]")
+        elif sec == section and "=" in line and line.split("=", 1)[0].strip() == key:
+            return line.split("=", 1)[1].strip()
+    raise AssertionError(f"{key} not in [{section}] of {path}")
 
 
 def recovery_counts(text, pattern):
@@ -422,6 +438,7 @@ def test_nacks_from_full_queue_are_retried(services, pgdb, relay_bin, build, tmp
     finally:
         conn.close()
         stop_clean(r)
+    check_against_db(got, pgdb)
     if ordering == "strict":
         dups, _ = delivery_report(got, n, keys)
         assert overtaken == 0
@@ -682,6 +699,7 @@ def test_notify_wakeups_after_db_reconnect(services, pgdb, relay_bin, build, tmp
             arrived = got[-1][2] - t_claim
             seen.append((round(gap, 2), round(arrived, 2)))
             delivery_report(got, 10, 2, start=10 * i)
+            check_against_db(got, pgdb)
             assert arrived < gap, (
                 f"round {i}: rows written right after a poll arrived {arrived:.2f} s after it, "
                 f"not before the poll's next gap ({2 * gap:.1f} s; the last was {gap:.1f} s): "
