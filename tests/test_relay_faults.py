@@ -76,6 +76,10 @@ class Case:
                  desc=f"all {total} rows marked sent")
         return time.monotonic() - t0
 
+    def collect_depth(self):
+        """Messages in the test's queue now."""
+        return queue_depth(self.services, self.q)
+
     def collect(self, timeout=60):
         """Everything in the queue (after the drain): [(props, body, t)], each delivery
         checked whole (body and properties) against its outbox row."""

@@ -1,0 +1,146 @@
+"""Conditions production meets that are not crashes: the database turning read-only, the
+broker's disk alarm, permissions revoked mid-run. For each, while the cause lasts: nothing
+lost, nothing marked sent that the broker did not confirm, nothing dead-lettered for a cause
+that is not the message's, no spinning (the relay's CPU time over the fault window is
+measured), a WARN/ERROR naming the cause; and the relay recovers on its own once the cause
+goes away (no restart, no signal).
+
+Each test uses its own database, queue and relay name (tests/test_relay_faults.py's Case)."""
+import time
+
+import psycopg
+
+from conftest import wait_for
+from relay_util import check_against_db, delivery_report, log_events, proc_cpu_seconds
+from test_relay_faults import Case, relayed, terminate_relay_backends, wait_relayed
+
+# CPU seconds a waiting relay may use per second of fault (a spinning loop uses ~1.0; an idle
+# relay that retries with back-off and polls uses well under 0.01 on a quiet machine)
+SPIN = 0.1
+
+
+def warn_lines(text, needle):
+    return [f"{lvl} {msg}" for lvl, msg in log_events(text)
+            if lvl in ("WARN", "ERROR") and needle in msg]
+
+
+def dead_rows(pgdb):
+    with psycopg.connect(pgdb.dsn, autocommit=True) as c:
+        return c.execute("select count(*) from outbox.messages_dead").fetchone()[0]
+
+
+def sent_count(pgdb):
+    with psycopg.connect(pgdb.dsn, autocommit=True) as c:
+        return c.execute("select count(*) from outbox.messages where sent_at is not null"
+                         ).fetchone()[0]
+
+
+def test_database_goes_read_only_mid_drain(services, pgdb, relay_bin, build, tmp_path):
+    """default_transaction_read_only = on for the database, and the relay's sessions
+    terminated (what a switch-over to a read-only node does): every claim and mark fails
+    with SQLSTATE 25006. Nothing may be marked or dead-lettered meanwhile, the relay must not
+    spin, must say why, and must resume by itself once the database is writable again (its
+    sessions opened while read-only keep that default: it has to notice)."""
+    n, keys, window = 20000, 100, 200
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "readonly", reconnect_max="1s",
+             sink={"publish_window": str(window)})
+    c.produce(n, keys, size=256, batch=1000)
+    r = c.start()
+    admin = services.pg_connect()
+    read_only = False
+    try:
+        r.wait_log("became the active relay")
+        wait_relayed(r, 3000)
+        admin.execute(f'ALTER DATABASE "{pgdb.name}" SET default_transaction_read_only = on')
+        read_only = True
+        assert terminate_relay_backends(services, pgdb.name) >= 1
+        # the relay reconnects into read-only sessions; marks in flight before settle or fail
+        wait_for(lambda: warn_lines(r.text(), "read-only"), 20, interval=0.1,
+                 desc="a WARN/ERROR naming the read-only database")
+        time.sleep(1.0)
+        at = relayed(r)
+        sent0 = sent_count(pgdb)
+        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
+        time.sleep(6.0)
+        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
+        span = time.monotonic() - t0
+        sent1 = sent_count(pgdb)
+        dead_during = dead_rows(pgdb)
+        admin.execute(f'ALTER DATABASE "{pgdb.name}" RESET default_transaction_read_only')
+        read_only = False
+        t_back = time.monotonic()
+        took = c.wait_all_sent(n, timeout=90)
+        recovered = time.monotonic() - t_back
+        text = r.text()
+        dead_total = r.metric("outbox_relay_dead_total")
+    finally:
+        if read_only:
+            admin.execute(f'ALTER DATABASE "{pgdb.name}" RESET default_transaction_read_only')
+        admin.close()
+        r.stop_clean()
+    got = c.collect()
+    dups, _ = delivery_report(got, n, keys)
+    check_against_db(got, pgdb)
+    causes = warn_lines(text, "read-only")
+    print(f"read-only database at {at:.0f} relayed: {sent1 - sent0} marks and {dead_during} dead "
+          f"rows during {span:.1f} s read-only; relay CPU {cpu:.2f} s over it; all {n} sent "
+          f"{recovered:.1f} s after it was writable again ({took:.1f} s); {dups} duplicates; "
+          f"first cause logged: {causes[:1]}")
+    assert at < n, "the database should turn read-only mid-drain"
+    assert sent1 == sent0, "rows were marked sent while the database was read-only"
+    assert dead_during == 0 and dead_total == 0, "rows dead-lettered for a read-only database"
+    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert causes, "no WARN/ERROR names the read-only database"
+    assert dups <= 2 * window, f"{dups} duplicates > 2 x window {window}"
+
+
+def test_broker_disk_alarm_mid_drain(services, pgdb, relay_bin, build, tmp_path):
+    """RabbitMQ's disk alarm (free disk under disk_free_limit) blocks every publishing
+    connection: the relay must pause (nothing published, nothing marked), not spin, say the
+    broker blocked it and why, and resume when the alarm clears."""
+    n, keys = 5000, 50
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "diskalarm", reconnect_max="1s")
+    r = c.start()
+    alarm = False
+    try:
+        r.wait_log("became the active relay")
+        r.wait_log("sink=main: connected")
+        p = services.rabbitmqctl("set_disk_free_limit", "100000GB")
+        assert p.returncode == 0, p.stdout + p.stderr
+        alarm = True
+        c.produce(n, keys, size=128, batch=1000)
+        wait_for(lambda: r.metric("outbox_relay_sink_blocked") == 1, 30,
+                 desc="outbox_relay_sink_blocked 1")
+        time.sleep(1.0)
+        depth0, sent0 = c.collect_depth(), sent_count(pgdb)
+        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
+        time.sleep(5.0)
+        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
+        span = time.monotonic() - t0
+        depth1, sent1 = c.collect_depth(), sent_count(pgdb)
+        p = services.rabbitmqctl("set_disk_free_limit", "50MB")
+        assert p.returncode == 0, p.stdout + p.stderr
+        alarm = False
+        t_back = time.monotonic()
+        c.wait_all_sent(n, timeout=60)
+        recovered = time.monotonic() - t_back
+        text = r.text()
+        dead_total = r.metric("outbox_relay_dead_total")
+    finally:
+        if alarm:
+            services.rabbitmqctl("set_disk_free_limit", "50MB")
+        r.stop_clean()
+    got = c.collect()
+    dups, _ = delivery_report(got, n, keys)
+    check_against_db(got, pgdb)
+    causes = warn_lines(text, "broker blocked the connection")
+    print(f"disk alarm: {depth1 - depth0} published and {sent1 - sent0} marked during "
+          f"{span:.1f} s blocked (at {sent0} sent); relay CPU {cpu:.2f} s over it; all {n} "
+          f"sent {recovered:.1f} s after the alarm cleared; {dups} duplicates; logged: "
+          f"{causes[:1]}")
+    assert depth1 == depth0 and sent1 == sent0, "published or marked while the broker blocked"
+    assert sent0 < n, "the alarm should hold rows back"
+    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert causes and "disk" in causes[0], f"the WARN must name the disk alarm: {causes}"
+    assert dead_total == 0
+    assert dups == 0
