@@ -144,3 +144,72 @@ def test_broker_disk_alarm_mid_drain(services, pgdb, relay_bin, build, tmp_path)
     assert causes and "disk" in causes[0], f"the WARN must name the disk alarm: {causes}"
     assert dead_total == 0
     assert dups == 0
+
+
+def test_update_on_the_outbox_revoked_mid_run(services, pgdb, relay_bin, build, tmp_path):
+    """The relay's role (least privilege, deploy/grants-postgres.sql) loses UPDATE on the
+    outbox mid-drain: every claim and mark fails with 42501. Nothing may be marked or
+    dead-lettered, no spinning, a WARN/ERROR naming the denied permission; GRANT back and the
+    relay resumes by itself."""
+    import secrets
+    from conftest import ROOT
+    n, keys, window = 20000, 100, 200
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "revoke", reconnect_max="1s",
+             sink={"publish_window": str(window)})
+    pgdb.psql(None, args=("-f", str(ROOT / "deploy" / "grants-postgres.sql")))
+    user = f"outbox_relay_{secrets.token_hex(4)}"
+    admin = services.pg_connect()
+    admin.execute(f'CREATE ROLE "{user}" LOGIN IN ROLE outbox_relay')
+    conninfo = (f"host={services.pg_host} port={services.pg_port} user={user} "
+                f"dbname={pgdb.name}")
+    c.cfg.write_text(c.cfg.read_text().replace(f"conninfo = {pgdb.dsn}",
+                                               f"conninfo = {conninfo}"))
+    assert f"user={user}" in c.cfg.read_text()
+    c.produce(n, keys, size=256, batch=1000)
+    r = c.start()
+    tab = psycopg.connect(pgdb.dsn, autocommit=True)   # the grants are the database's own
+    revoked = False
+    try:
+        r.wait_log("became the active relay")
+        wait_relayed(r, 3000)
+        tab.execute("REVOKE UPDATE ON outbox.messages FROM outbox_relay")
+        revoked = True
+        wait_for(lambda: warn_lines(r.text(), "permission denied"), 20, interval=0.1,
+                 desc="a WARN/ERROR naming the denied permission")
+        time.sleep(1.0)
+        at = relayed(r)
+        sent0 = sent_count(pgdb)
+        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
+        time.sleep(6.0)
+        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
+        span = time.monotonic() - t0
+        sent1 = sent_count(pgdb)
+        dead_during = dead_rows(pgdb)
+        tab.execute("GRANT UPDATE ON outbox.messages TO outbox_relay")
+        revoked = False
+        t_back = time.monotonic()
+        c.wait_all_sent(n, timeout=90)
+        recovered = time.monotonic() - t_back
+        text = r.text()
+        dead_total = r.metric("outbox_relay_dead_total")
+    finally:
+        if revoked:
+            tab.execute("GRANT UPDATE ON outbox.messages TO outbox_relay")
+        r.stop_clean()
+        tab.close()
+        admin.execute(f'DROP OWNED BY "{user}"')
+        admin.execute(f'DROP ROLE "{user}"')
+        admin.close()
+    got = c.collect()
+    dups, _ = delivery_report(got, n, keys)
+    check_against_db(got, pgdb)
+    causes = warn_lines(text, "permission denied")
+    print(f"UPDATE revoked at {at:.0f} relayed: {sent1 - sent0} marks and {dead_during} dead "
+          f"rows during {span:.1f} s; relay CPU {cpu:.2f} s over it; all {n} sent "
+          f"{recovered:.1f} s after the GRANT; {dups} duplicates; logged: {causes[:1]}")
+    assert at < n
+    assert sent1 == sent0, "rows were marked sent without UPDATE on the outbox"
+    assert dead_during == 0 and dead_total == 0, "rows dead-lettered for a revoked grant"
+    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert causes and "messages" in causes[0], f"the WARN must name the table: {causes}"
+    assert dups <= 2 * window, f"{dups} duplicates > 2 x window {window}"
