@@ -213,3 +213,77 @@ def test_update_on_the_outbox_revoked_mid_run(services, pgdb, relay_bin, build, 
     assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
     assert causes and "messages" in causes[0], f"the WARN must name the table: {causes}"
     assert dups <= 2 * window, f"{dups} duplicates > 2 x window {window}"
+
+
+def test_broker_permissions_revoked_mid_run(services, pgdb, relay_bin, build, tmp_path):
+    """An operator clears the relay's broker permissions (`rabbitmqctl clear_permissions`);
+    the broker applies them to new connections and channels, so the relay's connection is then
+    closed (as any network blip or broker restart would): it cannot get back in. Nothing may be
+    marked or dead-lettered, no spinning, a WARN/ERROR naming the refusal; permissions back
+    and it resumes by itself."""
+    import secrets
+    from relay_util import broker_connections
+    n, keys = 20000, 100
+    user, pw = f"relay-{secrets.token_hex(4)}", secrets.token_hex(8)
+    for args in (("add_user", user, pw), ("set_permissions", "-p", "/", user, ".*", ".*", ".*")):
+        p = services.rabbitmqctl(*args)
+        assert p.returncode == 0, p.stdout + p.stderr
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "brokerperm", reconnect_max="1s",
+             sink={"url": f"amqp://{user}:{pw}@127.0.0.1:{services.amqp_port}/%2f",
+                   "reconnect_max": "1s"})
+    first = 2000
+    c.produce(first, keys, size=256, batch=1000)
+    r = c.start()
+    cleared = False
+    try:
+        r.wait_log("became the active relay")
+        wait_relayed(r, first)
+        p = services.rabbitmqctl("clear_permissions", "-p", "/", user)
+        assert p.returncode == 0, p.stdout + p.stderr
+        cleared = True
+        for pid in broker_connections(services, f"outbox-relay {c.name}/main"):
+            services.rabbitmqctl("close_connection", pid, "test: permissions cleared")
+        wait_for(lambda: warn_lines(r.text(), "sink=main: down:")
+                 and r.metric("outbox_relay_sink_up") == 0, 30, interval=0.1,
+                 desc="the relay's broker connection down")
+        # the rest is written while the relay cannot publish (rabbitmqctl takes seconds on a
+        # loaded machine: the first rows are long through by now)
+        c.produce(n - first, keys, size=256, batch=1000, start=first)
+        time.sleep(1.0)
+        at = relayed(r)
+        sent0 = sent_count(pgdb)
+        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
+        time.sleep(6.0)
+        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
+        span = time.monotonic() - t0
+        sent1 = sent_count(pgdb)
+        dead_during = dead_rows(pgdb)
+        p = services.rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
+        assert p.returncode == 0, p.stdout + p.stderr
+        cleared = False
+        t_back = time.monotonic()
+        c.wait_all_sent(n, timeout=90)
+        recovered = time.monotonic() - t_back
+        text = r.text()
+        dead_total = r.metric("outbox_relay_dead_total")
+    finally:
+        if cleared:
+            services.rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
+        r.stop_clean()
+        services.rabbitmqctl("delete_user", user)
+    got = c.collect()
+    dups, _ = delivery_report(got, n, keys)
+    check_against_db(got, pgdb)
+    causes = [m for m in warn_lines(text, "sink=main: down:") if "access" in m.lower()
+              or "refused" in m.lower() or "denied" in m.lower()]
+    print(f"broker permissions cleared at {at:.0f} relayed: {sent1 - sent0} marks and "
+          f"{dead_during} dead rows during {span:.1f} s; relay CPU {cpu:.2f} s over it; all {n} "
+          f"sent {recovered:.1f} s after the permissions came back; {dups} duplicates; "
+          f"logged: {causes[:1]}")
+    assert at < n
+    assert sent1 == sent0, "rows were marked sent while the broker refused the relay"
+    assert dead_during == 0 and dead_total == 0, "rows dead-lettered for revoked permissions"
+    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert causes, "no WARN/ERROR names the broker's refusal: " + str(
+        warn_lines(text, "sink=main")[:5])
+    assert dups <= c.window, f"{dups} duplicates > window {c.window} (one lost connection)"
