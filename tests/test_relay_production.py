@@ -287,3 +287,71 @@ def test_broker_permissions_revoked_mid_run(services, pgdb, relay_bin, build, tm
     assert causes, "no WARN/ERROR names the broker's refusal: " + str(
         warn_lines(text, "sink=main")[:5])
     assert dups <= c.window, f"{dups} duplicates > window {c.window} (one lost connection)"
+
+
+def test_target_queue_deleted_mid_run(services, pgdb, relay_bin, build, tmp_path):
+    """The queue the rows are routed to is deleted mid-run: every publish comes back
+    unroutable (mandatory) and is a failed attempt; after max_attempts a row moves to the
+    dead-letter table. How many rows dead-letter before someone re-creates the queue?
+    Measured here with short back-offs (5 attempts, 100 ms doubling to 400 ms: a row's tries
+    span ~1.1 s instead of the defaults' 10 attempts over 1+2+...+256 = 511 s); the rule
+    checked: a key's later rows wait behind its failing row, so per key at most one row
+    dead-letters per span of tries. Nothing is lost: every row is delivered or dead."""
+    import pika
+    from relay_util import amqp_channel, consume
+    n, first, keys, attempts = 2000, 200, 20, 5
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "qdel", max_attempts=str(attempts),
+             retry_backoff="100ms", retry_backoff_max="400ms")
+    span_s = 0.1 + 0.2 + 0.4 + 0.4           # the waits between the 5 tries
+    c.produce(first, keys, size=64)
+    r = c.start()
+    conn, ch = amqp_channel(services)
+    try:
+        r.wait_log("became the active relay")
+        c.wait_all_sent(first)
+        got = consume(ch, c.q, first, timeout=30)
+        ch.queue_delete(c.q)
+        t_del = time.monotonic()
+        c.produce(n - first, keys, size=64, start=first)
+        cpu0 = proc_cpu_seconds(r.proc.pid)
+        wait_for(lambda: dead_rows(pgdb) > 0, 30, interval=0.05, desc="a first dead row")
+        t_first_dead = time.monotonic() - t_del
+        time.sleep(max(0.0, 8.0 - (time.monotonic() - t_del)))
+        window_s = time.monotonic() - t_del
+        dead = dead_rows(pgdb)
+        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
+        ch.queue_declare(queue=c.q, durable=True)
+        t_back = time.monotonic()
+        wait_for(lambda: sum(c.db_counts()) - c.db_counts()[1] + dead_rows(pgdb) >= n
+                 and c.db_counts()[1] == 0, 60, interval=0.2, ignore=(psycopg.Error,),
+                 desc="every row sent or dead")
+        recovered = time.monotonic() - t_back
+        text = r.text()
+    finally:
+        try:
+            conn.close()
+        except pika.exceptions.AMQPError:
+            pass
+        r.stop_clean()
+    got += c.collect()
+    check_against_db(got, pgdb)
+    with psycopg.connect(pgdb.dsn, autocommit=True) as dc:
+        dead_seqs = sorted(int(x) for (x,) in dc.execute(
+            "select headers->>'seq' from outbox.messages_dead"))
+        total_dead = len(dead_seqs)
+    delivered = {int(p.headers["seq"]) for p, _, _ in got}
+    lost = sorted(set(range(n)) - delivered - set(dead_seqs))
+    returned = [m for m in warn_lines(text, "") if "unroutable" in m or "NO_ROUTE" in m
+                or "returned" in m]
+    per_key = max(1, round(window_s / span_s))
+    print(f"queue deleted: first row dead-lettered {t_first_dead:.1f} s later (tries span "
+          f"{span_s:.1f} s); {dead} rows of {n - first} dead after {window_s:.1f} s "
+          f"({keys} keys: {dead / keys:.1f} a key); {total_dead} dead in all; the rest sent "
+          f"{recovered:.1f} s after the queue was back; relay CPU {cpu:.2f} s; WARN: "
+          f"{returned[:1]}")
+    assert not lost, f"{len(lost)} rows neither delivered nor dead: {lost[:10]}"
+    assert returned, "no WARN/ERROR says the messages came back unroutable"
+    assert t_first_dead >= span_s, "a row dead-lettered before its tries were spent"
+    assert dead <= keys * (per_key + 1), (
+        f"{dead} rows dead in {window_s:.1f} s: more than one per key per {span_s:.1f} s")
+    assert cpu < SPIN * window_s + 0.5, f"the relay used {cpu:.2f} s of CPU: spinning"
