@@ -355,3 +355,53 @@ def test_target_queue_deleted_mid_run(services, pgdb, relay_bin, build, tmp_path
     assert dead <= keys * (per_key + 1), (
         f"{dead} rows dead in {window_s:.1f} s: more than one per key per {span_s:.1f} s")
     assert cpu < SPIN * window_s + 0.5, f"the relay used {cpu:.2f} s of CPU: spinning"
+
+
+def _insert_one(conn, seq, key, q):
+    """One row shaped like relay_util.insert_rows' (seq header, 'msg|seq|' body) on an open
+    connection, in its current transaction."""
+    conn.execute(
+        "INSERT INTO outbox.messages (message_id, exchange, routing_key, partition_key, "
+        "message_type, content_type, correlation_id, headers, payload) VALUES "
+        "(gen_random_uuid(), '', %s, %s, 'test.event', 'application/octet-stream', %s, "
+        "jsonb_build_object('seq', %s::text, 'origin', 'sql'), convert_to(%s, 'UTF8'))",
+        (q, key, f"corr-{seq}", str(seq), f"msg|{seq}|late"))
+
+
+def test_low_id_committed_late_is_never_skipped(services, pgdb, relay_bin, build, tmp_path):
+    """A producer transaction takes a low id and commits late while later ids of other keys
+    are committed and relayed: the late row is invisible until its commit, never skipped after
+    it (it is published as soon as it commits), and it does not hold other keys back. Per
+    key, a row committed after it (a higher id) arrives after it."""
+    from relay_util import amqp_channel, consume, insert_rows, order_report
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "lateid", poll_interval="30s")
+    r = c.start()
+    conn, ch = amqp_channel(services)
+    late = psycopg.connect(pgdb.dsn)          # not autocommit: the transaction stays open
+    try:
+        r.wait_log("became the active relay")
+        _insert_one(late, 0, "key-late", c.q)  # id 1, uncommitted
+        insert_rows(pgdb, 1000, 10, start=1, routing_key=c.q)   # ids 2.., committed
+        got = consume(ch, c.q, 1000, timeout=30, idle=1.0)
+        before = {int(p.headers["seq"]) for p, _, _ in got}
+        assert before == set(range(1, 1001)), \
+            f"other keys held back by the open transaction: {len(before)} of 1000 arrived"
+        late.commit()
+        t0 = time.monotonic()
+        more = consume(ch, c.q, 1, timeout=10)
+        took = time.monotonic() - t0
+        with psycopg.connect(pgdb.dsn, autocommit=True) as after:
+            _insert_one(after, 1001, "key-late", c.q)   # same key, committed after it
+        more += consume(ch, c.q, 1, timeout=10, idle=1.0)
+        got += more
+    finally:
+        late.close()
+        conn.close()
+        r.stop_clean()
+    check_against_db(got, pgdb)
+    order_report(got, range(1002), lambda s: "late" if s in (0, 1001) else s % 10)
+    print(f"a low id committed after 1000 later ids were relayed: published {took:.2f} s "
+          f"after its commit (poll 30 s: by NOTIFY)")
+    assert [int(p.headers["seq"]) for p, _, _ in more][:1] == [0], \
+        "the late row did not arrive first after its commit"
+    assert took < 5.0, f"the late row took {took:.1f} s after its commit"
