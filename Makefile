@@ -7,6 +7,7 @@
 #   make SANITIZER=address    (or undefined, or address+undefined) instrumented build
 #                             into build-$(SANITIZER)/
 #   make VALGRIND=1 test      run the daemon and C test programs under valgrind
+#   make valgrind-test        the daemon's end-to-end tests under valgrind (VALGRIND_TESTS)
 #   make test TESTS=tests/test_relay.py PYTEST_ARGS="-k leader"   a subset
 #   make bench                relay throughput vs. broker ceiling (not part of test)
 #   make format-check         the files listed in FORMATTED follow .clang-format
@@ -94,7 +95,7 @@ LIBSO := $(BUILD)/liboutbox.so.$(SOVERSION)
 RELAY := $(BUILD)/outbox-relay
 RELAYA := $(BUILD)/librelay.a
 
-.PHONY: all lib man test-programs test bench install clean services-start services-stop deb
+.PHONY: all lib man test-programs test valgrind-test bench install clean services-start services-stop deb
 # What ships, and only that: the test programs need libcmocka-dev (see scripts/packages.txt).
 all: $(LIBA) $(LIBSO) $(RELAY) $(EXAMPLE_BIN) $(BUILD)/outbox.pc $(MAN_OUT)
 
@@ -153,6 +154,12 @@ $(BUILD)/man/%: man/% Makefile
 TESTS ?= tests
 test: all test-programs
 	OUTBOX_BUILD=$(abspath $(BUILD)) OUTBOX_VALGRIND=$(VALGRIND) $(PYTHON) -m pytest -ra $(TESTS) $(PYTEST_ARGS)
+
+# The daemon under valgrind over its end-to-end tests (a subset: the whole suite under
+# valgrind is slow); any valgrind error or definite leak makes the relay exit 99 and its test fail.
+VALGRIND_TESTS ?= tests/test_relay.py tests/test_relay_two_outboxes.py tests/test_relay_reload.py
+valgrind-test:
+	$(MAKE) test VALGRIND=1 SANITIZER= TESTS="$(VALGRIND_TESTS)"
 
 bench: all $(BENCH_BIN)
 	OUTBOX_BUILD=$(abspath $(BUILD)) $(PYTHON) tests/bench/bench.py

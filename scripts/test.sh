@@ -6,7 +6,7 @@
 #      and UBSan: the whole suite once more, instrumented), at the same time, each against its
 #      own private services (OUTBOX_TEST_PARALLEL=0: one after the other)
 #      (`scripts/test.sh quick`: the plain build only; `scripts/test.sh valgrind`: plain + valgrind)
-#   4. stop the services this run started; print "N passed, N failed" last; exit non-zero on failure
+#   4. stop the services this run started; print "N passed, N failed, N skipped" last; exit non-zero on failure
 # .ci/run calls this with CI=true (warnings become errors).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -38,9 +38,9 @@ for p in "${PKGS[@]}"; do
 done
 if ((${#missing[@]})); then
     say "installing ${missing[*]}"
-    apt-get update -q || { echo "test.sh: apt-get update failed"; echo "0 passed, 1 failed"; exit 1; }
+    apt-get update -q || { echo "test.sh: apt-get update failed"; echo "0 passed, 1 failed, 0 skipped"; exit 1; }
     apt-get install -y -q --no-install-recommends "${PKGS[@]}" \
-        || { echo "test.sh: apt-get install failed"; echo "0 passed, 1 failed"; exit 1; }
+        || { echo "test.sh: apt-get install failed"; echo "0 passed, 1 failed, 0 skipped"; exit 1; }
 else
     say "all ${#PKGS[@]} packages already installed"
 fi
@@ -57,30 +57,33 @@ say "starting services"
 if ! scripts/services.sh start; then
     echo "test.sh: scripts/services.sh start failed"
     stop_services
-    echo "0 passed, 1 failed"
+    echo "0 passed, 1 failed, 0 skipped"
     exit 1
 fi
 
 # ------------------------------------------------------------------ test runs
 total_passed=0
 total_failed=0
+total_skipped=0
 failed_steps=()
 
 # tally NAME LOG RC: sums the pytest summary line of a step's log
 tally() {
     local name=$1 log=$2 rc=$3
     if ((rc == 124 || rc == 137)); then echo "test.sh: $name: timed out after ${STEP_TIMEOUT}s"; fi
-    local summary passed=0 failed=0 errors=0
+    local summary passed=0 failed=0 errors=0 skipped=0
     summary=$(grep -E '([0-9]+ (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?)|no tests ran).* in [0-9.]+s' "$log" | tail -n1 || true)
     [[ $summary =~ ([0-9]+)\ passed ]] && passed=${BASH_REMATCH[1]}
     [[ $summary =~ ([0-9]+)\ failed ]] && failed=${BASH_REMATCH[1]}
     [[ $summary =~ ([0-9]+)\ error ]] && errors=${BASH_REMATCH[1]}
+    [[ $summary =~ ([0-9]+)\ skipped ]] && skipped=${BASH_REMATCH[1]}
     failed=$((failed + errors))
     if ((rc != 0 && failed == 0)); then failed=1; fi   # build failure or crash before pytest's summary
     total_passed=$((total_passed + passed))
     total_failed=$((total_failed + failed))
+    total_skipped=$((total_skipped + skipped))
     if ((rc != 0)); then failed_steps+=("$name"); fi
-    say "$name: exit $rc, $passed passed, $failed failed"
+    say "$name: exit $rc, $passed passed, $failed failed, $skipped skipped"
 }
 
 # run_step NAME make-args...: runs make with its output shown as it goes
@@ -108,7 +111,7 @@ if [[ $MODE == all && $PARALLEL == 1 ]]; then
     trap 'stop_services; stop_san_services' EXIT
     if ! OUTBOX_SERVICES_DIR=$SAN_SVC scripts/services.sh start; then
         echo "test.sh: scripts/services.sh start ($SAN_SVC) failed"
-        echo "0 passed, 1 failed"
+        echo "0 passed, 1 failed, 0 skipped"
         exit 1
     fi
     (timeout -k 15 "$STEP_TIMEOUT" make test >"$LOGDIR/plain.log" 2>&1; echo $? >"$LOGDIR/plain.rc") &
@@ -142,5 +145,6 @@ echo "test.sh: logs in $LOGDIR; total time $((SECONDS - START))s"
 if ((${#failed_steps[@]})); then
     echo "test.sh: FAILED steps: ${failed_steps[*]}"
 fi
-echo "$total_passed passed, $total_failed failed"
+# "N passed, N failed" first (what CI tools parse), then the skips, so none goes unseen
+echo "$total_passed passed, $total_failed failed, $total_skipped skipped"
 ((${#failed_steps[@]} == 0 && total_failed == 0))

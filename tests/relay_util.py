@@ -64,7 +64,8 @@ def write_config(path, services, db, *, outboxes=None, relay=None, sink=None, si
 class Relay:
     """An `outbox-relay run` process whose stderr goes to a log file."""
 
-    def __init__(self, relay_bin, config, log_path, http_port=None):
+    def __init__(self, relay_bin, config, log_path, http_port=None, env=None):
+        """env: variables added to the relay's environment."""
         self.config = config
         self.log_path = log_path
         self.http_port = http_port
@@ -75,7 +76,8 @@ class Relay:
                     "--errors-for-leak-kinds=definite", "--track-fds=no", "-q",
                     f"--suppressions={supp}"] + argv
         self.log = open(log_path, "w")
-        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, **(env or {})))
 
     def text(self):
         with open(self.log_path, errors="replace") as f:
@@ -99,12 +101,18 @@ class Relay:
             return r.read().decode()
 
     def metric(self, name, outbox="main"):
-        """A per-outbox metric's value; outbox=None: a process-wide one (no labels)."""
+        """A per-outbox metric's value; outbox=None: a process-wide one (no labels). The
+        relay renders every metric for every outbox from its start, so a metric missing from
+        an answer (renamed, dropped, a wrong label) fails the test: never read as 0."""
         labels = "" if outbox is None else f'{{outbox="{outbox}"}}'
-        m = re.search(rf'^{name}{labels} (\S+)$', self.metrics(), re.M)
-        return float(m.group(1)) if m else None
+        text = self.metrics()
+        m = re.search(rf'^{name}{labels} (\S+)$', text, re.M)
+        assert m, f"metric {name}{labels} missing from /metrics:\n{text[:3000]}"
+        return float(m.group(1))
 
     def stop(self, sig=signal.SIGTERM, timeout=30):
+        """Signals the relay (unless it already exited) and waits; returns its exit status
+        (also when it had exited before: a negative status is the signal that ended it)."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
         try:
@@ -119,11 +127,28 @@ class Relay:
         self.proc.kill()
         self.proc.wait()
         self.log.close()
+        self.killed = True
+
+    killed = False
 
     def assert_clean_exit(self, rc):
         text = self.text()
         assert rc == 0, f"relay exited {rc}; log:\n{text[-4000:]}"
         assert "ERROR: AddressSanitizer" not in text and "runtime error:" not in text, text[-4000:]
+
+    def stop_clean(self, sig=signal.SIGTERM, timeout=30):
+        """Stops a relay that must still be running and asserts it exited 0 on that signal.
+        One that had already exited (crashed after being woken from SIGSTOP, or exited on its
+        own after being fenced) fails with its exit status, whatever that was; a relay the
+        test killed itself (kill9) is not checked."""
+        if self.killed:
+            return None
+        before = self.proc.poll()
+        rc = self.stop(sig, timeout)
+        assert before is None, (f"the relay had already exited (status {before}) before the "
+                                f"test stopped it; log:\n{self.text()[-4000:]}")
+        self.assert_clean_exit(rc)
+        return rc
 
 
 def run_producer(build, dsn, database, *, count, keys=10, exchange="", routing_key="q",
@@ -807,3 +832,40 @@ class BrokerTlsListener:
         self.services.rabbitmqctl(
             "eval", f'rabbit_networking:stop_tcp_listener({{"127.0.0.1", {self.port}}}).',
             timeout=120)
+
+
+# ---------------------------------------------------------------------------- whole-message oracle
+def check_against_db(got, db, table="outbox.messages"):
+    """Every delivery in got [(props, body, t)] is, byte for byte, a row of the outbox: its
+    message_id names a row whose payload is the body, and the AMQP properties are the row's
+    (persistent, correlation_id, type, content_type, timestamp = created_at in whole seconds,
+    every header of the row's headers JSON as a string header of the same name). Returns the
+    number of deliveries checked. A fault that corrupted or mixed up a body past the
+    `prefix|seq|` head, or lost a property, fails here."""
+    rows = {}
+    with db.connect() as c:
+        for mid, payload, corr, mtype, ctype, created, headers in c.execute(
+                f"SELECT message_id::text, payload, correlation_id, message_type, content_type, "
+                f"floor(extract(epoch FROM created_at))::bigint, headers FROM {table}"):
+            rows[mid] = (bytes(payload), corr, mtype, ctype, created, headers or {})
+    bad = []
+    for props, body, _ in got:
+        row = rows.get(props.message_id)
+        if row is None:
+            bad.append((props.message_id, "no such row"))
+            continue
+        payload, corr, mtype, ctype, created, headers = row
+        if body != payload:
+            bad.append((props.message_id, f"body {body[:60]!r}... != payload {payload[:60]!r}..."))
+        want = {"delivery_mode": 2, "correlation_id": corr, "type": mtype,
+                "content_type": ctype, "timestamp": created}
+        have = {k: getattr(props, k) for k in want}
+        if have != want:
+            bad.append((props.message_id, f"properties {have} != row {want}"))
+        hdrs = {k: (v.decode() if isinstance(v, bytes) else v)
+                for k, v in (props.headers or {}).items()}
+        missing = {k: v for k, v in headers.items() if hdrs.get(k) != str(v)}
+        if missing:
+            bad.append((props.message_id, f"headers {hdrs} lack the row's {missing}"))
+    assert not bad, f"{len(bad)} deliveries differ from their outbox row, e.g. {bad[:5]}"
+    return len(got)

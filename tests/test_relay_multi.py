@@ -13,30 +13,54 @@ import uuid
 
 import pytest
 
-from relay_util import (amqp_channel, consume, declare, delivery_report, free_port, psql_rows,
+from conftest import wait_for
+from relay_util import (amqp_channel, check_against_db, consume, declare, delivery_report,
+                        free_port, psql_rows,
                         run_producer, wait_log_at, write_config, Relay)
 from test_relay import init_schema
 
 LEASE = 3.0
 POLL = 1.0
+WINDOW = 100   # publish_window of every relay here: the duplicate bounds are multiples of it
 
 
 def audit_setup(pgdb):
-    """A trigger that records each mark with the owner that held the row's lease."""
+    """Records each mark with the owner that held the row's lease, and whether that lease was
+    still live when the mark COMMITTED: a deferred constraint trigger runs at commit, after
+    every statement of the mark's transaction (comparing with now(), the transaction's start,
+    would let a mark that committed after its lease lapsed pass). Each claim (a new lease
+    token) is recorded the same way, at its commit: a mark that committed after its lease
+    lapsed is stale if another owner had claimed the row by then."""
     pgdb.psql("""
         CREATE TABLE outbox.mark_audit (id bigint, owner text, lease_live boolean,
-                                        at timestamptz DEFAULT clock_timestamp());
+                                        at timestamptz DEFAULT clock_timestamp(),
+                                        lease_until timestamptz);
+        CREATE TABLE outbox.claim_audit (id bigint, owner text,
+                                         at timestamptz DEFAULT clock_timestamp());
         CREATE FUNCTION outbox.audit_mark() RETURNS trigger LANGUAGE plpgsql AS $$
         BEGIN
             IF OLD.sent_at IS NULL AND NEW.sent_at IS NOT NULL THEN
-                INSERT INTO outbox.mark_audit (id, owner, lease_live)
-                VALUES (OLD.id, OLD.lease_owner, OLD.lease_until >= now());
+                INSERT INTO outbox.mark_audit (id, owner, lease_live, lease_until)
+                VALUES (OLD.id, OLD.lease_owner, OLD.lease_until >= clock_timestamp(),
+                        OLD.lease_until);
+            ELSIF NEW.lease_owner IS NOT NULL
+                  AND NEW.lease_token IS DISTINCT FROM OLD.lease_token THEN
+                INSERT INTO outbox.claim_audit (id, owner) VALUES (NEW.id, NEW.lease_owner);
             END IF;
-            RETURN NEW;
+            RETURN NULL;
         END $$;
-        CREATE TRIGGER mark_audit BEFORE UPDATE ON outbox.messages
+        CREATE CONSTRAINT TRIGGER mark_audit AFTER UPDATE ON outbox.messages
+            DEFERRABLE INITIALLY DEFERRED
             FOR EACH ROW EXECUTE FUNCTION outbox.audit_mark();
     """)
+
+
+def stale_marks(pgdb):
+    """Marks committed after their lease lapsed AND after another owner claimed the row."""
+    return psql_rows(pgdb, """
+        SELECT m.id, m.owner, m.at, c.owner, c.at FROM outbox.mark_audit m
+        JOIN outbox.claim_audit c ON c.id = m.id AND c.owner <> m.owner AND c.at < m.at
+        WHERE NOT m.lease_live""")
 
 
 def marks(pgdb, since=None):
@@ -44,13 +68,14 @@ def marks(pgdb, since=None):
     return psql_rows(pgdb, sql)
 
 
-def relay(relay_bin, tmp_path, services, pgdb, name, **kw):
+def relay(relay_bin, tmp_path, services, pgdb, name, sink=None, **kw):
     port = free_port()
     kw.setdefault("lease", f"{LEASE:g}s")
+    kw.setdefault("poll_interval", f"{POLL:g}s")
+    kw.setdefault("batch_size", "100")
     cfg = write_config(tmp_path / f"{name}.ini", services, pgdb,
                        relay={"name": name, "http_listen": f"127.0.0.1:{port}"},
-                       sink={"publish_window": "100"},
-                       poll_interval=f"{POLL:g}s", batch_size="100", **kw)
+                       sink=dict({"publish_window": str(WINDOW)}, **(sink or {})), **kw)
     return Relay(relay_bin, cfg, tmp_path / f"{name}.log", http_port=port), cfg
 
 
@@ -102,14 +127,14 @@ def test_leader_frozen_or_killed_is_replaced(services, pgdb, relay_bin, build, t
     audit = marks(pgdb)
     text_b = b.text()
     for r in (a, b):
-        if r.proc.poll() is None:
-            r.assert_clean_exit(r.stop())
+        r.stop_clean()   # the woken leader must still run (not crash); kill9'd: not checked
     conn.close()
     dups, copies = delivery_report(got, n, keys)    # lost 0, per-key order, one message_id
+    check_against_db(got, pgdb)
     print(f"{fault}: standby active {took:.2f} s after the fault (lease {LEASE:g} s, poll "
           f"{POLL:g} s); {dups} duplicates; {len(audit)} marks")
     assert took <= LEASE + 2 * POLL + 1.0, "the standby took over too late"
-    assert dups <= 2 * 100, "duplicates above 2 x publish_window for one fault"
+    assert dups <= 2 * WINDOW, "duplicates above 2 x publish_window for one fault"
     assert "standing by" in text_b
     ids = [int(r[0]) for r in audit]
     assert len(ids) == len(set(ids)) == n, "every row marked exactly once"
@@ -120,41 +145,87 @@ def test_leader_frozen_or_killed_is_replaced(services, pgdb, relay_bin, build, t
 
 def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, build, tmp_path):
     """The leader cannot reach the database (its connections hang): it must stop publishing
-    before its lease runs out, and the standby takes over."""
+    before its lease runs out, and the standby takes over. Checked on the broker: the leader
+    holds hundreds of claimed rows it has not published (batch_size 1000, publish_window 10,
+    and the broker blocks publishing: memory alarm) when its path is cut; the alarm is cleared
+    only after its lease expired (database time) while the standby is frozen, so what then
+    reaches the queue was published by the old leader: at most the messages it had in flight
+    (sent before the block, waiting in its connection), never its held rows."""
     from relay_util import BlackholeProxy
-    n, keys = 4000, 20
+    n, keys, window_a = 4000, 20, 10
     q = f"qm-{uuid.uuid4().hex[:6]}"
     conn, ch = amqp_channel(services)
     declare(ch, "", q, q)
     proxy = BlackholeProxy(services.pg_port)
+    alarm = False
+    a = b = None
     try:
         dsn_a = pgdb.dsn.replace(f"port={services.pg_port}", f"port={proxy.port}")
         a, cfg = relay(relay_bin, tmp_path, services, pgdb, "ra", conninfo=dsn_a,
-                       query_timeout="20s")
+                       query_timeout="20s", batch_size="1000",
+                       sink={"publish_window": str(window_a)})
         init_schema(relay_bin, cfg)
         a.wait_log("became the active relay")
+        a.wait_log("sink=main: connected")
         b, _ = relay(relay_bin, tmp_path, services, pgdb, "rb")
         b.wait_log("standing by")
+        p = services.rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
+        assert p.returncode == 0, p.stdout + p.stderr
+        alarm = True
         run_producer(build, pgdb.dsn, pgdb.name, count=n, keys=keys, routing_key=q, size=64,
                      batch=1000)
-        got = consume(ch, q, 500, timeout=30)
+        # the broker tells a connection it is blocked once it publishes
+        wait_for(lambda: a.metric("outbox_relay_sink_blocked") == 1, 15,
+                 desc="the leader's broker connection blocked")
+
+        def held():
+            return int(psql_rows(pgdb, "SELECT count(*) FROM outbox.messages WHERE sent_at IS "
+                                       "NULL AND lease_owner LIKE 'ra/%%'")[0][0])
+        wait_for(lambda: held() >= 500, 20, interval=0.1, desc="the leader holding claimed rows")
+        os.kill(b.proc.pid, signal.SIGSTOP)     # no standby publishes until checked
+        in_flight = a.metric("outbox_relay_in_flight")
         proxy.blackhole()
         t0 = time.monotonic()
+        n_held = held()
+        # the leader's lease, in database time, as seconds from now
+        left = float(psql_rows(pgdb, "SELECT extract(epoch FROM expires_at - clock_timestamp()) "
+                                     "FROM outbox.messages_lease WHERE owner LIKE 'ra/%%'")[0][0])
+        t_expiry = t0 + left
         wait_log_at(a, "lost leadership", timeout=LEASE + 5)   # fenced: a WARN
         stopped = time.monotonic() - t0
+        time.sleep(max(0.0, t_expiry + 0.5 - time.monotonic()))
+        services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+        alarm = False
+        # the old leader would publish its held rows now, were it allowed
+        early = consume(ch, q, n, timeout=3.0)
+        os.kill(b.proc.pid, signal.SIGCONT)
         b.wait_log("became the active relay", timeout=20)
         took = time.monotonic() - t0
-        got += consume(ch, q, n - len(got), timeout=90, idle=2.0)
+        got = early + consume(ch, q, n, timeout=90, idle=2.0)
         for r in (a, b):
-            r.stop()
+            r.stop_clean()   # the fenced leader must still run and exit 0
     finally:
+        if alarm:
+            services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+        for r in (a, b):
+            if r is not None and r.proc.poll() is None:
+                os.kill(r.proc.pid, signal.SIGCONT)
+                r.stop()
         proxy.close()
     conn.close()
     dups, _ = delivery_report(got, n, keys)
-    print(f"database path cut: the leader stopped publishing {stopped:.2f} s later, the "
-          f"standby was active after {took:.2f} s; {dups} duplicates")
-    assert stopped < LEASE, "the cut-off leader must stop before its lease runs out"
-    assert dups <= 2 * 100   # 2 x publish_window
+    check_against_db(got, pgdb)
+    print(f"database path cut: the leader held {n_held} claimed rows ({in_flight:.0f} in "
+          f"flight, window {window_a}); its lease expired {left:.2f} s after the cut (database "
+          f"time); it stopped publishing {stopped:.2f} s after the cut; {len(early)} messages "
+          f"reached the queue after its lease expired; the standby was active after "
+          f"{took:.2f} s; {dups} duplicates")
+    assert n_held >= 500
+    assert stopped < left, "the cut-off leader must stop before its lease runs out"
+    assert len(early) <= in_flight <= window_a, (
+        f"{len(early)} messages reached the queue after the old leader's lease expired (it "
+        f"had {in_flight:.0f} in flight): it published held rows past its lease")
+    assert dups <= 2 * WINDOW   # a fenced leader: 2 x publish_window
 
 
 @pytest.mark.parametrize("freeze", [False, True])
@@ -173,20 +244,46 @@ def test_competing_three_relays_keep_per_key_order(services, pgdb, relay_bin, bu
         relays.append(r)
     for r in relays:
         r.wait_log("database connected")
-    run_producer(build, pgdb.dsn, pgdb.name, count=n, keys=keys, routing_key=q, size=64,
-                 batch=1000)
-    got = consume(ch, q, 1500, timeout=30)
+    held, alarm = [], False
     if freeze:
-        # freeze the relay doing the work past its lease: the others take its keys over
-        busy = max(relays, key=lambda r: r.metric("outbox_relay_relayed_total") or 0)
-        os.kill(busy.proc.pid, signal.SIGSTOP)
-        time.sleep(LEASE + 2)
-        os.kill(busy.proc.pid, signal.SIGCONT)
+        # the broker blocks publishing (memory alarm) so that the relays hold claimed rows
+        # instead of draining 9000 rows in a second: the frozen one is then sure to hold some
+        p = services.rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
+        assert p.returncode == 0, p.stdout + p.stderr
+        alarm = True
+    try:
+        run_producer(build, pgdb.dsn, pgdb.name, count=n, keys=keys, routing_key=q, size=64,
+                     batch=1000)
+        got = [] if freeze else consume(ch, q, 1500, timeout=30)
+        if freeze:
+            def leased():
+                rows = psql_rows(pgdb, "SELECT split_part(lease_owner, '/', 1), count(*) FROM "
+                                       "outbox.messages WHERE sent_at IS NULL AND lease_owner "
+                                       "IS NOT NULL GROUP BY 1")
+                return {o: int(c) for o, c in rows}
+            wait_for(lambda: len(leased()) == 3, 30, interval=0.1,
+                     desc="every relay holding leased rows")
+            # freeze the relay holding the most rows past its lease: the others take its
+            # keys over
+            by_owner = leased()
+            bi = int(max(by_owner, key=by_owner.get)[2:])
+            busy = relays[bi]
+            os.kill(busy.proc.pid, signal.SIGSTOP)
+            # what it holds, frozen: leased and unsent rows (their keys are its keys now)
+            held = psql_rows(pgdb, "SELECT id, partition_key FROM outbox.messages WHERE "
+                                   "sent_at IS NULL AND lease_owner LIKE %s", (f"rc{bi}/%",))
+            services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+            alarm = False
+            time.sleep(LEASE + 2)
+            os.kill(busy.proc.pid, signal.SIGCONT)
+    finally:
+        if alarm:
+            services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
     got += consume(ch, q, n - len(got), timeout=120, idle=2.0)
     counts = [r.metric("outbox_relay_relayed_total") for r in relays]
     audit = marks(pgdb)
     for r in relays:
-        r.assert_clean_exit(r.stop())
+        r.stop_clean()   # the frozen one too: woken, it must still run and exit 0
     conn.close()
     breaks = first_order(got, keys)
     if breaks:
@@ -197,14 +294,30 @@ def test_competing_three_relays_keep_per_key_order(services, pgdb, relay_bin, bu
         for r in relays:
             print(r.log_path, [l for l in r.text().splitlines() if "WARN" in l or "given back" in l][:10])
     dups, _ = delivery_report(got, n, 0)       # lost 0, one message_id per seq
+    check_against_db(got, pgdb)
     print(f"competing x3, 50 keys{', one frozen past its lease' if freeze else ''}: relayed "
           f"{counts}, {dups} duplicates, {len(breaks)} per-key order breaks")
     assert breaks == [], f"per-key order broken: {breaks[:8]}"
-    assert dups <= (2 * 100 if freeze else 0)   # 2 x publish_window
+    assert dups <= (2 * WINDOW if freeze else 0)   # a frozen relay: 2 x publish_window
     ids = [int(r[0]) for r in audit]
     assert len(ids) == len(set(ids)) == n, "every row marked exactly once"
-    stale = [r for r in audit if r[2] is not True]
-    assert stale == [], f"rows marked by a relay whose lease had lapsed: {stale[:5]}"
+    lapsed = [r for r in audit if r[2] is not True]
+    stale = stale_marks(pgdb)
+    print(f"{len(lapsed)} marks committed after their lease lapsed (the row not claimed by "
+          f"another meanwhile: fenced by its token, harmless), {len(stale)} stale")
+    assert stale == [], f"marks committed after another relay had claimed the row: {stale[:5]}"
+    # without a freeze nothing holds a confirm back past a lease; with one, only what was in
+    # flight when the broker blocked (each relay's window)
+    assert len(lapsed) <= (3 * WINDOW if freeze else 0), \
+        f"{len(lapsed)} marks committed after their lease had lapsed: {lapsed[:5]}"
+    if freeze:
+        # the frozen relay held rows, and the others took them (and so its keys) over
+        assert held, "the frozen relay held no rows: the freeze tested nothing"
+        by = {int(r[0]): r[1] for r in audit}
+        kept = [i for i, _ in held if str(by.get(int(i), "")).startswith(f"rc{bi}/")]
+        assert kept == [], f"rows the frozen relay held were marked by it after waking: {kept[:5]}"
+        print(f"frozen relay rc{bi} held {len(held)} rows of "
+              f"{len({k for _, k in held})} keys; the others marked all of them")
     if not freeze:
         # keys spread over the members: none of the three sits idle (evenly: n/3 each)
         assert min(counts) >= n // 10, f"keys did not spread over the relays: {counts}"
@@ -234,6 +347,7 @@ def test_competing_stopping_hands_keys_over_at_once(services, pgdb, relay_bin, b
     b.assert_clean_exit(b.stop())
     conn.close()
     dups, _ = delivery_report(got, 800, 20)
+    check_against_db(got, pgdb)
     print(f"competing hand-over: the other relay drained every key {took:.2f} s after SIGTERM "
           "(lease 30 s)")
     assert took < 10, "the other relay waited for the stopped relay's lease to run out"
@@ -261,6 +375,7 @@ def test_leader_stopping_hands_over_at_once(services, pgdb, relay_bin, build, tm
     b.assert_clean_exit(b.stop())
     conn.close()
     dups, _ = delivery_report(got, 500, 5)
+    check_against_db(got, pgdb)
     print(f"graceful hand-over: standby active {took:.2f} s after SIGTERM (lease 30 s)")
     assert "leadership handed over" in a.text()
     assert took < 5, "the standby waited for the lease to run out"

@@ -477,7 +477,7 @@ static void req_complete(source *s, PGresult *r)
 {
     src_result res;
     char err[512];
-    bool table_gone = false;
+    bool table_gone = false, read_only = false;
     memset(&res, 0, sizeof res);
     res.req = s->req;
     res.ok = 0;
@@ -486,6 +486,7 @@ static void req_complete(source *s, PGresult *r)
         res.ok = -1;
         res.error = result_error(r, err, sizeof err);
         table_gone = st && strcmp(st, "42P01") == 0;  /* undefined_table */
+        read_only = st && strcmp(st, "25006") == 0;   /* read_only_sql_transaction */
     } else {
         switch (s->req) {
         case SRC_REQ_LEAD:
@@ -550,6 +551,11 @@ static void req_complete(source *s, PGresult *r)
         char msg[400];
         snprintf(msg, sizeof msg, "outbox table %s missing: run outbox-relay init", s->names.table);
         conn_fail(s, msg);
+    } else if (read_only && s->conn) {
+        /* a session opened read-only stays so (default_transaction_read_only, a standby,
+           a switch-over): only a new connection finds the writable server again */
+        conn_fail(s, "the database is read-only (SQLSTATE 25006): reconnecting until it "
+                     "accepts writes");
     }
 }
 
