@@ -83,7 +83,45 @@ _Static_assert(sizeof(SQLWCHAR) == sizeof(uint16_t), "SQLWCHAR is a UTF-16 unit"
 
 /* ----------------------------------------------------------- diagnostics */
 
-/* Maps the diagnostics of handle h to a status code and message. */
+/* SQL Server: XACT_STATE() and @@TRANCOUNT of the session, read after a failed
+ * statement (the query reads no table, so it starts no implicit transaction).
+ * 0 on success. */
+static int od_txn_state(const od_call *cl, long *xact_state, long *trancount)
+{
+    SQLHSTMT st = SQL_NULL_HSTMT;
+    SQLINTEGER xs = 0, tc = 0;
+    SQLLEN i1 = 0, i2 = 0;
+    if (!SQL_SUCCEEDED(SQLAllocHandle(SQL_HANDLE_STMT, cl->c, &st)))
+        return -1;
+    SQLRETURN r = SQLExecDirect(st, (SQLCHAR *)(uintptr_t)"SELECT XACT_STATE(), @@TRANCOUNT",
+                                SQL_NTS);
+    if (SQL_SUCCEEDED(r))
+        r = SQLFetch(st);
+    if (SQL_SUCCEEDED(r))
+        r = SQLGetData(st, 1, SQL_C_SLONG, &xs, 0, &i1);
+    if (SQL_SUCCEEDED(r))
+        r = SQLGetData(st, 2, SQL_C_SLONG, &tc, 0, &i2);
+    SQLFreeHandle(SQL_HANDLE_STMT, st);
+    if (!SQL_SUCCEEDED(r) || i1 == SQL_NULL_DATA || i2 == SQL_NULL_DATA)
+        return -1;
+    *xact_state = xs;
+    *trancount = tc;
+    return 0;
+}
+
+/* Maps the diagnostics of handle h to a status code and message.
+ *
+ * SQL Server: after a failed statement the caller's transaction may be gone
+ * although the error is an ordinary one. A deadlock victim (1205), an error under
+ * the caller's XACT_ABORT ON, or an error in a trigger (triggers run with
+ * XACT_ABORT ON) rolls the whole transaction back or dooms it (XACT_STATE() -1:
+ * only a rollback is allowed); with autocommit off (IMPLICIT_TRANSACTIONS ON) the
+ * caller's next statement would silently start a new transaction and commit
+ * whatever follows on its own. So after any failed statement the session is asked
+ * (od_txn_state): doomed (-1) or no transaction (0) is OUTBOX_ETXNLOST. No
+ * transaction after a failure can also mean that the failing statement was the
+ * first of the transaction and never started it; nothing else was lost then, and
+ * rolling back and retrying is still the right answer. */
 static int od_fail(const od_call *cl, SQLSMALLINT type, SQLHANDLE h, const char *what)
 {
     SQLCHAR state[6] = "", first_state[6] = "";
@@ -101,8 +139,12 @@ static int od_fail(const od_call *cl, SQLSMALLINT type, SQLHANDLE h, const char 
             first_native = native;
         }
         const char *s = (const char *)state;
+        /* a missing table: 208 on SQL Server; Babelfish (PostgreSQL under T-SQL) says
+           33557097 with PostgreSQL's text */
         if (strcmp(s, "42S02") == 0 || strcmp(s, "42P01") == 0 || strcmp(s, "3F000") == 0 ||
-            (cl->mssql && native == 208))
+            (cl->mssql && (native == 208 ||
+                           (native == 33557097 && strstr((char *)text, "relation \"") &&
+                            strstr((char *)text, "\" does not exist")))))
             noschema = 1;
         if (strcmp(s, "25P02") == 0 || (cl->mssql && (native == 51000 || native == 3930)))
             notxn = 1;
@@ -118,6 +160,14 @@ static int od_fail(const od_call *cl, SQLSMALLINT type, SQLHANDLE h, const char 
         return outbox_i_err(cl->err, OUTBOX_ENOSCHEMA, st,
                             "outbox table %s does not exist: run outbox-relay init "
                             "(server: %s)", table, tx);
+    long xs = 1, tc = 1;
+    if (cl->mssql && type == SQL_HANDLE_STMT && od_txn_state(cl, &xs, &tc) == 0 &&
+        (xs == -1 || xs == 0 || tc == 0))
+        return outbox_i_err(cl->err, OUTBOX_ETXNLOST, st,
+                            "%s %s failed and the server %s the transaction (XACT_STATE() %ld, "
+                            "@@TRANCOUNT %ld): roll back and retry the whole transaction "
+                            "(native %ld: %s)", what, table,
+                            xs == -1 ? "doomed" : "rolled back", xs, tc, (long)first_native, tx);
     return outbox_i_err(cl->err, OUTBOX_EDB, st, "%s %s failed: SQLSTATE %s (native %ld): %s",
                         what, table, st[0] ? st : "-----", (long)first_native, tx);
 }
@@ -347,13 +397,7 @@ static char *sql_ms(const outbox_queue *q, size_t rows)
     outbox_util_buf_printf(&in,
         "SET NOCOUNT ON;\n"
         "SET XACT_ABORT OFF;\n"
-        "SET QUOTED_IDENTIFIER ON;\n"
-        "SET ANSI_NULLS ON;\n"
-        "SET ANSI_PADDING ON;\n"
-        "SET ANSI_WARNINGS ON;\n"
-        "SET ARITHABORT ON;\n"
-        "SET CONCAT_NULL_YIELDS_NULL ON;\n"
-        "SET NUMERIC_ROUNDABORT OFF;\n"
+        "%s;\n"
         "IF XACT_STATE() = -1 THROW 51000, N'outbox: the transaction is doomed: roll it back', "
         "1;\n"
         "DECLARE @n bigint = -1;\n"
@@ -364,7 +408,7 @@ static char *sql_ms(const outbox_queue *q, size_t rows)
         "        INSERT INTO %s %s\n"
         "        SELECT v.m, v.x, v.r, v.k, v.t, v.c, v.o, v.h, v.b, "
         "DATEADD(millisecond, v.ds, DATEADD(minute, v.dm, SYSUTCDATETIME()))\n"
-        "        FROM (VALUES ", q->ms_table, columns);
+        "        FROM (VALUES ", outbox_tsql_session_options, q->ms_table, columns);
     for (size_t r = 1; r <= rows; r++)
         outbox_util_buf_printf(&in, "%s(%zu, @m%zu, @x%zu, @r%zu, @k%zu, @t%zu, @c%zu, @o%zu, "
                             "@h%zu, @b%zu, @dm%zu, @ds%zu)", r > 1 ? ", " : "", r, r, r, r, r,
@@ -485,15 +529,20 @@ static int od_chunks(const od_call *cl, od_row *rows, outbox_i_msg *const *u, si
         return od_chunk(cl, rows, u, nu, total);
     /* T-SQL: with autocommit off the driver runs IMPLICIT_TRANSACTIONS ON, so no
        transaction exists before the first statement that reads or writes a table,
-       and SAVE TRANSACTION needs one. The TOP (0) read opens it without reading a
-       row or taking a lock worth the name; it names message_id, the one column the
-       producer role may SELECT (deploy/grants-sqlserver.sql). */
+       and SAVE TRANSACTION needs one. A SELECT that reads no table starts none, and
+       the optimizer compiles a read that cannot return a row (TOP (0), a NOT NULL
+       column IS NULL) into exactly that: a constant scan. So the opener is a real
+       seek on the message_id index for the nil UUID, which no generated id is: it
+       reads at most one index key and holds no lock after the read. It names
+       message_id only, the one column the producer role may SELECT
+       (deploy/grants-sqlserver.sql). */
     if (cl->mssql)
         snprintf(sql, sizeof sql,
                  "IF XACT_STATE() = -1 THROW 51000, N'outbox: the transaction is doomed: "
                  "roll it back', 1;\n"
                  "IF @@TRANCOUNT = 0 BEGIN DECLARE @outbox_t int; "
-                 "SELECT TOP (0) @outbox_t = 1 FROM %s WHERE message_id IS NULL; END;\n"
+                 "SELECT TOP (1) @outbox_t = 1 FROM %s "
+                 "WHERE message_id = '00000000-0000-0000-0000-000000000000'; END;\n"
                  "SAVE TRANSACTION " SAVEPOINT ";", cl->q->ms_table);
     else
         snprintf(sql, sizeof sql, "SAVEPOINT " SAVEPOINT);
