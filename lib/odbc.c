@@ -55,6 +55,14 @@
 #define SHORT_CHARS    255   /* nvarchar(255): exchange .. correlation_id */
 #define LEN_MAX        0     /* column size 0: nvarchar(max) / varbinary(max)
                                 (SQL_SS_LENGTH_UNLIMITED of msodbcsql) */
+/* FreeTDS's driver (libtdsodbc) takes a SQL_VARBINARY / SQL_WVARCHAR parameter's column
+   size as the most it sends (0: an empty payload) and never sends more than a
+   non-(max) type holds (8,000 bytes, 4,000 characters): silently cut. It sends
+   varbinary(max) / nvarchar(max) (TDS 7.2 and later) for SQL_LONGVARBINARY /
+   SQL_WLONGVARCHAR, which msodbcsql would send as the legacy image / ntext instead. So
+   the (max) parameters are bound per driver (od_call.lob), each with a size that does
+   not depend on the data. */
+#define FREETDS_LOB_SIZE 1073741823
 #define SAVEPOINT      "outbox_send_batch"
 
 typedef struct od_row {
@@ -68,10 +76,16 @@ typedef struct od_row {
     SQLLEN     num_ind;
 } od_row;
 
+typedef struct od_lob {      /* how the (max) parameters are bound (see LEN_MAX) */
+    SQLSMALLINT text_type, bin_type;
+    SQLULEN     size;
+} od_lob;
+
 typedef struct od_call {
     SQLHDBC             c;
     const outbox_queue *q;
     int                 mssql;
+    od_lob              lob;
     outbox_error       *err;
 } od_call;
 
@@ -303,28 +317,31 @@ static od_row *rows_make(outbox_i_msg *const *u, size_t nu)
 
 /* Text k of a row: nvarchar(255), or nvarchar(max) for the headers (k == 6),
  * whatever the data's length (SQL_NULL_DATA binds the same type). */
-static SQLRETURN bind_text(SQLHSTMT st, SQLUSMALLINT p, od_row *r, int k)
+static SQLRETURN bind_text(SQLHSTMT st, SQLUSMALLINT p, od_row *r, int k, const od_lob *lob)
 {
-    SQLULEN size = k == OD_TEXTS - 1 ? LEN_MAX : SHORT_CHARS;
-    return SQLBindParameter(st, p, SQL_PARAM_INPUT, SQL_C_WCHAR, SQL_WVARCHAR, size, 0,
-                            r->w[k], r->w[k] ? r->wind[k] : 0, &r->wind[k]);
+    int big = k == OD_TEXTS - 1;
+    return SQLBindParameter(st, p, SQL_PARAM_INPUT, SQL_C_WCHAR,
+                            big ? lob->text_type : SQL_WVARCHAR, big ? lob->size : SHORT_CHARS,
+                            0, r->w[k], r->w[k] ? r->wind[k] : 0, &r->wind[k]);
 }
 
 /* Binds one row's parameters, numbered from p. */
 static SQLRETURN bind_row(SQLHSTMT st, SQLUSMALLINT p, od_row *r, const outbox_i_msg *v,
-                          int mssql)
+                          const od_call *cl)
 {
+    int mssql = cl->mssql;
     const outbox_message *m = v->m;
     SQLRETURN rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_CHAR, SQL_CHAR, 36, 0,
                                     (SQLPOINTER)(uintptr_t)v->message_id, 37, &r->id_ind);
     for (int k = 0; k < OD_TEXTS && SQL_SUCCEEDED(rc); k++)
-        rc = bind_text(st, p++, r, k);
+        rc = bind_text(st, p++, r, k, &cl->lob);
     if (!SQL_SUCCEEDED(rc))
         return rc;
-    /* varbinary(max): SQL_VARBINARY with column size 0, never SQL_LONGVARBINARY (image) */
+    /* varbinary(max): SQL_VARBINARY with column size 0, never SQL_LONGVARBINARY (image),
+       except on FreeTDS (see LEN_MAX) */
     const void *pay = m->payload_len ? m->payload : empty_byte;
-    rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_BINARY, SQL_VARBINARY, LEN_MAX, 0,
-                          (SQLPOINTER)(uintptr_t)pay, r->pay_ind, &r->pay_ind);
+    rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_BINARY, cl->lob.bin_type,
+                          cl->lob.size, 0, (SQLPOINTER)(uintptr_t)pay, r->pay_ind, &r->pay_ind);
     if (!SQL_SUCCEEDED(rc))
         return rc;
     if (mssql) {
@@ -343,11 +360,11 @@ static SQLRETURN bind_row(SQLHSTMT st, SQLUSMALLINT p, od_row *r, const outbox_i
  * that grow their binding array to the highest number seen (psqlODBC) then allocate
  * once instead of once per parameter. */
 static SQLRETURN bind_rows(SQLHSTMT st, od_row *rows, outbox_i_msg *const *u, size_t nrows,
-                           int mssql)
+                           const od_call *cl)
 {
-    size_t cols = mssql ? MS_COLS : PG_COLS;
+    size_t cols = cl->mssql ? MS_COLS : PG_COLS;
     for (size_t i = nrows; i-- > 0;) {
-        SQLRETURN rc = bind_row(st, (SQLUSMALLINT)(i * cols + 1), &rows[i], u[i], mssql);
+        SQLRETURN rc = bind_row(st, (SQLUSMALLINT)(i * cols + 1), &rows[i], u[i], cl);
         if (!SQL_SUCCEEDED(rc))
             return rc;
     }
@@ -465,7 +482,7 @@ static int od_chunk(const od_call *cl, od_row *rows, outbox_i_msg *const *u, siz
         st = SQL_NULL_HSTMT;
         goto out;
     }
-    if (!SQL_SUCCEEDED(bind_rows(st, rows, u, nrows, cl->mssql))) {
+    if (!SQL_SUCCEEDED(bind_rows(st, rows, u, nrows, cl))) {
         rc = od_fail(cl, SQL_HANDLE_STMT, st, "binding parameters for INSERT into");
         goto out;
     }
@@ -591,7 +608,7 @@ static int od_send(SQLHDBC c, const outbox_queue *q, const outbox_message *m, si
     if (rc != OUTBOX_OK)
         return rc;
 
-    od_call cl = { c, q, 0, err };
+    od_call cl = { c, q, 0, { SQL_WVARCHAR, SQL_VARBINARY, LEN_MAX }, err };
     char dbms[128] = "";
     SQLSMALLINT dlen = 0;
     if (!SQL_SUCCEEDED(SQLGetInfo(c, SQL_DBMS_NAME, dbms, sizeof dbms, &dlen))) {
@@ -599,7 +616,15 @@ static int od_send(SQLHDBC c, const outbox_queue *q, const outbox_message *m, si
         goto fail;
     }
     if (strstr(dbms, "SQL Server")) {
+        char drv[128] = "";
+        SQLSMALLINT drvlen = 0;
         cl.mssql = 1;
+        if (!SQL_SUCCEEDED(SQLGetInfo(c, SQL_DRIVER_NAME, drv, sizeof drv, &drvlen))) {
+            rc = od_fail(&cl, SQL_HANDLE_DBC, c, "reading SQL_DRIVER_NAME for");
+            goto fail;
+        }
+        if (strstr(drv, "tdsodbc"))
+            cl.lob = (od_lob){ SQL_WLONGVARCHAR, SQL_LONGVARBINARY, FREETDS_LOB_SIZE };
     } else if (strcmp(dbms, "PostgreSQL") != 0) {
         rc = outbox_i_err(err, OUTBOX_EINVAL, NULL,
                           "c: unsupported DBMS \"%s\" (Microsoft SQL Server or PostgreSQL)",

@@ -106,7 +106,13 @@ def test_mssql_send_commit_stores_every_field(mssql):
     # Server and '' on Babelfish
     assert mssql.value(f"SELECT CASE WHEN payload = 0x00686900" "00FFFE0A" "7F80007A "
                        f"THEN 1 ELSE 0 END FROM {mssql.qt}") == "1"
-    assert mssql.value(f"SELECT JSON_VALUE(headers, '$.quote') FROM {mssql.qt}") == 'a"b\\c/d'
+    quote = mssql.value(f"SELECT JSON_VALUE(headers, '$.quote') FROM {mssql.qt}")
+    if mssql.engine == "babelfish":
+        # Babelfish's JSON_VALUE returns a string value still JSON-escaped (SQL Server
+        # unescapes it): the stored JSON holds the value, escaped once
+        assert quote == 'a\\"b\\\\c/d', quote
+    else:
+        assert quote == 'a"b\\c/d', quote
     assert mssql.value(f"SELECT routing_key FROM {mssql.qt}") == "orders.created"
     delay = int(mssql.value(f"SELECT DATEDIFF(second, created_at, available_at) FROM {mssql.qt}"))
     assert 59 <= delay <= 61
