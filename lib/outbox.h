@@ -36,7 +36,9 @@ enum {
                               server rolled it back (deadlock victim, XACT_ABORT, a
                               trigger) or doomed it. Everything done in it is lost or must
                               be rolled back: roll back, then retry the whole transaction.
-                              sqlstate and message name the server's error. SQL Server. */
+                              sqlstate and message name the server's error. SQL Server.
+                              A transaction lost in an earlier statement of the caller's
+                              cannot be told from a new one: act on that statement's error. */
 };
 
 #define OUTBOX_MAX_IDENT        63        /* bytes per identifier part */
