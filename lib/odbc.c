@@ -44,9 +44,10 @@
 #include "outbox.h"
 #include "outbox_internal.h"
 #include "outbox_odbc.h"
+#include "outbox_pgsql.h"
 
 #define OD_TEXTS       7     /* exchange .. headers, bound as UTF-16 */
-#define PG_COLS        10
+#define PG_COLS        OUTBOX_PG_INSERT_COLS
 /* psqlODBC numbers parameters with a signed short: at most 32767 */
 #define PG_CHUNK_ROWS  (32767 / PG_COLS)
 #define MS_COLS        11
@@ -377,19 +378,26 @@ static const char *const columns =
     "(message_id, exchange, routing_key, partition_key, message_type, content_type, "
     "correlation_id, headers, payload, available_at)";
 
+/* The PostgreSQL INSERT of lib/pgsql.c (the libpq path's), its $n turned into `?`;
+   the markers come in parameter order, so the rows bind as they are. */
 static char *sql_pg(const outbox_queue *q, size_t rows)
 {
-    outbox_util_buf b = { 0 };
-    outbox_util_buf_printf(&b, "INSERT INTO %s %s VALUES ", q->pg_table, columns);
-    for (size_t r = 0; r < rows; r++)
-        outbox_util_buf_printf(&b, "%s(?::uuid, ?, ?, ?, ?, ?, ?, ?::jsonb, ?, now() + "
-                            "(?::bigint * interval '1 millisecond'))", r ? ", " : "");
-    outbox_util_buf_puts(&b, " ON CONFLICT DO NOTHING"); /* no target: INSERT privilege suffices */
-    if (b.failed) {
-        outbox_util_buf_free(&b);
-        return NULL;
+    char *text = outbox_pg_insert_sql(q->pg_table, rows);
+    size_t n = 0, max = rows * PG_COLS;
+    int *order = text ? malloc((max ? max : 1) * sizeof *order) : NULL;
+    char *sql = order ? outbox_sql_qmarks(text, order, max, &n) : NULL;
+    if (sql && n != max) {      /* the text and PG_COLS disagree: a defect here */
+        free(sql);
+        sql = NULL;
     }
-    return b.p; /* caller frees */
+    for (size_t i = 0; sql && i < n; i++)
+        if (order[i] != (int)i + 1) {
+            free(sql);
+            sql = NULL;
+        }
+    free(order);
+    free(text);
+    return sql; /* caller frees; NULL: out of memory */
 }
 
 /* Appends s as the body of a T-SQL N'...' literal (quotes doubled). */
