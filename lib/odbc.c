@@ -176,6 +176,9 @@ static int od_fail(const od_call *cl, SQLSMALLINT type, SQLHANDLE h, const char 
                             "outbox table %s does not exist: run outbox-relay init "
                             "(server: %s)", table, tx);
     long xs = 1, tc = 1;
+    if (cl->mssql && type == SQL_HANDLE_STMT)
+        (void)SQLFreeStmt((SQLHSTMT)h, SQL_CLOSE);  /* best effort: results still pending
+                                                       would keep the connection busy */
     if (cl->mssql && type == SQL_HANDLE_STMT && od_txn_state(cl, &xs, &tc) == 0 &&
         (xs == -1 || xs == 0 || tc == 0))
         return outbox_i_err(cl->err, OUTBOX_ETXNLOST, st,
