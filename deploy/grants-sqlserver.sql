@@ -7,8 +7,9 @@
 -- indexes cannot be created, or its table written, without it: Msg 1934.)
 -- Idempotent (GRANT is; roles are created only when missing).
 --
--- Names used: [outbox].[messages] and [outbox].[messages_dead] (the defaults). For another
--- table (relay.ini `table = S.T`) replace them by [S].[T] and [S].[T_dead] (see
+-- Names used: [outbox].[messages], [outbox].[messages_dead] and [outbox].[messages_lease]
+-- (the defaults). For another table (relay.ini `table = S.T`) replace them by [S].[T],
+-- [S].[T_dead] and [S].[T_lease] (see
 -- `outbox-relay schema --dialect sqlserver --table S.T` for the exact dead-letter name).
 --
 -- Give logins membership, e.g.:
@@ -23,20 +24,29 @@
 --                    (SELECT 1 ... WITH (READCOMMITTEDLOCK) WHERE message_id = ...), a plain
 --                    read: no range or update locks, concurrent producers never wait for
 --                    each other) and a batch over SQL Server's parameter limit opens its
---                    transaction with SELECT TOP (0) ... WHERE message_id IS NULL before its
---                    savepoint. So it gets column-level SELECT on message_id: it still cannot
---                    read payloads, routing keys or headers, update or delete.
---   outbox_relay     SELECT/UPDATE/DELETE on the outbox (claim with UPDATE ... READPAST,
---                    UPDLOCK, ROWLOCK ... OUTPUT, mark sent, retention cleanup), INSERT on the
---                    outbox, SELECT/INSERT/DELETE on the dead-letter table (the dead-letter
---                    move deletes a row already there under the same id, then inserts;
---                    `dead list|purge`). Leader election uses sp_getapplock with a session
---                    owner: no grant needed.
+--                    transaction with a seek on message_id (SELECT TOP (1) ... WHERE
+--                    message_id = <nil UUID>) before its savepoint. So it gets column-level
+--                    SELECT on message_id: it still cannot read payloads, routing keys or
+--                    headers, update or delete.
+--   outbox_relay     SELECT/UPDATE/DELETE on the outbox (claim: UPDATE ... READPAST, UPDLOCK,
+--                    ROWLOCK; mark sent, retry, give back; retention cleanup and
+--                    on_sent = delete), no INSERT on it: rows enter the outbox only through
+--                    producers (and `dead retry`, outbox_admin below). SELECT/INSERT/DELETE
+--                    on the dead-letter table (the dead-letter move deletes a row already
+--                    there under the same id, then inserts; `dead list|purge`).
+--                    SELECT/INSERT/UPDATE on the lease table: leadership is a lease row
+--                    (owner, epoch, expiry) and competing relays keep member rows there,
+--                    inserted once and updated afterwards. The compatibility-level check
+--                    reads sys.databases for the current database, which every user of it
+--                    may read: no grant. No statement of the relay reads a dynamic
+--                    management view, so it needs no VIEW DATABASE STATE.
 --   outbox_admin     optional, for `outbox-relay dead retry` only: it re-inserts dead rows
 --                    with their original id (SET IDENTITY_INSERT), which SQL Server allows
 --                    only with ALTER on the table. Keep it out of the always-running relay:
 --                    run `dead retry` with a separate login that is a member of outbox_admin.
 --   Nobody here may create, drop or truncate; `outbox-relay init` runs as db_owner.
+-- The column list is written before ON (GRANT SELECT (col) ON OBJECT::t), the form SQL
+-- Server and Babelfish both accept.
 
 IF DATABASE_PRINCIPAL_ID(N'outbox_producer') IS NULL EXEC(N'CREATE ROLE [outbox_producer]');
 IF DATABASE_PRINCIPAL_ID(N'outbox_relay') IS NULL EXEC(N'CREATE ROLE [outbox_relay]');
@@ -48,13 +58,16 @@ GRANT INSERT ON OBJECT::[outbox].[messages] TO [outbox_producer];
 GRANT SELECT ([message_id]) ON OBJECT::[outbox].[messages] TO [outbox_producer];
 GO
 
--- relay: drain, settle, clean up, dead-letter
-GRANT SELECT, INSERT, UPDATE, DELETE ON OBJECT::[outbox].[messages] TO [outbox_relay];
+-- relay: drain, settle, clean up, dead-letter, lead (earlier versions of this file also
+-- granted INSERT on the outbox: taken back)
+GRANT SELECT, UPDATE, DELETE ON OBJECT::[outbox].[messages] TO [outbox_relay];
+REVOKE INSERT ON OBJECT::[outbox].[messages] FROM [outbox_relay];
 GRANT SELECT, INSERT, DELETE ON OBJECT::[outbox].[messages_dead] TO [outbox_relay];
 GRANT SELECT, INSERT, UPDATE ON OBJECT::[outbox].[messages_lease] TO [outbox_relay];
 GO
 
 -- admin (optional): `outbox-relay dead retry` needs IDENTITY_INSERT, i.e. ALTER on the outbox
-GRANT SELECT, INSERT, UPDATE, DELETE, ALTER ON OBJECT::[outbox].[messages] TO [outbox_admin];
+GRANT SELECT, INSERT, UPDATE, DELETE ON OBJECT::[outbox].[messages] TO [outbox_admin];
+GRANT ALTER ON OBJECT::[outbox].[messages] TO [outbox_admin];
 GRANT SELECT, INSERT, DELETE ON OBJECT::[outbox].[messages_dead] TO [outbox_admin];
 GO

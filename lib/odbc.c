@@ -44,9 +44,10 @@
 #include "outbox.h"
 #include "outbox_internal.h"
 #include "outbox_odbc.h"
+#include "outbox_pgsql.h"
 
 #define OD_TEXTS       7     /* exchange .. headers, bound as UTF-16 */
-#define PG_COLS        10
+#define PG_COLS        OUTBOX_PG_INSERT_COLS
 /* psqlODBC numbers parameters with a signed short: at most 32767 */
 #define PG_CHUNK_ROWS  (32767 / PG_COLS)
 #define MS_COLS        11
@@ -55,6 +56,14 @@
 #define SHORT_CHARS    255   /* nvarchar(255): exchange .. correlation_id */
 #define LEN_MAX        0     /* column size 0: nvarchar(max) / varbinary(max)
                                 (SQL_SS_LENGTH_UNLIMITED of msodbcsql) */
+/* FreeTDS's driver (libtdsodbc) takes a SQL_VARBINARY / SQL_WVARCHAR parameter's column
+   size as the most it sends (0: an empty payload) and never sends more than a
+   non-(max) type holds (8,000 bytes, 4,000 characters): silently cut. It sends
+   varbinary(max) / nvarchar(max) (TDS 7.2 and later) for SQL_LONGVARBINARY /
+   SQL_WLONGVARCHAR, which msodbcsql would send as the legacy image / ntext instead. So
+   the (max) parameters are bound per driver (od_call.lob), each with a size that does
+   not depend on the data. */
+#define FREETDS_LOB_SIZE 1073741823
 #define SAVEPOINT      "outbox_send_batch"
 
 typedef struct od_row {
@@ -68,10 +77,16 @@ typedef struct od_row {
     SQLLEN     num_ind;
 } od_row;
 
+typedef struct od_lob {      /* how the (max) parameters are bound (see LEN_MAX) */
+    SQLSMALLINT text_type, bin_type;
+    SQLULEN     size;
+} od_lob;
+
 typedef struct od_call {
     SQLHDBC             c;
     const outbox_queue *q;
     int                 mssql;
+    od_lob              lob;
     outbox_error       *err;
 } od_call;
 
@@ -83,7 +98,45 @@ _Static_assert(sizeof(SQLWCHAR) == sizeof(uint16_t), "SQLWCHAR is a UTF-16 unit"
 
 /* ----------------------------------------------------------- diagnostics */
 
-/* Maps the diagnostics of handle h to a status code and message. */
+/* SQL Server: XACT_STATE() and @@TRANCOUNT of the session, read after a failed
+ * statement (the query reads no table, so it starts no implicit transaction).
+ * 0 on success. */
+static int od_txn_state(const od_call *cl, long *xact_state, long *trancount)
+{
+    SQLHSTMT st = SQL_NULL_HSTMT;
+    SQLINTEGER xs = 0, tc = 0;
+    SQLLEN i1 = 0, i2 = 0;
+    if (!SQL_SUCCEEDED(SQLAllocHandle(SQL_HANDLE_STMT, cl->c, &st)))
+        return -1;
+    SQLRETURN r = SQLExecDirect(st, (SQLCHAR *)(uintptr_t)"SELECT XACT_STATE(), @@TRANCOUNT",
+                                SQL_NTS);
+    if (SQL_SUCCEEDED(r))
+        r = SQLFetch(st);
+    if (SQL_SUCCEEDED(r))
+        r = SQLGetData(st, 1, SQL_C_SLONG, &xs, 0, &i1);
+    if (SQL_SUCCEEDED(r))
+        r = SQLGetData(st, 2, SQL_C_SLONG, &tc, 0, &i2);
+    SQLFreeHandle(SQL_HANDLE_STMT, st);
+    if (!SQL_SUCCEEDED(r) || i1 == SQL_NULL_DATA || i2 == SQL_NULL_DATA)
+        return -1;
+    *xact_state = xs;
+    *trancount = tc;
+    return 0;
+}
+
+/* Maps the diagnostics of handle h to a status code and message.
+ *
+ * SQL Server: after a failed statement the caller's transaction may be gone
+ * although the error is an ordinary one. A deadlock victim (1205), an error under
+ * the caller's XACT_ABORT ON, or an error in a trigger (triggers run with
+ * XACT_ABORT ON) rolls the whole transaction back or dooms it (XACT_STATE() -1:
+ * only a rollback is allowed); with autocommit off (IMPLICIT_TRANSACTIONS ON) the
+ * caller's next statement would silently start a new transaction and commit
+ * whatever follows on its own. So after any failed statement the session is asked
+ * (od_txn_state): doomed (-1) or no transaction (0) is OUTBOX_ETXNLOST. No
+ * transaction after a failure can also mean that the failing statement was the
+ * first of the transaction and never started it; nothing else was lost then, and
+ * rolling back and retrying is still the right answer. */
 static int od_fail(const od_call *cl, SQLSMALLINT type, SQLHANDLE h, const char *what)
 {
     SQLCHAR state[6] = "", first_state[6] = "";
@@ -101,8 +154,12 @@ static int od_fail(const od_call *cl, SQLSMALLINT type, SQLHANDLE h, const char 
             first_native = native;
         }
         const char *s = (const char *)state;
+        /* a missing table: 208 on SQL Server; Babelfish (PostgreSQL under T-SQL) says
+           33557097 with PostgreSQL's text */
         if (strcmp(s, "42S02") == 0 || strcmp(s, "42P01") == 0 || strcmp(s, "3F000") == 0 ||
-            (cl->mssql && native == 208))
+            (cl->mssql && (native == 208 ||
+                           (native == 33557097 && strstr((char *)text, "relation \"") &&
+                            strstr((char *)text, "\" does not exist")))))
             noschema = 1;
         if (strcmp(s, "25P02") == 0 || (cl->mssql && (native == 51000 || native == 3930)))
             notxn = 1;
@@ -118,6 +175,17 @@ static int od_fail(const od_call *cl, SQLSMALLINT type, SQLHANDLE h, const char 
         return outbox_i_err(cl->err, OUTBOX_ENOSCHEMA, st,
                             "outbox table %s does not exist: run outbox-relay init "
                             "(server: %s)", table, tx);
+    long xs = 1, tc = 1;
+    if (cl->mssql && type == SQL_HANDLE_STMT)
+        (void)SQLFreeStmt((SQLHSTMT)h, SQL_CLOSE);  /* best effort: results still pending
+                                                       would keep the connection busy */
+    if (cl->mssql && type == SQL_HANDLE_STMT && od_txn_state(cl, &xs, &tc) == 0 &&
+        (xs == -1 || xs == 0 || tc == 0))
+        return outbox_i_err(cl->err, OUTBOX_ETXNLOST, st,
+                            "%s %s failed and the server %s the transaction (XACT_STATE() %ld, "
+                            "@@TRANCOUNT %ld): roll back and retry the whole transaction "
+                            "(native %ld: %s)", what, table,
+                            xs == -1 ? "doomed" : "rolled back", xs, tc, (long)first_native, tx);
     return outbox_i_err(cl->err, OUTBOX_EDB, st, "%s %s failed: SQLSTATE %s (native %ld): %s",
                         what, table, st[0] ? st : "-----", (long)first_native, tx);
 }
@@ -253,28 +321,31 @@ static od_row *rows_make(outbox_i_msg *const *u, size_t nu)
 
 /* Text k of a row: nvarchar(255), or nvarchar(max) for the headers (k == 6),
  * whatever the data's length (SQL_NULL_DATA binds the same type). */
-static SQLRETURN bind_text(SQLHSTMT st, SQLUSMALLINT p, od_row *r, int k)
+static SQLRETURN bind_text(SQLHSTMT st, SQLUSMALLINT p, od_row *r, int k, const od_lob *lob)
 {
-    SQLULEN size = k == OD_TEXTS - 1 ? LEN_MAX : SHORT_CHARS;
-    return SQLBindParameter(st, p, SQL_PARAM_INPUT, SQL_C_WCHAR, SQL_WVARCHAR, size, 0,
-                            r->w[k], r->w[k] ? r->wind[k] : 0, &r->wind[k]);
+    int big = k == OD_TEXTS - 1;
+    return SQLBindParameter(st, p, SQL_PARAM_INPUT, SQL_C_WCHAR,
+                            big ? lob->text_type : SQL_WVARCHAR, big ? lob->size : SHORT_CHARS,
+                            0, r->w[k], r->w[k] ? r->wind[k] : 0, &r->wind[k]);
 }
 
 /* Binds one row's parameters, numbered from p. */
 static SQLRETURN bind_row(SQLHSTMT st, SQLUSMALLINT p, od_row *r, const outbox_i_msg *v,
-                          int mssql)
+                          const od_call *cl)
 {
+    int mssql = cl->mssql;
     const outbox_message *m = v->m;
     SQLRETURN rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_CHAR, SQL_CHAR, 36, 0,
                                     (SQLPOINTER)(uintptr_t)v->message_id, 37, &r->id_ind);
     for (int k = 0; k < OD_TEXTS && SQL_SUCCEEDED(rc); k++)
-        rc = bind_text(st, p++, r, k);
+        rc = bind_text(st, p++, r, k, &cl->lob);
     if (!SQL_SUCCEEDED(rc))
         return rc;
-    /* varbinary(max): SQL_VARBINARY with column size 0, never SQL_LONGVARBINARY (image) */
+    /* varbinary(max): SQL_VARBINARY with column size 0, never SQL_LONGVARBINARY (image),
+       except on FreeTDS (see LEN_MAX) */
     const void *pay = m->payload_len ? m->payload : empty_byte;
-    rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_BINARY, SQL_VARBINARY, LEN_MAX, 0,
-                          (SQLPOINTER)(uintptr_t)pay, r->pay_ind, &r->pay_ind);
+    rc = SQLBindParameter(st, p++, SQL_PARAM_INPUT, SQL_C_BINARY, cl->lob.bin_type,
+                          cl->lob.size, 0, (SQLPOINTER)(uintptr_t)pay, r->pay_ind, &r->pay_ind);
     if (!SQL_SUCCEEDED(rc))
         return rc;
     if (mssql) {
@@ -293,11 +364,11 @@ static SQLRETURN bind_row(SQLHSTMT st, SQLUSMALLINT p, od_row *r, const outbox_i
  * that grow their binding array to the highest number seen (psqlODBC) then allocate
  * once instead of once per parameter. */
 static SQLRETURN bind_rows(SQLHSTMT st, od_row *rows, outbox_i_msg *const *u, size_t nrows,
-                           int mssql)
+                           const od_call *cl)
 {
-    size_t cols = mssql ? MS_COLS : PG_COLS;
+    size_t cols = cl->mssql ? MS_COLS : PG_COLS;
     for (size_t i = nrows; i-- > 0;) {
-        SQLRETURN rc = bind_row(st, (SQLUSMALLINT)(i * cols + 1), &rows[i], u[i], mssql);
+        SQLRETURN rc = bind_row(st, (SQLUSMALLINT)(i * cols + 1), &rows[i], u[i], cl);
         if (!SQL_SUCCEEDED(rc))
             return rc;
     }
@@ -310,19 +381,26 @@ static const char *const columns =
     "(message_id, exchange, routing_key, partition_key, message_type, content_type, "
     "correlation_id, headers, payload, available_at)";
 
+/* The PostgreSQL INSERT of lib/pgsql.c (the libpq path's), its $n turned into `?`;
+   the markers come in parameter order, so the rows bind as they are. */
 static char *sql_pg(const outbox_queue *q, size_t rows)
 {
-    outbox_util_buf b = { 0 };
-    outbox_util_buf_printf(&b, "INSERT INTO %s %s VALUES ", q->pg_table, columns);
-    for (size_t r = 0; r < rows; r++)
-        outbox_util_buf_printf(&b, "%s(?::uuid, ?, ?, ?, ?, ?, ?, ?::jsonb, ?, now() + "
-                            "(?::bigint * interval '1 millisecond'))", r ? ", " : "");
-    outbox_util_buf_puts(&b, " ON CONFLICT DO NOTHING"); /* no target: INSERT privilege suffices */
-    if (b.failed) {
-        outbox_util_buf_free(&b);
-        return NULL;
+    char *text = outbox_pg_insert_sql(q->pg_table, rows);
+    size_t n = 0, max = rows * PG_COLS;
+    int *order = text ? malloc((max ? max : 1) * sizeof *order) : NULL;
+    char *sql = order ? outbox_sql_qmarks(text, order, max, &n) : NULL;
+    if (sql && n != max) {      /* the text and PG_COLS disagree: a defect here */
+        free(sql);
+        sql = NULL;
     }
-    return b.p; /* caller frees */
+    for (size_t i = 0; sql && i < n; i++)
+        if (order[i] != (int)i + 1) {
+            free(sql);
+            sql = NULL;
+        }
+    free(order);
+    free(text);
+    return sql; /* caller frees; NULL: out of memory */
 }
 
 /* Appends s as the body of a T-SQL N'...' literal (quotes doubled). */
@@ -347,13 +425,7 @@ static char *sql_ms(const outbox_queue *q, size_t rows)
     outbox_util_buf_printf(&in,
         "SET NOCOUNT ON;\n"
         "SET XACT_ABORT OFF;\n"
-        "SET QUOTED_IDENTIFIER ON;\n"
-        "SET ANSI_NULLS ON;\n"
-        "SET ANSI_PADDING ON;\n"
-        "SET ANSI_WARNINGS ON;\n"
-        "SET ARITHABORT ON;\n"
-        "SET CONCAT_NULL_YIELDS_NULL ON;\n"
-        "SET NUMERIC_ROUNDABORT OFF;\n"
+        "%s;\n"
         "IF XACT_STATE() = -1 THROW 51000, N'outbox: the transaction is doomed: roll it back', "
         "1;\n"
         "DECLARE @n bigint = -1;\n"
@@ -364,7 +436,7 @@ static char *sql_ms(const outbox_queue *q, size_t rows)
         "        INSERT INTO %s %s\n"
         "        SELECT v.m, v.x, v.r, v.k, v.t, v.c, v.o, v.h, v.b, "
         "DATEADD(millisecond, v.ds, DATEADD(minute, v.dm, SYSUTCDATETIME()))\n"
-        "        FROM (VALUES ", q->ms_table, columns);
+        "        FROM (VALUES ", outbox_tsql_session_options, q->ms_table, columns);
     for (size_t r = 1; r <= rows; r++)
         outbox_util_buf_printf(&in, "%s(%zu, @m%zu, @x%zu, @r%zu, @k%zu, @t%zu, @c%zu, @o%zu, "
                             "@h%zu, @b%zu, @dm%zu, @ds%zu)", r > 1 ? ", " : "", r, r, r, r, r,
@@ -421,7 +493,7 @@ static int od_chunk(const od_call *cl, od_row *rows, outbox_i_msg *const *u, siz
         st = SQL_NULL_HSTMT;
         goto out;
     }
-    if (!SQL_SUCCEEDED(bind_rows(st, rows, u, nrows, cl->mssql))) {
+    if (!SQL_SUCCEEDED(bind_rows(st, rows, u, nrows, cl))) {
         rc = od_fail(cl, SQL_HANDLE_STMT, st, "binding parameters for INSERT into");
         goto out;
     }
@@ -485,15 +557,20 @@ static int od_chunks(const od_call *cl, od_row *rows, outbox_i_msg *const *u, si
         return od_chunk(cl, rows, u, nu, total);
     /* T-SQL: with autocommit off the driver runs IMPLICIT_TRANSACTIONS ON, so no
        transaction exists before the first statement that reads or writes a table,
-       and SAVE TRANSACTION needs one. The TOP (0) read opens it without reading a
-       row or taking a lock worth the name; it names message_id, the one column the
-       producer role may SELECT (deploy/grants-sqlserver.sql). */
+       and SAVE TRANSACTION needs one. A SELECT that reads no table starts none, and
+       the optimizer compiles a read that cannot return a row (TOP (0), a NOT NULL
+       column IS NULL) into exactly that: a constant scan. So the opener is a real
+       seek on the message_id index for the nil UUID, which no generated id is: it
+       reads at most one index key and holds no lock after the read. It names
+       message_id only, the one column the producer role may SELECT
+       (deploy/grants-sqlserver.sql). */
     if (cl->mssql)
         snprintf(sql, sizeof sql,
                  "IF XACT_STATE() = -1 THROW 51000, N'outbox: the transaction is doomed: "
                  "roll it back', 1;\n"
                  "IF @@TRANCOUNT = 0 BEGIN DECLARE @outbox_t int; "
-                 "SELECT TOP (0) @outbox_t = 1 FROM %s WHERE message_id IS NULL; END;\n"
+                 "SELECT TOP (1) @outbox_t = 1 FROM %s "
+                 "WHERE message_id = '00000000-0000-0000-0000-000000000000'; END;\n"
                  "SAVE TRANSACTION " SAVEPOINT ";", cl->q->ms_table);
     else
         snprintf(sql, sizeof sql, "SAVEPOINT " SAVEPOINT);
@@ -542,7 +619,7 @@ static int od_send(SQLHDBC c, const outbox_queue *q, const outbox_message *m, si
     if (rc != OUTBOX_OK)
         return rc;
 
-    od_call cl = { c, q, 0, err };
+    od_call cl = { c, q, 0, { SQL_WVARCHAR, SQL_VARBINARY, LEN_MAX }, err };
     char dbms[128] = "";
     SQLSMALLINT dlen = 0;
     if (!SQL_SUCCEEDED(SQLGetInfo(c, SQL_DBMS_NAME, dbms, sizeof dbms, &dlen))) {
@@ -550,7 +627,15 @@ static int od_send(SQLHDBC c, const outbox_queue *q, const outbox_message *m, si
         goto fail;
     }
     if (strstr(dbms, "SQL Server")) {
+        char drv[128] = "";
+        SQLSMALLINT drvlen = 0;
         cl.mssql = 1;
+        if (!SQL_SUCCEEDED(SQLGetInfo(c, SQL_DRIVER_NAME, drv, sizeof drv, &drvlen))) {
+            rc = od_fail(&cl, SQL_HANDLE_DBC, c, "reading SQL_DRIVER_NAME for");
+            goto fail;
+        }
+        if (strstr(drv, "tdsodbc"))
+            cl.lob = (od_lob){ SQL_WLONGVARCHAR, SQL_LONGVARBINARY, FREETDS_LOB_SIZE };
     } else if (strcmp(dbms, "PostgreSQL") != 0) {
         rc = outbox_i_err(err, OUTBOX_EINVAL, NULL,
                           "c: unsupported DBMS \"%s\" (Microsoft SQL Server or PostgreSQL)",

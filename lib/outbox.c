@@ -94,6 +94,7 @@ const char *outbox_strerror(int code)
     case OUTBOX_ENOSCHEMA: return "outbox table missing (run outbox-relay init)";
     case OUTBOX_EDB:       return "database error";
     case OUTBOX_ENOMEM:    return "out of memory";
+    case OUTBOX_ETXNLOST:  return "the transaction was rolled back or doomed by the server";
     default:               return "unknown status code";
     }
 }

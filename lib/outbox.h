@@ -31,7 +31,14 @@ enum {
     OUTBOX_EDBNAME   = -3, /* connected database differs from the queue's database */
     OUTBOX_ENOSCHEMA = -4, /* outbox table missing: run `outbox-relay init` */
     OUTBOX_EDB       = -5, /* database error; see sqlstate and message */
-    OUTBOX_ENOMEM    = -6  /* out of memory */
+    OUTBOX_ENOMEM    = -6, /* out of memory */
+    OUTBOX_ETXNLOST  = -7  /* the statement failed and took the transaction with it: the
+                              server rolled it back (deadlock victim, XACT_ABORT, a
+                              trigger) or doomed it. Everything done in it is lost or must
+                              be rolled back: roll back, then retry the whole transaction.
+                              sqlstate and message name the server's error. SQL Server.
+                              A transaction lost in an earlier statement of the caller's
+                              cannot be told from a new one: act on that statement's error. */
 };
 
 #define OUTBOX_MAX_IDENT        63        /* bytes per identifier part */

@@ -61,8 +61,10 @@ void outbox_qualified(outbox_dialect d, const outbox_table_name *t, int dead,
 void outbox_derived_name(const char *table, const char *suffix, char out[64]);
 
 /* The T-SQL SET options the outbox's objects need (QUOTED_IDENTIFIER, ANSI_NULLS,
- * ... for the filtered indexes), as one batch of one SET statement per option. The
- * SQL Server DDL starts with it; the relay's ODBC sessions run it on connect. */
+ * ... for the filtered indexes), as one batch of one SET statement per option, with no
+ * trailing separator: the one place they are written. The SQL Server DDL starts with
+ * it; the relay's ODBC sessions run it on connect; liboutbox's INSERT batch (lib/odbc.c)
+ * sets it inside its dynamic SQL, where the server restores the caller's options after. */
 extern const char *const outbox_tsql_session_options;
 
 /* The DDL as a NULL-terminated, malloc'd array of malloc'd statements (no

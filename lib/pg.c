@@ -1,7 +1,8 @@
 /*
  * pg.c — liboutbox over libpq: one INSERT ... ON CONFLICT DO NOTHING per
  * call (several in one pipeline when a batch exceeds libpq's parameter
- * limit), inside the caller's transaction, exactly one attempt.
+ * limit), inside the caller's transaction, exactly one attempt. The INSERT is
+ * outbox_pg_insert_sql's (lib/pgsql.c), shared with the psqlODBC path.
  */
 #include <errno.h>
 #include <inttypes.h>
@@ -15,16 +16,13 @@
 #include "outbox.h"
 #include "outbox_internal.h"
 #include "outbox_pg.h"
+#include "outbox_pgsql.h"
 
-#define PG_COLS        10
+#define PG_COLS        OUTBOX_PG_INSERT_COLS
 #define PG_MAX_PARAMS  65535
 #define PG_CHUNK_ROWS  (PG_MAX_PARAMS / PG_COLS)
 /* how long a non-blocking caller's connection may take to flush the pipeline */
 #define PG_FLUSH_TIMEOUT_MS 60000
-
-static const char *const pg_columns =
-    "(message_id, exchange, routing_key, partition_key, message_type, content_type, "
-    "correlation_id, headers, payload, available_at)";
 
 typedef struct pg_params {
     const char **values;  /* owned array; strings borrowed from messages */
@@ -64,28 +62,6 @@ static int pg_fail(const PGresult *res, PGconn *c, const outbox_queue *q, outbox
                             q->pg_table, state, text);
     return outbox_i_err(err, OUTBOX_EDB, NULL, "INSERT into %s failed: %s", q->pg_table,
                         text);
-}
-
-/* Builds the INSERT for `rows` messages ($1.. numbered per row). */
-static char *build_sql(const outbox_queue *q, size_t rows)
-{
-    outbox_util_buf b = { 0 };
-    outbox_util_buf_printf(&b, "INSERT INTO %s %s VALUES ", q->pg_table, pg_columns);
-    for (size_t r = 0; r < rows; r++) {
-        size_t k = r * PG_COLS;
-        outbox_util_buf_printf(&b,
-            "%s($%zu::uuid, $%zu::text, $%zu::text, $%zu::text, $%zu::text, $%zu::text, "
-            "$%zu::text, $%zu::jsonb, $%zu::bytea, now() + ($%zu::bigint * interval "
-            "'1 millisecond'))",
-            r ? ", " : "", k + 1, k + 2, k + 3, k + 4, k + 5, k + 6, k + 7, k + 8, k + 9,
-            k + 10);
-    }
-    outbox_util_buf_puts(&b, " ON CONFLICT DO NOTHING"); /* no target: INSERT privilege suffices */
-    if (b.failed) {
-        outbox_util_buf_free(&b);
-        return NULL;
-    }
-    return b.p; /* caller frees */
 }
 
 static int fill_params(pg_params *p, outbox_i_msg *const *u, size_t nu)
@@ -150,7 +126,7 @@ static int send_pipeline(PGconn *c, const outbox_queue *q, const pg_params *p, s
                             PQerrorMessage(c));
     for (size_t from = 0; from < nu; from += PG_CHUNK_ROWS) {
         size_t rows = nu - from < PG_CHUNK_ROWS ? nu - from : PG_CHUNK_ROWS;
-        char *sql = build_sql(q, rows);
+        char *sql = outbox_pg_insert_sql(q->pg_table, rows);
         if (!sql) {
             rc = outbox_i_err(err, OUTBOX_ENOMEM, NULL, "out of memory building the INSERT");
             break;
@@ -246,7 +222,7 @@ static int pg_send(PGconn *c, const outbox_queue *q, const outbox_message *m, si
     }
 
     if (nu <= PG_CHUNK_ROWS) {
-        sql = build_sql(q, nu);
+        sql = outbox_pg_insert_sql(q->pg_table, nu);
         if (!sql) {
             rc = outbox_i_err(err, OUTBOX_ENOMEM, NULL, "out of memory building the INSERT");
             goto fail;

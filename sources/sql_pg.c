@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "lib/outbox_pgsql.h"
 #include "lib/outbox_schema.h"
 #include "sources/sql_pg.h"
 #include "sources/sources.h"
@@ -402,39 +403,5 @@ char *sql_pg_tables_exist(void)
 
 char *sql_pg_qmarks(const char *sql, int *order, size_t max, size_t *n_order)
 {
-    size_t len = strlen(sql), k = 0;
-    char *out = malloc(len + 1), *o = out;
-    char quote = 0;
-    if (!out)
-        return NULL;
-    for (const char *p = sql; *p; ) {
-        if (quote) {                  /* inside '...' or "...": doubled quotes stay inside */
-            if (*p == quote)
-                quote = 0;
-            *o++ = *p++;
-            continue;
-        }
-        if (*p == '\'' || *p == '"') {
-            quote = *p;
-            *o++ = *p++;
-            continue;
-        }
-        if (*p == '$' && p[1] >= '1' && p[1] <= '9') {
-            int num = 0;
-            p++;
-            while (*p >= '0' && *p <= '9' && num < 100000)
-                num = num * 10 + (*p++ - '0');
-            if (k == max) {
-                free(out);
-                return NULL;
-            }
-            order[k++] = num;
-            *o++ = '?';
-            continue;
-        }
-        *o++ = *p++;
-    }
-    *o = '\0';
-    *n_order = k;
-    return out;
+    return outbox_sql_qmarks(sql, order, max, n_order);   /* shared with liboutbox */
 }

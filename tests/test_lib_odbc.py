@@ -89,7 +89,7 @@ def mssql(build, services):
     finally:
         s, t = m.table.split(".")
         m.value(f"DROP TABLE IF EXISTS [{s}].[{t}]; DROP TABLE IF EXISTS [{s}].[{t}_dead]; "
-                f"DROP SCHEMA IF EXISTS [{s}]; SELECT 1")
+                f"DROP TABLE IF EXISTS [{s}].[{t}_lease]; DROP SCHEMA IF EXISTS [{s}]; SELECT 1")
 
 
 def ms_count(m):
@@ -102,9 +102,17 @@ def test_mssql_send_commit_stores_every_field(mssql):
     assert r.calls[0]["rc"] == 0, r
     assert ms_count(mssql) == 1
     assert mssql.value(f"SELECT LOWER(CONVERT(varchar(36), message_id)) FROM {mssql.qt}") == mid
-    assert mssql.value(f"SELECT CONVERT(varchar(max), payload, 2) FROM {mssql.qt}") == \
-        "00686900" "00FFFE0A" "7F80007A"
-    assert mssql.value(f"SELECT JSON_VALUE(headers, '$.quote') FROM {mssql.qt}") == 'a"b\\c/d'
+    # compared in the server: CONVERT(varchar(max), payload, 2) gives the hex text on SQL
+    # Server and '' on Babelfish
+    assert mssql.value(f"SELECT CASE WHEN payload = 0x00686900" "00FFFE0A" "7F80007A "
+                       f"THEN 1 ELSE 0 END FROM {mssql.qt}") == "1"
+    quote = mssql.value(f"SELECT JSON_VALUE(headers, '$.quote') FROM {mssql.qt}")
+    if mssql.engine == "babelfish":
+        # Babelfish's JSON_VALUE returns a string value still JSON-escaped (SQL Server
+        # unescapes it): the stored JSON holds the value, escaped once
+        assert quote == 'a\\"b\\\\c/d', quote
+    else:
+        assert quote == 'a"b\\c/d', quote
     assert mssql.value(f"SELECT routing_key FROM {mssql.qt}") == "orders.created"
     delay = int(mssql.value(f"SELECT DATEDIFF(second, created_at, available_at) FROM {mssql.qt}"))
     assert 59 <= delay <= 61
@@ -121,10 +129,29 @@ def test_mssql_outside_transaction_is_enotxn(mssql):
     assert ms_count(mssql) == 0
 
 
-def test_mssql_doomed_transaction_is_enotxn(mssql):
+def test_mssql_transaction_lost_before_the_send(mssql):
+    """The caller's own statement failed under its XACT_ABORT ON, in an earlier batch. A
+    doomed transaction does not outlive its batch: the server rolled it back when that
+    batch ended (SQL Server error 3998; Babelfish says the same), so at the send there is
+    no transaction, and with autocommit off the send's statement silently starts a new
+    one. liboutbox cannot tell that from a transaction whose first statement is the send
+    (both have @@TRANCOUNT 0); the caller has the error of its own statement. Until this
+    test ran on a T-SQL engine it expected OUTBOX_ENOTXN here, which no SQL Server can
+    give: the check for a doomed transaction at the start of the send only sees one doomed
+    within the same batch. What holds: the send succeeds in the new transaction, the
+    caller's rollback (what it does on its own error) leaves nothing written, and its work
+    before the failure is gone."""
     r = mssql.run("aborted_txn", str(uuid.uuid4()))
-    assert r.calls[0]["rc"] == -2, r
-    assert ms_count(mssql) == 0
+    assert r.calls[0]["rc"] == 0, r
+    if mssql.engine == "babelfish":
+        # Babelfish runs the statement after that rollback outside any transaction
+        # although the session asked for implicit transactions: the message is committed
+        # on its own and the caller's rollback finds no transaction. SQL Server starts a
+        # new implicit transaction, which the caller's rollback discards.
+        assert ms_count(mssql) == 1
+    else:
+        assert ms_count(mssql) == 0
+    assert mssql.value("SELECT COUNT(*) FROM dbo.side_work WHERE x = 12") == "0"
 
 
 def test_mssql_database_name_mismatch_is_edbname(mssql):
@@ -204,5 +231,100 @@ def test_mssql_parameter_sizes_do_not_follow_the_data(mssql):
 
 def test_mssql_plain_sql_producer_gets_a_message_id(mssql):
     mid = mssql.value(f"SET NOCOUNT ON; INSERT INTO {mssql.qt} (routing_key, payload) "
-                      f"OUTPUT CONVERT(varchar(36), inserted.message_id) VALUES (N'rk', 0x00)")
+                      f"OUTPUT inserted.message_id VALUES (N'rk', 0x00)")
     assert uuid.UUID(mid)
+
+
+def test_mssql_4000_messages_in_batches_of_100(mssql):
+    """4,000 messages in 40 calls of 100, one transaction: every one arrives."""
+    r = mssql.run("batches", "4000", "100")
+    assert r.values.get("total") == "4000", r
+    assert all(c["rc"] == 0 and c["inserted"] == 100 for c in r.calls) and len(r.calls) == 40
+    assert ms_count(mssql) == 4000
+
+
+def test_mssql_batch_needing_a_savepoint_fails_cleanly(mssql):
+    """A batch of 400 (three statements: SQL Server's 2,100-parameter limit) runs under a
+    savepoint, which needs an open transaction: the first statement of the batch opens one
+    with a real read of the outbox (a SELECT that reads no table would not). Its last
+    message is refused by the server (a CHECK constraint added here): OUTBOX_EDB, the first
+    statements are undone to the savepoint, and the caller's transaction stays usable and
+    commits its own work."""
+    mssql.value(f"ALTER TABLE {mssql.qt} ADD CONSTRAINT boom_chk CHECK (routing_key <> N'boom'); "
+                "SELECT 1")
+    if mssql.engine == "babelfish":
+        # Babelfish rolls the whole transaction back when an error is raised again from a
+        # CATCH block (the send's INSERT re-raises what it does not handle); SQL Server
+        # keeps it (XACT_ABORT is off inside the send). liboutbox reads the session's state
+        # after the failure and says so: OUTBOX_ETXNLOST, and the caller's work is gone.
+        r = mssql.run("batch_savepoint", "400", "lost")
+        assert r.calls[0]["rc"] == -7 and r.calls[0]["inserted"] == 0, r
+        assert ms_count(mssql) == 0
+        assert mssql.value("SELECT COUNT(*) FROM dbo.side_work WHERE x IN (9, 10)") == "0"
+    else:
+        r = mssql.run("batch_savepoint", "400")
+        assert r.calls[0]["rc"] == -5 and r.calls[0]["inserted"] == 0, r
+        assert "boom_chk" in r.calls[0]["message"], r
+        assert ms_count(mssql) == 0
+        assert mssql.value("SELECT COUNT(*) FROM dbo.side_work WHERE x IN (9, 10)") == "2"
+    # the savepoint's opener read the outbox: the transaction existed for SAVE TRANSACTION
+    # (a batch is never refused for want of one)
+    # and without the refused message the same batch commits whole
+    r = mssql.run("batch", "400", "commit")
+    assert r.calls[0]["rc"] == 0 and r.calls[0]["inserted"] == 400, r
+    assert ms_count(mssql) == 400
+
+
+def _audit_trigger(m):
+    """An ordinary trigger on the outbox, as an audit or replication setup adds: it copies
+    every inserted id to dbo.outbox_audit. A trigger also changes what SQL Server accepts:
+    a statement on the table may not OUTPUT rows to the client without INTO (Msg 334)."""
+    s, _ = m.table.split(".")
+    m.value("IF OBJECT_ID(N'dbo.outbox_audit', N'U') IS NULL "
+            "CREATE TABLE dbo.outbox_audit (id bigint, rk nvarchar(255)); SELECT 1")
+    m.value(f"EXEC(N'CREATE TRIGGER [{s}].[messages_audit] ON {m.qt} AFTER INSERT AS "
+            "BEGIN SET NOCOUNT ON; "
+            "IF EXISTS (SELECT 1 FROM inserted WHERE routing_key = N''raise'') "
+            "THROW 50013, N''audit refused the row'', 1; "
+            "IF EXISTS (SELECT 1 FROM inserted WHERE routing_key = N''rollback'') "
+            "ROLLBACK TRANSACTION; "
+            "INSERT INTO dbo.outbox_audit (id, rk) SELECT id, routing_key FROM inserted; END'); "
+            "SELECT 1")
+
+
+def test_mssql_sends_to_a_table_with_a_trigger(mssql):
+    """Sends, duplicates and batches work on an outbox with a trigger, and the trigger
+    sees every row. (liboutbox's statements OUTPUT nothing; tests/test_tsql_capture.py
+    checks that none of them sends OUTPUT without INTO, which SQL Server refuses on a
+    table with a trigger and Babelfish accepts.)"""
+    _audit_trigger(mssql)
+    mssql.value("DELETE FROM dbo.outbox_audit; SELECT 1")
+    mid = str(uuid.uuid4())
+    r = mssql.run("send_commit", mid)
+    assert r.calls[0]["rc"] == 0, r
+    r = mssql.run("duplicate", str(uuid.uuid4()))
+    assert [c["rc"] for c in r.calls] == [0, 1], r
+    r = mssql.run("batch", "400", "commit")
+    assert r.calls[0]["rc"] == 0 and r.calls[0]["inserted"] == 400, r
+    assert ms_count(mssql) == 402
+    assert mssql.value("SELECT COUNT(*) FROM dbo.outbox_audit") == "402"
+
+
+@pytest.mark.parametrize("how", ["raise", "rollback", "raise-xact_abort"])
+def test_mssql_lost_transaction_is_etxnlost(mssql, how):
+    """The send's INSERT fails in a way that ends the caller's transaction: a trigger
+    raises (SQL Server runs triggers with XACT_ABORT ON: the transaction is doomed, then
+    rolled back when the batch ends) or rolls back (3609), also under the caller's own
+    XACT_ABORT ON. Reported as OUTBOX_ETXNLOST (-7), not as a plain database error: with
+    autocommit off the caller's next statement would silently start a new transaction.
+    The caller's earlier work is gone. Babelfish has already rolled back where SQL Server
+    dooms (XACT_STATE() 0 where SQL Server says -1): both are OUTBOX_ETXNLOST. A real
+    deadlock victim (1205) is not provoked here: it needs two sessions interleaved at the
+    lock level, and Babelfish's locks are PostgreSQL's."""
+    _audit_trigger(mssql)
+    rk, _, xa = how.partition("-")
+    r = mssql.run("txn_lost", str(uuid.uuid4()), rk, *( [xa] if xa else []))
+    assert [c["rc"] for c in r.calls] == [-7, -7], r
+    assert "roll back and retry the whole transaction" in r.calls[0]["message"], r
+    assert ms_count(mssql) == 0
+    assert mssql.value("SELECT COUNT(*) FROM dbo.side_work WHERE x = 8") == "0"

@@ -162,8 +162,11 @@ def cap(build, tmp_path_factory):
     c.lib("lib: batch of 150 (one statement)", "batch", "150", "commit", OUTBOX_REC_INT=rows)
     c.lib("lib: batch of 400 (over 2,100 parameters)", "batch", "400", "commit",
           OUTBOX_REC_INT=rows)
+    # after a failure liboutbox reads XACT_STATE() and @@TRANCOUNT: the recorder answers 1
+    # and 1 (the transaction is intact), so the failure is a plain OUTBOX_EDB (with 0 and 0
+    # it would be OUTBOX_ETXNLOST: tests/test_lib_odbc.py shows that on a T-SQL engine)
     c.lib("lib: batch of 400 failing in its second statement", "batch", "400", "commit",
-          "boom", OUTBOX_REC_INT=rows, OUTBOX_REC_FAIL="sp_executesql", OUTBOX_REC_FAIL_NTH="2")
+          "boom", OUTBOX_REC_INT="1", OUTBOX_REC_FAIL="sp_executesql", OUTBOX_REC_FAIL_NTH="2")
     c.lib("lib: send outside a transaction", "no_txn", str(uuid.uuid4()))
 
     # ---- the relay: the ODBC source through its driver program
@@ -739,6 +742,34 @@ def test_relay_rules_fail_on_the_old_statements(case):
     assert found, f"the {rule} rule passes the old statement"
     print("\n".join(found))
 
+def test_producer_batches_open_their_transaction_with_a_real_read(cap):
+    """liboutbox's batch over the parameter limit sets a savepoint, which needs an open
+    transaction: with implicit transactions only a read of a table opens one, and a read
+    that cannot return a row (the earlier SELECT TOP (0) ... WHERE message_id IS NULL) is a
+    constant scan that reads none."""
+    problems, n = [], 0
+    for label, where, sql, rec in batches(cap):
+        if label not in cap.producer or "SAVE TRANSACTION" not in sql.upper():
+            continue
+        n += 1
+        problems += [f"{label}, {where}: {m}" for m in tc.opener_problems(sql)]
+    assert n >= 2, n
+    assert not problems, "\n".join(problems)
+
+
+def test_producer_and_init_never_output_without_into(cap):
+    """No statement of liboutbox or of init sends OUTPUT rows to the client: on a table with
+    a trigger SQL Server refuses that (Msg 334)."""
+    problems, n = [], 0
+    ddl = ("relay: init", "relay: init again", "relay CLI: init", "relay CLI: schema")
+    for label, where, sql, rec in batches(cap):
+        if label not in cap.producer and label not in ddl:
+            continue
+        n += 1
+        problems += [f"{label}, {where}: {m}" for m in tc.output_into_problems(sql)]
+    assert n >= 20, n
+    assert not problems, "\n".join(problems)
+
 
 # ---------------------------------------------------------------------------- the checker
 BROKEN = {
@@ -754,6 +785,33 @@ BROKEN = {
     "IGNORE_DUP_KEY": ("CREATE UNIQUE INDEX [u] ON [outbox].[messages] (message_id) "
                        "WITH (IGNORE_DUP_KEY = ON)", "hints"),
 }
+
+
+# liboutbox's and init's rules, each failing on the statement it was written against
+BROKEN_LIB = {
+    "savepoint opened by a constant scan": (
+        "IF XACT_STATE() = -1 THROW 51000, N'outbox: the transaction is doomed: roll it back', "
+        "1;\nIF @@TRANCOUNT = 0 BEGIN DECLARE @outbox_t int; SELECT TOP (0) @outbox_t = 1 "
+        "FROM [outbox].[messages] WHERE message_id IS NULL; END;\n"
+        "SAVE TRANSACTION outbox_send_batch;", tc.opener_problems),
+    "OUTPUT to the client": (
+        "UPDATE [outbox].[messages] SET lease_owner = N'a' OUTPUT inserted.id "
+        "WHERE id = 1", tc.output_into_problems),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_LIB))
+def test_lib_rules_find_their_broken_statement(case):
+    sql, rule = BROKEN_LIB[case]
+    assert not tc.parse(sql).errors
+    assert rule(sql), f"{case}: the rule does not see it"
+    fixed = {"savepoint opened by a constant scan":
+             sql.replace("TOP (0)", "TOP (1)").replace(
+                 "message_id IS NULL", "message_id = '00000000-0000-0000-0000-000000000000'"),
+             "OUTPUT to the client":
+             "DECLARE @t TABLE (id bigint); UPDATE [outbox].[messages] SET lease_owner = N'a' "
+             "OUTPUT inserted.id INTO @t (id) WHERE id = 1; SELECT id FROM @t"}
+    assert not rule(fixed[case]), f"{case}: the rule refuses the fixed form"
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))

@@ -578,4 +578,58 @@ def escalation_problems(sql, tables):
             continue
         out.append(f"{m.group(1)} without TOP, a table variable of ids or a key: "
                    f"unbounded, escalates to a table lock: {seg.strip()[:160]}")
+
+# ---------------------------------------------------------------------------- liboutbox and the DDL
+# (issue 20: rules for the producer's statements and init's; the relay's have their own)
+
+_NO_ROW = re.compile(r"\bTOP\s*\(\s*0\s*\)|\b(MESSAGE_ID|ID)\s+IS\s+NULL\b")
+
+
+def opener_problems(sql):
+    """A batch that sets a savepoint must have opened its transaction first, under implicit
+    transactions by reading a table. A read that cannot return a row (TOP (0), a NOT NULL
+    column IS NULL) compiles to a constant scan, which reads no table and starts no
+    transaction: SAVE TRANSACTION then fails (error 628)."""
+    w = " ".join(words(sql))
+    if "SAVE TRANSACTION" not in w:
+        return []
+    text = " ".join(t.text.upper() for t in scan(sql) if t.kind not in ("cmt", "str"))
+    if _NO_ROW.search(text):
+        return ["the savepoint's transaction is opened by a read that cannot return a row "
+                "(TOP (0) / IS NULL on a NOT NULL column): a constant scan starts no "
+                "implicit transaction and SAVE TRANSACTION fails"]
+    if not re.search(r"\bSELECT\b.*\bFROM\b", w):
+        return ["a savepoint without a read of a table before it to open the transaction"]
+    return []
+
+
+_OUTPUT_END = {"FROM", "WHERE", "VALUES", "SELECT", "DEFAULT", "EXEC", "EXECUTE"}
+
+
+def output_into_problems(sql):
+    """(liboutbox's and init's statements; by tokens, so a procedure parameter's OUTPUT mode
+    is no match) OUTPUT without INTO is refused on a table with any enabled trigger (Msg 334):
+    every OUTPUT clause must send its rows INTO a table variable (then SELECT them)."""
+    toks = [t for t in scan(sql) if t.kind not in ("ws", "cmt")]
+    out = []
+    for i, t in enumerate(toks):
+        if t.kind != "word" or t.text.upper() != "OUTPUT":
+            continue
+        nxt = toks[i + 1] if i + 1 < len(toks) else None
+        if nxt is None or nxt.text in (",", ")", ";"):
+            continue   # a procedure parameter's OUTPUT mode
+        depth = 0
+        for u in toks[i + 1:]:
+            if u.text == "(":
+                depth += 1
+            elif u.text == ")":
+                depth -= 1
+            elif depth == 0 and (u.text == ";" or (u.kind == "word" and
+                                                   u.text.upper() in _OUTPUT_END)):
+                out.append("OUTPUT without INTO: refused on a table with a trigger (Msg 334)")
+                break
+            elif depth == 0 and u.kind == "word" and u.text.upper() == "INTO":
+                break
+        else:
+            out.append("OUTPUT without INTO: refused on a table with a trigger (Msg 334)")
     return out

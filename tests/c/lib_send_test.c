@@ -461,6 +461,109 @@ static int run_case(be *b, const outbox_queue *q, const char *name, int argc, ch
             return 1;
         return fails ? 1 : 0;
     }
+    if (strcmp(name, "txn_lost") == 0) {
+        /* argv: ID ROUTING_KEY [xact_abort] — SQL Server: the send's INSERT fails in a way
+           that costs the caller its transaction (the test's trigger on the outbox raises
+           or rolls back for that routing key): OUTBOX_ETXNLOST; the caller's earlier
+           work (side_work 8) is gone after its rollback */
+        if (argc < 2 || !b->mssql)
+            return 2;
+        outbox_message m = simple_message(argv[0]);
+        m.routing_key = argv[1];
+        int xa = argc > 2 && strcmp(argv[2], "xact_abort") == 0;
+        if (be_begin(b) != 0 || (xa && be_exec(b, "SET XACT_ABORT ON") != 0) ||
+            be_exec(b, "INSERT INTO side_work VALUES (8)") != 0)
+            return 2;
+        fails += expect(be_send(b, q, &m), OUTBOX_ETXNLOST, "send whose INSERT ends the transaction");
+        size_t ins = 0;
+        outbox_message v[2] = { simple_message(NULL), m };
+        v[1].message_id = NULL;
+        fails += expect(be_batch(b, q, v, 2, &ins), OUTBOX_ETXNLOST, "batch likewise");
+        if (xa)
+            be_exec(b, "SET XACT_ABORT OFF");
+        be_end(b, 0);
+        return fails ? 1 : 0;
+    }
+    if (strcmp(name, "batch_savepoint") == 0) {
+        /* argv: N [lost] — SQL Server: a batch of N messages (several statements under a
+           savepoint) whose last message is refused by the server (routing key "boom",
+           a CHECK constraint the test adds): OUTBOX_EDB, nothing of the batch stays, the
+           caller's transaction stays usable and commits its own work (side_work 9, 10);
+           "lost": the engine ended the transaction instead (OUTBOX_ETXNLOST expected) */
+        if (argc < 1 || !b->mssql)
+            return 2;
+        size_t n = strtoul(argv[0], NULL, 10);
+        if (n < 2)
+            return 2;
+        outbox_message *v = calloc(n, sizeof *v);
+        if (!v)
+            return 2;
+        for (size_t i = 0; i < n; i++)
+            v[i] = simple_message(NULL);
+        v[n - 1].routing_key = "boom";
+        size_t ins = 0;
+        int rc = 2;
+        if (be_begin(b) == 0 && be_exec(b, "INSERT INTO side_work VALUES (9)") == 0) {
+            int lost = argc > 1 && strcmp(argv[1], "lost") == 0;
+            rc = be_batch(b, q, v, n, &ins);
+            fails += expect(rc, lost ? OUTBOX_ETXNLOST : OUTBOX_EDB,
+                            "batch refused in its last statement");
+            if (ins != 0) {
+                fprintf(stderr, "FAIL: inserted %zu after a failed batch, want 0\n", ins);
+                fails++;
+            }
+            if (lost) {
+                be_end(b, 0);
+            } else {
+                if (be_exec(b, "INSERT INTO side_work VALUES (10)") != 0) {
+                    fprintf(stderr, "FAIL: the transaction is unusable after the batch failed\n");
+                    fails++;
+                }
+                if (be_end(b, 1) != 0)
+                    fails++;
+            }
+        }
+        free(v);
+        return rc == 2 ? 2 : fails ? 1 : 0;
+    }
+    if (strcmp(name, "batches") == 0) {
+        /* argv: TOTAL PER — TOTAL messages in calls of PER, one transaction, committed */
+        if (argc < 2)
+            return 2;
+        size_t total = strtoul(argv[0], NULL, 10), per = strtoul(argv[1], NULL, 10);
+        if (per == 0 || total == 0)
+            return 2;
+        outbox_message *v = calloc(per, sizeof *v);
+        char (*bodies)[32] = calloc(per, sizeof *bodies);
+        if (!v || !bodies) {
+            free(v);
+            free(bodies);
+            return 2;
+        }
+        if (be_begin(b) != 0) {
+            free(v);
+            free(bodies);
+            return 2;
+        }
+        size_t sum = 0;
+        for (size_t from = 0; from < total && !fails; from += per) {
+            size_t k = total - from < per ? total - from : per, ins = 0;
+            for (size_t i = 0; i < k; i++) {
+                snprintf(bodies[i], sizeof bodies[i], "msg-%zu", from + i);
+                v[i] = simple_message(NULL);
+                v[i].payload = bodies[i];
+                v[i].payload_len = strlen(bodies[i]);
+            }
+            fails += expect(be_batch(b, q, v, k, &ins), OUTBOX_OK, "batch");
+            sum += ins;
+        }
+        if (be_end(b, 1) != 0)
+            fails++;
+        printf("total=%zu\n", sum);
+        free(v);
+        free(bodies);
+        return fails ? 1 : 0;
+    }
     if (strcmp(name, "no_txn") == 0) {
         outbox_message m = simple_message(arg);
         if (b->odbc && be_autocommit(b, 1) != 0)
@@ -475,9 +578,20 @@ static int run_case(be *b, const outbox_queue *q, const char *name, int argc, ch
         if (be_begin(b) != 0)
             return 2;
         if (b->mssql) {
-            if (be_exec(b, "SET XACT_ABORT ON; BEGIN TRY DECLARE @x int = 1/0; END TRY "
+            /* the caller's work, then its statement failing under XACT_ABORT ON: the
+               transaction is doomed, and rolled back when that batch ends (see
+               test_mssql_transaction_lost_before_the_send: the send then succeeds in a
+               new transaction, which the caller rolls back) */
+            if (be_exec(b, "INSERT INTO side_work VALUES (12)") != 0)
+                return 2;
+            if (be_exec(b, "SET XACT_ABORT ON; BEGIN TRY DECLARE @x int = 1/0; "
+                           "INSERT INTO side_work VALUES (@x); END TRY "
                            "BEGIN CATCH END CATCH; SET XACT_ABORT OFF;") != 0)
                 fprintf(stderr, "(dooming the transaction reported an error)\n");
+            be_exec(b, "SET XACT_ABORT OFF");
+            fails += expect(be_send(b, q, &m), OUTBOX_OK, "send after the transaction was lost");
+            be_end(b, 0);
+            return fails ? 1 : 0;
         } else if (be_exec(b, "SELECT 1/0") == 0) {
             fprintf(stderr, "setup: SELECT 1/0 succeeded?\n");
             return 2;

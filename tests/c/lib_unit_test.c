@@ -20,6 +20,7 @@
 #include "lib/outbox_internal.h"
 #include "outbox.h"
 #include "outbox_schema.h"
+#include "lib/outbox_pgsql.h"
 
 /* ------------------------------------------------------------------ UUIDs */
 
@@ -296,14 +297,40 @@ static void strerror_codes(void **state)
 {
     (void)state;
     int codes[] = { OUTBOX_OK, OUTBOX_DUPLICATE, OUTBOX_EINVAL, OUTBOX_ENOTXN, OUTBOX_EDBNAME,
-                    OUTBOX_ENOSCHEMA, OUTBOX_EDB, OUTBOX_ENOMEM };
+                    OUTBOX_ENOSCHEMA, OUTBOX_EDB, OUTBOX_ENOMEM, OUTBOX_ETXNLOST };
     for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++) {
         const char *s = outbox_strerror(codes[i]);
         assert_non_null(s);
+        assert_string_not_equal(s, outbox_strerror(12345));   /* every code is known */
         for (size_t k = 0; k < i; k++)
             assert_string_not_equal(s, outbox_strerror(codes[k]));
     }
     assert_non_null(outbox_strerror(12345));
+}
+
+/* The PostgreSQL INSERT both of liboutbox's PostgreSQL paths send: numbered in message
+   order, so the psqlODBC path's markers bind in parameter order. */
+static void pg_insert_text(void **state)
+{
+    (void)state;
+    char *sql = outbox_pg_insert_sql("\"s\".\"t\"", 3);
+    assert_non_null(sql);
+    assert_non_null(strstr(sql, "INSERT INTO \"s\".\"t\" (message_id, "));
+    assert_non_null(strstr(sql, "$30::bigint"));
+    assert_null(strstr(sql, "$31"));
+    assert_non_null(strstr(sql, " ON CONFLICT DO NOTHING"));
+    int order[40];
+    size_t n = 0;
+    char *q = outbox_sql_qmarks(sql, order, 40, &n);
+    assert_non_null(q);
+    assert_int_equal(n, 3 * OUTBOX_PG_INSERT_COLS);
+    for (size_t i = 0; i < n; i++)
+        assert_int_equal(order[i], (int)i + 1);
+    assert_null(strchr(q, '$'));
+    assert_non_null(strstr(q, "'1 millisecond'"));   /* literals untouched */
+    assert_null(outbox_sql_qmarks(sql, order, 29, &n));   /* more markers than room */
+    free(q);
+    free(sql);
 }
 
 static void error_one_line(void **state)
@@ -381,6 +408,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(ddl_shape),
         cmocka_unit_test(queue_handles),
         cmocka_unit_test(strerror_codes),
+        cmocka_unit_test(pg_insert_text),
         cmocka_unit_test(error_one_line),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
