@@ -578,6 +578,8 @@ def escalation_problems(sql, tables):
             continue
         out.append(f"{m.group(1)} without TOP, a table variable of ids or a key: "
                    f"unbounded, escalates to a table lock: {seg.strip()[:160]}")
+    return out
+
 
 # ---------------------------------------------------------------------------- liboutbox and the DDL
 # (issue 20: rules for the producer's statements and init's; the relay's have their own)
