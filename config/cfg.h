@@ -72,6 +72,7 @@ typedef struct cfg_outbox {
     int64_t retention_ms;       /* default 7d */
     int     cleanup_batch;      /* rows deleted per retention statement, default 1000 */
     int64_t cleanup_interval_ms;/* default 10s */
+    int64_t claim_delay_ms;     /* after a short claim, a woken claim waits this long, default 5ms */
     int     mode;               /* enum cfg_mode, default leader */
     int     ordering;           /* enum cfg_ordering, default pipelined */
     int64_t query_timeout_ms;   /* statement timeout for the relay's queries, default 30s */

@@ -77,6 +77,8 @@ struct drain {
     size_t    claim_asked;
     double    claim_sent;        /* monotonic time the outstanding claim was sent */
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
+    double    claim_ended;       /* monotonic: when the last claim's answer came */
+    bool      claim_short;       /* it brought fewer rows than asked: the backlog is drained */
 
     bool      want_claim;        /* wake-up, poll tick or a full previous claim */
     bool      active;            /* rows claimed or settled, or a wake-up, since the last stats */
@@ -100,6 +102,7 @@ struct drain {
     ev_timer  deadline_timer;    /* fires at leader_until: the leadership lapses then */
     ev_timer  cleanup_timer;
     ev_timer  stats_timer;
+    ev_timer  coalesce_timer;    /* a woken claim waits for it (claim_delay after a short one) */
     ev_idle   kick_idle;         /* runs kick() once the current callback chain is done */
 
     ob_metrics m;
@@ -440,6 +443,8 @@ static void on_claimed(drain *d, const src_result *res)
         return;
     }
     d->m.claimed_rows += res->n_rows;
+    d->claim_ended = mono_now();
+    d->claim_short = res->n_rows < d->claim_asked;
     if (res->n_rows > 0)
         d->active = true;
     for (size_t i = 0; i < res->n_rows; i++)    /* for the end-to-end latency */
@@ -452,7 +457,9 @@ static void on_claimed(drain *d, const src_result *res)
         d->want_claim = true;
         d->poll_delay = min_poll;
     } else {
-        d->want_claim = false;
+        /* want_claim stays as the claim's own run left it: set by a wake-up (a commit,
+           a settle, a poll) that came while the claim ran — those wake-ups together ask
+           for one follow-up claim — and clear otherwise */
         d->poll_delay = res->n_rows > 0 ? min_poll : d->poll_delay * 2;
         if (d->poll_delay > max_poll)
             d->poll_delay = max_poll;
@@ -758,6 +765,30 @@ static bool main_request(drain *d, int req)
     return rc == 0;
 }
 
+/* Under a steady stream of commits every one wakes the relay (NOTIFY), and a claim per
+   wake-up would carry a row or two each: the claiming session busy most of the time and
+   the database's CPU spent per claim, not per row. After a claim that found fewer rows
+   than it asked for (nothing is waiting beyond what it took), the next claim that a
+   wake-up asks for therefore waits until claim_delay after that claim's answer, and takes
+   the rows committed meanwhile together. A full claim (a backlog) is followed at once,
+   and after a quiet spell the first wake-up claims at once: a row waits at most
+   claim_delay more, and only while rows keep coming. True while that wait runs (the
+   timer then kicks again). */
+static bool claim_coalescing(drain *d)
+{
+    double delay = (double)d->ob->claim_delay_ms / 1000.0;
+    if (!d->claim_short || delay <= 0 || !d->want_claim)
+        return false;
+    double left = d->claim_ended + delay - mono_now();
+    if (left <= 0)
+        return false;
+    if (!ev_is_active(&d->coalesce_timer)) {
+        ev_timer_set(&d->coalesce_timer, left, 0.);
+        ev_timer_start(d->loop, &d->coalesce_timer);
+    }
+    return true;
+}
+
 static void kick(drain *d)
 {
     sconn *st = &d->settler, *mc = &d->main;
@@ -767,7 +798,7 @@ static void kick(drain *d)
     if (mc->up && !mc->busy && !mc->holding) {
         bool may_claim = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
                          ledger_n_old(d->led) == 0 && d->want_claim;
-        bool claim_ok = may_claim && claim_size(d) > 0;
+        bool claim_ok = may_claim && claim_size(d) > 0 && !claim_coalescing(d);
         if (!may_claim)
             rbudget_unwait(d->budget, &d->rb);
         if (d->ob->mode == CFG_MODE_LEADER && !d->stopping && d->lead_due &&
@@ -801,6 +832,12 @@ static void kick_idle_cb(struct ev_loop *loop, ev_idle *w, int revents)
     drain *d = w->data;
     ev_idle_stop(loop, w);
     kick(d);
+}
+
+static void coalesce_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    schedule_kick(w->data);
 }
 
 static void hold_cb(struct ev_loop *loop, ev_timer *w, int revents)
@@ -961,6 +998,8 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
     d->cleanup_timer.data = d;
     ev_timer_init(&d->stats_timer, stats_cb, STATS_BUSY_S, STATS_BUSY_S);
     d->stats_timer.data = d;
+    ev_timer_init(&d->coalesce_timer, coalesce_cb, 0.001, 0.);
+    d->coalesce_timer.data = d;
     ev_idle_init(&d->kick_idle, kick_idle_cb);
     d->kick_idle.data = d;
     rbudget_join(budget, &d->rb, budget_wake, d);
@@ -996,6 +1035,7 @@ void drain_stop(drain *d, void (*on_stopped)(void *ud), void *ud)
     ev_timer_stop(d->loop, &d->deadline_timer);
     ev_timer_stop(d->loop, &d->cleanup_timer);
     ev_timer_stop(d->loop, &d->stats_timer);
+    ev_timer_stop(d->loop, &d->coalesce_timer);
     schedule_kick(d);
 }
 
@@ -1008,6 +1048,7 @@ void drain_free(drain *d)
     ev_timer_stop(d->loop, &d->deadline_timer);
     ev_timer_stop(d->loop, &d->cleanup_timer);
     ev_timer_stop(d->loop, &d->stats_timer);
+    ev_timer_stop(d->loop, &d->coalesce_timer);
     ev_timer_stop(d->loop, &d->main.hold_timer);
     ev_timer_stop(d->loop, &d->settler.hold_timer);
     ev_idle_stop(d->loop, &d->kick_idle);
