@@ -73,6 +73,8 @@ typedef struct cfg_outbox {
     int     cleanup_batch;      /* rows deleted per retention statement, default 1000 */
     int64_t cleanup_interval_ms;/* default 10s */
     int64_t claim_delay_ms;     /* after a short claim, a woken claim waits this long, default 5ms */
+    int64_t health_interval_ms; /* table health read every (0: never), default 15s */
+    int64_t horizon_warn_ms;    /* WARN once the xmin horizon is held back this long, default 5m */
     int     mode;               /* enum cfg_mode, default leader */
     int     ordering;           /* enum cfg_ordering, default pipelined */
     int64_t query_timeout_ms;   /* statement timeout for the relay's queries, default 30s */

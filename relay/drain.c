@@ -89,6 +89,12 @@ struct drain {
     bool      lead_due;
     bool      cleanup_due;
     bool      stats_due;
+    bool      health_due;
+    bool      horizon_held;      /* a held-back xmin horizon was reported (WARN), not ended */
+    bool      horizon_blind_logged; /* "cannot see other sessions" was logged */
+    char      horizon_holder[200];  /* who held it, for the "ended" line */
+    char      slot_xmin[160];    /* a slot holding the horizon: its name and xmin ... */
+    double    slot_since;        /* ... and since when (monotonic) this relay has seen it */
     double    poll_delay;        /* adaptive: grows while claims come back empty */
 
     bool      stopping;
@@ -102,6 +108,7 @@ struct drain {
     ev_timer  deadline_timer;    /* fires at leader_until: the leadership lapses then */
     ev_timer  cleanup_timer;
     ev_timer  stats_timer;
+    ev_timer  health_timer;      /* every health_interval: the table's health */
     ev_timer  coalesce_timer;    /* a woken claim waits for it (claim_delay after a short one) */
     ev_idle   kick_idle;         /* runs kick() once the current callback chain is done */
 
@@ -112,6 +119,7 @@ static void kick(drain *d);
 static void pump(drain *d);
 static void arm_poll(drain *d);
 static bool lead_valid(drain *d);
+static bool ob_health_on(const drain *d);
 
 /* ---------- small helpers ---------- */
 
@@ -590,6 +598,77 @@ static void hold_after_failure(sconn *c)
     ev_timer_start(c->d->loop, &c->hold_timer);
 }
 
+/* The table's health: into the metrics, and the xmin horizon's holder watched. Held
+   past horizon_warn, it is logged at WARN once, naming it, until it lets go (INFO). */
+static void on_health(drain *d, const src_health *h)
+{
+    double now = mono_now(), warn_s = (double)d->ob->horizon_warn_ms / 1000.0;
+    double age = -1;
+    char who[200] = "";
+
+    d->m.health_seen = 1;
+    d->m.table_dead_tuples = h->dead_tuples;
+    d->m.table_live_tuples = h->live_tuples;
+    d->m.table_size_bytes = h->size_bytes;
+    d->m.last_autovacuum_ts = h->last_autovacuum;
+    d->m.horizon_xids = h->horizon_known || h->holder_kind != NULL ? h->horizon_xids : -1;
+    if (h->holder_kind == NULL) {
+        age = 0;
+        d->slot_xmin[0] = '\0';
+    } else if (h->holder_pid > 0) {
+        age = h->holder_age_s;
+        snprintf(who, sizeof who, "pid %d (application_name \"%s\", state \"%s\")",
+                 h->holder_pid, h->holder_name ? h->holder_name : "",
+                 h->holder_state ? h->holder_state : "");
+        d->slot_xmin[0] = '\0';
+    } else {
+        /* a replication slot: the database does not say since when; count from the
+           first time this relay saw it hold this very xmin */
+        char key[160];
+        snprintf(key, sizeof key, "%s/%s", h->holder_name ? h->holder_name : "",
+                 h->holder_xmin ? h->holder_xmin : "");
+        if (strcmp(key, d->slot_xmin) != 0) {
+            snprintf(d->slot_xmin, sizeof d->slot_xmin, "%s", key);
+            d->slot_since = now;
+        }
+        age = now - d->slot_since;
+        snprintf(who, sizeof who, "replication slot \"%s\" (%s, xmin %s)",
+                 h->holder_name ? h->holder_name : "", h->holder_state ? h->holder_state : "",
+                 h->holder_xmin ? h->holder_xmin : "?");
+    }
+    if (!h->horizon_known && !d->horizon_blind_logged) {
+        d->horizon_blind_logged = true;
+        log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_unknown", .outbox = d->ob->name },
+               "outbox=%s: table health: the relay's database role cannot see other roles' "
+               "transactions, so a long transaction holding back the vacuum of %s would go "
+               "unnoticed; grant it pg_read_all_stats (or pg_monitor)", d->ob->name,
+               d->ob->table);
+    }
+    d->m.horizon_age_s = h->horizon_known || h->holder_kind != NULL ? age : -1;
+    if (age >= warn_s && who[0] != '\0') {
+        if (!d->horizon_held) {
+            d->horizon_held = true;
+            snprintf(d->horizon_holder, sizeof d->horizon_holder, "%s", who);
+            log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_held", .outbox = d->ob->name,
+                                            .error = who },
+                   "outbox=%s: the database's xmin horizon has been held back for %.0f s "
+                   "(%" PRId64 " transactions) by %s: vacuum cannot remove dead rows of %s "
+                   "(%" PRId64 " dead, %" PRId64 " live now) and claims slow down as they "
+                   "pile up; %s", d->ob->name, age, h->horizon_xids, who, d->ob->table,
+                   h->dead_tuples, h->live_tuples,
+                   h->holder_pid > 0 ? "end that transaction"
+                                     : "advance or drop the slot (or its standby's feedback)");
+        }
+    } else if (d->horizon_held) {
+        d->horizon_held = false;
+        log_ev(LOG_INFO, &(log_fields){ .event = "xmin_horizon_released", .outbox = d->ob->name,
+                                        .error = d->horizon_holder },
+               "outbox=%s: the database's xmin horizon is no longer held back (it was by %s; "
+               "now %s); %" PRId64 " dead rows in %s", d->ob->name, d->horizon_holder,
+               who[0] ? who : "nothing holds it", h->dead_tuples, d->ob->table);
+    }
+}
+
 static void src_on_done(void *ud, const src_result *res)
 {
     sconn *c = ud;
@@ -616,6 +695,10 @@ static void src_on_done(void *ud, const src_result *res)
                    "outbox=%s: retention removed %zu rows", d->ob->name, res->n_deleted);
         if (res->ok == 0 && res->n_deleted >= (size_t)d->ob->cleanup_batch)
             d->cleanup_due = true;      /* more to do: continue after other work */
+        break;
+    case SRC_REQ_HEALTH:
+        if (res->ok == 0)
+            on_health(d, &res->health);
         break;
     case SRC_REQ_STATS:
         if (res->ok == 0) {
@@ -757,6 +840,9 @@ static bool main_request(drain *d, int req)
     case SRC_REQ_STATS:
         rc = d->sops->stats(c->src);
         break;
+    case SRC_REQ_HEALTH:
+        rc = d->sops->health(c->src);
+        break;
     default:
         break;
     }
@@ -820,6 +906,10 @@ static void kick(drain *d)
             d->stats_due = false;
             (void)main_request(d, SRC_REQ_STATS);
         }
+        if (!mc->busy && d->health_due && !d->stopping && d->sops->health != NULL) {
+            d->health_due = false;
+            (void)main_request(d, SRC_REQ_HEALTH);
+        }
     }
     check_stopped(d);
 }
@@ -832,6 +922,14 @@ static void kick_idle_cb(struct ev_loop *loop, ev_idle *w, int revents)
     drain *d = w->data;
     ev_idle_stop(loop, w);
     kick(d);
+}
+
+static void health_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    drain *d = w->data;
+    d->health_due = true;
+    schedule_kick(d);
 }
 
 static void coalesce_cb(struct ev_loop *loop, ev_timer *w, int revents)
@@ -998,6 +1096,15 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
     d->cleanup_timer.data = d;
     ev_timer_init(&d->stats_timer, stats_cb, STATS_BUSY_S, STATS_BUSY_S);
     d->stats_timer.data = d;
+    double hi = ob->health_interval_ms / 1000.0;
+    ev_timer_init(&d->health_timer, health_cb, hi, hi);
+    if (ob_health_on(d)) {
+        d->m.health_seen = 1;
+        d->m.table_dead_tuples = d->m.table_live_tuples = d->m.table_size_bytes = -1;
+        d->m.horizon_xids = -1;
+        d->m.last_autovacuum_ts = d->m.horizon_age_s = -1;
+    }
+    d->health_timer.data = d;
     ev_timer_init(&d->coalesce_timer, coalesce_cb, 0.001, 0.);
     d->coalesce_timer.data = d;
     ev_idle_init(&d->kick_idle, kick_idle_cb);
@@ -1006,12 +1113,22 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
     return d;
 }
 
+/* The table's health is read when the source can and health_interval is not 0. */
+static bool ob_health_on(const drain *d)
+{
+    return d->sops->health != NULL && d->ob->health_interval_ms > 0;
+}
+
 void drain_start(drain *d)
 {
     if (d->ob->mode == CFG_MODE_LEADER)
         ev_timer_start(d->loop, &d->lead_timer);
     ev_timer_start(d->loop, &d->cleanup_timer);
     ev_timer_start(d->loop, &d->stats_timer);
+    if (ob_health_on(d)) {
+        d->health_due = true;            /* once at start, then every health_interval */
+        ev_timer_start(d->loop, &d->health_timer);
+    }
     arm_poll(d);
     d->sops->start(d->main.src);
     d->sops->start(d->settler.src);
@@ -1035,6 +1152,7 @@ void drain_stop(drain *d, void (*on_stopped)(void *ud), void *ud)
     ev_timer_stop(d->loop, &d->deadline_timer);
     ev_timer_stop(d->loop, &d->cleanup_timer);
     ev_timer_stop(d->loop, &d->stats_timer);
+    ev_timer_stop(d->loop, &d->health_timer);
     ev_timer_stop(d->loop, &d->coalesce_timer);
     schedule_kick(d);
 }
@@ -1049,6 +1167,7 @@ void drain_free(drain *d)
     ev_timer_stop(d->loop, &d->cleanup_timer);
     ev_timer_stop(d->loop, &d->stats_timer);
     ev_timer_stop(d->loop, &d->coalesce_timer);
+    ev_timer_stop(d->loop, &d->health_timer);
     ev_timer_stop(d->loop, &d->main.hold_timer);
     ev_timer_stop(d->loop, &d->settler.hold_timer);
     ev_idle_stop(d->loop, &d->kick_idle);

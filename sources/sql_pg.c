@@ -335,6 +335,36 @@ char *sql_pg_stats(const sql_pg_names *n, bool full)
     return fmt(STATS_HEAD, n->table, n->dead, kept);
 }
 
+/* The table's health, read every health_interval: dead and live tuples (estimates of the
+ * statistics system), table + indexes + TOAST size, last autovacuum (Unix time), whether
+ * this role sees other sessions' snapshots, and the holder of the oldest xmin that can
+ * hold back the vacuum of this table: a session of this database (or a walsender, whose
+ * xmin is a standby's with hot_standby_feedback) other than this one, or a replication
+ * slot's xmin. A logical slot's catalog_xmin holds back only the system catalogs, not
+ * this table, and is left out. Other roles' backend_xmin is NULL unless this role has
+ * pg_read_all_stats (or pg_monitor): the fifth column says whether it can see them. */
+char *sql_pg_health(const sql_pg_names *n)
+{
+    return fmt(
+        "SELECT s.n_dead_tup, s.n_live_tup, pg_total_relation_size(s.relid), "
+        "coalesce(extract(epoch from s.last_autovacuum)::float8, 0), "
+        "pg_has_role('pg_read_all_stats', 'USAGE'), "
+        "h.kind, h.pid, h.name, h.state, h.secs, h.xids, h.xmin "
+        "FROM pg_stat_user_tables s LEFT JOIN LATERAL (SELECT * FROM ("
+        "SELECT 'session'::text AS kind, a.pid, a.application_name AS name, a.state, "
+        "greatest(extract(epoch from now() - coalesce(a.xact_start, a.query_start, "
+        "a.backend_start)), 0)::float8 AS secs, age(a.backend_xmin)::bigint AS xids, "
+        "a.backend_xmin::text AS xmin FROM pg_stat_activity a "
+        "WHERE a.backend_xmin IS NOT NULL AND a.pid <> pg_backend_pid() "
+        "AND (a.datname = current_database() OR a.backend_type = 'walsender') "
+        "UNION ALL SELECT 'replication slot', 0, r.slot_name::text, "
+        "CASE WHEN r.active THEN 'active' ELSE 'inactive' END, -1, age(r.xmin)::bigint, "
+        "r.xmin::text FROM pg_replication_slots r WHERE r.xmin IS NOT NULL) x "
+        "ORDER BY x.xids DESC, x.secs DESC LIMIT 1) h ON true "
+        "WHERE s.relid = '%s'::regclass",
+        n->table);
+}
+
 char *sql_pg_dead_list(const sql_pg_names *n)
 {
     return fmt(

@@ -48,7 +48,7 @@ struct source {
     char     *conninfo, *password, *database, *name;
     sql_pg_names names;
     char     *sql_lead, *sql_claim, *sql_claim_competing, *sql_settle, *sql_settle_sent;
-    char     *sql_cleanup, *sql_stats;
+    char     *sql_cleanup, *sql_stats, *sql_health;
 
     PGconn   *conn;
     int       phase;          /* enum phase */
@@ -74,6 +74,7 @@ struct source {
     char      prev_pid[16];   /* our previous session on the server: pid and backend_start */
     char      prev_start[64];
     char      holder[256];    /* the leadership holder named by the last lead answer */
+    char      h_kind[24], h_name[128], h_state[64], h_xmin[24];  /* the last health answer's */
     bool      pooled;         /* a pooler answers for the server (see Q_SET_TIMEOUT) */
     int       server_pid;     /* pg_backend_pid() seen at setup */
 
@@ -98,6 +99,7 @@ static void src_free(source *s)
     free(s->sql_settle_sent);
     free(s->sql_cleanup);
     free(s->sql_stats);
+    free(s->sql_health);
     free(s->sql_claim_competing);
     free(s);
 }
@@ -363,6 +365,39 @@ static bool result_ok(const PGresult *r)
     return st == PGRES_COMMAND_OK || st == PGRES_TUPLES_OK;
 }
 
+/* ------------------------------------------------------------ table health */
+
+static void copy_field(const PGresult *r, int col, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s", PQgetisnull(r, 0, col) ? "" : PQgetvalue(r, 0, col));
+}
+
+/* The row of sql_pg_health (text format) into h; its strings point into s. */
+static int parse_health(source *s, const PGresult *r, src_health *h)
+{
+    if (PQntuples(r) != 1 || PQnfields(r) != 12)
+        return -1;
+    h->dead_tuples = PQgetisnull(r, 0, 0) ? -1 : strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+    h->live_tuples = PQgetisnull(r, 0, 1) ? -1 : strtoll(PQgetvalue(r, 0, 1), NULL, 10);
+    h->size_bytes = PQgetisnull(r, 0, 2) ? -1 : strtoll(PQgetvalue(r, 0, 2), NULL, 10);
+    h->last_autovacuum = PQgetisnull(r, 0, 3) ? -1 : strtod(PQgetvalue(r, 0, 3), NULL);
+    h->horizon_known = !PQgetisnull(r, 0, 4) && PQgetvalue(r, 0, 4)[0] == 't';
+    if (PQgetisnull(r, 0, 5))
+        return 0;                               /* nothing holds an xmin */
+    copy_field(r, 5, s->h_kind, sizeof s->h_kind);
+    copy_field(r, 7, s->h_name, sizeof s->h_name);
+    copy_field(r, 8, s->h_state, sizeof s->h_state);
+    copy_field(r, 11, s->h_xmin, sizeof s->h_xmin);
+    h->holder_kind = s->h_kind;
+    h->holder_name = s->h_name;
+    h->holder_state = s->h_state;
+    h->holder_xmin = s->h_xmin;
+    h->holder_pid = PQgetisnull(r, 0, 6) ? 0 : atoi(PQgetvalue(r, 0, 6));
+    h->holder_age_s = PQgetisnull(r, 0, 9) ? -1 : strtod(PQgetvalue(r, 0, 9), NULL);
+    h->horizon_xids = PQgetisnull(r, 0, 10) ? 0 : strtoll(PQgetvalue(r, 0, 10), NULL, 10);
+    return 0;
+}
+
 /* ------------------------------------------------------------ claim decoding */
 
 static int64_t be64(const char *p)
@@ -516,6 +551,12 @@ static void req_complete(source *s, PGresult *r)
             if (pgsrc_parse_stats(r, &res.stats) < 0) {
                 res.ok = -1;
                 res.error = "stats: unexpected result";
+            }
+            break;
+        case SRC_REQ_HEALTH:
+            if (parse_health(s, r, &res.health) < 0) {
+                res.ok = -1;
+                res.error = "table health: unexpected result";
             }
             break;
         default:
@@ -869,8 +910,9 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
     s->sql_settle_sent = sql_pg_settle_sent(&s->names, ob->on_sent);
     s->sql_cleanup = sql_pg_cleanup(&s->names);
     s->sql_stats = sql_pg_stats(&s->names, false);
+    s->sql_health = sql_pg_health(&s->names);
     if (!s->sql_lead || !s->sql_claim || !s->sql_claim_competing || !s->sql_settle ||
-        !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats)
+        !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats || !s->sql_health)
         goto oom;
     s->backoff_ms = BACKOFF_MIN_MS;
     s->rng = ((uint64_t)time(NULL) << 20) ^ (uint64_t)getpid() ^ (uint64_t)(uintptr_t)s;
@@ -1036,6 +1078,14 @@ static int pgsrc_stats(source *s)
     return req_send(s, s->sql_stats, 0, NULL, 0);
 }
 
+static int pgsrc_health(source *s)
+{
+    int rc = req_begin(s, SRC_REQ_HEALTH);
+    if (rc)
+        return rc < 0 ? -1 : 0;
+    return req_send(s, s->sql_health, 0, NULL, 0);
+}
+
 static bool pgsrc_notifies(const source *s)
 {
     return s->phase == PH_UP && !s->pooled;
@@ -1052,6 +1102,7 @@ const source_ops pgsrc_ops = {
     .cleanup = pgsrc_cleanup,
     .stats = pgsrc_stats,
     .notifies = pgsrc_notifies,
+    .health = pgsrc_health,
     .peer = pgsrc_peer,
     .check = pgsrc_check,
     .init = pgsrc_init,
