@@ -27,8 +27,8 @@ def produce(db, q, rate, seconds, stop):
         t0 = time.monotonic()
         while not stop.is_set():
             due = t0 + n / rate
-            if due > t0 + seconds:
-                break
+            if due > t0 + seconds or time.monotonic() > t0 + seconds:
+                break       # a slow machine commits fewer rows, not for longer
             delay = due - time.monotonic()
             if delay > 0:
                 time.sleep(delay)
@@ -66,6 +66,7 @@ def test_claims_coalesce_under_a_stream_of_commits(services, pgdb, relay_bin, tm
         c0, rows0 = claims(r)
         t0 = time.monotonic()
         n = produce(pgdb, q, 400, 4.0, stop)
+        rate = n / (time.monotonic() - t0)
         assert cons.wait_distinct(n, 30), f"{len(cons.seen)} of {n} arrived"
         secs = time.monotonic() - t0
         c1, rows1 = claims(r)
@@ -75,7 +76,10 @@ def test_claims_coalesce_under_a_stream_of_commits(services, pgdb, relay_bin, tm
         # one claim per 20 ms at most while rows come, plus the few that polls, the last
         # rows and timer slack add; without coalescing it is one per commit or so
         assert nclaims <= secs / 0.020 + 20, (nclaims, nrows, secs)
-        assert nrows / nclaims >= 4, (nclaims, nrows)
+        # and the claims carry the rows that came meanwhile: at least half of the rate's
+        # rows per 20 ms on average (when the machine managed a rate where that is > 1)
+        if rate >= 200:
+            assert nrows / nclaims >= rate * 0.020 / 2, (nclaims, nrows, rate)
     finally:
         stop.set()
         r.assert_clean_exit(r.stop())

@@ -38,7 +38,19 @@
 #define BACKOFF_MIN_MS 100
 
 enum phase { PH_IDLE = 0, PH_BACKOFF, PH_CONNECTING, PH_SETUP, PH_UP };
-enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ };
+enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_PREPARE, Q_REQ };
+
+/* The requests' statements are prepared once per session, at their first use (not
+   through a pooler, whose server sessions are shared; not during setup, which must not
+   wait for a lock on the outbox table): under steady load a claim or a settle of a few
+   rows costs the server about as much to parse and plan as to run. */
+enum { ST_LEAD = 0, ST_CLAIM, ST_CLAIM_COMPETING, ST_SETTLE, ST_SETTLE_SENT, ST_CLEANUP,
+       ST_STATS, ST_HEALTH, ST_COUNT };
+static const char *const st_name[ST_COUNT] = {
+    "outbox_relay_lead", "outbox_relay_claim", "outbox_relay_claim_competing",
+    "outbox_relay_settle", "outbox_relay_settle_sent", "outbox_relay_cleanup",
+    "outbox_relay_stats", "outbox_relay_health",
+};
 
 struct source {
     struct ev_loop *loop;
@@ -49,6 +61,10 @@ struct source {
     sql_pg_names names;
     char     *sql_lead, *sql_claim, *sql_claim_competing, *sql_settle, *sql_settle_sent;
     char     *sql_cleanup, *sql_stats, *sql_health;
+    bool      prepared[ST_COUNT]; /* this session has the statement prepared */
+    int       prep_st;        /* Q_REQ_PREPARE: the statement, then run with these: */
+    int       prep_n, prep_fmt;
+    char     *prep_vals[8];
 
     PGconn   *conn;
     int       phase;          /* enum phase */
@@ -84,6 +100,8 @@ struct source {
 
 /* ------------------------------------------------------------ helpers */
 
+static void prep_clear(source *s);
+
 static void src_free(source *s)
 {
     free(s->conninfo);
@@ -100,6 +118,7 @@ static void src_free(source *s)
     free(s->sql_cleanup);
     free(s->sql_stats);
     free(s->sql_health);
+    prep_clear(s);
     free(s->sql_claim_competing);
     free(s);
 }
@@ -576,6 +595,7 @@ static void req_complete(source *s, PGresult *r)
 
 static void warn_no_listen(source *s);
 static void set_up(source *s);
+static void prep_done(source *s, PGresult *r);
 
 /* The query in flight has returned all its results. */
 static void q_done(source *s)
@@ -590,6 +610,10 @@ static void q_done(source *s)
     if (op == Q_REQ) {
         req_complete(s, r);
         PQclear(r);
+        return;
+    }
+    if (op == Q_REQ_PREPARE) {
+        prep_done(s, r);
         return;
     }
     if (!result_ok(r)) {
@@ -696,6 +720,7 @@ static void on_connected(source *s)
     }
     s->phase = PH_SETUP;
     s->notice[0] = '\0';
+    memset(s->prepared, 0, sizeof s->prepared);
     setup_step(s, Q_SET_TIMEOUT);
 }
 
@@ -989,9 +1014,100 @@ static int req_begin(source *s, int req)
     return 0;
 }
 
+/* The statements in st_name's order. */
+static const char *st_sql(const source *s, int i)
+{
+    const char *v[ST_COUNT] = { s->sql_lead, s->sql_claim, s->sql_claim_competing,
+                                s->sql_settle, s->sql_settle_sent, s->sql_cleanup,
+                                s->sql_stats, s->sql_health };
+    return v[i];
+}
+
+static void prep_clear(source *s)
+{
+    for (int i = 0; i < s->prep_n; i++) {
+        free(s->prep_vals[i]);
+        s->prep_vals[i] = NULL;
+    }
+    s->prep_n = 0;
+}
+
+static void q_deadline(source *s)
+{
+    int64_t slack = s->cfg.connect_timeout_ms > 1000 ? s->cfg.connect_timeout_ms : 1000;
+    deadline_set(s, s->cfg.query_timeout_ms + slack);
+}
+
+static int send_prepared(source *s, int i, int n, const char *const *vals, int fmt)
+{
+    if (!PQsendQueryPrepared(s->conn, st_name[i], n, vals, NULL, NULL, fmt))
+        return -1;
+    s->qop = Q_REQ;
+    if (q_flush(s) < 0)
+        return -1;
+    q_deadline(s);
+    return 0;
+}
+
+/* Sends a request's statement by its name when this session has it prepared; at its
+   first use, prepares it first (Q_REQ_PREPARE, with copies of the values); through a
+   pooler, as text every time. */
+static int req_query(source *s, const char *sql, int n, const char *const *vals, int fmt)
+{
+    int i = 0;
+    while (i < ST_COUNT && st_sql(s, i) != sql)
+        i++;
+    if (s->pooled || i == ST_COUNT || n > (int)(sizeof s->prep_vals / sizeof s->prep_vals[0]))
+        return q_send(s, Q_REQ, sql, n, vals, fmt);
+    if (s->prepared[i])
+        return send_prepared(s, i, n, vals, fmt);
+    prep_clear(s);
+    for (int k = 0; k < n; k++) {
+        if (vals[k] != NULL && (s->prep_vals[k] = dupstr(vals[k])) == NULL) {
+            s->prep_n = k;
+            prep_clear(s);
+            return q_send(s, Q_REQ, sql, n, vals, fmt);    /* no memory to spare: as text */
+        }
+    }
+    s->prep_n = n;
+    s->prep_st = i;
+    s->prep_fmt = fmt;
+    if (!PQsendPrepare(s->conn, st_name[i], sql, n, NULL))
+        return -1;
+    s->qop = Q_REQ_PREPARE;
+    if (q_flush(s) < 0)
+        return -1;
+    q_deadline(s);
+    return 0;
+}
+
+/* The statement of the request in flight is prepared (or failed: then so does the
+   request, with the server's error, as if it had run). */
+static void prep_done(source *s, PGresult *r)
+{
+    if (!result_ok(r)) {
+        prep_clear(s);
+        req_complete(s, r);
+        PQclear(r);
+        return;
+    }
+    PQclear(r);
+    s->prepared[s->prep_st] = true;
+    int rc = send_prepared(s, s->prep_st, s->prep_n, (const char *const *)s->prep_vals,
+                           s->prep_fmt);
+    prep_clear(s);
+    if (rc < 0) {
+        char one[256];
+        pgsrc_oneline(PQerrorMessage(s->conn), one, sizeof one);
+        req_defer(s, -1, one[0] ? one : "send failed");
+        s->qop = Q_NONE;
+        ev_timer_stop(s->loop, &s->deadline);
+    }
+}
+
 static int req_send(source *s, const char *sql, int n, const char *const *vals, int fmt)
 {
-    if (q_send(s, Q_REQ, sql, n, vals, fmt) < 0) {
+    if (req_query(s, sql, n, vals, fmt) < 0) {
         char one[256];
         pgsrc_oneline(PQerrorMessage(s->conn), one, sizeof one);
         req_defer(s, -1, one[0] ? one : "send failed");  /* defer_cb then notices the bad connection */
