@@ -4,8 +4,8 @@
  * ledger (relay/ledger.c), which owns every row's life and its invariants.
  *
  * Two database connections per outbox, each running one request at a time:
- * `main` holds leadership and runs claims, retention and stats; `settler`
- * applies outcomes. Claims and settles overlap, so the publish window stays
+ * `main` holds leadership and runs claims, stats and the table's health; `settler`
+ * applies outcomes and runs retention. Claims and settles overlap, so the publish window stays
  * full while the database commits. kick() starts whatever each can run next;
  * pump() publishes what the ledger allows while the sink takes it.
  *
@@ -54,8 +54,8 @@ struct drain {
     const cfg        *c;
     const cfg_outbox *ob;
     const source_ops *sops;
-    sconn             main;      /* leadership, claims, retention, stats */
-    sconn             settler;   /* settles */
+    sconn             main;      /* leadership, claims, stats, table health */
+    sconn             settler;   /* settles, retention */
     const sink_ops   *kops;
     sink             *snk;
     ledger           *led;       /* every row held, from claim to settled */
@@ -769,6 +769,27 @@ static bool start_settle(drain *d)
 
 static bool main_request(drain *d, int req);
 
+/* Retention runs on the settling connection, between settles, never on the claiming one:
+   a batch of cleanup_batch deletes takes 10-40 ms (every index entry of every row), and a
+   claim that a commit asks for meanwhile would wait for it. The settles it delays are
+   marks of rows already confirmed (and bounded: 2 x publish_window with those in flight);
+   the two never touch the same rows (marked ones against leased ones). */
+static bool start_cleanup(drain *d)
+{
+    sconn *c = &d->settler;
+    src_cleanup_args a = { .retention_ms = d->ob->retention_ms,
+                           .limit = (size_t)d->ob->cleanup_batch, .owner = d->owner,
+                           .epoch = d->ob->mode == CFG_MODE_LEADER ? d->epoch : 0 };
+    c->busy = true;
+    c->busy_req = SRC_REQ_CLEANUP;
+    c->req_started = ev_now(d->loop);
+    if (d->sops->cleanup(c->src, &a) != 0) {
+        c->busy = false;
+        return false;
+    }
+    return true;
+}
+
 static void check_stopped(drain *d)
 {
     if (!d->stopping || d->stop_reported || d->main.busy || d->settler.busy)
@@ -829,14 +850,6 @@ static bool main_request(drain *d, int req)
             rbudget_hold(d->budget, &d->rb, rows_held(d));   /* the rows asked for */
         break;
     }
-    case SRC_REQ_CLEANUP:
-    {
-        src_cleanup_args a = { .retention_ms = d->ob->retention_ms,
-                               .limit = (size_t)d->ob->cleanup_batch, .owner = d->owner,
-                               .epoch = d->ob->mode == CFG_MODE_LEADER ? d->epoch : 0 };
-        rc = d->sops->cleanup(c->src, &a);
-    }
-        break;
     case SRC_REQ_STATS:
         rc = d->sops->stats(c->src);
         break;
@@ -880,6 +893,10 @@ static void kick(drain *d)
     sconn *st = &d->settler, *mc = &d->main;
     if (ledger_n_pending(d->led) > 0 && st->up && !st->busy && !st->holding)
         start_settle(d);
+    if (st->up && !st->busy && !st->holding && d->cleanup_due && !d->stopping && may_drain(d)) {
+        d->cleanup_due = false;
+        (void)start_cleanup(d);
+    }
     rbudget_hold(d->budget, &d->rb, rows_held(d));    /* a claim may have ended */
     if (mc->up && !mc->busy && !mc->holding) {
         bool may_claim = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
@@ -897,10 +914,6 @@ static void kick(drain *d)
             d->want_claim = false;
             if (!main_request(d, SRC_REQ_CLAIM))
                 d->want_claim = true;
-        }
-        if (!mc->busy && d->cleanup_due && may_drain(d) && !d->stopping) {
-            d->cleanup_due = false;
-            (void)main_request(d, SRC_REQ_CLEANUP);
         }
         if (!mc->busy && d->stats_due && !d->stopping) {
             d->stats_due = false;

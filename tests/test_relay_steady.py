@@ -109,3 +109,48 @@ def test_wakeups_without_rows_cost_one_claim_per_delay(services, pgdb, relay_bin
     finally:
         r.assert_clean_exit(r.stop())
         conn.close()
+
+
+def test_retention_never_holds_the_claims(services, pgdb, relay_bin, tmp_path):
+    """A retention batch that cannot finish (a marked row it must delete is locked by
+    another session) does not stop new rows from being claimed and published: retention
+    runs beside the claims, not in front of them."""
+    q = f"qsteady-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    port = free_port()
+    cfg = write_config(tmp_path / "r.ini", services, pgdb,
+                       relay={"name": "steady", "http_listen": f"127.0.0.1:{port}"},
+                       poll_interval="5s", retention="0", cleanup_interval="1s",
+                       query_timeout="60s")
+    init_schema(relay_bin, cfg)
+    # a row marked an hour ago, held by another session: retention's DELETE waits for it
+    locker = pgdb.connect(autocommit=False)
+    with pgdb.connect() as c:
+        c.execute("INSERT INTO outbox.messages (message_id, routing_key, payload, sent_at) "
+                  "VALUES (gen_random_uuid(), %s, 'old', now() - interval '1 hour')", (q,))
+    assert locker.execute("SELECT id FROM outbox.messages FOR UPDATE").fetchone() is not None
+    r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
+    try:
+        cons = LiveConsumer(services, q)
+        with pgdb.connect() as c:
+            waiting = ("SELECT count(*) FROM pg_stat_activity WHERE application_name = "
+                       "'outbox-relay' AND wait_event_type = 'Lock' AND query LIKE 'DELETE%'")
+            wait_for(lambda: c.execute(waiting).fetchone()[0] == 1, 20,
+                     desc="retention waiting on the lock")
+            for i in range(20):
+                c.execute("INSERT INTO outbox.messages (message_id, routing_key, headers, "
+                          "payload) VALUES (gen_random_uuid(), %s, "
+                          "jsonb_build_object('seq', %s::text), 'x')", (q, i))
+            # claimed and published while retention still waits
+            assert cons.wait_distinct(20, 10), f"{len(cons.seen)} of 20 arrived"
+            assert c.execute(waiting).fetchone()[0] == 1
+        locker.rollback()
+        with pgdb.connect() as c:
+            wait_for(lambda: c.execute("SELECT count(*) FROM outbox.messages").fetchone()[0]
+                     == 0, 20, desc="retention done once the lock is gone")
+        cons.stop(idle=0)
+    finally:
+        locker.rollback()
+        r.assert_clean_exit(r.stop())
+        conn.close()
