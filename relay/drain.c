@@ -33,6 +33,8 @@
 #define DRAIN_MARGIN_MAX 10.0   /* seconds kept between a lease deadline and its expiry */
 #define STATS_BUSY_S     5.0    /* backlog and oldest-pending refresh while rows move */
 #define STATS_IDLE_S     30.0   /* ... and while nothing happened since the last one */
+#define SETTLE_GATHER_S  0.02   /* a settle of fewer than batch_size outcomes waits this long
+                                   after the previous one (see settle_gathering) */
 
 /* One database connection (a source instance) and its request state. */
 typedef struct sconn {
@@ -79,6 +81,7 @@ struct drain {
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
     double    claim_ended;       /* monotonic: when the last claim's answer came */
     bool      claim_short;       /* it brought fewer rows than asked: the backlog is drained */
+    double    settle_ended;      /* monotonic: when the last settle's answer came */
 
     bool      want_claim;        /* wake-up, poll tick or a full previous claim */
     bool      active;            /* rows claimed or settled, or a wake-up, since the last stats */
@@ -487,6 +490,7 @@ static void on_claimed(drain *d, const src_result *res)
 
 static void on_settled(drain *d, const src_result *res)
 {
+    d->settle_ended = mono_now();
     if (res->ok == 0)
         histogram_observe(&d->m.settle_latency, ev_now(d->loop) - d->settler.req_started);
     ledger_settle_done(d->led, res->ok == 0, res->n_applied);
@@ -749,6 +753,35 @@ static size_t claim_size(drain *d)
     return rbudget_claim_size(d->budget, &d->rb, used, limit, batch);
 }
 
+/* Under steady load the broker confirms a few messages at a time, and a settle per
+   confirm batch costs the database a statement and a commit for a row or two. Marks of
+   confirmed rows are not on any message's way (the consumer has it already): a settle of
+   fewer than batch_size outcomes waits until SETTLE_GATHER_S after the previous settle's
+   answer, and takes what was confirmed meanwhile with it (a retry or a dead letter
+   among them waits as long: far less than any retry_backoff). A full batch and a stopping
+   drain settle at once. True while that wait runs (the coalesce timer kicks again). */
+static void arm_coalesce(drain *d, double left)
+{
+    if (ev_is_active(&d->coalesce_timer)) {
+        if (ev_timer_remaining(d->loop, &d->coalesce_timer) <= left)
+            return;
+        ev_timer_stop(d->loop, &d->coalesce_timer);
+    }
+    ev_timer_set(&d->coalesce_timer, left, 0.);
+    ev_timer_start(d->loop, &d->coalesce_timer);
+}
+
+static bool settle_gathering(drain *d)
+{
+    if (d->stopping || ledger_n_pending(d->led) >= (size_t)d->ob->batch_size)
+        return false;
+    double left = d->settle_ended + SETTLE_GATHER_S - mono_now();
+    if (left <= 0)
+        return false;
+    arm_coalesce(d, left);
+    return true;
+}
+
 static bool start_settle(drain *d)
 {
     const src_outcome *v;
@@ -881,17 +914,15 @@ static bool claim_coalescing(drain *d)
     double left = d->claim_ended + delay - mono_now();
     if (left <= 0)
         return false;
-    if (!ev_is_active(&d->coalesce_timer)) {
-        ev_timer_set(&d->coalesce_timer, left, 0.);
-        ev_timer_start(d->loop, &d->coalesce_timer);
-    }
+    arm_coalesce(d, left);
     return true;
 }
 
 static void kick(drain *d)
 {
     sconn *st = &d->settler, *mc = &d->main;
-    if (ledger_n_pending(d->led) > 0 && st->up && !st->busy && !st->holding)
+    if (ledger_n_pending(d->led) > 0 && st->up && !st->busy && !st->holding &&
+        !settle_gathering(d))
         start_settle(d);
     if (st->up && !st->busy && !st->holding && d->cleanup_due && !d->stopping && may_drain(d)) {
         d->cleanup_due = false;
@@ -1118,7 +1149,7 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
         d->m.last_autovacuum_ts = d->m.horizon_age_s = -1;
     }
     d->health_timer.data = d;
-    ev_timer_init(&d->coalesce_timer, coalesce_cb, 0.001, 0.);
+    ev_timer_init(&d->coalesce_timer, coalesce_cb, 0.001, 0.);   /* claims and settles */
     d->coalesce_timer.data = d;
     ev_idle_init(&d->kick_idle, kick_idle_cb);
     d->kick_idle.data = d;

@@ -19,6 +19,10 @@ def claims(relay):
         "outbox_relay_claimed_rows_total")
 
 
+def settles(relay):
+    return relay.metric("outbox_relay_settle_latency_seconds_count")
+
+
 def produce(db, q, rate, seconds, stop):
     """One row per transaction at `rate` a second for `seconds` (each commit NOTIFYs);
     returns the number of rows committed."""
@@ -80,6 +84,35 @@ def test_claims_coalesce_under_a_stream_of_commits(services, pgdb, relay_bin, tm
         # rows per 20 ms on average (when the machine managed a rate where that is > 1)
         if rate >= 200:
             assert nrows / nclaims >= rate * 0.020 / 2, (nclaims, nrows, rate)
+    finally:
+        stop.set()
+        r.assert_clean_exit(r.stop())
+        conn.close()
+
+
+def test_marks_gather_under_a_stream_of_commits(services, pgdb, relay_bin, tmp_path):
+    """The marks of confirmed rows are on no message's way: under the same stream, with
+    claims not coalesced at all (claim_delay = 0: a claim, a publish and a confirm for
+    nearly every commit), a settle of fewer than batch_size waits 20 ms after the last one
+    and takes what was confirmed meanwhile: at most one settle per 20 ms, every row marked."""
+    q = f"qsteady-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    r = start(relay_bin, tmp_path, services, pgdb, claim_delay="0")
+    stop = threading.Event()
+    try:
+        cons = LiveConsumer(services, q)
+        s0 = settles(r)
+        t0 = time.monotonic()
+        n = produce(pgdb, q, 400, 3.0, stop)
+        assert cons.wait_distinct(n, 30), f"{len(cons.seen)} of {n} arrived"
+        with pgdb.connect() as c:
+            wait_for(lambda: c.execute("SELECT count(*) FROM outbox.messages WHERE sent_at "
+                                       "IS NULL").fetchone()[0] == 0, 10, desc="all marked")
+        secs = time.monotonic() - t0
+        nsettles = settles(r) - s0
+        cons.stop(idle=0)
+        assert nsettles <= secs / 0.020 + 10, (nsettles, n, secs)
     finally:
         stop.set()
         r.assert_clean_exit(r.stop())
