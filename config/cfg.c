@@ -569,6 +569,9 @@ static const cfg_key outbox_keys[] = {
     { "retention",         CFG_KT_DUR,  0, "7d", 0, DUR_MAX, NULL, NULL, O(retention_ms), NULL },
     { "cleanup_batch",     CFG_KT_INT,  0, "1000", 1, 100000, NULL, NULL, O(cleanup_batch), NULL },
     { "cleanup_interval",  CFG_KT_DUR,  0, "10s", 10, MS_D, NULL, NULL, O(cleanup_interval_ms), NULL },
+    { "claim_delay",       CFG_KT_DUR,  0, "5ms", 0, MS_S, NULL, NULL, O(claim_delay_ms), NULL },
+    { "health_interval",   CFG_KT_DUR,  0, "15s", 0, MS_D, NULL, NULL, O(health_interval_ms), NULL },
+    { "horizon_warn",      CFG_KT_DUR,  0, "5m", MS_S, 30 * MS_D, NULL, NULL, O(horizon_warn_ms), NULL },
     { "mode",              CFG_KT_ENUM, 0, "leader", 0, 0, ENUM(mode), O(mode), NULL },
     { "ordering",          CFG_KT_ENUM, 0, "pipelined", 0, 0, ENUM(ordering), O(ordering), NULL },
     { "query_timeout",     CFG_KT_DUR,  0, "30s", 10, 24 * MS_H, NULL, NULL, O(query_timeout_ms), NULL },
@@ -1540,6 +1543,9 @@ bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b)
            a->retry_backoff_max_ms == b->retry_backoff_max_ms && a->on_sent == b->on_sent &&
            a->retention_ms == b->retention_ms && a->cleanup_batch == b->cleanup_batch &&
            a->cleanup_interval_ms == b->cleanup_interval_ms && a->mode == b->mode &&
+           a->claim_delay_ms == b->claim_delay_ms &&
+           a->health_interval_ms == b->health_interval_ms &&
+           a->horizon_warn_ms == b->horizon_warn_ms &&
            a->ordering == b->ordering && a->query_timeout_ms == b->query_timeout_ms &&
            a->connect_timeout_ms == b->connect_timeout_ms &&
            a->reconnect_max_ms == b->reconnect_max_ms &&

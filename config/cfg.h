@@ -77,6 +77,9 @@ typedef struct cfg_outbox {
     int64_t retention_ms;       /* default 7d */
     int     cleanup_batch;      /* rows deleted per retention statement, default 1000 */
     int64_t cleanup_interval_ms;/* default 10s */
+    int64_t claim_delay_ms;     /* after a short claim, a woken claim waits this long, default 5ms */
+    int64_t health_interval_ms; /* table health read every (0: never), default 15s */
+    int64_t horizon_warn_ms;    /* WARN once the xmin horizon is held back this long, default 5m */
     enum cfg_mode mode;         /* default leader */
     enum cfg_ordering ordering; /* default pipelined */
     int64_t query_timeout_ms;   /* statement timeout for the relay's queries, default 30s */

@@ -65,5 +65,16 @@ GRANT SELECT, UPDATE, DELETE, INSERT ON TABLE outbox.messages TO outbox_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE outbox.messages_dead TO outbox_relay;
 GRANT SELECT, INSERT, UPDATE ON TABLE outbox.messages_lease TO outbox_relay;
 
+-- Table health (`/metrics`: outbox_relay_table_*, outbox_relay_xmin_horizon_*, and the WARN
+-- naming whoever holds the xmin horizon back): the dead/live tuple counts and last autovacuum
+-- (pg_stat_user_tables), the size (pg_total_relation_size) and pg_replication_slots need no
+-- grant. Which session holds the horizon back (pg_stat_activity.backend_xmin, xact_start,
+-- state) is hidden for other roles' sessions unless the relay is a member of
+-- pg_read_all_stats, a built-in role that reads statistics and activity only (it is part of
+-- pg_monitor; it changes nothing). Without it the relay logs once that it cannot see the
+-- holder and exports the horizon's age as -1. Granting a built-in role is cluster-wide and
+-- needs a superuser (or, on PostgreSQL 15, a role with CREATEROLE).
+GRANT pg_read_all_stats TO outbox_relay;
+
 -- Optional, for `outbox-relay stats` run as the relay role: reading pg_stat_user_tables
 -- needs no grant; nothing else is required.

@@ -4,8 +4,8 @@
  * ledger (relay/ledger.c), which owns every row's life and its invariants.
  *
  * Two database connections per outbox, each running one request at a time:
- * `main` holds leadership and runs claims, retention and stats; `settler`
- * applies outcomes. Claims and settles overlap, so the publish window stays
+ * `main` holds leadership and runs claims, stats and the table's health; `settler`
+ * applies outcomes and runs retention. Claims and settles overlap, so the publish window stays
  * full while the database commits. kick() starts whatever each can run next;
  * pump() publishes what the ledger allows while the sink takes it.
  *
@@ -33,6 +33,8 @@
 #define DRAIN_MARGIN_MAX 10.0   /* seconds kept between a lease deadline and its expiry */
 #define STATS_BUSY_S     5.0    /* backlog and oldest-pending refresh while rows move */
 #define STATS_IDLE_S     30.0   /* ... and while nothing happened since the last one */
+#define SETTLE_GATHER_S  0.02   /* a settle of fewer than batch_size outcomes waits this long
+                                   after the previous one (see settle_gathering) */
 
 /* One database connection (a source instance) and its request state. */
 typedef struct sconn {
@@ -54,8 +56,8 @@ struct drain {
     const cfg        *c;
     const cfg_outbox *ob;
     const source_ops *sops;
-    sconn             main;      /* leadership, claims, retention, stats */
-    sconn             settler;   /* settles */
+    sconn             main;      /* leadership, claims, stats, table health */
+    sconn             settler;   /* settles, retention */
     const sink_ops   *kops;
     sink             *snk;
     ledger           *led;       /* every row held, from claim to settled */
@@ -78,6 +80,9 @@ struct drain {
     size_t    claim_bytes;       /* the running claim's byte limit (reserved), 0: none */
     double    claim_sent;        /* monotonic time the outstanding claim was sent */
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
+    double    claim_ended;       /* monotonic: when the last claim's answer came */
+    bool      claim_short;       /* it brought fewer rows than asked: the backlog is drained */
+    double    settle_ended;      /* monotonic: when the last settle's answer came */
 
     bool      want_claim;        /* wake-up, poll tick or a full previous claim */
     bool      active;            /* rows claimed or settled, or a wake-up, since the last stats */
@@ -88,6 +93,12 @@ struct drain {
     bool      lead_due;
     bool      cleanup_due;
     bool      stats_due;
+    bool      health_due;
+    bool      horizon_held;      /* a held-back xmin horizon was reported (WARN), not ended */
+    bool      horizon_blind_logged; /* "cannot see other sessions" was logged */
+    char      horizon_holder[200];  /* who held it, for the "ended" line */
+    char      slot_xmin[160];    /* a slot holding the horizon: its name and xmin ... */
+    double    slot_since;        /* ... and since when (monotonic) this relay has seen it */
     double    poll_delay;        /* adaptive: grows while claims come back empty */
 
     bool      stopping;
@@ -101,6 +112,8 @@ struct drain {
     ev_timer  deadline_timer;    /* fires at leader_until: the leadership lapses then */
     ev_timer  cleanup_timer;
     ev_timer  stats_timer;
+    ev_timer  health_timer;      /* every health_interval: the table's health */
+    ev_timer  coalesce_timer;    /* a woken claim waits for it (claim_delay after a short one) */
     ev_idle   kick_idle;         /* runs kick() once the current callback chain is done */
 
     ob_metrics m;
@@ -110,6 +123,7 @@ static void kick(drain *d);
 static void pump(drain *d);
 static void arm_poll(drain *d);
 static bool lead_valid(drain *d);
+static bool ob_health_on(const drain *d);
 
 /* ---------- small helpers ---------- */
 
@@ -454,6 +468,8 @@ static void on_claimed(drain *d, const src_result *res)
         return;
     }
     d->m.claimed_rows += res->n_rows;
+    d->claim_ended = mono_now();
+    d->claim_short = res->n_rows < d->claim_asked;
     if (res->n_rows > 0)
         d->active = true;
     /* cut by its byte limit (another row as large as its largest would not have fitted):
@@ -475,7 +491,9 @@ static void on_claimed(drain *d, const src_result *res)
         d->want_claim = true;
         d->poll_delay = min_poll;
     } else {
-        d->want_claim = false;
+        /* want_claim stays as the claim's own run left it: set by a wake-up (a commit,
+           a settle, a poll) that came while the claim ran — those wake-ups together ask
+           for one follow-up claim — and clear otherwise */
         d->poll_delay = res->n_rows > 0 ? min_poll : d->poll_delay * 2;
         if (d->poll_delay > max_poll)
             d->poll_delay = max_poll;
@@ -495,6 +513,7 @@ static void on_claimed(drain *d, const src_result *res)
 
 static void on_settled(drain *d, const src_result *res)
 {
+    d->settle_ended = mono_now();
     if (res->ok == 0)
         histogram_observe(&d->m.settle_latency, ev_now(d->loop) - d->settler.req_started);
     ledger_settle_done(d->led, res->ok == 0, res->n_applied);
@@ -606,6 +625,77 @@ static void hold_after_failure(sconn *c)
     ev_timer_start(c->d->loop, &c->hold_timer);
 }
 
+/* The table's health: into the metrics, and the xmin horizon's holder watched. Held
+   past horizon_warn, it is logged at WARN once, naming it, until it lets go (INFO). */
+static void on_health(drain *d, const src_health *h)
+{
+    double now = mono_now(), warn_s = (double)d->ob->horizon_warn_ms / 1000.0;
+    double age = -1;
+    char who[200] = "";
+
+    d->m.health_seen = 1;
+    d->m.table_dead_tuples = h->dead_tuples;
+    d->m.table_live_tuples = h->live_tuples;
+    d->m.table_size_bytes = h->size_bytes;
+    d->m.last_autovacuum_ts = h->last_autovacuum;
+    d->m.horizon_xids = h->horizon_known || h->holder_kind != NULL ? h->horizon_xids : -1;
+    if (h->holder_kind == NULL) {
+        age = 0;
+        d->slot_xmin[0] = '\0';
+    } else if (h->holder_pid > 0) {
+        age = h->holder_age_s;
+        snprintf(who, sizeof who, "pid %d (application_name \"%s\", state \"%s\")",
+                 h->holder_pid, h->holder_name ? h->holder_name : "",
+                 h->holder_state ? h->holder_state : "");
+        d->slot_xmin[0] = '\0';
+    } else {
+        /* a replication slot: the database does not say since when; count from the
+           first time this relay saw it hold this very xmin */
+        char key[160];
+        snprintf(key, sizeof key, "%s/%s", h->holder_name ? h->holder_name : "",
+                 h->holder_xmin ? h->holder_xmin : "");
+        if (strcmp(key, d->slot_xmin) != 0) {
+            snprintf(d->slot_xmin, sizeof d->slot_xmin, "%s", key);
+            d->slot_since = now;
+        }
+        age = now - d->slot_since;
+        snprintf(who, sizeof who, "replication slot \"%s\" (%s, xmin %s)",
+                 h->holder_name ? h->holder_name : "", h->holder_state ? h->holder_state : "",
+                 h->holder_xmin ? h->holder_xmin : "?");
+    }
+    if (!h->horizon_known && !d->horizon_blind_logged) {
+        d->horizon_blind_logged = true;
+        log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_unknown", .outbox = d->ob->name },
+               "outbox=%s: table health: the relay's database role cannot see other roles' "
+               "transactions, so a long transaction holding back the vacuum of %s would go "
+               "unnoticed; grant it pg_read_all_stats (or pg_monitor)", d->ob->name,
+               d->ob->table);
+    }
+    d->m.horizon_age_s = h->horizon_known || h->holder_kind != NULL ? age : -1;
+    if (age >= warn_s && who[0] != '\0') {
+        if (!d->horizon_held) {
+            d->horizon_held = true;
+            snprintf(d->horizon_holder, sizeof d->horizon_holder, "%s", who);
+            log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_held", .outbox = d->ob->name,
+                                            .error = who },
+                   "outbox=%s: the database's xmin horizon has been held back for %.0f s "
+                   "(%" PRId64 " transactions) by %s: vacuum cannot remove dead rows of %s "
+                   "(%" PRId64 " dead, %" PRId64 " live now) and claims slow down as they "
+                   "pile up; %s", d->ob->name, age, h->horizon_xids, who, d->ob->table,
+                   h->dead_tuples, h->live_tuples,
+                   h->holder_pid > 0 ? "end that transaction"
+                                     : "advance or drop the slot (or its standby's feedback)");
+        }
+    } else if (d->horizon_held) {
+        d->horizon_held = false;
+        log_ev(LOG_INFO, &(log_fields){ .event = "xmin_horizon_released", .outbox = d->ob->name,
+                                        .error = d->horizon_holder },
+               "outbox=%s: the database's xmin horizon is no longer held back (it was by %s; "
+               "now %s); %" PRId64 " dead rows in %s", d->ob->name, d->horizon_holder,
+               who[0] ? who : "nothing holds it", h->dead_tuples, d->ob->table);
+    }
+}
+
 static void src_on_done(void *ud, const src_result *res)
 {
     sconn *c = ud;
@@ -632,6 +722,10 @@ static void src_on_done(void *ud, const src_result *res)
                    "outbox=%s: retention removed %zu rows", d->ob->name, res->n_deleted);
         if (res->ok == 0 && res->n_deleted >= (size_t)d->ob->cleanup_batch)
             d->cleanup_due = true;      /* more to do: continue after other work */
+        break;
+    case SRC_REQ_HEALTH:
+        if (res->ok == 0)
+            on_health(d, &res->health);
         break;
     case SRC_REQ_STATS:
         if (res->ok == 0) {
@@ -708,6 +802,35 @@ static size_t claim_bytes(drain *d, bool *first_whole)
     return rbudget_claim_bytes(d->budget, &d->rb, ledger_bytes(d->led), first_whole);
 }
 
+/* Under steady load the broker confirms a few messages at a time, and a settle per
+   confirm batch costs the database a statement and a commit for a row or two. Marks of
+   confirmed rows are not on any message's way (the consumer has it already): a settle of
+   fewer than batch_size outcomes waits until SETTLE_GATHER_S after the previous settle's
+   answer, and takes what was confirmed meanwhile with it (a retry or a dead letter
+   among them waits as long: far less than any retry_backoff). A full batch and a stopping
+   drain settle at once. True while that wait runs (the coalesce timer kicks again). */
+static void arm_coalesce(drain *d, double left)
+{
+    if (ev_is_active(&d->coalesce_timer)) {
+        if (ev_timer_remaining(d->loop, &d->coalesce_timer) <= left)
+            return;
+        ev_timer_stop(d->loop, &d->coalesce_timer);
+    }
+    ev_timer_set(&d->coalesce_timer, left, 0.);
+    ev_timer_start(d->loop, &d->coalesce_timer);
+}
+
+static bool settle_gathering(drain *d)
+{
+    if (d->stopping || ledger_n_pending(d->led) >= (size_t)d->ob->batch_size)
+        return false;
+    double left = d->settle_ended + SETTLE_GATHER_S - mono_now();
+    if (left <= 0)
+        return false;
+    arm_coalesce(d, left);
+    return true;
+}
+
 static bool start_settle(drain *d)
 {
     const src_outcome *v;
@@ -727,6 +850,27 @@ static bool start_settle(drain *d)
 }
 
 static bool main_request(drain *d, enum src_req req);
+
+/* Retention runs on the settling connection, between settles, never on the claiming one:
+   a batch of cleanup_batch deletes takes 10-40 ms (every index entry of every row), and a
+   claim that a commit asks for meanwhile would wait for it. The settles it delays are
+   marks of rows already confirmed (and bounded: 2 x publish_window with those in flight);
+   the two never touch the same rows (marked ones against leased ones). */
+static bool start_cleanup(drain *d)
+{
+    sconn *c = &d->settler;
+    src_cleanup_args a = { .retention_ms = d->ob->retention_ms,
+                           .limit = (size_t)d->ob->cleanup_batch, .owner = d->owner,
+                           .epoch = d->ob->mode == CFG_MODE_LEADER ? d->epoch : 0 };
+    c->busy = true;
+    c->busy_req = SRC_REQ_CLEANUP;
+    c->req_started = ev_now(d->loop);
+    if (d->sops->cleanup(c->src, &a) != 0) {
+        c->busy = false;
+        return false;
+    }
+    return true;
+}
 
 static void check_stopped(drain *d)
 {
@@ -796,16 +940,11 @@ static bool main_request(drain *d, enum src_req req)
             rbudget_hold(d->budget, &d->rb, rows_held(d), bytes_held(d));   /* asked for */
         break;
     }
-    case SRC_REQ_CLEANUP:
-    {
-        src_cleanup_args a = { .retention_ms = d->ob->retention_ms,
-                               .limit = (size_t)d->ob->cleanup_batch, .owner = d->owner,
-                               .epoch = d->ob->mode == CFG_MODE_LEADER ? d->epoch : 0 };
-        rc = d->sops->cleanup(c->src, &a);
-    }
-        break;
     case SRC_REQ_STATS:
         rc = d->sops->stats(c->src);
+        break;
+    case SRC_REQ_HEALTH:
+        rc = d->sops->health(c->src);
         break;
     default:
         break;
@@ -815,16 +954,42 @@ static bool main_request(drain *d, enum src_req req)
     return rc == 0;
 }
 
+/* Under a steady stream of commits every one wakes the relay (NOTIFY), and a claim per
+   wake-up would carry a row or two each: the claiming session busy most of the time and
+   the database's CPU spent per claim, not per row. After a claim that found fewer rows
+   than it asked for (nothing is waiting beyond what it took), the next claim that a
+   wake-up asks for therefore waits until claim_delay after that claim's answer, and takes
+   the rows committed meanwhile together. A full claim (a backlog) is followed at once,
+   and after a quiet spell the first wake-up claims at once: a row waits at most
+   claim_delay more, and only while rows keep coming. True while that wait runs (the
+   timer then kicks again). */
+static bool claim_coalescing(drain *d)
+{
+    double delay = (double)d->ob->claim_delay_ms / 1000.0;
+    if (!d->claim_short || delay <= 0 || !d->want_claim)
+        return false;
+    double left = d->claim_ended + delay - mono_now();
+    if (left <= 0)
+        return false;
+    arm_coalesce(d, left);
+    return true;
+}
+
 static void kick(drain *d)
 {
     sconn *st = &d->settler, *mc = &d->main;
-    if (ledger_n_pending(d->led) > 0 && st->up && !st->busy && !st->holding)
+    if (ledger_n_pending(d->led) > 0 && st->up && !st->busy && !st->holding &&
+        !settle_gathering(d))
         start_settle(d);
+    if (st->up && !st->busy && !st->holding && d->cleanup_due && !d->stopping && may_drain(d)) {
+        d->cleanup_due = false;
+        (void)start_cleanup(d);
+    }
     rbudget_hold(d->budget, &d->rb, rows_held(d), bytes_held(d));    /* a claim may have ended */
     if (mc->up && !mc->busy && !mc->holding) {
         bool may_claim = !d->stopping && may_drain(d) && d->sink_state == SINK_UP &&
                          ledger_n_old(d->led) == 0 && d->want_claim;
-        bool claim_ok = may_claim && claim_size(d) > 0;
+        bool claim_ok = may_claim && claim_size(d) > 0 && !claim_coalescing(d);
         if (!may_claim)
             rbudget_unwait(d->budget, &d->rb);
         if (d->ob->mode == CFG_MODE_LEADER && !d->stopping && d->lead_due &&
@@ -838,13 +1003,13 @@ static void kick(drain *d)
             if (!main_request(d, SRC_REQ_CLAIM))
                 d->want_claim = true;
         }
-        if (!mc->busy && d->cleanup_due && may_drain(d) && !d->stopping) {
-            d->cleanup_due = false;
-            (void)main_request(d, SRC_REQ_CLEANUP);
-        }
         if (!mc->busy && d->stats_due && !d->stopping) {
             d->stats_due = false;
             (void)main_request(d, SRC_REQ_STATS);
+        }
+        if (!mc->busy && d->health_due && !d->stopping && d->sops->health != NULL) {
+            d->health_due = false;
+            (void)main_request(d, SRC_REQ_HEALTH);
         }
     }
     check_stopped(d);
@@ -858,6 +1023,20 @@ static void kick_idle_cb(struct ev_loop *loop, ev_idle *w, int revents)
     drain *d = w->data;
     ev_idle_stop(loop, w);
     kick(d);
+}
+
+static void health_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    drain *d = w->data;
+    d->health_due = true;
+    schedule_kick(d);
+}
+
+static void coalesce_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    schedule_kick(w->data);
 }
 
 static void hold_cb(struct ev_loop *loop, ev_timer *w, int revents)
@@ -1018,10 +1197,27 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
     d->cleanup_timer.data = d;
     ev_timer_init(&d->stats_timer, stats_cb, STATS_BUSY_S, STATS_BUSY_S);
     d->stats_timer.data = d;
+    double hi = ob->health_interval_ms / 1000.0;
+    ev_timer_init(&d->health_timer, health_cb, hi, hi);
+    if (ob_health_on(d)) {
+        d->m.health_seen = 1;
+        d->m.table_dead_tuples = d->m.table_live_tuples = d->m.table_size_bytes = -1;
+        d->m.horizon_xids = -1;
+        d->m.last_autovacuum_ts = d->m.horizon_age_s = -1;
+    }
+    d->health_timer.data = d;
+    ev_timer_init(&d->coalesce_timer, coalesce_cb, 0.001, 0.);   /* claims and settles */
+    d->coalesce_timer.data = d;
     ev_idle_init(&d->kick_idle, kick_idle_cb);
     d->kick_idle.data = d;
     rbudget_join(budget, &d->rb, budget_wake, d);
     return d;
+}
+
+/* The table's health is read when the source can and health_interval is not 0. */
+static bool ob_health_on(const drain *d)
+{
+    return d->sops->health != NULL && d->ob->health_interval_ms > 0;
 }
 
 void drain_start(drain *d)
@@ -1030,6 +1226,10 @@ void drain_start(drain *d)
         ev_timer_start(d->loop, &d->lead_timer);
     ev_timer_start(d->loop, &d->cleanup_timer);
     ev_timer_start(d->loop, &d->stats_timer);
+    if (ob_health_on(d)) {
+        d->health_due = true;            /* once at start, then every health_interval */
+        ev_timer_start(d->loop, &d->health_timer);
+    }
     arm_poll(d);
     d->sops->start(d->main.src);
     d->sops->start(d->settler.src);
@@ -1053,6 +1253,8 @@ void drain_stop(drain *d, void (*on_stopped)(void *ud), void *ud)
     ev_timer_stop(d->loop, &d->deadline_timer);
     ev_timer_stop(d->loop, &d->cleanup_timer);
     ev_timer_stop(d->loop, &d->stats_timer);
+    ev_timer_stop(d->loop, &d->health_timer);
+    ev_timer_stop(d->loop, &d->coalesce_timer);
     schedule_kick(d);
 }
 
@@ -1065,6 +1267,8 @@ void drain_free(drain *d)
     ev_timer_stop(d->loop, &d->deadline_timer);
     ev_timer_stop(d->loop, &d->cleanup_timer);
     ev_timer_stop(d->loop, &d->stats_timer);
+    ev_timer_stop(d->loop, &d->coalesce_timer);
+    ev_timer_stop(d->loop, &d->health_timer);
     ev_timer_stop(d->loop, &d->main.hold_timer);
     ev_timer_stop(d->loop, &d->settler.hold_timer);
     ev_idle_stop(d->loop, &d->kick_idle);

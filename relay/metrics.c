@@ -55,6 +55,52 @@ static void gauge_int(outbox_util_buf *b, ob_metrics *const *m, size_t n, const 
     }
 }
 
+/* The table health gauges, for the outboxes whose source reads them. */
+static void health(outbox_util_buf *b, ob_metrics *const *m, size_t n)
+{
+    static const struct { const char *name, *help; size_t off; int dbl; } g[] = {
+        { "table_dead_tuples", "Dead row versions in the outbox table (the database's estimate): "
+          "what vacuum has not removed yet.", offsetof(ob_metrics, table_dead_tuples), 0 },
+        { "table_live_tuples", "Live rows in the outbox table (the database's estimate), pending "
+          "and kept for retention.", offsetof(ob_metrics, table_live_tuples), 0 },
+        { "table_size_bytes", "The outbox table's size with its indexes and TOAST.",
+          offsetof(ob_metrics, table_size_bytes), 0 },
+        { "table_last_autovacuum_timestamp_seconds", "Unix time of the outbox table's last "
+          "autovacuum; 0 never.", offsetof(ob_metrics, last_autovacuum_ts), 1 },
+        { "xmin_horizon_age_seconds", "How long the oldest transaction holding the database's "
+          "xmin horizon back (so that vacuum cannot remove the outbox's dead rows) has been "
+          "open; 0 none; -1 unknown (a replication slot holds it, or the relay's role cannot "
+          "see other sessions: grant pg_read_all_stats).", offsetof(ob_metrics, horizon_age_s), 1 },
+        { "xmin_horizon_age_xids", "Age in transaction IDs of the database's xmin horizon "
+          "(sessions and replication slots); -1 unknown.", offsetof(ob_metrics, horizon_xids), 0 },
+    };
+    size_t seen = 0;
+    for (size_t i = 0; i < n; i++)
+        seen += m[i]->health_seen != 0;
+    if (seen == 0)
+        return;
+    for (size_t k = 0; k < sizeof g / sizeof g[0]; k++) {
+        outbox_util_buf_printf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s gauge\n",
+                               g[k].name, g[k].help, g[k].name);
+        for (size_t i = 0; i < n; i++) {
+            if (!m[i]->health_seen)
+                continue;
+            const char *p = (const char *)m[i] + g[k].off;
+            if (g[k].dbl) {
+                double v;
+                memcpy(&v, p, sizeof v);
+                outbox_util_buf_printf(b, "outbox_relay_%s{outbox=\"%s\"} %.3f\n", g[k].name,
+                                       m[i]->outbox, v);
+            } else {
+                int64_t v;
+                memcpy(&v, p, sizeof v);
+                outbox_util_buf_printf(b, "outbox_relay_%s{outbox=\"%s\"} %lld\n", g[k].name,
+                                       m[i]->outbox, (long long)v);
+            }
+        }
+    }
+}
+
 static void hist(outbox_util_buf *b, ob_metrics *const *m, size_t n, const char *name, const char *help,
                  size_t off)
 {
@@ -167,6 +213,7 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
     for (size_t i = 0; i < n; i++)
         outbox_util_buf_printf(&b, "outbox_relay_held_bytes{outbox=\"%s\"} %llu\n", m[i]->outbox,
                 (unsigned long long)m[i]->held_bytes);
+    health(&b, m, n);
     hist(&b, m, n, "confirm_latency_seconds", "Publish to broker confirm.", OFF(confirm_latency));
     hist(&b, m, n, "claim_latency_seconds", "Claim query round trip.", OFF(claim_latency));
     hist(&b, m, n, "settle_latency_seconds", "Settle (mark, retry, dead letter) round trip, commit included.", OFF(settle_latency));

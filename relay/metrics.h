@@ -50,6 +50,15 @@ typedef struct ob_metrics {
     long     broker;         /* index of the address the broker connection is up to, -1 down */
     uint64_t failovers;      /* broker connections made to another address than the one before */
     uint64_t nack_reopens;   /* publishing channels reopened because they got only nacks */
+    /* the outbox table's health (every health_interval; sources that read it) */
+    int      health_seen;        /* 1: the source reads them, the gauges below are rendered
+                                    (-1 each until the first read) */
+    int64_t  table_dead_tuples;
+    int64_t  table_live_tuples;
+    int64_t  table_size_bytes;   /* table + indexes + TOAST */
+    double   last_autovacuum_ts; /* Unix time; 0 never */
+    double   horizon_age_s;      /* how long the xmin horizon's holder has held it; -1 unknown */
+    int64_t  horizon_xids;       /* the horizon's age in transaction IDs; -1 unknown */
     histogram confirm_latency;
     histogram claim_latency;
     histogram settle_latency;

@@ -34,7 +34,8 @@ enum src_req {
     SRC_REQ_CLAIM,     /* lease up to n claimable rows in id order */
     SRC_REQ_SETTLE,    /* apply outcomes */
     SRC_REQ_CLEANUP,   /* delete marked rows older than retention, bounded */
-    SRC_REQ_STATS      /* backlog, oldest pending age, dead count */
+    SRC_REQ_STATS,     /* backlog, oldest pending age, dead count */
+    SRC_REQ_HEALTH     /* the table's health: dead tuples, size, vacuum, xmin horizon */
 };
 
 /* What happened to a claimed row. */
@@ -64,6 +65,31 @@ typedef struct src_stats {
                                    or not known */
 } src_stats;
 
+/* The outbox table's health as the database sees it (SRC_REQ_HEALTH), and what holds
+   the database's xmin horizon back: the oldest snapshot a session keeps open (a long or
+   idle-in-transaction transaction, pg_dump) or a replication slot's xmin. While it is
+   held, vacuum removes no row version that died after it, and every scan of the pending
+   rows walks over the dead ones. */
+typedef struct src_health {
+    int64_t     dead_tuples;     /* estimated dead row versions; -1 unknown */
+    int64_t     live_tuples;     /* estimated live rows; -1 unknown */
+    int64_t     size_bytes;      /* table + indexes + TOAST; -1 unknown */
+    double      last_autovacuum; /* Unix time of the last autovacuum; 0 never; -1 unknown */
+    bool        horizon_known;   /* false: the relay's role cannot see other sessions'
+                                    snapshots (needs pg_read_all_stats) */
+    /* the holder of the oldest xmin (the horizon), when there is one (kind != NULL);
+       the strings are valid during the callback only */
+    const char *holder_kind;     /* "session" or "replication slot"; NULL: none */
+    int         holder_pid;      /* session: its backend pid; slot: 0 */
+    const char *holder_name;     /* session: application_name; slot: the slot's name */
+    const char *holder_state;    /* session: state (e.g. "idle in transaction"); slot:
+                                    "active" or "inactive" */
+    double      holder_age_s;    /* session: how long its transaction has been open; slot:
+                                    -1 (the database does not say since when) */
+    int64_t     horizon_xids;    /* the horizon's age in transaction IDs */
+    const char *holder_xmin;     /* the held xmin, to tell one holder's episode from the next */
+} src_health;
+
 typedef struct src_result {
     enum src_req req;
     int         ok;             /* 0 success, -1 failed (error says why; the source may go DOWN) */
@@ -85,6 +111,8 @@ typedef struct src_result {
     size_t      n_deleted;
     /* SRC_REQ_STATS */
     src_stats   stats;
+    /* SRC_REQ_HEALTH */
+    src_health  health;
 } src_result;
 
 typedef struct src_cbs {
@@ -154,6 +182,9 @@ typedef struct source_ops {
        stops at the byte limit). NULL or false: the core cannot ask for a byte limit and
        claims at most as many rows as fit at the sink's max_message_size each. */
     bool (*claims_bytes)(const source *s);
+    /* Reads the table's health (SRC_REQ_HEALTH), a request like the others. NULL: the
+       source has none to give. */
+    int  (*health)(source *s);
     /* host:port/database (or what names the server) of a connection string, for log
        lines: nothing secret. Called through source_peer (both strings set, len > 0). */
     void (*peer)(const char *conninfo, const char *database, char *buf, size_t len);

@@ -221,12 +221,18 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized)
     const char *bytes = sized ? ", " SQL_PG_BYTE_PREFIX("c") : " ";
     const char *from = sized ? "b" : "c";
     if (!competing)
+        /* each key's first failed pending row, once per claim (f): looked up per
+           candidate row instead, the planner may scan pending_idx below the row for every
+           candidate, and under a held xmin horizon that index keeps an entry for every
+           row marked since: a claim then costs candidates x marked rows (9 s seen) */
         return fmt(
-            "WITH c AS (SELECT m.id%4$s FROM %1$s m WHERE m.sent_at IS NULL AND m.available_at <= now() "
+            "WITH f AS MATERIALIZED (SELECT p.partition_key, min(p.id) AS first_failed "
+            "FROM %1$s p WHERE p.sent_at IS NULL AND p.attempts > 0 "
+            "AND p.partition_key IS NOT NULL GROUP BY p.partition_key), "
+            "c AS (SELECT m.id%4$s FROM %1$s m WHERE m.sent_at IS NULL AND m.available_at <= now() "
             "AND (m.lease_until IS NULL OR m.lease_until < now()) "
-            "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM %1$s p "
-            "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
-            "AND p.id < m.id)) "
+            "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM f "
+            "WHERE f.partition_key = m.partition_key AND f.first_failed < m.id)) "
             "AND ($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f WHERE f.name = 'leader' "
             "AND f.owner = $2::text AND f.epoch = $5::bigint AND f.expires_at > now())) "
             "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED)%5$s"
@@ -366,6 +372,36 @@ char *sql_pg_stats(const sql_pg_names *n, bool full)
     else
         snprintf(kept, sizeof kept, "-1::bigint");
     return fmt(STATS_HEAD, n->table, n->dead, kept);
+}
+
+/* The table's health, read every health_interval: dead and live tuples (estimates of the
+ * statistics system), table + indexes + TOAST size, last autovacuum (Unix time), whether
+ * this role sees other sessions' snapshots, and the holder of the oldest xmin that can
+ * hold back the vacuum of this table: a session of this database (or a walsender, whose
+ * xmin is a standby's with hot_standby_feedback) other than this one, or a replication
+ * slot's xmin. A logical slot's catalog_xmin holds back only the system catalogs, not
+ * this table, and is left out. Other roles' backend_xmin is NULL unless this role has
+ * pg_read_all_stats (or pg_monitor): the fifth column says whether it can see them. */
+char *sql_pg_health(const sql_pg_names *n)
+{
+    return fmt(
+        "SELECT s.n_dead_tup, s.n_live_tup, pg_total_relation_size(s.relid), "
+        "coalesce(extract(epoch from s.last_autovacuum)::float8, 0), "
+        "pg_has_role('pg_read_all_stats', 'USAGE'), "
+        "h.kind, h.pid, h.name, h.state, h.secs, h.xids, h.xmin "
+        "FROM pg_stat_user_tables s LEFT JOIN LATERAL (SELECT * FROM ("
+        "SELECT 'session'::text AS kind, a.pid, a.application_name AS name, a.state, "
+        "greatest(extract(epoch from now() - coalesce(a.xact_start, a.query_start, "
+        "a.backend_start)), 0)::float8 AS secs, age(a.backend_xmin)::bigint AS xids, "
+        "a.backend_xmin::text AS xmin FROM pg_stat_activity a "
+        "WHERE a.backend_xmin IS NOT NULL AND a.pid <> pg_backend_pid() "
+        "AND (a.datname = current_database() OR a.backend_type = 'walsender') "
+        "UNION ALL SELECT 'replication slot', 0, r.slot_name::text, "
+        "CASE WHEN r.active THEN 'active' ELSE 'inactive' END, -1, age(r.xmin)::bigint, "
+        "r.xmin::text FROM pg_replication_slots r WHERE r.xmin IS NOT NULL) x "
+        "ORDER BY x.xids DESC, x.secs DESC LIMIT 1) h ON true "
+        "WHERE s.relid = '%s'::regclass",
+        n->table);
 }
 
 char *sql_pg_dead_list(const sql_pg_names *n)

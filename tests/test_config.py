@@ -333,6 +333,7 @@ RELOAD_CHANGE = {
         "sink": "second", "batch_size": "7", "poll_interval": "2s", "lease": "9s",
         "max_attempts": "4", "retry_backoff": "2s", "retry_backoff_max": "9m",
         "on_sent": "delete", "retention": "1d", "cleanup_batch": "9", "cleanup_interval": "9s",
+        "claim_delay": "9ms", "health_interval": "9s", "horizon_warn": "9m",
         "mode": "competing", "ordering": "strict", "query_timeout": "9s",
         "connect_timeout": "9s", "reconnect_max": "9s",
     },

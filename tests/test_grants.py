@@ -221,3 +221,34 @@ def test_liboutbox_sends_as_insert_only_role(granted, pgdb, build):
     run_producer(build, granted.conninfo(user), pgdb.name, count=5, keys=2)
     with pgdb.connect() as su:
         assert su.execute(f"SELECT count(*) FROM {T}").fetchone() == (5,)
+
+
+def test_relay_role_names_who_holds_the_xmin_horizon(granted, services, pgdb, relay_bin, amqp,
+                                                     tmp_path):
+    """The table health as outbox_relay: pg_read_all_stats (from the grants file) lets it see
+    another role's transaction holding the xmin horizon back, and name it at WARN."""
+    from relay_util import Relay, wait_log_at, write_config
+
+    app = f"report-{secrets.token_hex(3)}"
+    p = psycopg.connect(granted.conninfo(granted.login("outbox_producer")) +
+                        f" application_name={app}")
+    granted.conns.append(p)
+    p.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+    p.execute("SELECT 1")
+    p.execute(f"INSERT INTO {T} (message_id, routing_key, payload) "
+              "VALUES (gen_random_uuid(), 'nowhere', '\\x00')")   # takes an xid as well
+    relay_user = granted.login("outbox_relay")
+    cfg = write_config(tmp_path / "relay.ini", services, pgdb,
+                       conninfo=granted.conninfo(relay_user), health_interval="200ms",
+                       horizon_warn="1s")
+    r = Relay(relay_bin, cfg, tmp_path / "relay.log")
+    try:
+        line = wait_log_at(r, r"xmin horizon has been held back", levels=("WARN",), timeout=30)
+        assert f"pid {p.info.backend_pid}" in line and app in line, line
+    finally:
+        p.rollback()
+        rc = r.stop()
+    log = r.text()
+    assert "permission denied" not in log, log[-3000:]
+    assert "cannot see other roles' transactions" not in log, log[-3000:]
+    r.assert_clean_exit(rc)

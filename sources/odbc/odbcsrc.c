@@ -201,6 +201,10 @@ static odbc_event *execute_once(wstate *w, const odbc_req *r)
     case SRC_REQ_STATS:
         rc = odbcsrc_db_stats(db, &e->res.stats, false);
         break;
+    case SRC_REQ_HEALTH: /* this source has no health op, so the core never asks */
+        snprintf(db->err, sizeof db->err, "table health is not read through ODBC");
+        rc = -1;
+        break;
     }
     if (rc == 0)
         rc = odbcsrc_db_end(db, true);

@@ -40,6 +40,22 @@ What it measures (every figure printed is a median over BENCH_ROUNDS rounds, min
    threads, from /proc/<pid>/task/*/schedstat) against <= 0.2% of a core, PostgreSQL's CPU
    meanwhile (the idle polls' cost on the server side), and peak RSS against <= 30 MiB.
 
+6. Steady load (issue 21): a producer process (`bench.py --steady-producer`, 8 connections)
+   offers BENCH_STEADY_RATE single-row transactions a second over BENCH_STEADY_KEYS keys
+   (each commit NOTIFYs the relay) and takes the time each COMMIT returned; a relay with
+   default settings but `retention` drains them; a consumer takes the receive time of each
+   message-id: commit->consume latency, lost and duplicated messages. Beside it, the naive
+   dual write (INSERT, COMMIT, publish persistent + mandatory, wait for the confirm) at
+   BENCH_STEADY_DUAL_RATE a second, timed from its COMMIT to its consumer the same way.
+   Phases: warm-up, clean, held (a REPEATABLE READ reader holds the xmin horizon), recovery.
+   Printed per window: offered and delivered rate, p50/p99 of both, PostgreSQL CPU per
+   message of the relay's sessions (/proc/<pid>/stat of the backends whose application_name
+   is outbox-relay), the relay's own CPU per message, rows per claim, claims per second,
+   the table's dead and live tuples, its size with indexes, the backlog; then each phase
+   against its target. BENCH_ONLY=steady runs it alone; BENCH_STEADY=short is the quick
+   version (5 + 60 + 40 + 20 s, 10 s windows; full: 10 + 300 + 120 + 60 s, 30 s windows),
+   BENCH_STEADY=off skips it.
+
 Before each timed run the bench waits (at most 3 s) until the broker and PostgreSQL are idle,
 so a checkpoint or a purge does not land in the next measurement. A run is flagged
 "disturbed" in the summary when the relay lost a connection, the broker blocked it (memory or
@@ -73,7 +89,17 @@ Environment (defaults in brackets):
                                short is reported as partial (rows sent / elapsed)
   BENCH_BACKLOG_TIMEOUT [1800] the same for the backlog
   OUTBOX_BUILD [build]         where outbox-relay and tests/amqp_probe, tests/queue_watch are
-Quick check while developing: BENCH_ROWS=5000 BENCH_ROUNDS=1 BENCH_BACKLOG_ROWS=20000.
+  BENCH_STEADY [full]          full | short | off: the steady-load run (6.)
+  BENCH_STEADY_RATE [1000]     its offered rate, transactions (one row each) a second
+  BENCH_STEADY_KEYS [1000]     partition keys
+  BENCH_STEADY_BODY [200]      body bytes
+  BENCH_STEADY_DUAL_RATE [50]  the dual write's rate beside it
+  BENCH_STEADY_RETENTION [30s] the relay's retention
+  BENCH_STEADY_OUTBOX []       more `key = value` lines for its [outbox] section, `;`-separated
+                               (e.g. "claim_delay = 0")
+  BENCH_ONLY []                steady: only the steady-load run
+Quick check while developing: BENCH_ROWS=5000 BENCH_ROUNDS=1 BENCH_BACKLOG_ROWS=20000;
+the steady run alone, short: BENCH_ONLY=steady BENCH_STEADY=short make bench.
 """
 import os
 import pathlib
@@ -1216,15 +1242,475 @@ def main():
     print("  (targets are verdicts to read, not failures: the exit status only reports errors)")
 
 
+# ------------------------------------------------------------------ steady load (issue 21)
+STEADY = os.environ.get("BENCH_STEADY", "full").strip()      # full | short | off
+STEADY_RATE = env_int("BENCH_STEADY_RATE", 1000)
+STEADY_KEYS = env_int("BENCH_STEADY_KEYS", 1000)
+STEADY_BODY = env_int("BENCH_STEADY_BODY", 200)
+STEADY_DUAL_RATE = env_int("BENCH_STEADY_DUAL_RATE", 50)
+STEADY_RETENTION = os.environ.get("BENCH_STEADY_RETENTION", "30s")
+STEADY_EXTRA = [kv for kv in os.environ.get("BENCH_STEADY_OUTBOX", "").split(";") if kv.strip()]
+STEADY_QUEUE = "outbox-steady"
+DUAL_QUEUE = "outbox-steady-dual"
+# phases (seconds): warm-up, clean, held horizon, recovery; report window
+STEADY_PHASES = {"full": (10, 300, 120, 60, 30), "short": (5, 60, 40, 20, 10)}
+
+
+def pct(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+class SteadyConsumer(threading.Thread):
+    """Consumes the relay's and the dual writer's queues (one connection, auto-ack): the
+    receive time of each relayed message by message-id (duplicates counted), and for the
+    dual write's the commit->consume latency (its body starts with the Unix time its COMMIT
+    returned)."""
+
+    def __init__(self, svc):
+        super().__init__(daemon=True)
+        self.svc = svc
+        self.ids, self.dual = {}, []        # message-id -> t_recv; [(t_recv, latency s)]
+        self.dups = 0
+        self.error = None
+        self.ready = threading.Event()
+        self.halt = threading.Event()
+
+    @staticmethod
+    def _lat(body, now):
+        try:
+            return now - float(body[:body.index(b":")])
+        except ValueError:
+            return None
+
+    def run(self):
+        try:
+            conn = pika.BlockingConnection(pika.ConnectionParameters(
+                "127.0.0.1", self.svc.amqp_port, heartbeat=0))
+            ch = conn.channel()
+            for q in (STEADY_QUEUE, DUAL_QUEUE):
+                ch.queue_declare(q, durable=True)
+                ch.queue_purge(q)
+            ch.basic_qos(prefetch_count=2000)
+
+            def on_relay(_ch, _m, props, _body):
+                if props.message_id in self.ids:
+                    self.dups += 1
+                else:
+                    self.ids[props.message_id] = time.time()
+
+            def on_dual(_ch, _m, _props, body):
+                now = time.time()
+                lat = self._lat(body, now)
+                if lat is not None:
+                    self.dual.append((now, lat))
+
+            ch.basic_consume(STEADY_QUEUE, on_relay, auto_ack=True)
+            ch.basic_consume(DUAL_QUEUE, on_dual, auto_ack=True)
+            self.ready.set()
+            while not self.halt.is_set():
+                conn.process_data_events(time_limit=0.2)
+            conn.close()
+        except Exception as e:  # noqa: BLE001 - reported by the bench
+            self.error = e
+            self.ready.set()
+
+
+class DualWriter(threading.Thread):
+    """The naive dual write, for comparison: INSERT into the application's own table,
+    COMMIT, then publish (persistent, mandatory) and wait for the broker's confirm, at
+    STEADY_DUAL_RATE a second; the body carries the time its COMMIT returned."""
+
+    def __init__(self, svc):
+        super().__init__(daemon=True)
+        self.svc = svc
+        self.halt = threading.Event()
+        self.sent = 0
+        self.error = None
+
+    def run(self):
+        try:
+            db = psycopg.connect(host="127.0.0.1", port=self.svc.pg_port, user="postgres",
+                                 dbname=DB, application_name="bench-dual-write")
+            db.execute("create table if not exists bench_dual (id bigserial primary key, "
+                       "body bytea not null)")
+            db.commit()
+            conn = pika.BlockingConnection(pika.ConnectionParameters(
+                "127.0.0.1", self.svc.amqp_port, heartbeat=0))
+            ch = conn.channel()
+            ch.confirm_delivery()
+            props = pika.BasicProperties(delivery_mode=2)
+            pad = b"x" * max(STEADY_BODY - 20, 0)
+            t0 = time.monotonic()
+            while not self.halt.is_set():
+                due = t0 + self.sent / STEADY_DUAL_RATE
+                d = due - time.monotonic()
+                if d > 0:
+                    time.sleep(d)
+                db.execute("insert into bench_dual (body) values (%s)", (pad,))
+                db.commit()
+                body = f"{time.time():.6f}:".encode() + pad
+                ch.basic_publish("", DUAL_QUEUE, body, props, mandatory=True)
+                self.sent += 1
+            conn.close()
+            db.close()
+        except Exception as e:  # noqa: BLE001
+            self.error = e
+
+
+def steady_producer(argv):
+    """bench.py --steady-producer CONNINFO RATE SECONDS KEYS BODY OUT: the producer process
+    of the steady run. 8 connections (threads) write one row per transaction, paced to RATE
+    a second in total (a slot late is written at once: the lag shows as a lower rate), and
+    take the time each COMMIT returned; at the end OUT gets "message-id unix-time" lines."""
+    conninfo, rate, secs, keys, body, out = argv
+    rate, secs, keys, body = float(rate), float(secs), int(keys), int(body)
+    lock, slot, done = threading.Lock(), [0], []
+    pad = "x" * max(body - 2, 0)
+    t0 = time.monotonic()
+
+    def worker():
+        import random
+        import uuid
+        db = psycopg.connect(conninfo + " application_name=bench-producer")
+        mine = []
+        while True:
+            with lock:
+                k = slot[0]
+                slot[0] += 1
+            due = t0 + k / rate
+            if due > t0 + secs or time.monotonic() > t0 + secs:
+                break
+            d = due - time.monotonic()
+            if d > 0:
+                time.sleep(d)
+            mid = str(uuid.uuid4())
+            db.execute("insert into outbox.messages (message_id, routing_key, partition_key, "
+                       "payload) values (%s, %s, %s, convert_to(%s, 'UTF8'))",
+                       (mid, STEADY_QUEUE, f"k{random.randrange(keys)}", pad))
+            db.commit()
+            mine.append((mid, time.time()))
+        db.close()
+        with lock:
+            done.extend(mine)
+
+    ts = [threading.Thread(target=worker) for _ in range(8)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    with open(out, "w") as f:
+        for mid, t in done:
+            f.write(f"{mid} {t:.6f}\n")
+    print(f"committed {len(done)}")
+
+
+def relay_backend_ticks(conn, seen):
+    """CPU ticks (user+sys) of the relay's backends (application_name outbox-relay in the
+    bench database), accumulated per pid in `seen` (a backend that ended keeps its last)."""
+    pids = [r[0] for r in conn.execute(
+        "select pid from pg_stat_activity where datname = %s and application_name = "
+        "'outbox-relay'", (DB,))]
+    for p in pids:
+        t = pid_ticks(p)
+        if t:
+            seen[p] = t
+    return sum(seen.values())
+
+
+def steady_sample(conn, port, seen, relay_pid):
+    row = conn.execute(
+        "select n_dead_tup, n_live_tup, pg_total_relation_size(relid), n_tup_ins, n_tup_del, "
+        "(select count(*) from pg_stat_activity where backend_xmin is not null "
+        " and application_name = 'bench-report') "
+        "from pg_stat_user_tables where relid = 'outbox.messages'::regclass").fetchone()
+    m = scrape(port) or {}
+    return {
+        "t": time.time(), "dead": row[0], "live": row[1], "size": row[2], "ins": row[3],
+        "del": row[4],
+        "pg_ticks": relay_backend_ticks(conn, seen), "relay_ticks": pid_ticks(relay_pid),
+        "claims": msum(m, "outbox_relay_claims_total"),
+        "claimed": msum(m, "outbox_relay_claimed_rows_total"),
+        "settles": msum(m, "outbox_relay_settle_latency_seconds_count"),
+        "backlog": msum(m, "outbox_relay_backlog"),
+    }
+
+
+def steady_run(svc, tmp):
+    """A fixed offered rate from pgbench (a separate process: one single-row transaction per
+    message, each NOTIFYing), the relay with default settings but retention, the dual write
+    beside it, then a REPEATABLE READ reader holding the xmin horizon, then recovery."""
+    warm, clean, held, recover, win = STEADY_PHASES[STEADY]
+    total = warm + clean + held + recover
+    conn = svc.pg(DB)
+    conn.execute("truncate outbox.messages, outbox.messages_dead")
+    conn.execute("vacuum analyze outbox.messages")
+    commits = tmp / "steady-commits.txt"
+    port = free_port()
+    cfg = tmp / "steady.ini"
+    cfg.write_text("\n".join([
+        "[relay]", f"http_listen = 127.0.0.1:{port}", "name = bench-steady",
+        "[sink.main]", f"url = {svc.amqp_url}",
+        "[outbox.bench]", f"conninfo = {svc.conninfo()}", f"database = {DB}",
+        f"retention = {STEADY_RETENTION}", *STEADY_EXTRA]) + "\n")
+    cons = SteadyConsumer(svc)
+    cons.start()
+    cons.ready.wait(20)
+    if cons.error:
+        raise BenchError(f"steady consumer: {cons.error}")
+    log = open(tmp / "steady-relay.log", "w")
+    relay = spawn([str(BUILD / "outbox-relay"), "run", "-c", str(cfg)], stdout=log,
+                  stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 20
+    while scrape(port) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    settle(svc)
+    bench = spawn([sys.executable, str(pathlib.Path(__file__).resolve()), "--steady-producer",
+                   svc.conninfo(), str(STEADY_RATE), str(total), str(STEADY_KEYS),
+                   str(STEADY_BODY), str(commits)], stdout=subprocess.PIPE,
+                  stderr=subprocess.STDOUT, text=True)
+    dual = DualWriter(svc)
+    dual.start()
+    t_start = time.time()
+    bounds = {"warm": t_start, "clean": t_start + warm, "held": t_start + warm + clean,
+              "recover": t_start + warm + clean + held, "end": t_start + total}
+    seen, samples, reader = {}, [], None
+    a = Snapshot(svc, [relay.pid])
+    try:
+        while time.time() < bounds["end"]:
+            now = time.time()
+            if reader is None and bounds["held"] <= now < bounds["recover"]:
+                reader = psycopg.connect(host="127.0.0.1", port=svc.pg_port, user="postgres",
+                                         dbname=DB, application_name="bench-report")
+                reader.execute("begin isolation level repeatable read")
+                reader.execute("select count(*) from outbox.messages")
+            if reader is not None and now >= bounds["recover"]:
+                reader.rollback()
+                reader.close()
+                reader = None
+            samples.append(steady_sample(conn, port, seen, relay.pid))
+            nxt = samples[-1]["t"] + min(5, win)
+            time.sleep(max(0.0, min(nxt, bounds["end"]) - time.time()))
+            if relay.poll() is not None:
+                raise BenchError(f"the relay exited ({relay.returncode}); log in {tmp}")
+        samples.append(steady_sample(conn, port, seen, relay.pid))
+        out, _ = bench.communicate(timeout=60)
+        b = Snapshot(svc, [relay.pid])
+        dual.halt.set()
+        dual.join(30)
+        m = re.search(r"committed (\d+)", out or "")
+        processed = int(m.group(1)) if m else None
+        if processed is None:
+            raise BenchError(f"the producer failed: {(out or '').strip()[-2000:]}")
+        deadline = time.monotonic() + 60
+        while processed and len(cons.ids) < processed and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        if reader is not None:
+            reader.close()
+        stop(bench, grace=5)
+        dual.halt.set()
+        stop(relay, grace=30)
+        log.close()
+        cons.halt.set()
+        cons.join(10)
+        conn.close()
+    relayed = []
+    lost = 0
+    with open(commits) as f:
+        for line in f:
+            mid, t = line.split()
+            got = cons.ids.get(mid)
+            if got is None:
+                lost += 1
+            else:
+                relayed.append((got, got - float(t)))
+    u = usage(a, b, relay_secs=b.relays - a.relays)
+    u["sessions"] = (samples[-1]["pg_ticks"] - samples[0]["pg_ticks"]) / TICK / u["secs"]
+    return {"samples": samples, "relay": relayed, "dual": cons.dual, "dups": cons.dups,
+            "processed": processed, "lost": lost, "bounds": bounds, "win": win,
+            "cpu": u, "producer": out, "dual_error": dual.error}
+
+
+def steady_report(r):
+    S, B, win = r["samples"], r["bounds"], r["win"]
+    tick_us = 1e6 / TICK
+
+    def phase(t):
+        for name in ("recover", "held", "clean", "warm"):
+            if t >= B[name]:
+                return name
+        return "warm"
+
+    def at(t):
+        """the sample closest to t"""
+        return min(S, key=lambda s: abs(s["t"] - t))
+
+    def lat(xs, t1, t2):
+        v = [l for (t, l) in xs if t1 <= t < t2]
+        return v
+
+    def block(t1, t2):
+        s1, s2 = at(t1), at(t2)
+        dt = max(s2["t"] - s1["t"], 1e-9)
+        got = len(lat(r["relay"], t1, t2))
+        rl, dl = lat(r["relay"], t1, t2), lat(r["dual"], t1, t2)
+        claims = (s2["claims"] or 0) - (s1["claims"] or 0)
+        claimed = (s2["claimed"] or 0) - (s1["claimed"] or 0)
+        return {
+            "offered": (s2["ins"] - s1["ins"]) / dt, "delivered": got / (t2 - t1),
+            "p50": pct(rl, 0.5), "p99": pct(rl, 0.99), "d50": pct(dl, 0.5), "d99": pct(dl, 0.99),
+            "pg_us": (s2["pg_ticks"] - s1["pg_ticks"]) * tick_us / got if got else None,
+            "relay_us": (s2["relay_ticks"] - s1["relay_ticks"]) * tick_us / got if got else None,
+            "per_claim": claimed / claims if claims else None, "claims_s": claims / dt,
+            "settles_s": ((s2["settles"] or 0) - (s1["settles"] or 0)) / dt,
+            "deleted_s": (s2["del"] - s1["del"]) / dt,
+            "dead": s2["dead"], "live": s2["live"], "size": s2["size"],
+            "backlog": max((s["backlog"] or 0) for s in S if t1 <= s["t"] <= t2 + 0.5)
+            if any(t1 <= s["t"] <= t2 + 0.5 for s in S) else None,
+        }
+
+    def ms_(x):
+        return "-" if x is None else f"{x * 1000:.1f}"
+
+    def n0(x):
+        return "-" if x is None else f"{x:.0f}"
+
+    def n1(x):
+        return "-" if x is None else f"{x:.1f}"
+
+    print(f"  steady load ({STEADY}): a producer process offering {STEADY_RATE} single-row "
+          f"transactions/s (8 connections) over "
+          f"{STEADY_KEYS} keys, {STEADY_BODY}-byte bodies, relay defaults + retention = "
+          f"{STEADY_RETENTION}{'; ' + '; '.join(STEADY_EXTRA) if STEADY_EXTRA else ''}; dual "
+          f"write {STEADY_DUAL_RATE}/s beside it; REPEATABLE READ reader during 'held'")
+    print(f"    {'t (s)':>7} {'phase':>7} {'offered':>8} {'deliv.':>7} {'p50 ms':>7} "
+          f"{'p99 ms':>7} {'dual p50':>8} {'dual p99':>8} {'PG us/msg':>9} {'relay us':>8} "
+          f"{'rows/claim':>10} {'claims/s':>8} {'deleted/s':>9} {'dead tup':>9} {'live':>7} "
+          f"{'MiB':>6} {'backlog':>7}")
+    t = B["warm"]
+    while t + win <= B["end"] + 0.5:
+        x = block(t, t + win)
+        print(f"    {t - B['warm']:>7.0f} {phase(t):>7} {x['offered']:>8.0f} "
+              f"{x['delivered']:>7.0f} {ms_(x['p50']):>7} {ms_(x['p99']):>7} "
+              f"{ms_(x['d50']):>8} {ms_(x['d99']):>8} "
+              f"{n0(x['pg_us']):>9} {n0(x['relay_us']):>8} {n1(x['per_claim']):>10} "
+              f"{x['claims_s']:>8.0f} {x['deleted_s']:>9.0f} {x['dead']:>9} {x['live']:>7} "
+              f"{x['size'] / 1048576:>6.1f} "
+              f"{n0(x['backlog']):>7}")
+        t += win
+    first_min = min(60, (B["held"] - B["clean"]) / 3)
+    c = block(B["clean"], B["held"])
+    c1 = block(B["clean"], B["clean"] + first_min)
+    c2 = block(B["held"] - first_min, B["held"])
+    h = block(B["held"], B["recover"])
+    rc = block(B["recover"], B["end"])
+    size0 = at(B["clean"])["size"]
+
+    def ratio(a, b):
+        return None if a is None or not b else a / b
+
+    def v(x, tgt, le=True):
+        if x is None:
+            return "-"
+        return f"{x:.2f} ({'PASS' if (x <= tgt if le else x >= tgt) else 'BELOW'} target "\
+               f"{'<=' if le else '>='} {tgt})"
+    print(f"    clean phase: delivered {c['delivered']:.0f} of {c['offered']:.0f} msg/s offered;"
+          f" p50 {ms_(c['p50'])} ms, p99 {ms_(c['p99'])} ms; dual write p50 {ms_(c['d50'])} ms,"
+          f" p99 {ms_(c['d99'])} ms; {c['per_claim'] or 0:.1f} rows per claim, "
+          f"{c['claims_s']:.0f} claims/s, {c['settles_s']:.0f} settles/s; retention deleted "
+          f"{c['deleted_s']:.0f} rows/s (on the settling connection, beside the claims)")
+    print(f"      PostgreSQL CPU for the relay's sessions: "
+          f"{n0(c['pg_us'])} us per message (target <= 100); relay process "
+          f"{n0(c['relay_us'])} us per message")
+    print(f"      p99 last {first_min:.0f} s / first {first_min:.0f} s: "
+          f"{ms_(c2['p99'])} / {ms_(c1['p99'])} ms = {v(ratio(c2['p99'], c1['p99']), 1.5)}")
+    print(f"      relay / dual write: p50 {v(ratio(c['p50'], c['d50']), 2)}, "
+          f"p99 {v(ratio(c['p99'], c['d99']), 2)}")
+    print(f"      table + indexes {size0 / 1048576:.1f} MiB at the start of the clean phase, "
+          f"{c['size'] / 1048576:.1f} MiB at its end (flat: {v(c['size'] / size0 if size0 else None, 1.25)});"
+          f" dead tuples at its end {c['dead']}")
+    print(f"    held horizon ({B['recover'] - B['held']:.0f} s): delivered {h['delivered']:.0f} of "
+          f"{h['offered']:.0f} msg/s ({v(ratio(h['delivered'], h['offered']), 0.9, le=False)});"
+          f" p50 {ms_(h['p50'])} ms, p99 {ms_(h['p99'])} ms; dual write p99 {ms_(h['d99'])} ms;"
+          f" PostgreSQL {n0(h['pg_us'])} us/msg;"
+          f" dead tuples {h['dead']}, {h['size'] / 1048576:.1f} MiB, backlog up to "
+          f"{n0(h['backlog'])}")
+    print(f"    recovery ({B['end'] - B['recover']:.0f} s): delivered {rc['delivered']:.0f} msg/s, "
+          f"p99 {ms_(rc['p99'])} ms, dead tuples {rc['dead']}, {rc['size'] / 1048576:.1f} MiB")
+    u = r["cpu"]
+    print(f"    whole run: lost {r['lost']}, duplicates {r['dups']} of {r['processed']} committed;"
+          f" cores: {cores_line(u)}")
+    if r["dual_error"]:
+        print(f"    dual write failed: {r['dual_error']}")
+    if u["other"] > 0.2:
+        print(f"    NOTE: other processes used {u['other']:.2f} cores: noisy figures")
+
+
+def steady_main():
+    for f in ("outbox-relay",):
+        if not (BUILD / f).exists():
+            sys.exit(f"{BUILD / f} missing: run make bench (it builds the bench tools)")
+    if STEADY not in STEADY_PHASES:
+        sys.exit("BENCH_STEADY must be full, short or off")
+    svc = Services()
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="outbox-steady-"))
+    with svc.pg("postgres") as c:
+        c.execute(f"drop database if exists {DB} with (force)")
+        c.execute(f"create database {DB}")
+        c.execute("alter system set fsync = on")
+        c.execute("alter system set full_page_writes = on")
+        c.execute("select pg_reload_conf()")
+    ok = False
+    try:
+        init_cfg = write_cfg(tmp / "init.ini", svc, free_port(), name="bench-init")
+        subprocess.run([str(BUILD / "outbox-relay"), "init", "-c", str(init_cfg)], check=True,
+                       stdout=subprocess.DEVNULL)
+        print(f"bench: {version_line()}")
+        r = steady_run(svc, tmp)
+        steady_report(r)
+        ok = True
+    finally:
+        for p in CHILDREN:
+            stop(p, grace=10)
+        with svc.pg("postgres") as c:
+            c.execute(f"drop database if exists {DB} with (force)")
+            c.execute("alter system reset fsync")
+            c.execute("alter system reset full_page_writes")
+            c.execute("select pg_reload_conf()")
+        try:
+            b = Broker(svc)
+            for q in (STEADY_QUEUE, DUAL_QUEUE):
+                b.ch.queue_delete(q)
+            b.close()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        if ok:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            print(f"bench: steady run's config and relay log kept in {tmp}", file=sys.stderr)
+
+
 def on_signal(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--steady-producer"]:
+    steady_producer(sys.argv[2:])
+    sys.exit(0)
 
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
     try:
-        main()
+        # BENCH_ONLY=steady: the steady-load run alone; otherwise it follows the rest
+        # unless BENCH_STEADY=off
+        if os.environ.get("BENCH_ONLY", "").strip() != "steady":
+            main()
+        if STEADY != "off":
+            steady_main()
     except BenchError as e:
         sys.exit(f"bench: {e}")
     except KeyboardInterrupt:

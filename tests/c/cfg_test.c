@@ -109,6 +109,9 @@ static void dump(const cfg *c)
         printf("retention = %lldms\n", (long long)o->retention_ms);
         printf("cleanup_batch = %d\n", o->cleanup_batch);
         printf("cleanup_interval = %lldms\n", (long long)o->cleanup_interval_ms);
+        printf("claim_delay = %lldms\n", (long long)o->claim_delay_ms);
+        printf("health_interval = %lldms\n", (long long)o->health_interval_ms);
+        printf("horizon_warn = %lldms\n", (long long)o->horizon_warn_ms);
         printf("mode = %s\n", modes[o->mode]);
         printf("ordering = %s\n", orderings[o->ordering]);
         printf("query_timeout = %lldms\n", (long long)o->query_timeout_ms);
