@@ -221,14 +221,30 @@ static const column lease_columns_desc[] = {
 };
 #undef TS_NOW
 
-/* The partial indexes, the same in both dialects: on the dead-letter table or the outbox. */
-static const struct { const char *suffix; bool dead; const char *tail; } index_desc[] = {
-    { "pending_idx", false, "(id) WHERE sent_at IS NULL" },
-    { "failing_idx", false, "(partition_key, id) WHERE sent_at IS NULL AND attempts > 0" },
-    { "sent_idx",    false, "(sent_at) WHERE sent_at IS NOT NULL" },
-    { "dead_at_idx", true,  "(dead_at)" },
+/* The partial indexes: on the dead-letter table or the outbox, the same keys and filter
+ * in both dialects. On SQL Server the pending index also carries (INCLUDE) every column
+ * the claims and the statistics filter on, so that reading pending rows never needs the
+ * clustered index: without them the optimizer may find a clustered scan cheaper than a
+ * lookup per row, and a scan that takes shared or update locks on every row of the table
+ * is what the claim's READPAST and the statistics' row locks are meant to avoid. Not on
+ * PostgreSQL: a column in any index makes an UPDATE of it non-HOT, and the claim updates
+ * lease_until and lease_token. That index has its own name on SQL Server (ms_suffix): a
+ * table made before it had the columns gets the new index first, then loses the old one
+ * (ms_ddl), and the two must be able to exist side by side meanwhile. */
+static const struct {
+    const char *suffix;
+    bool        dead;
+    const char *keys, *filter;
+    const char *ms_suffix;    /* NULL: suffix */
+    const char *ms_include;   /* NULL: none */
+} index_desc[] = {
+    { "pending_idx", false, "(id)", "sent_at IS NULL", "pending_cover_idx",
+      "(available_at, lease_until, lease_token, partition_key, created_at)" },
+    { "failing_idx", false, "(partition_key, id)", "sent_at IS NULL AND attempts > 0", 0, 0 },
+    { "sent_idx",    false, "(sent_at)", "sent_at IS NOT NULL", 0, 0 },
+    { "dead_at_idx", true,  "(dead_at)", NULL, 0, 0 },
     /* competing claims find a key's first pending row through this index */
-    { "key_idx",     false, "(partition_key, id) WHERE sent_at IS NULL" },
+    { "key_idx",     false, "(partition_key, id)", "sent_at IS NULL", 0, 0 },
 };
 
 char *outbox_producer_columns(void)
@@ -402,12 +418,14 @@ static const char *built(list *l, const outbox_util_buf *b)
     return b->p ? b->p : "";
 }
 
-static void pg_index(list *l, const names *n, const char *idx, const char *on, const char *tail)
+static void pg_index(list *l, const names *n, const char *idx, const char *on, const char *keys,
+                     const char *filter)
 {
     outbox_util_buf c = { 0 }, w = { 0 }, d = { 0 };
     pg_guarded(l, fmt(l, &c, "to_regclass('\"%s\".\"%s\"') IS NULL", n->s, idx),
                fmt(l, &w, "index \"%s\" on %s", idx, on),
-               fmt(l, &d, "CREATE INDEX \"%s\" ON %s %s", idx, on, tail));
+               fmt(l, &d, "CREATE INDEX \"%s\" ON %s %s%s%s", idx, on, keys,
+                   filter ? " WHERE " : "", filter ? filter : ""));
     outbox_util_buf_free(&c);
     outbox_util_buf_free(&w);
     outbox_util_buf_free(&d);
@@ -473,7 +491,8 @@ static void pg_ddl(list *l, const names *n)
     for (size_t i = 0; i < NCOLS(index_desc); i++) {
         char idx[64];
         outbox_derived_name(index_desc[i].dead ? n->d : n->t, index_desc[i].suffix, idx);
-        pg_index(l, n, idx, index_desc[i].dead ? n->dead : n->tab, index_desc[i].tail);
+        pg_index(l, n, idx, index_desc[i].dead ? n->dead : n->tab, index_desc[i].keys,
+                 index_desc[i].filter);
     }
 
     /* the notify function: (re)written only when missing or different (no table lock
@@ -517,16 +536,83 @@ static void pg_ddl(list *l, const names *n)
     outbox_util_buf_free(&w);
 }
 
-static void ms_index(list *l, const names *n, const char *name, const char *on,
-                     const char *tail)
+/* The index of index_desc[i] on SQL Server, created when missing.
+ *
+ * Missing: looked up by name in sys.indexes first, so that re-running init on a live
+ * table takes no lock on it. An index that exists all the same is refused by the
+ * CREATE INDEX with "already exists" and that error is caught: SQL Server raises 1913
+ * when a concurrent init created it between the lookup and the CREATE; Babelfish (a
+ * T-SQL engine on PostgreSQL) raises 2714 every time, since its sys.indexes shows an
+ * index under an internal name (<name><table><hash>) and the lookup never finds it
+ * there. Any other error is raised again.
+ *
+ * Online where the edition can build an index without blocking writers to the table
+ * (SERVERPROPERTY('EngineEdition') 3: Enterprise, Developer, Evaluation; 5: Azure SQL
+ * Database; 8: Azure SQL Managed Instance); elsewhere (Standard, Express; Babelfish
+ * says 2) the build is offline and blocks the table's writers while it runs, which
+ * init's lock timeout bounds only while waiting for the lock, not during the build. */
+static void ms_index(list *l, size_t i, const names *n)
 {
-    outbox_util_buf b = { 0 };
+    char idx[64];
+    const char *on = index_desc[i].dead ? n->dead : n->tab;
+    outbox_util_buf b = { 0 }, def = { 0 };
+    outbox_derived_name(index_desc[i].dead ? n->d : n->t,
+                        index_desc[i].ms_suffix ? index_desc[i].ms_suffix : index_desc[i].suffix,
+                        idx);
+    outbox_util_buf_printf(&def, "CREATE INDEX [%s] ON %s %s", idx, on, index_desc[i].keys);
+    if (index_desc[i].ms_include)
+        outbox_util_buf_printf(&def, " INCLUDE %s", index_desc[i].ms_include);
+    if (index_desc[i].filter)
+        outbox_util_buf_printf(&def, " WHERE %s", index_desc[i].filter);
+    const char *d = def.p ? def.p : "";
     outbox_util_buf_printf(&b,
         "IF NOT EXISTS (SELECT 1 FROM sys.indexes WHERE name = N'%s' "
         "AND object_id = OBJECT_ID(N'%s'))\n"
-        "    CREATE INDEX [%s] ON %s %s", name, on, name, on, tail);
+        "BEGIN\n"
+        "    BEGIN TRY\n"
+        "        IF CAST(SERVERPROPERTY('EngineEdition') AS int) IN (3, 5, 8)\n"
+        "            %s WITH (ONLINE = ON);\n"
+        "        ELSE\n"
+        "            %s;\n"
+        "    END TRY\n"
+        "    BEGIN CATCH\n"
+        "        IF ERROR_NUMBER() NOT IN (1913, 2714) THROW;\n"
+        "    END CATCH\n"
+        "END", idx, on, d, d);
+    if (def.failed)
+        l->failed = 1;
+    outbox_util_buf_free(&def);
     add(l, &b);
-    (void)n;
+}
+
+/* A table made before the pending index carried its INCLUDE columns has the narrow
+ * index <table>_pending_idx (id) WHERE sent_at IS NULL; once the covering index
+ * exists, the narrow one is dropped (the order keeps the claims on an index
+ * throughout). Both are recognized by their shape in sys.index_columns, not by name:
+ * the narrow one is the outbox's only index whose one key column is id, that is not
+ * the primary key and includes nothing; the covering one has key id and includes
+ * created_at. Babelfish shows both shapes as SQL Server does (not the names), so the
+ * same statement migrates there. DROP INDEX takes a schema-modification lock, bounded
+ * by init's lock timeout. */
+static void ms_pending_migration(list *l, const names *n)
+{
+    char old_idx[64];
+    outbox_util_buf b = { 0 };
+    outbox_derived_name(n->t, "pending_idx", old_idx);
+    outbox_util_buf_printf(&b,
+        "IF EXISTS (SELECT 1 FROM sys.indexes i WHERE i.object_id = OBJECT_ID(N'%s') "
+        "AND i.type = 2 AND i.is_primary_key = 0 AND i.is_unique = 0\n"
+        "        AND NOT EXISTS (SELECT 1 FROM sys.index_columns c WHERE c.object_id = i.object_id "
+        "AND c.index_id = i.index_id AND (c.is_included_column = 1 OR c.key_ordinal > 1))\n"
+        "        AND EXISTS (SELECT 1 FROM sys.index_columns c JOIN sys.columns k "
+        "ON k.object_id = c.object_id AND k.column_id = c.column_id WHERE c.object_id = i.object_id "
+        "AND c.index_id = i.index_id AND c.key_ordinal = 1 AND k.name = N'id'))\n"
+        "   AND EXISTS (SELECT 1 FROM sys.indexes i JOIN sys.index_columns c "
+        "ON c.object_id = i.object_id AND c.index_id = i.index_id JOIN sys.columns k "
+        "ON k.object_id = c.object_id AND k.column_id = c.column_id WHERE i.object_id = OBJECT_ID(N'%s') "
+        "AND c.is_included_column = 1 AND k.name = N'created_at')\n"
+        "    DROP INDEX [%s] ON %s", n->tab, n->tab, old_idx, n->tab);
+    add(l, &b);
 }
 
 /* The SET options SQL Server requires to create filtered indexes and to change
@@ -581,11 +667,9 @@ static void ms_ddl(list *l, const names *n)
         n->tab, n->tab, n->tab, df_mid);
     add(l, &b);
 
-    for (size_t i = 0; i < NCOLS(index_desc); i++) {
-        char idx[64];
-        outbox_derived_name(index_desc[i].dead ? n->d : n->t, index_desc[i].suffix, idx);
-        ms_index(l, n, idx, index_desc[i].dead ? n->dead : n->tab, index_desc[i].tail);
-    }
+    for (size_t i = 0; i < NCOLS(index_desc); i++)
+        ms_index(l, i, n);
+    ms_pending_migration(l, n);
     create_table(&b, OUTBOX_DIALECT_SQLSERVER, n->lease, lease_columns_desc, NCOLS(lease_columns_desc),
                  C_OUTBOX, n->lease_raw);
     outbox_util_buf_printf(&b, "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (name)\n)", n->lpkey);
