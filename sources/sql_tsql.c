@@ -1,25 +1,78 @@
 /*
  * sql_tsql.c — the relay's T-SQL (SQL Server) statements, in one place. The ODBC
  * source (sources/odbc/odbcsrc_db.c) runs them with `?` parameters; {T}, {D} and
- * {L} stand for the quoted outbox, dead-letter and lease tables. How each reads
- * and locks (READPAST, UPDLOCK, READCOMMITTEDLOCK) is explained at the top of
- * odbcsrc_db.c. The DDL is lib/schema.c's (outbox_ddl), shared with liboutbox;
- * PostgreSQL lives in sources/sql_pg.c.
+ * {L} stand for the quoted outbox, dead-letter and lease tables. Each statement
+ * opens by declaring its parameters (`DECLARE @name type = ?`), in the order of
+ * the parameter table beside it, from which the source binds them by name. The
+ * DDL is lib/schema.c's (outbox_ddl), shared with liboutbox; PostgreSQL lives in
+ * sources/sql_pg.c.
  *
- * NOT RUN HERE: no SQL Server runs on the machines this project is tested on.
- * tests/test_source_contract.py and tests/test_tsql_capture.py run these
- * statements when OUTBOX_TEST_MSSQL names a server.
+ * How they read and lock, with READ_COMMITTED_SNAPSHOT off (SQL Server's default,
+ * where a plain read takes shared locks and waits for writers) as well as on:
+ *   - rows to lease are read WITH (ROWLOCK, READPAST, UPDLOCK): a locking read that
+ *     skips rows another transaction holds (a producer's uncommitted insert, another
+ *     relay's claim);
+ *   - the competing claim's membership count and its per-key head and gap probes
+ *     read WITH (NOLOCK): they never wait. Membership is only a preference; in the
+ *     probes a producer's uncommitted row (or a row another relay is claiming)
+ *     counts as its key's holder, so that key waits a cycle while the statement
+ *     never waits behind an application's open transaction;
+ *   - a statement fenced by the leadership epoch reads the leader row WITH (UPDLOCK,
+ *     HOLDLOCK) and so holds it to its commit: a takeover (whose lead reads the row
+ *     the same way) waits for a claim in flight instead of resetting the leases
+ *     around it;
+ *   - statistics, the lease reset of a takeover and retention read WITH (READPAST,
+ *     READCOMMITTEDLOCK): rows a producer has not committed carry no lease and are
+ *     never sent, so skipping them is exact (or, for statistics, good enough);
+ *   - no statement touches more than SQL_TSQL_MAX_ROWS rows of a table (lock
+ *     escalation); DML writes its OUTPUT INTO a table variable, then selects from it
+ *     (OUTPUT without INTO fails on a table with a trigger, Msg 334), and converts
+ *     only there.
+ * These forms run on Babelfish for PostgreSQL too (the tests' T-SQL engine), which
+ * refuses UPDATE through a CTE, CONVERT inside OUTPUT, UPDATE ... FROM ... LEFT JOIN
+ * with OUTPUT and OUTPUT naming a joined table in DELETE.
  */
 #include "sources/sql_tsql.h"
 #include "lib/outbox_schema.h"
 
-/* Leadership. Parameters: owner, lease ms, epoch held (0 none). Result: our epoch
-   (0: not leader), the holder before, its epoch, row leases released. */
-const char sql_tsql_lead[] =
+#define P_BIGINT(n) { n, SQL_C_SBIGINT, SQL_BIGINT, 0 }
+#define P_INT(n)    { n, SQL_C_SLONG, SQL_INTEGER, 0 }
+#define P_NAME(n)   { n, SQL_C_WCHAR, SQL_WVARCHAR, 255 }   /* nvarchar(255) */
+#define P_TEXT(n)   { n, SQL_C_WCHAR, SQL_WVARCHAR, 0 }     /* nvarchar(max) */
+#define NP(a) (sizeof(a) / sizeof((a)[0]))
+#define STMT(var, text, params) \
+    const sql_tsql_stmt var = { #var, text, params, NP(params) }
+#define STMT0(var, text) const sql_tsql_stmt var = { #var, text, NULL, 0 }
+
+/* The leased rows' columns, from a table variable @c (converted here, not in OUTPUT). */
+#define CLAIMED_TABLE \
+    "DECLARE @c TABLE (id bigint NOT NULL PRIMARY KEY, message_id uniqueidentifier NOT NULL, " \
+    "exchange nvarchar(255) NOT NULL, routing_key nvarchar(255) NOT NULL, " \
+    "partition_key nvarchar(255) NULL, message_type nvarchar(255) NULL, " \
+    "content_type nvarchar(255) NULL, correlation_id nvarchar(255) NULL, " \
+    "headers nvarchar(max) NULL, payload varbinary(max) NOT NULL, attempts int NOT NULL, " \
+    "created_at datetime2 NOT NULL); "
+#define CLAIMED_OUTPUT \
+    "OUTPUT inserted.id, inserted.message_id, inserted.exchange, inserted.routing_key, " \
+    "inserted.partition_key, inserted.message_type, inserted.content_type, " \
+    "inserted.correlation_id, inserted.headers, inserted.payload, inserted.attempts, " \
+    "inserted.created_at INTO @c "
+#define CLAIMED_SELECT \
+    "SELECT id, LOWER(CONVERT(nvarchar(36), message_id)), exchange, routing_key, " \
+    "partition_key, message_type, content_type, correlation_id, headers, payload, attempts, " \
+    "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), created_at), " \
+    "DATEDIFF_BIG(microsecond, created_at, SYSUTCDATETIME()) FROM @c ORDER BY id"
+#define S_(x) #x
+#define S(x) S_(x)
+#define MAX_ROWS S(SQL_TSQL_MAX_ROWS)
+
+/* Leadership. Result: our epoch (0: not leader), the holder before, its epoch, row
+   leases released (in batches: lock escalation). */
+static const char lead_text[] =
     "SET NOCOUNT ON; "
     "DECLARE @owner nvarchar(255) = ?, @lease int = ?, @mine bigint = ?; "
     "DECLARE @now datetime2 = SYSUTCDATETIME(), @cur_owner nvarchar(255), @cur_epoch bigint, "
-    "@got bigint = 0, @reset int = 0; "
+    "@got bigint = 0, @reset int = 0, @k int = " MAX_ROWS "; "
     "SELECT @cur_owner = owner, @cur_epoch = epoch FROM {L} WITH (UPDLOCK, HOLDLOCK) "
     "WHERE name = N'leader'; "
     "IF @cur_owner IS NULL "
@@ -36,84 +89,102 @@ const char sql_tsql_lead[] =
     "WHERE name = N'leader' AND ((owner = @owner AND epoch = @mine) OR expires_at < @now); "
     "IF @got <> 0 AND @got <> @mine "
     "BEGIN "
+    "WHILE @k = " MAX_ROWS " "
+    "BEGIN "
     "UPDATE {T} WITH (READPAST, READCOMMITTEDLOCK) SET lease_owner = NULL, lease_token = NULL, "
-    "lease_until = NULL WHERE sent_at IS NULL AND lease_token IS NOT NULL; "
-    "SET @reset = @@ROWCOUNT; "
+    "lease_until = NULL WHERE id IN (SELECT TOP (" MAX_ROWS ") r.id FROM {T} r "
+    "WITH (READPAST, READCOMMITTEDLOCK) WHERE r.sent_at IS NULL AND r.lease_token IS NOT NULL); "
+    "SET @k = @@ROWCOUNT; "
+    "SET @reset = @reset + @k; "
+    "END "
     "END "
     "SELECT @got, COALESCE(@cur_owner, N''), COALESCE(@cur_epoch, 0), @reset";
+static const sql_tsql_param lead_p[] = { P_NAME("owner"), P_INT("lease"), P_BIGINT("mine") };
+STMT(sql_tsql_lead, lead_text, lead_p);
 
-/* Claim. Parameters: limit, epoch, owner, epoch, owner, token, lease ms. */
-const char sql_tsql_claim[] =
+/* Claim (leader or unfenced): @epoch 0 is unfenced, else the leader row must be ours
+   and is held to the commit. */
+static const char claim_text[] =
     "SET NOCOUNT ON; "
-    "WITH c AS (SELECT TOP (?) m.* FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
+    "DECLARE @limit int = ?, @epoch bigint = ?, @owner nvarchar(255) = ?, @token bigint = ?, "
+    "@lease_ms int = ?; "
+    CLAIMED_TABLE
+    "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
+    "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
+    "AND f.expires_at > SYSUTCDATETIME()) "
+    "UPDATE {T} WITH (ROWLOCK) SET lease_owner = @owner, lease_token = @token, "
+    "lease_until = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()) "
+    CLAIMED_OUTPUT
+    "WHERE id IN (SELECT TOP (@limit) m.id FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
     "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
     "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
-    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p "
+    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p WITH (NOLOCK) "
     "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
-    "AND p.id < m.id)) "
-    "AND (? = 0 OR EXISTS (SELECT 1 FROM {L} f WHERE f.name = N'leader' AND f.owner = ? "
-    "AND f.epoch = ? AND f.expires_at > SYSUTCDATETIME())) ORDER BY m.id) "
-    "UPDATE c SET lease_owner = ?, lease_token = ?, "
-    "lease_until = DATEADD(millisecond, ?, SYSUTCDATETIME()) "
-    "OUTPUT inserted.id, LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange, "
-    "inserted.routing_key, inserted.partition_key, inserted.message_type, inserted.content_type, "
-    "inserted.correlation_id, inserted.headers, inserted.payload, inserted.attempts, "
-    "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), inserted.created_at), "
-    "DATEDIFF_BIG(microsecond, inserted.created_at, SYSUTCDATETIME())";
+    "AND p.id < m.id)) ORDER BY m.id); "
+    CLAIMED_SELECT;
+static const sql_tsql_param claim_p[] = { P_INT("limit"), P_BIGINT("epoch"), P_NAME("owner"),
+                                          P_BIGINT("token"), P_INT("lease_ms") };
+STMT(sql_tsql_claim, claim_text, claim_p);
 
-/* Competing-mode claim (see sql_pg_claim). Parameters: owner, lease ms, limit, token. */
-const char sql_tsql_claim_competing[] =
+/* Competing-mode claim (see sql_pg_claim). */
+static const char claim_competing_text[] =
     "SET NOCOUNT ON; "
-    "DECLARE @owner nvarchar(255) = ?; "
-    "DECLARE @lease_ms int = ?; "
+    "DECLARE @owner nvarchar(255) = ?, @lease_ms int = ?, @limit int = ?, @token bigint = ?; "
     /* membership (see sources/sql_pg.h): renew ours, else reuse an expired member
-       row, else insert one; a lease of 0 withdraws it */
+       row, else insert one; a lease of 0 withdraws it. By primary key only (the
+       name LIKE a constant prefix is a seek). */
     "DECLARE @me nvarchar(255) = N'member:' + @owner; "
     "DECLARE @until datetime2 = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()); "
     "UPDATE {L} SET expires_at = @until WHERE name = @me; "
     "IF @@ROWCOUNT = 0 AND @lease_ms > 0 BEGIN "
     "UPDATE {L} SET name = @me, owner = @owner, epoch = 0, expires_at = @until "
     "WHERE name = (SELECT TOP (1) x.name FROM {L} x WITH (ROWLOCK, READPAST, UPDLOCK) "
-    "WHERE LEFT(x.name, 7) = N'member:' AND x.expires_at < SYSUTCDATETIME() ORDER BY x.name); "
+    "WHERE x.name LIKE N'member:%' AND x.expires_at < SYSUTCDATETIME() ORDER BY x.name); "
     "IF @@ROWCOUNT = 0 INSERT INTO {L} (name, owner, epoch, expires_at) "
     "VALUES (@me, @owner, 0, @until); "
     "END; "
+    /* the other members, read without locks: never waits for another relay's renewal */
     "DECLARE @n int, @r int; "
     "SELECT @n = COUNT(*) + 1, @r = ISNULL(SUM(CASE WHEN owner < @owner THEN 1 ELSE 0 END), 0) "
-    "FROM {L} WHERE LEFT(name, 7) = N'member:' AND owner <> @owner "
+    "FROM {L} WITH (NOLOCK) WHERE name LIKE N'member:%' AND owner <> @owner "
     "AND expires_at > SYSUTCDATETIME(); "
     "DECLARE @c0 TABLE (id bigint PRIMARY KEY, partition_key nvarchar(255)); "
-    "INSERT INTO @c0 (id, partition_key) SELECT TOP (?) m.id, m.partition_key "
+    "INSERT INTO @c0 (id, partition_key) SELECT TOP (@limit) m.id, m.partition_key "
     "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
     "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
     "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
     "AND (m.partition_key IS NULL OR (CHECKSUM(m.partition_key) & 2147483647) % @n = @r) "
     "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT TOP (1) h.id, "
-    "h.lease_owner, h.lease_until, h.available_at FROM {T} h WITH (READCOMMITTEDLOCK) "
+    "h.lease_owner, h.lease_until, h.available_at FROM {T} h WITH (NOLOCK) "
     "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id) hd "
     "WHERE hd.id < m.id AND ((hd.lease_until >= SYSUTCDATETIME() AND hd.lease_owner <> @owner) "
     "OR hd.available_at > SYSUTCDATETIME()))) ORDER BY m.id; "
+    /* each key's first pending row that is not ours (a producer's uncommitted row
+       too): the claimed rows of that key after it wait */
     "DECLARE @g TABLE (partition_key nvarchar(255) PRIMARY KEY, gap bigint); "
     "INSERT INTO @g (partition_key, gap) SELECT k.partition_key, (SELECT TOP (1) p.id "
-    "FROM {T} p WITH (READCOMMITTEDLOCK) WHERE p.partition_key = k.partition_key "
+    "FROM {T} p WITH (NOLOCK) WHERE p.partition_key = k.partition_key "
     "AND p.sent_at IS NULL AND (p.lease_owner IS NULL OR p.lease_owner <> @owner "
     "OR p.lease_until IS NULL OR p.lease_until < SYSUTCDATETIME()) "
     "AND p.id NOT IN (SELECT id FROM @c0) ORDER BY p.id) "
     "FROM (SELECT DISTINCT partition_key FROM @c0 WHERE partition_key IS NOT NULL) k; "
-    "UPDATE m SET lease_owner = @owner, lease_token = ?, "
+    "DELETE c FROM @c0 c JOIN @g g ON g.partition_key = c.partition_key WHERE c.id > g.gap; "
+    CLAIMED_TABLE
+    "UPDATE {T} WITH (ROWLOCK) SET lease_owner = @owner, lease_token = @token, "
     "lease_until = @until "
-    "OUTPUT inserted.id, LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange, "
-    "inserted.routing_key, inserted.partition_key, inserted.message_type, inserted.content_type, "
-    "inserted.correlation_id, inserted.headers, inserted.payload, inserted.attempts, "
-    "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), inserted.created_at), "
-    "DATEDIFF_BIG(microsecond, inserted.created_at, SYSUTCDATETIME()) "
-    "FROM {T} m JOIN @c0 c ON m.id = c.id LEFT JOIN @g g ON g.partition_key = c.partition_key "
-    "WHERE c.partition_key IS NULL OR g.gap IS NULL OR c.id < g.gap";
+    CLAIMED_OUTPUT
+    "WHERE id IN (SELECT id FROM @c0); "
+    CLAIMED_SELECT;
+static const sql_tsql_param claim_competing_p[] = { P_NAME("owner"), P_INT("lease_ms"),
+                                                    P_INT("limit"), P_BIGINT("token") };
+STMT(sql_tsql_claim_competing, claim_competing_text, claim_competing_p);
 
-/* Settle: head + (mark | delete) + tail. Parameter: the outcomes as JSON
-   (odbcsrc_outcomes_json). Result: rows applied. */
-const char sql_tsql_settle_head[] =
+/* Settle: head + (mark | delete) + tail, for at most SQL_TSQL_MAX_ROWS outcomes (the
+   source splits larger settles within one transaction). Parameter: the outcomes as
+   JSON (odbcsrc_outcomes_json). Result: rows applied. */
+static const char settle_head_text[] =
     "SET NOCOUNT ON; SET XACT_ABORT ON; "
+    "DECLARE @outcomes nvarchar(max) = ?; "
     "DECLARE @o TABLE (id bigint NOT NULL PRIMARY KEY, token bigint NOT NULL, kind int NOT NULL, "
     "backoff_ms bigint NULL, reason nvarchar(max) NULL); "
     /* reasons are cut to REASON_MAX (2000) bytes: within JSON_VALUE's 4000 characters */
@@ -121,19 +192,21 @@ const char sql_tsql_settle_head[] =
     "SELECT CAST(JSON_VALUE(j.value, '$.id') AS bigint), "
     "CAST(JSON_VALUE(j.value, '$.token') AS bigint), CAST(JSON_VALUE(j.value, '$.kind') AS int), "
     "CAST(JSON_VALUE(j.value, '$.backoff_ms') AS bigint), JSON_VALUE(j.value, '$.reason') "
-    "FROM OPENJSON(?) AS j; "
+    "FROM OPENJSON(@outcomes) AS j; "
     "DECLARE @n bigint = 0; ";
+static const sql_tsql_param settle_head_p[] = { P_TEXT("outcomes") };
+STMT(sql_tsql_settle_head, settle_head_text, settle_head_p);
 
-const char sql_tsql_settle_mark[] =
+STMT0(sql_tsql_settle_mark,
     "UPDATE m SET sent_at = SYSUTCDATETIME(), lease_owner = NULL, lease_token = NULL, "
     "lease_until = NULL FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token "
-    "WHERE o.kind = 0; SET @n = @n + @@ROWCOUNT; ";
+    "WHERE o.kind = 0; SET @n = @n + @@ROWCOUNT; ");
 
-const char sql_tsql_settle_delete[] =
+STMT0(sql_tsql_settle_delete,
     "DELETE m FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token "
-    "WHERE o.kind = 0; SET @n = @n + @@ROWCOUNT; ";
+    "WHERE o.kind = 0; SET @n = @n + @@ROWCOUNT; ");
 
-const char sql_tsql_settle_tail[] =
+STMT0(sql_tsql_settle_tail,
     "UPDATE m SET attempts = m.attempts + 1, last_error = o.reason, "
     "available_at = DATEADD(millisecond, CAST(o.backoff_ms AS int), SYSUTCDATETIME()), "
     "lease_owner = NULL, lease_token = NULL, lease_until = NULL "
@@ -145,59 +218,84 @@ const char sql_tsql_settle_tail[] =
     /* The dead-letter move, idempotent: a row already in the dead table under this
        id (a move retried after its commit acknowledgement was lost, a row put back
        by hand) is replaced, as ON CONFLICT DO UPDATE does on PostgreSQL, instead of
-       failing the whole settle with a primary-key violation forever. */
+       failing the whole settle with a primary-key violation forever. OUTPUT names
+       only the deleted row; the reason joins in afterwards. */
     "DECLARE @d TABLE (id bigint NOT NULL PRIMARY KEY, message_id uniqueidentifier NOT NULL, "
     "exchange nvarchar(255) NOT NULL, routing_key nvarchar(255) NOT NULL, "
     "partition_key nvarchar(255) NULL, message_type nvarchar(255) NULL, "
     "content_type nvarchar(255) NULL, correlation_id nvarchar(255) NULL, "
     "headers nvarchar(max) NULL, payload varbinary(max) NOT NULL, created_at datetime2 NOT NULL, "
-    "attempts int NOT NULL, reason nvarchar(max) NOT NULL); "
+    "attempts int NOT NULL); "
     "DELETE m OUTPUT deleted.id, deleted.message_id, deleted.exchange, deleted.routing_key, "
     "deleted.partition_key, deleted.message_type, deleted.content_type, deleted.correlation_id, "
-    "deleted.headers, deleted.payload, deleted.created_at, deleted.attempts + 1, "
-    "COALESCE(o.reason, N'dead-lettered') "
-    "INTO @d (id, " OUTBOX_PRODUCER_COLS ", attempts, reason) "
-    "FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token WHERE o.kind = 2; "
+    "deleted.headers, deleted.payload, deleted.created_at, deleted.attempts "
+    "INTO @d (id, " OUTBOX_PRODUCER_COLS ", attempts) "
+    "FROM {T} m WHERE EXISTS (SELECT 1 FROM @o o WHERE o.id = m.id AND o.token = m.lease_token "
+    "AND o.kind = 2); "
     "SET @n = @n + @@ROWCOUNT; "
     "DELETE x FROM {D} x JOIN @d d ON d.id = x.id; "
     "INSERT INTO {D} (id, " OUTBOX_PRODUCER_COLS ", attempts, reason) "
-    "SELECT id, " OUTBOX_PRODUCER_COLS ", attempts, reason FROM @d; "
-    "SELECT @n";
+    "SELECT d.id, d.message_id, d.exchange, d.routing_key, d.partition_key, d.message_type, "
+    "d.content_type, d.correlation_id, d.headers, d.payload, d.created_at, d.attempts + 1, "
+    "COALESCE(o.reason, N'dead-lettered') FROM @d d JOIN @o o ON o.id = d.id; "
+    "SELECT @n");
 
-/* Retention. Parameters: limit, retention ms % 1000, retention s, epoch, owner, epoch. */
-const char sql_tsql_cleanup[] =
-    "DELETE TOP (?) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
+/* Retention: at most @limit rows (the configuration keeps it within
+   SQL_TSQL_MAX_ROWS; the relay repeats while a batch was full). Result: rows deleted. */
+static const char cleanup_text[] =
+    "SET NOCOUNT ON; "
+    "DECLARE @limit int = ?, @keep_ms int = ?, @keep_s int = ?, @epoch bigint = ?, "
+    "@owner nvarchar(255) = ?; "
+    "DECLARE @deleted bigint = 0; "
+    "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
+    "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
+    "AND f.expires_at > SYSUTCDATETIME()) "
+    "BEGIN "
+    "DELETE TOP (@limit) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
     "WHERE sent_at IS NOT NULL AND sent_at < "
-    "DATEADD(millisecond, -?, DATEADD(second, -?, SYSUTCDATETIME())) "
-    "AND (? = 0 OR EXISTS (SELECT 1 FROM {L} f WHERE f.name = N'leader' "
-    "AND f.owner = ? AND f.epoch = ? AND f.expires_at > SYSUTCDATETIME()))";
+    "DATEADD(millisecond, -@keep_ms, DATEADD(second, -@keep_s, SYSUTCDATETIME())); "
+    "SET @deleted = @@ROWCOUNT; "
+    "END "
+    "SELECT @deleted";
+static const sql_tsql_param cleanup_p[] = { P_INT("limit"), P_INT("keep_ms"), P_INT("keep_s"),
+                                            P_BIGINT("epoch"), P_NAME("owner") };
+STMT(sql_tsql_cleanup, cleanup_text, cleanup_p);
 
 /* Statistics (never waits for producers): backlog, oldest pending (s), dead rows, then
    sql_tsql_stats_kept or -1. */
-const char sql_tsql_stats[] =
+STMT0(sql_tsql_stats,
     "SELECT (SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
     "WHERE sent_at IS NULL), "
     "CAST(COALESCE((SELECT DATEDIFF_BIG(microsecond, MIN(created_at), SYSUTCDATETIME()) "
     "FROM {T} WITH (READPAST, READCOMMITTEDLOCK) WHERE sent_at IS NULL), 0) AS float) / 1e6, "
-    "(SELECT COUNT_BIG(*) FROM {D} WITH (READPAST, READCOMMITTEDLOCK)), ";
+    "(SELECT COUNT_BIG(*) FROM {D} WITH (READPAST, READCOMMITTEDLOCK)), ");
 
-const char sql_tsql_stats_kept[] =
+STMT0(sql_tsql_stats_kept,
     "(SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
-    "WHERE sent_at IS NOT NULL)";
+    "WHERE sent_at IS NOT NULL)");
 
 /* -> id, message_id, exchange, routing_key, attempts, dead_at (ISO 8601 UTC), reason */
-const char sql_tsql_dead_list[] =
+STMT0(sql_tsql_dead_list,
     "SELECT id, LOWER(CONVERT(nvarchar(36), message_id)), exchange, routing_key, attempts, "
-    "CONVERT(nvarchar(23), dead_at, 126) + N'Z', reason FROM {D} ORDER BY id";
+    "CONVERT(nvarchar(23), dead_at, 126) + N'Z', reason FROM {D} ORDER BY id");
 
-/* Dead letters back to the outbox (idempotent, never fails forever: see odbcsrc_db.c).
-   Parameters: all (1/0), the ids as a JSON array. Result: rows moved. */
-const char sql_tsql_dead_retry[] =
+/* Dead letters back to the outbox, in batches of SQL_TSQL_MAX_ROWS ids (idempotent,
+   never fails forever: see odbcsrc_db.c). Parameters: all (1/0), the ids as a JSON
+   array. Result: rows moved. */
+static const char dead_retry_text[] =
     "SET NOCOUNT ON; SET XACT_ABORT ON; "
-    "DECLARE @all int = ?; "
+    "DECLARE @all int = ?, @list nvarchar(max) = ?; "
     "DECLARE @ids TABLE (id bigint NOT NULL PRIMARY KEY); "
-    "INSERT INTO @ids (id) SELECT d.id FROM {D} d WITH (UPDLOCK, ROWLOCK) "
-    "WHERE @all = 1 OR d.id IN (SELECT CAST(j.value AS bigint) FROM OPENJSON(?) AS j); "
+    "DECLARE @moved bigint = 0, @from bigint = -9223372036854775807 - 1, @k int = " MAX_ROWS "; "
+    "WHILE @k = " MAX_ROWS " "
+    "BEGIN "
+    "DELETE FROM @ids; "
+    "INSERT INTO @ids (id) SELECT TOP (" MAX_ROWS ") d.id FROM {D} d WITH (UPDLOCK, ROWLOCK) "
+    "WHERE d.id > @from AND (@all = 1 OR d.id IN (SELECT CAST(j.value AS bigint) "
+    "FROM OPENJSON(@list) AS j)) ORDER BY d.id; "
+    "SET @k = @@ROWCOUNT; "
+    "IF @k = 0 BREAK; "
+    "SELECT @from = MAX(id) FROM @ids; "
     "SET IDENTITY_INSERT {T} ON; "
     "INSERT INTO {T} (id, " OUTBOX_PRODUCER_COLS ", available_at, attempts) "
     "SELECT d.id, d.message_id, d.exchange, d.routing_key, d.partition_key, d.message_type, "
@@ -207,13 +305,44 @@ const char sql_tsql_dead_retry[] =
     "SET IDENTITY_INSERT {T} OFF; "
     "DELETE d FROM {D} d JOIN @ids i ON i.id = d.id "
     "WHERE EXISTS (SELECT 1 FROM {T} o WHERE o.id = d.id AND o.message_id = d.message_id); "
-    "SELECT CAST(@@ROWCOUNT AS bigint)";
+    "SET @moved = @moved + @@ROWCOUNT; "
+    "END "
+    "SELECT @moved";
+static const sql_tsql_param dead_move_p[] = { P_INT("all"), P_TEXT("list") };
+STMT(sql_tsql_dead_retry, dead_retry_text, dead_move_p);
 
-/* Parameters: all (1/0), the ids as a JSON array. */
-const char sql_tsql_dead_purge[] =
-    "DELETE FROM {D} WHERE ? = 1 OR id IN (SELECT CAST(j.value AS bigint) FROM OPENJSON(?) AS j)";
+/* Result: rows deleted, in batches of SQL_TSQL_MAX_ROWS. */
+static const char dead_purge_text[] =
+    "SET NOCOUNT ON; "
+    "DECLARE @all int = ?, @list nvarchar(max) = ?; "
+    "DECLARE @purged bigint = 0, @k int = " MAX_ROWS "; "
+    "WHILE @k = " MAX_ROWS " "
+    "BEGIN "
+    "DELETE TOP (" MAX_ROWS ") FROM {D} WHERE @all = 1 "
+    "OR id IN (SELECT CAST(j.value AS bigint) FROM OPENJSON(@list) AS j); "
+    "SET @k = @@ROWCOUNT; "
+    "SET @purged = @purged + @k; "
+    "END "
+    "SELECT @purged";
+STMT(sql_tsql_dead_purge, dead_purge_text, dead_move_p);
 
-/* Parameters: the two tables' names. -> 1/0 each: the table exists. */
-const char sql_tsql_tables_exist[] =
-    "SELECT CASE WHEN OBJECT_ID(?, N'U') IS NULL THEN 0 ELSE 1 END, "
-    "CASE WHEN OBJECT_ID(?, N'U') IS NULL THEN 0 ELSE 1 END";
+/* -> 1/0 each: the table exists. */
+static const char tables_exist_text[] =
+    "DECLARE @outbox nvarchar(255) = ?, @dead nvarchar(255) = ?; "
+    "SELECT CASE WHEN OBJECT_ID(@outbox, N'U') IS NULL THEN 0 ELSE 1 END, "
+    "CASE WHEN OBJECT_ID(@dead, N'U') IS NULL THEN 0 ELSE 1 END";
+static const sql_tsql_param tables_exist_p[] = { P_NAME("outbox"), P_NAME("dead") };
+STMT(sql_tsql_tables_exist, tables_exist_text, tables_exist_p);
+
+/* -> the database's compatibility level, and the server's @@VERSION (Babelfish for
+   PostgreSQL names itself there). */
+STMT0(sql_tsql_compat,
+    "SELECT CAST(compatibility_level AS int), CAST(@@VERSION AS nvarchar(4000)) "
+    "FROM sys.databases WHERE name = DB_NAME()");
+
+const sql_tsql_stmt *const sql_tsql_all[] = {
+    &sql_tsql_lead, &sql_tsql_claim, &sql_tsql_claim_competing, &sql_tsql_settle_head,
+    &sql_tsql_settle_mark, &sql_tsql_settle_delete, &sql_tsql_settle_tail, &sql_tsql_cleanup,
+    &sql_tsql_stats, &sql_tsql_stats_kept, &sql_tsql_dead_list, &sql_tsql_dead_retry,
+    &sql_tsql_dead_purge, &sql_tsql_tables_exist, &sql_tsql_compat, NULL
+};

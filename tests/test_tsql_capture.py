@@ -210,8 +210,20 @@ def cap(build, tmp_path_factory):
             with c.record("relay: stats"):
                 done, _ = d.request("stats")
             assert done["ok"] == 0, done
+            with c.record("relay: settle of 9,000 outcomes"):
+                done = d.settle(*[(i, 7, "S", 0) for i in range(1, 9001)])
+            assert done["ok"] == 0, done
         finally:
             d.close()
+        os.environ["OUTBOX_REC_COMPAT"] = "120"
+        d = Driver(binary, "odbc", CONN, "app", table=TABLE)
+        try:
+            with c.record("relay: check at compatibility level 120"):
+                r, _ = d.admin("check")
+            c.compat_refused = r
+        finally:
+            d.close()
+            del os.environ["OUTBOX_REC_COMPAT"]
         d = Driver(binary, "odbc", CONN, "app", "--on-sent", "delete", table=TABLE)
         try:
             with c.record("relay: connect (on_sent=delete)"):
@@ -464,7 +476,8 @@ def test_relay_sessions_set_their_options_first(cap):
     for (pid, conn), (label, rec) in first.items():
         text = norm_ws(rec["sql"])
         need = FILTERED_INDEX_OPTIONS + ["SET XACT_ABORT ON",
-                                         "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"]
+                                         "SET TRANSACTION ISOLATION LEVEL READ COMMITTED",
+                                         "SET DEADLOCK_PRIORITY LOW"]
         missing = [o for o in need if o not in text]
         if missing:
             problems.append(f"{label}: the first statement of connection {pid}/{conn} does "
@@ -491,10 +504,9 @@ def test_statistics_and_lease_reset_never_wait_for_producers(cap):
 
     for label in ("relay: stats", "relay: stats (admin)", "relay CLI: stats"):
         check(label, lambda s: "COUNT_BIG" in s, "statistics")
-    check("relay: lead (acquire)", lambda s: ("UPDATE " + QT.upper()) in s.upper(),
+    check("relay: lead (acquire)", lambda s: ("UPDATE " + QT.upper() + " WITH") in s.upper(),
           "lease reset")
-    check("relay: retention cleanup", lambda s: s.lstrip().upper().startswith("DELETE"),
-          "cleanup")
+    check("relay: retention cleanup", lambda s: "DELETE TOP" in s.upper(), "cleanup")
     assert not problems, "\n".join(problems)
 
 
@@ -565,6 +577,115 @@ def test_every_sqlcmd_call_passes_dash_I():
                     bad.append(f"{f.relative_to(ROOT)}:{n}: {line.strip()}")
     assert calls >= 3, calls
     assert not bad, "sqlcmd without -I:\n" + "\n".join(bad)
+
+
+# ---------------------------------------------------------------------------- relay locking
+# SQL Server's locking (READ_COMMITTED_SNAPSHOT off) cannot be shown on Babelfish, which ignores
+# table hints: these rules (tests/tsql_check.py, "relay locking rules") hold on every relay
+# statement captured, and test_relay_rules_fail_on_the_old_statements shows each failing on
+# the statement it was written against.
+QL = "[outbox].[messages_lease]"
+RELAY_CLAIMS = ("relay: claim (leader, fenced by epoch)", "relay: claim (competing)",
+                "relay: claim")
+
+
+def relay_batches(cap):
+    return [(label, where, sql) for label, where, sql, rec in batches(cap)
+            if rec is not None and label not in cap.producer]
+
+
+def test_relay_statements_keep_the_locking_rules(cap):
+    """Competing claims read membership without locks and by a sargable predicate; claims
+    read the outbox only WITH (READPAST, UPDLOCK) or WITH (NOLOCK), never waiting for a
+    producer; a fenced statement holds the leader row to its commit; OUTPUT always goes INTO
+    a table variable, unconverted; no UPDATE or DELETE of the outbox or dead table is
+    unbounded (lock escalation)."""
+    problems = []
+    for label, where, sql in relay_batches(cap):
+        found = tc.lease_table_problems(sql, QL) + tc.fence_problems(sql, QL) + \
+            tc.output_problems(sql) + tc.escalation_problems(sql, [QT, QD])
+        if label in RELAY_CLAIMS:
+            found += tc.probe_problems(sql, QT)
+        problems += [f"{label}, {where}: {m}" for m in found]
+    assert not problems, "\n".join(problems)
+    fenced = [r["sql"] for _, r in cap.execs("relay: claim (leader, fenced by epoch)")
+              if "N'leader'" in r["sql"]]
+    assert fenced, "the fenced claim was not captured"
+
+
+def test_settles_are_split_below_lock_escalation(cap):
+    """A settle of 9,000 outcomes runs as three statements of at most 4,000 outcomes each."""
+    execs = [r for _, r in cap.execs("relay: settle of 9,000 outcomes") if r["params"]]
+    assert len(execs) == 3, [len(r["params"]) for r in execs]
+    for r in execs:
+        n = r["params"][0]["len"] // 2          # UTF-16 bytes → characters of the JSON
+        assert n < 4001 * len('{"id":9000,"token":7,"kind":0,"backoff_ms":0,"reason":null},'), n
+
+
+def test_compatibility_level_is_checked_before_openjson(cap):
+    """Every connection that runs OPENJSON read the database's compatibility level first, and
+    check refuses a database below 130 with one line naming the level and the fix."""
+    problems = []
+    checked = set()
+    for label, rec in cap.execs():
+        if label in cap.producer:
+            continue
+        key = (rec["pid"], rec["conn"])
+        if "compatibility_level" in rec["sql"]:
+            checked.add(key)
+        if "OPENJSON(" in rec["sql"].upper() and key not in checked and \
+                not label.startswith("relay: dead"):
+            problems.append(f"{label}: OPENJSON before the compatibility level was read")
+    assert not problems, "\n".join(problems)
+    r = cap.compat_refused
+    assert r["rc"] == -1 and r["error"] == (
+        'database "app" is at compatibility level 120; the relay needs 130 or higher '
+        '(OPENJSON): ALTER DATABASE [app] SET COMPATIBILITY_LEVEL = 130'), r
+
+
+# The statements as they were before these rules (sources/sql_tsql.c at 9c1a646), abridged
+# to the part each rule reads; markers numbered as the server sees them.
+OLD = {
+    "membership count": (
+        "DECLARE @n int, @r int; SELECT @n = COUNT(*) + 1, @r = ISNULL(SUM(CASE WHEN owner < "
+        "@owner THEN 1 ELSE 0 END), 0) FROM [outbox].[messages_lease] WHERE LEFT(name, 7) = "
+        "N'member:' AND owner <> @owner AND expires_at > SYSUTCDATETIME();", "lease"),
+    "head probe": (
+        "INSERT INTO @c0 (id, partition_key) SELECT TOP (@P3) m.id, m.partition_key FROM "
+        "[outbox].[messages] m WITH (ROWLOCK, READPAST, UPDLOCK) WHERE m.sent_at IS NULL AND "
+        "NOT EXISTS (SELECT 1 FROM (SELECT TOP (1) h.id FROM [outbox].[messages] h WITH "
+        "(READCOMMITTEDLOCK) WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL "
+        "ORDER BY h.id) hd WHERE hd.id < m.id) ORDER BY m.id;", "probe"),
+    "leader fence": (
+        "WITH c AS (SELECT TOP (@P1) m.* FROM [outbox].[messages] m WITH (ROWLOCK, READPAST, "
+        "UPDLOCK) WHERE m.sent_at IS NULL AND (@P2 = 0 OR EXISTS (SELECT 1 FROM "
+        "[outbox].[messages_lease] f WHERE f.name = N'leader' AND f.owner = @P3 AND f.epoch = "
+        "@P4 AND f.expires_at > SYSUTCDATETIME())) ORDER BY m.id) UPDATE c SET lease_owner = "
+        "@P5", "fence"),
+    "OUTPUT without INTO": (
+        "UPDATE c SET lease_owner = @P5, lease_token = @P6 OUTPUT inserted.id, "
+        "LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange", "output"),
+    "unbounded lease reset": (
+        "IF @got <> 0 AND @got <> @mine BEGIN UPDATE [outbox].[messages] WITH (READPAST, "
+        "READCOMMITTEDLOCK) SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+        "WHERE sent_at IS NULL AND lease_token IS NOT NULL; SET @reset = @@ROWCOUNT; END",
+        "escalation"),
+    "unbounded purge": (
+        "DELETE FROM [outbox].[messages_dead] WHERE @P1 = 1 OR id IN (SELECT CAST(j.value AS "
+        "bigint) FROM OPENJSON(@P2) AS j)", "escalation"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OLD))
+def test_relay_rules_fail_on_the_old_statements(case):
+    sql, rule = OLD[case]
+    found = {"lease": lambda: tc.lease_table_problems(sql, QL),
+             "probe": lambda: tc.probe_problems(sql, QT),
+             "fence": lambda: tc.fence_problems(sql, QL),
+             "output": lambda: tc.output_problems(sql),
+             "escalation": lambda: tc.escalation_problems(sql, [QT, QD])}[rule]()
+    assert found, f"the {rule} rule passes the old statement"
+    print("\n".join(found))
 
 
 # ---------------------------------------------------------------------------- the checker

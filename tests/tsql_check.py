@@ -291,13 +291,16 @@ class Parsed:
 # Valid T-SQL that sqlfluff's tsql grammar does not know (checked against Microsoft's
 # reference instead): `SET LOCK_TIMEOUT n` (init bounds its lock waits with it).
 _SQLFLUFF_GAPS = re.compile(r"^\s*SET\s+LOCK_TIMEOUT\s+-?\d+\s*;?\s*$", re.I)
+# `SET DEADLOCK_PRIORITY LOW | NORMAL | HIGH | n` (the relay's sessions) is spelt as another
+# SET option of the same shape before parsing; its own syntax is checked by this pattern.
+_DEADLOCK_PRIORITY = re.compile(r"\bSET\s+DEADLOCK_PRIORITY\s+(LOW|NORMAL|HIGH|-?\d+)\b", re.I)
 
 
 def parse(sql):
     """Parses one batch; returns Parsed (errors empty when it parses)."""
     if _SQLFLUFF_GAPS.match(sql):
         return Parsed(sql, [], [], [("set_statement", sql.strip())])
-    text = shorten_lists(spell_exec_string(sql))
+    text = shorten_lists(spell_exec_string(_DEADLOCK_PRIORITY.sub("SET NOCOUNT ON", sql)))
     f = _cache_dir() / (hashlib.sha256(text.encode()).hexdigest() + ".json")
     try:
         d = json.loads(f.read_text())
@@ -446,4 +449,133 @@ def decl_problems(decl, params):
                 not in want:
             out.append(f"parameter {k} is declared {t} but bound as SQL type "
                        f"{p and p['stype']} size {p and p['size']}")
+    return out
+
+
+# ---------------------------------------------------------------------------- relay locking rules
+# The relay's own statements (sources/sql_tsql.c) on SQL Server with READ_COMMITTED_SNAPSHOT
+# off, where a plain read takes shared locks and waits for writers. What Babelfish cannot show
+# (it ignores table hints and reads MVCC snapshots) is checked on the text here. Each rule
+# takes a batch's text (markers as sent or numbered) and returns a list of problems.
+
+ESCALATION_ROWS = 4000   # SQL Server escalates at 5,000 locks on one table per statement
+
+
+def _norm(sql):
+    return re.sub(r"\s+", " ", "".join(t.text for t in scan(sql) if t.kind != "cmt")).upper()
+
+
+def _segments(sql):
+    """The batch split into statements at `;` (outside strings): good enough for the
+    relay's own text, which ends every statement with one."""
+    out, cur = [], []
+    for t in scan(sql):
+        if t.text == ";":
+            out.append("".join(cur))
+            cur = []
+        else:
+            cur.append(t.text)
+    out.append("".join(cur))
+    return [s for s in out if s.strip()]
+
+
+def lease_table_problems(sql, ql):
+    """Competing claims must not wait for each other on the lease table: the membership
+    count reads it WITH (NOLOCK) (a plain read waits for every other relay's renewal, held
+    to its commit: they deadlock), and no predicate wraps `name` in a function (LEFT(name, 7)
+    is a scan of every row instead of a seek on the primary key)."""
+    out = []
+    n = _norm(sql)
+    q = re.escape(ql.upper())
+    if re.search(r"\bLEFT\s*\(\s*(\w+\.)?NAME\s*,", n):
+        out.append("LEFT(name, n) on the lease table is not sargable: use name LIKE N'prefix%'")
+    for m in re.finditer(r"SELECT @\w+ = COUNT\(\*\)[^;]*?FROM " + q + r"(?: (?:AS )?(?!WITH\b|WHERE\b)\w+)?"
+                         r"(?: WITH \(([^)]*)\))?", n):
+        if "NOLOCK" not in (m.group(1) or ""):
+            out.append("the membership count reads the lease table with shared locks: two "
+                       "claims that renewed their own member row wait for each other (1205)")
+    return out
+
+
+def probe_problems(sql, qt):
+    """A claim's reads of the outbox either skip locked rows (READPAST with UPDLOCK) or take
+    no lock (NOLOCK): a READCOMMITTEDLOCK read (or a plain one under locking read committed)
+    of another key's rows waits for a producer's open transaction while the claim holds its
+    own locks, and every other relay queues behind it."""
+    out = []
+    n = _norm(sql)
+    q = re.escape(qt.upper())
+    for m in re.finditer(r"FROM " + q + r"(?: (?:AS )?(?!WITH\b)(\w+))?(?: WITH \(([^)]*)\))?",
+                         n):
+        alias, hints = m.group(1) or "", m.group(2) or ""
+        if alias in ("WHERE", "JOIN", "ORDER", "GROUP"):
+            alias = ""
+        hs = {h.strip() for h in hints.split(",")}
+        if "READPAST" in hs or "NOLOCK" in hs:
+            continue
+        out.append(f"claim reads the outbox{' as ' + alias if alias else ''} "
+                   f"{'WITH (' + hints + ')' if hints else 'without a hint'}: it waits for any "
+                   "producer's open transaction on the rows it reads")
+    return out
+
+
+def fence_problems(sql, ql):
+    """A statement fenced by the leadership epoch holds the leader row it read to its
+    commit (HOLDLOCK / REPEATABLEREAD / SERIALIZABLE): otherwise a takeover can reset the
+    leases between the check and the commit, and the claim's rows stay leased to the old
+    leader while the new one publishes the key's later rows."""
+    out = []
+    n = _norm(sql)
+    q = re.escape(ql.upper())
+    for m in re.finditer(r"FROM " + q + r" (\w+)(?: WITH \(([^)]*)\))? WHERE \1\.NAME = N'LEADER'",
+                         n):
+        hs = {h.strip() for h in (m.group(2) or "").split(",")}
+        if not hs & {"HOLDLOCK", "REPEATABLEREAD", "SERIALIZABLE"}:
+            out.append("the leader fence is read and released at once (no HOLDLOCK or "
+                       "REPEATABLEREAD): a takeover does not wait for this statement")
+    return out
+
+
+def output_problems(sql):
+    """OUTPUT always INTO a table variable (without INTO the statement fails on a table
+    with any trigger, Msg 334), and nothing converted inside it."""
+    out = []
+    n = _norm(sql)
+    for m in re.finditer(r"\bOUTPUT\b(.*?)(?:\bINTO\b\s+(\S+)|\bFROM\b|\bWHERE\b|\bVALUES\b|"
+                         r"\bSELECT\b|;|$)", n):
+        cols, into = m.group(1), m.group(2)
+        if not into or not into.startswith("@"):
+            out.append("OUTPUT without INTO a table variable: fails with Msg 334 as soon as "
+                       "the table has a trigger")
+        if re.search(r"\b(CONVERT|CAST)\s*\(", cols):
+            out.append("CONVERT/CAST inside OUTPUT: convert when selecting from the table "
+                       "variable")
+    return out
+
+
+def escalation_problems(sql, tables):
+    """Every UPDATE or DELETE of the outbox or dead table touches a bounded number of rows:
+    by TOP (n) with n at most ESCALATION_ROWS (or a variable the caller bounds), by the ids of
+    a table variable, or by key. An unbounded one takes 5,000+ row locks and escalates to a
+    table lock that stops every producer."""
+    out = []
+    names = [t.upper() for t in tables]
+    for seg in _segments(sql):
+        n = _norm(seg)
+        m = re.search(r"\b(UPDATE|DELETE)\b(.*)", n)
+        if not m or not any(t in m.group(2) for t in names):
+            continue
+        body = m.group(2)
+        top = re.search(r"^\s*(?:TOP \((\d+|@\w+)\))", body)
+        if top:
+            if top.group(1).isdigit() and int(top.group(1)) > ESCALATION_ROWS:
+                out.append(f"{m.group(1)} TOP ({top.group(1)}): over {ESCALATION_ROWS} rows")
+            continue
+        if re.search(r"(JOIN|FROM|IN \(SELECT \w+ FROM) @\w+", body) or \
+                re.search(r"EXISTS \(SELECT 1 FROM @\w+", body) or \
+                re.search(r"\bWHERE (\w+\.)?(NAME|ID) = ", body) or \
+                re.search(r"\bWHERE (\w+\.)?ID IN \(SELECT TOP \((\d+|@\w+)\)", body):
+            continue
+        out.append(f"{m.group(1)} without TOP, a table variable of ids or a key: "
+                   f"unbounded, escalates to a table lock: {seg.strip()[:160]}")
     return out

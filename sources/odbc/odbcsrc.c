@@ -28,7 +28,7 @@
 #define BACKOFF_MIN_MS 100
 
 typedef struct odbc_req {
-    int     kind;          /* enum src_req */
+    enum src_req kind;
     size_t  max_rows;      /* CLAIM */
     int64_t lease_ms;      /* CLAIM, LEAD */
     int64_t token;
@@ -121,7 +121,7 @@ static odbc_event *event_new(int type)
     return e;
 }
 
-static odbc_event *done_event(int req, int ok, const char *err)
+static odbc_event *done_event(enum src_req req, int ok, const char *err)
 {
     odbc_event *e = event_new(EVT_DONE);
     e->res.req = req;
@@ -163,13 +163,14 @@ typedef struct wstate {
     char       holder[256]; /* the leadership holder named by the last lead answer */
 } wstate;
 
-/* Runs one request in its own transaction. Returns the completion event. */
-static odbc_event *execute(wstate *w, const odbc_req *r)
+/* One attempt of a request, in its own transaction. Returns the completion event. */
+static odbc_event *execute_once(wstate *w, const odbc_req *r)
 {
     odbcsrc_db *db = &w->db;
     odbc_event *e = done_event(r->kind, 0, NULL);
     int rc = 0;
     db->err[0] = '\0';
+    db->native = 0;
     db->lost = false;
     switch (r->kind) {
     case SRC_REQ_LEAD: {
@@ -200,9 +201,6 @@ static odbc_event *execute(wstate *w, const odbc_req *r)
     case SRC_REQ_STATS:
         rc = odbcsrc_db_stats(db, &e->res.stats, false);
         break;
-    default:
-        rc = -1;
-        snprintf(db->err, sizeof db->err, "unknown request %d", r->kind);
     }
     if (rc == 0)
         rc = odbcsrc_db_end(db, true);
@@ -219,6 +217,25 @@ static odbc_event *execute(wstate *w, const odbc_req *r)
         e->res.newly_leader = false;
         e->res.ok = -1;
         e->msg = strdup(db->err[0] ? db->err : "request failed");
+    }
+    return e;
+}
+
+/* A request chosen as a deadlock victim (SQL Server error 1205; the relay's
+ * sessions run at DEADLOCK_PRIORITY LOW, so the application's transaction wins) is
+ * run again, at most this many times in all: the server rolled its transaction
+ * back, and every request is safe to repeat (claims lease under a token, settles
+ * apply only where that token still holds). Only the last failure is reported, once;
+ * nothing is dead-lettered for it. */
+#define DEADLOCK_ATTEMPTS 3
+
+static odbc_event *execute(wstate *w, const odbc_req *r)
+{
+    odbc_event *e = execute_once(w, r);
+    for (int attempt = 1; e->res.ok != 0 && !w->db.lost && w->db.native == SQL_TSQL_DEADLOCK &&
+                          attempt < DEADLOCK_ATTEMPTS; attempt++) {
+        event_free(e);
+        e = execute_once(w, r);
     }
     return e;
 }

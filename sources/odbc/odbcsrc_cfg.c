@@ -107,4 +107,18 @@ void odbcsrc_finish_cfg(cfg_outbox *o, cfg_report *r)
     if (o->conninfo && o->password && odbc_attr(o->conninfo, "PWD", v, sizeof v))
         cfg_report_error(r, "password_file",
                          "expected either password_file or PWD= in conninfo, not both");
+    /* SQL Server escalates a statement's row locks to a table lock at 5,000 locks on
+       one table, which READPAST does not skip: a claim or retention batch that large
+       would stop every producer on the outbox */
+    if (o->source && strcmp(o->source->name, "sqlserver") == 0) {
+        if (o->batch_size > SQL_TSQL_MAX_ROWS)
+            cfg_report_error(r, "batch_size", "expected at most %d for source = sqlserver "
+                             "(a claim of more rows could escalate to a table lock and block "
+                             "every producer), got %d", SQL_TSQL_MAX_ROWS, o->batch_size);
+        if (o->cleanup_batch > SQL_TSQL_MAX_ROWS)
+            cfg_report_error(r, "cleanup_batch", "expected at most %d for source = sqlserver "
+                             "(a retention batch of more rows could escalate to a table lock "
+                             "and block every producer), got %d", SQL_TSQL_MAX_ROWS,
+                             o->cleanup_batch);
+    }
 }

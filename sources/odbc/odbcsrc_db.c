@@ -14,27 +14,12 @@
  * the column only (nvarchar(255) or nvarchar(max)), never on the data, so SQL
  * Server caches one plan per statement.
  *
- * T-SQL reads and locks, also under READ_COMMITTED_SNAPSHOT (Azure SQL's
- * default, where a plain read returns the last committed version and never
- * waits for a lock):
- *   - claim: the rows to lease are read WITH (ROWLOCK, READPAST, UPDLOCK): a
- *     locking read (UPDLOCK) that skips rows another transaction holds (a
- *     producer's uncommitted insert, another relay's claim). UPDLOCK makes it
- *     respect locks under row versioning too; READPAST is legal there because
- *     it comes with a lock-taking hint.
- *   - statistics (stats) must never wait for producers: every table is read
- *     WITH (READPAST, READCOMMITTEDLOCK): a locking read that skips locked rows
- *     (READPAST alone is refused under READ_COMMITTED_SNAPSHOT; with
- *     READCOMMITTEDLOCK it is the same on both settings). The counts skip
- *     rows locked at that instant (uncommitted inserts, rows in a claim or a
- *     settle being written): a statistic, not an invariant.
- *   - the lease reset on taking leadership and the retention cleanup update /
- *     delete WITH (READPAST, READCOMMITTEDLOCK): rows a producer has not
- *     committed carry no lease and are never sent, so skipping them is exact.
- *   - settle and the dead-letter moves write by primary key (update locks).
- *   - the claim's hold-back probe of failed earlier rows of a key and `dead
- *     list` are plain reads: neither needs to see uncommitted changes (the
- *     relay itself holds back a key whose settle is still in flight).
+ * The T-SQL statements, how they read and lock on SQL Server (with
+ * READ_COMMITTED_SNAPSHOT off or on) and their parameter tables are in
+ * sources/sql_tsql.c; each is bound from its table by name (odbcsrc_stmt.c holds
+ * the statement mechanics: binding, execution, results, chunked readers).
+ * A failed request is rolled back only while the server still holds its
+ * transaction (see rollback()).
  * Every session starts with the SET options the tables need (see
  * odbcsrc_db_open).
  */
@@ -59,7 +44,6 @@ _Static_assert(SRC_SENT == 0 && SRC_RETRY == 1 && SRC_DEAD == 2 && SRC_UNCLAIM =
                "the settle SQL below spells the outcome kinds as numbers");
 
 #define REASON_MAX 2000   /* bytes of a reason kept (cut on a character boundary) */
-#define MAX_PARAMS 12  /* the most any statement binds: the competing claim on PostgreSQL (9) */
 
 /* ------------------------------------------------------------ config copy */
 
@@ -99,497 +83,6 @@ void odbcsrc_conf_clear(odbcsrc_conf *c)
     memset(c, 0, sizeof *c);
 }
 
-/* Text travels as SQL_C_WCHAR: UTF-16 units, converted by lib/util.c (iconv). */
-_Static_assert(sizeof(SQLWCHAR) == sizeof(uint16_t), "SQLWCHAR is a UTF-16 unit");
-
-/* ------------------------------------------------------------ errors */
-
-static void oneline_cat(char *dst, size_t cap, const char *src)
-{
-    size_t j = strlen(dst);
-    int space = 0;
-    for (const char *p = src; *p && j + 1 < cap; p++) {
-        if (*p == '\n' || *p == '\r' || *p == '\t') {
-            space = 1;
-            continue;
-        }
-        if (space && j > 0 && dst[j - 1] != ' ' && j + 2 < cap)
-            dst[j++] = ' ';
-        space = 0;
-        dst[j++] = *p;
-    }
-    while (j > 0 && dst[j - 1] == ' ')
-        j--;
-    dst[j] = '\0';
-}
-
-static void set_err(odbcsrc_db *db, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void set_err(odbcsrc_db *db, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(db->err, sizeof db->err, fmt, ap);
-    va_end(ap);
-}
-
-static bool conn_state(const char *st)
-{
-    return strncmp(st, "08", 2) == 0 || strcmp(st, "HYT01") == 0 ||
-           strncmp(st, "57P0", 4) == 0;  /* PostgreSQL: admin/crash shutdown */
-}
-
-/* Fills db->err with "what: [STATE] message; ..." from the handle's
- * diagnostics and sets db->lost on a connection-class error. */
-static void diag(odbcsrc_db *db, SQLSMALLINT type, SQLHANDLE h, const char *what)
-{
-    snprintf(db->err, sizeof db->err, "%s", what);
-    bool any = false;
-    for (SQLSMALLINT rec = 1; rec <= 3; rec++) {
-        SQLCHAR state[6] = "", msg[512] = "";
-        SQLINTEGER native = 0;
-        SQLSMALLINT ml = 0;
-        SQLRETURN rc = SQLGetDiagRec(type, h, rec, state, &native, msg, sizeof msg, &ml);
-        if (!SQL_SUCCEEDED(rc))
-            break;
-        char part[600];
-        snprintf(part, sizeof part, "%s[%s] %s", any ? "; " : ": ", (char *)state, (char *)msg);
-        oneline_cat(db->err, sizeof db->err, part);
-        if (conn_state((char *)state))
-            db->lost = true;
-        any = true;
-    }
-    if (!any)
-        oneline_cat(db->err, sizeof db->err, ": (no diagnostics)");
-    if (db->connected && db->dbc != SQL_NULL_HDBC && !db->lost) {
-        SQLUINTEGER dead = SQL_CD_FALSE;
-        if (SQL_SUCCEEDED(SQLGetConnectAttr(db->dbc, SQL_ATTR_CONNECTION_DEAD, &dead, 0, NULL)) &&
-            dead == SQL_CD_TRUE)
-            db->lost = true;
-    }
-}
-
-/* ------------------------------------------------------------ statements */
-
-typedef struct param {
-    SQLSMALLINT ctype, stype;
-    SQLULEN     colsize;
-    int64_t     i64;
-    SQLINTEGER  i32;
-    SQLWCHAR   *w;       /* owned */
-    SQLLEN      ind;
-} param;
-
-typedef struct params {
-    param p[MAX_PARAMS];
-    int   n;
-    int   oom;
-} params;
-
-static void p_i64(params *ps, int64_t v)
-{
-    param *p = &ps->p[ps->n++];
-    memset(p, 0, sizeof *p);
-    p->ctype = SQL_C_SBIGINT;
-    p->stype = SQL_BIGINT;
-    p->i64 = v;
-}
-
-static void p_i32(params *ps, int64_t v)
-{
-    param *p = &ps->p[ps->n++];
-    memset(p, 0, sizeof *p);
-    p->ctype = SQL_C_SLONG;
-    p->stype = SQL_INTEGER;
-    p->i32 = (SQLINTEGER)(v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : v);
-}
-
-#define P_SHORT 255   /* nvarchar(255): names, owners */
-#define P_MAX   0     /* nvarchar(max) (column size 0: SQL_SS_LENGTH_UNLIMITED) */
-
-/* A text parameter of the declared size class (never the data's length). */
-static void p_text(params *ps, const char *s, SQLULEN size)
-{
-    param *p = &ps->p[ps->n++];
-    size_t units = 0;
-    memset(p, 0, sizeof *p);
-    p->ctype = SQL_C_WCHAR;
-    p->stype = SQL_WVARCHAR;
-    p->w = outbox_util_utf16_from_utf8(s, strlen(s), &units);
-    if (!p->w) {
-        ps->oom = 1;
-        return;
-    }
-    p->ind = (SQLLEN)(units * sizeof(SQLWCHAR));
-    p->colsize = size;
-}
-
-/* A NULL text parameter. */
-static void p_null(params *ps)
-{
-    param *p = &ps->p[ps->n++];
-    memset(p, 0, sizeof *p);
-    p->ctype = SQL_C_WCHAR;
-    p->stype = SQL_WVARCHAR;
-    p->ind = SQL_NULL_DATA;
-}
-
-static void p_free(params *ps)
-{
-    for (int i = 0; i < ps->n; i++)
-        free(ps->p[i].w);
-    ps->n = 0;
-}
-
-static void cur_set(odbcsrc_db *db, SQLHSTMT h)
-{
-    if (db->cur_fn)
-        db->cur_fn(db->cur_ud, h);
-}
-
-static void st_free(odbcsrc_db *db, SQLHSTMT h)
-{
-    if (h == SQL_NULL_HSTMT)
-        return;
-    cur_set(db, SQL_NULL_HSTMT);
-    SQLFreeHandle(SQL_HANDLE_STMT, h);
-}
-
-/* Allocates a statement, binds ps, executes sql. 0 with *out (free with
- * st_free), or -1 with db->err set. ps stays owned by the caller. */
-static int st_run(odbcsrc_db *db, const char *what, const char *sql, params *ps, SQLHSTMT *out)
-{
-    SQLHSTMT h = SQL_NULL_HSTMT;
-    SQLRETURN rc;
-    *out = SQL_NULL_HSTMT;
-    if (ps && ps->oom) {
-        set_err(db, "%s: out of memory", what);
-        return -1;
-    }
-    rc = SQLAllocHandle(SQL_HANDLE_STMT, db->dbc, &h);
-    if (!SQL_SUCCEEDED(rc)) {
-        diag(db, SQL_HANDLE_DBC, db->dbc, what);
-        return -1;
-    }
-    int64_t qs = (db->conf->query_timeout_ms + 999) / 1000;
-    if (qs < 1)
-        qs = 1;
-    rc = SQLSetStmtAttr(h, SQL_ATTR_QUERY_TIMEOUT, (SQLPOINTER)(uintptr_t)qs, 0);
-    if (!SQL_SUCCEEDED(rc))
-        goto fail;
-    (void)SQLSetStmtAttr(h, SQL_ATTR_NOSCAN, (SQLPOINTER)SQL_NOSCAN_ON, 0);  /* optional */
-    for (int i = 0; ps && i < ps->n; i++) {
-        param *p = &ps->p[i];
-        SQLPOINTER v = p->ctype == SQL_C_SBIGINT ? (SQLPOINTER)&p->i64
-                     : p->ctype == SQL_C_SLONG ? (SQLPOINTER)&p->i32 : (SQLPOINTER)p->w;
-        SQLLEN blen = p->ctype == SQL_C_WCHAR && p->w ? p->ind + (SQLLEN)sizeof(SQLWCHAR) : 0;
-        rc = SQLBindParameter(h, (SQLUSMALLINT)(i + 1), SQL_PARAM_INPUT, p->ctype, p->stype,
-                              p->colsize, 0, v, blen, p->ctype == SQL_C_WCHAR ? &p->ind : NULL);
-        if (!SQL_SUCCEEDED(rc))
-            goto fail;
-    }
-    cur_set(db, h);
-    rc = SQLExecDirect(h, (SQLCHAR *)(uintptr_t)sql, SQL_NTS);
-    if (!SQL_SUCCEEDED(rc) && rc != SQL_NO_DATA)
-        goto fail;
-    db->nodata = rc == SQL_NO_DATA;  /* no result at all: no cursor to read */
-    *out = h;
-    return 0;
-fail:
-    diag(db, SQL_HANDLE_STMT, h, what);
-    st_free(db, h);
-    return -1;
-}
-
-/* Advances to the first result set with columns. 0, 1 (none), -1 error. */
-static int st_result(odbcsrc_db *db, SQLHSTMT h, const char *what)
-{
-    if (db->nodata)
-        return 1;
-    for (;;) {
-        SQLSMALLINT nc = 0;
-        SQLRETURN rc = SQLNumResultCols(h, &nc);
-        if (!SQL_SUCCEEDED(rc)) {
-            diag(db, SQL_HANDLE_STMT, h, what);
-            return -1;
-        }
-        if (nc > 0)
-            return 0;
-        rc = SQLMoreResults(h);
-        if (rc == SQL_NO_DATA)
-            return 1;
-        if (!SQL_SUCCEEDED(rc)) {
-            diag(db, SQL_HANDLE_STMT, h, what);
-            return -1;
-        }
-    }
-}
-
-/* Consumes the remaining results (errors of later batch statements surface here). */
-static int st_drain(odbcsrc_db *db, SQLHSTMT h, const char *what)
-{
-    if (db->nodata)
-        return 0;
-    for (;;) {
-        SQLRETURN rc = SQLMoreResults(h);
-        if (rc == SQL_NO_DATA)
-            return 0;
-        if (!SQL_SUCCEEDED(rc)) {
-            diag(db, SQL_HANDLE_STMT, h, what);
-            return -1;
-        }
-    }
-}
-
-/* Fetches the next row: 1 row, 0 end, -1 error. */
-static int st_fetch(odbcsrc_db *db, SQLHSTMT h, const char *what)
-{
-    SQLRETURN rc = SQLFetch(h);
-    if (rc == SQL_NO_DATA)
-        return 0;
-    if (!SQL_SUCCEEDED(rc)) {
-        diag(db, SQL_HANDLE_STMT, h, what);
-        return -1;
-    }
-    return 1;
-}
-
-/* A fixed-size column (ctype) into buf; a NULL reads as zero, *isnull (may be NULL) says. */
-static int get_fixed(odbcsrc_db *db, SQLHSTMT h, int col, SQLSMALLINT ctype, void *buf,
-                     SQLLEN size, bool *isnull)
-{
-    SQLLEN ind = 0;
-    SQLRETURN rc = SQLGetData(h, (SQLUSMALLINT)col, ctype, buf, size, &ind);
-    if (!SQL_SUCCEEDED(rc)) {
-        diag(db, SQL_HANDLE_STMT, h, "reading a result column");
-        return -1;
-    }
-    if (isnull)
-        *isnull = ind == SQL_NULL_DATA;
-    if (ind == SQL_NULL_DATA)
-        memset(buf, 0, (size_t)size);
-    return 0;
-}
-
-static int get_i64(odbcsrc_db *db, SQLHSTMT h, int col, int64_t *v, bool *isnull)
-{
-    return get_fixed(db, h, col, SQL_C_SBIGINT, v, sizeof *v, isnull);
-}
-
-static int get_f64(odbcsrc_db *db, SQLHSTMT h, int col, double *v, bool *isnull)
-{
-    return get_fixed(db, h, col, SQL_C_DOUBLE, v, sizeof *v, isnull);
-}
-
-/* Reads a text column as UTF-16 in chunks and stores it as UTF-8 in out
- * (reset first). *isnull tells SQL NULL apart from "". */
-static int get_text(odbcsrc_db *db, SQLHSTMT h, int col, outbox_util_buf *out, bool *isnull)
-{
-    SQLWCHAR chunk[4096];
-    outbox_util_buf_reset(out);
-    if (outbox_util_buf_reserve(out, 0) < 0)
-        goto oom;
-    out->p[0] = '\0';
-    *isnull = false;
-    for (;;) {
-        SQLLEN ind = 0;
-        SQLRETURN rc = SQLGetData(h, (SQLUSMALLINT)col, SQL_C_WCHAR, chunk, sizeof chunk, &ind);
-        if (rc == SQL_NO_DATA)
-            return 0;
-        if (!SQL_SUCCEEDED(rc)) {
-            diag(db, SQL_HANDLE_STMT, h, "reading a text column");
-            return -1;
-        }
-        if (ind == SQL_NULL_DATA) {
-            *isnull = true;
-            return 0;
-        }
-        size_t room = sizeof chunk - sizeof(SQLWCHAR);   /* minus the terminator */
-        size_t got = (ind == SQL_NO_TOTAL || (size_t)ind > room) ? room : (size_t)ind;
-        if (outbox_util_utf16_to_utf8(out, chunk, got / sizeof(SQLWCHAR)) < 0)
-            goto oom;
-        if (rc == SQL_SUCCESS)
-            return 0;
-        if (ind != SQL_NO_TOTAL && (size_t)ind <= room)
-            return 0;  /* the info was not a truncation */
-    }
-oom:
-    set_err(db, "reading a text column: out of memory");
-    return -1;
-}
-
-/* Reads a binary column in chunks into out (reset first). A surrogate pair
- * split across UTF-16 chunks cannot happen here: bytes are bytes. */
-static int get_bin(odbcsrc_db *db, SQLHSTMT h, int col, outbox_util_buf *out, bool *isnull)
-{
-    unsigned char chunk[65536];
-    outbox_util_buf_reset(out);
-    *isnull = false;
-    if (outbox_util_buf_reserve(out, 0) < 0)
-        goto oom;
-    for (;;) {
-        SQLLEN ind = 0;
-        SQLRETURN rc = SQLGetData(h, (SQLUSMALLINT)col, SQL_C_BINARY, chunk, sizeof chunk, &ind);
-        if (rc == SQL_NO_DATA)
-            return 0;
-        if (!SQL_SUCCEEDED(rc)) {
-            diag(db, SQL_HANDLE_STMT, h, "reading a binary column");
-            return -1;
-        }
-        if (ind == SQL_NULL_DATA) {
-            *isnull = true;
-            return 0;
-        }
-        size_t got = (ind == SQL_NO_TOTAL || (size_t)ind > sizeof chunk) ? sizeof chunk : (size_t)ind;
-        if (ind != SQL_NO_TOTAL && outbox_util_buf_reserve(out, (size_t)ind) < 0)
-            goto oom;  /* the whole remaining length, once */
-        if (outbox_util_buf_put(out, chunk, got) < 0)
-            goto oom;
-        if (rc == SQL_SUCCESS)
-            return 0;
-        if (ind != SQL_NO_TOTAL && (size_t)ind <= sizeof chunk)
-            return 0;
-    }
-oom:
-    set_err(db, "reading a binary column: out of memory");
-    return -1;
-}
-
-/* The SQL text with {T} and {D} replaced by the quoted table names. */
-static char *sql_for(odbcsrc_db *db, const char *tmpl)
-{
-    outbox_util_buf b = {0};
-    for (const char *p = tmpl; *p;) {
-        const char *q = strchr(p, '{');
-        if (!q) {
-            if (outbox_util_buf_puts(&b, p) < 0)
-                goto oom;
-            break;
-        }
-        if (outbox_util_buf_put(&b, p, (size_t)(q - p)) < 0)
-            goto oom;
-        if (q[1] == 'T' && q[2] == '}') {
-            if (outbox_util_buf_puts(&b, db->qt) < 0)
-                goto oom;
-            p = q + 3;
-        } else if (q[1] == 'D' && q[2] == '}') {
-            if (outbox_util_buf_puts(&b, db->qd) < 0)
-                goto oom;
-            p = q + 3;
-        } else if (q[1] == 'L' && q[2] == '}') {
-            if (outbox_util_buf_puts(&b, db->ql) < 0)
-                goto oom;
-            p = q + 3;
-        } else {
-            if (outbox_util_buf_put(&b, q, 1) < 0)
-                goto oom;
-            p = q + 1;
-        }
-    }
-    return b.p;  /* ownership to the caller */
-oom:
-    free(b.p);
-    set_err(db, "out of memory");
-    return NULL;
-}
-
-/* One value of a PostgreSQL statement's $n parameter. */
-typedef struct pgv {
-    enum { PV_INT, PV_TEXT, PV_NULL } t;
-    int64_t     i;
-    const char *s;
-    SQLULEN     size;      /* PV_TEXT: P_SHORT or P_MAX */
-} pgv;
-
-#define PV_I(x)   ((pgv){ .t = PV_INT, .i = (x) })
-#define PV_S(x)   ((pgv){ .t = PV_TEXT, .s = (x), .size = P_SHORT })
-#define PV_BIG(x) ((pgv){ .t = PV_TEXT, .s = (x), .size = P_MAX })
-#define PV_NUL    ((pgv){ .t = PV_NULL })
-
-/* A statement of sources/sql_pg.c (text, owned and freed here) for ODBC: its $n
- * markers become `?`, and ps gets v[n - 1] for each, in marker order. The
- * statement text is the libpq path's, byte for byte. NULL with db->err set. */
-static char *pg_stmt(odbcsrc_db *db, char *text, const pgv *v, int nv, params *ps)
-{
-    int order[MAX_PARAMS];
-    size_t n = 0;
-    char *sql = text ? sql_pg_qmarks(text, order, MAX_PARAMS, &n) : NULL;
-    free(text);
-    if (!sql) {
-        set_err(db, "out of memory (or a statement with more than %d parameters)", MAX_PARAMS);
-        return NULL;
-    }
-    for (size_t i = 0; i < n; i++) {
-        if (order[i] < 1 || order[i] > nv) {
-            set_err(db, "internal error: statement parameter $%d has no value", order[i]);
-            free(sql);
-            return NULL;
-        }
-        const pgv *x = &v[order[i] - 1];
-        if (x->t == PV_INT)
-            p_i64(ps, x->i);
-        else if (x->t == PV_NULL)
-            p_null(ps);
-        else
-            p_text(ps, x->s, x->size);
-    }
-    return sql;
-}
-
-/* Runs a statement that returns one row of integers; reads n of them. */
-static int one_row_ints(odbcsrc_db *db, const char *what, const char *sql, params *ps,
-                        int64_t *v, int n)
-{
-    SQLHSTMT h = SQL_NULL_HSTMT;
-    int rc = -1;
-    if (st_run(db, what, sql, ps, &h) < 0)
-        goto done;
-    int r = st_result(db, h, what);
-    if (r != 0) {
-        if (r > 0)
-            set_err(db, "%s: no result", what);
-        goto done;
-    }
-    r = st_fetch(db, h, what);
-    if (r <= 0) {
-        if (r == 0)
-            set_err(db, "%s: no result row", what);
-        goto done;
-    }
-    for (int i = 0; i < n; i++)
-        if (get_i64(db, h, i + 1, &v[i], NULL) < 0)
-            goto done;
-    if (st_drain(db, h, what) < 0)
-        goto done;
-    rc = 0;
-done:
-    st_free(db, h);
-    return rc;
-}
-
-/* Runs a statement without a result set; *count gets SQLRowCount (>= 0). */
-static int exec_count(odbcsrc_db *db, const char *what, const char *sql, params *ps,
-                      size_t *count)
-{
-    SQLHSTMT h = SQL_NULL_HSTMT;
-    int rc = -1;
-    if (st_run(db, what, sql, ps, &h) < 0)
-        goto done;
-    if (count) {
-        SQLLEN n = 0;
-        if (!SQL_SUCCEEDED(SQLRowCount(h, &n))) {
-            diag(db, SQL_HANDLE_STMT, h, what);
-            goto done;
-        }
-        *count = n > 0 ? (size_t)n : 0;
-    }
-    if (st_drain(db, h, what) < 0)
-        goto done;
-    rc = 0;
-done:
-    st_free(db, h);
-    return rc;
-}
-
 /* ------------------------------------------------------------ session */
 
 static bool is_tsql(const odbcsrc_db *db)
@@ -612,14 +105,14 @@ static int session_tsql(odbcsrc_db *db)
     int rc = -1;
     if (outbox_util_buf_puts(&b, outbox_tsql_session_options) < 0 ||
         outbox_util_buf_puts(&b, SQL_TSQL_SESSION_TAIL) < 0) {
-        set_err(db, "session options: out of memory");
+        ost_err(db, "session options: out of memory");
         goto done;
     }
-    if (st_run(db, "setting the session options", b.p, NULL, &h) < 0)
+    if (ost_run(db, "setting the session options", b.p, NULL, &h) < 0)
         goto done;
-    rc = st_drain(db, h, "setting the session options");
+    rc = ost_drain(db, h, "setting the session options");
 done:
-    st_free(db, h);
+    ost_free(db, h);
     free(b.p);
     return rc;
 }
@@ -639,18 +132,18 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
 
     rc = SQLAllocHandle(SQL_HANDLE_ENV, SQL_NULL_HANDLE, &db->env);
     if (!SQL_SUCCEEDED(rc)) {
-        set_err(db, "ODBC: cannot allocate an environment handle");
+        ost_err(db, "ODBC: cannot allocate an environment handle");
         db->env = SQL_NULL_HENV;
         goto fail;
     }
     rc = SQLSetEnvAttr(db->env, SQL_ATTR_ODBC_VERSION, (SQLPOINTER)SQL_OV_ODBC3, 0);
     if (!SQL_SUCCEEDED(rc)) {
-        diag(db, SQL_HANDLE_ENV, db->env, "ODBC: setting ODBC version 3");
+        ost_diag(db, SQL_HANDLE_ENV, db->env, "ODBC: setting ODBC version 3");
         goto fail;
     }
     rc = SQLAllocHandle(SQL_HANDLE_DBC, db->env, &db->dbc);
     if (!SQL_SUCCEEDED(rc)) {
-        diag(db, SQL_HANDLE_ENV, db->env, "ODBC: allocating a connection handle");
+        ost_diag(db, SQL_HANDLE_ENV, db->env, "ODBC: allocating a connection handle");
         db->dbc = SQL_NULL_HDBC;
         goto fail;
     }
@@ -659,7 +152,7 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
         ls = 1;
     rc = SQLSetConnectAttr(db->dbc, SQL_ATTR_LOGIN_TIMEOUT, (SQLPOINTER)(uintptr_t)ls, 0);
     if (!SQL_SUCCEEDED(rc)) {
-        diag(db, SQL_HANDLE_DBC, db->dbc, "ODBC: setting the login timeout");
+        ost_diag(db, SQL_HANDLE_DBC, db->dbc, "ODBC: setting the login timeout");
         goto fail;
     }
     /* optional: not every driver implements it (psqlODBC does not) */
@@ -687,21 +180,21 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
     free(cs.p);
     cs.p = NULL;
     if (!SQL_SUCCEEDED(rc)) {
-        diag(db, SQL_HANDLE_DBC, db->dbc, "connect");
+        ost_diag(db, SQL_HANDLE_DBC, db->dbc, "connect");
         goto fail;
     }
     db->connected = true;
     rc = SQLSetConnectAttr(db->dbc, SQL_ATTR_AUTOCOMMIT,
                            (SQLPOINTER)(uintptr_t)(autocommit ? SQL_AUTOCOMMIT_ON : SQL_AUTOCOMMIT_OFF), 0);
     if (!SQL_SUCCEEDED(rc)) {
-        diag(db, SQL_HANDLE_DBC, db->dbc, "setting autocommit");
+        ost_diag(db, SQL_HANDLE_DBC, db->dbc, "setting autocommit");
         goto fail;
     }
     SQLCHAR dbms[128] = "";
     SQLSMALLINT dl = 0;
     rc = SQLGetInfo(db->dbc, SQL_DBMS_NAME, dbms, sizeof dbms, &dl);
     if (!SQL_SUCCEEDED(rc)) {
-        diag(db, SQL_HANDLE_DBC, db->dbc, "SQLGetInfo(SQL_DBMS_NAME)");
+        ost_diag(db, SQL_HANDLE_DBC, db->dbc, "SQLGetInfo(SQL_DBMS_NAME)");
         goto fail;
     }
     if (strstr((char *)dbms, "SQL Server"))
@@ -709,7 +202,7 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
     else if (strstr((char *)dbms, "PostgreSQL"))
         db->dialect = OUTBOX_DIALECT_POSTGRES;
     else {
-        set_err(db, "unsupported DBMS \"%s\" (expected Microsoft SQL Server or PostgreSQL)",
+        ost_err(db, "unsupported DBMS \"%s\" (expected Microsoft SQL Server or PostgreSQL)",
                 (char *)dbms);
         goto fail;
     }
@@ -727,7 +220,7 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
     }
     return 0;
 oom:
-    set_err(db, "connect: out of memory");
+    ost_err(db, "connect: out of memory");
 fail:
     if (cs.p) {
         explicit_bzero(cs.p, cs.cap);
@@ -755,14 +248,85 @@ void odbcsrc_db_close(odbcsrc_db *db)
     db->connected = false;
 }
 
+/* Rolls back the transaction when one is open. On SQL Server the server may have
+ * ended it already (XACT_ABORT after an error, a deadlock victim): a ROLLBACK then
+ * fails ("ROLLBACK can only be used in transaction blocks" on Babelfish), so T-SQL
+ * asks @@TRANCOUNT first (a SELECT that reads no table starts no implicit
+ * transaction). The error that led here stays in db->err. */
+static int rollback(odbcsrc_db *db)
+{
+    char saved[sizeof db->err];
+    long native = db->native;
+    int rc = 0;
+    memcpy(saved, db->err, sizeof saved);
+    if (is_tsql(db)) {
+        int64_t open = 1;
+        if (ost_one_row_ints(db, "rollback: reading @@TRANCOUNT",
+                             "SELECT CAST(@@TRANCOUNT AS bigint)", NULL, &open, 1) < 0)
+            rc = -1;
+        else if (open == 0)
+            goto out;
+    }
+    if (rc == 0 && !SQL_SUCCEEDED(SQLEndTran(SQL_HANDLE_DBC, db->dbc, SQL_ROLLBACK))) {
+        ost_diag(db, SQL_HANDLE_DBC, db->dbc, "rollback");
+        rc = -1;
+    }
+out:
+    if (saved[0]) {
+        memcpy(db->err, saved, sizeof saved);
+        db->native = native;
+    }
+    return rc;
+}
+
 int odbcsrc_db_end(odbcsrc_db *db, bool commit)
 {
-    SQLRETURN rc = SQLEndTran(SQL_HANDLE_DBC, db->dbc, commit ? SQL_COMMIT : SQL_ROLLBACK);
+    if (!commit)
+        return rollback(db);
+    SQLRETURN rc = SQLEndTran(SQL_HANDLE_DBC, db->dbc, SQL_COMMIT);
     if (!SQL_SUCCEEDED(rc)) {
-        diag(db, SQL_HANDLE_DBC, db->dbc, commit ? "commit" : "rollback");
+        ost_diag(db, SQL_HANDLE_DBC, db->dbc, "commit");
         return -1;
     }
     return 0;
+}
+
+/* T-SQL: OPENJSON (settle, dead retry and purge) needs compatibility level 130. A
+ * database left at 110 or 120 after a server upgrade would run check and claims, then
+ * fail every settle: refused here, by check and by run alike. Babelfish for PostgreSQL
+ * reports 120 for every database while it runs OPENJSON: it is recognized by
+ * @@VERSION and let through. */
+static int compat_check(odbcsrc_db *db)
+{
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    outbox_util_buf ver = {0};
+    int64_t level = 0;
+    bool lnull = false, vnull = false;
+    int rc = -1;
+    if (ost_run(db, "reading the compatibility level", sql_tsql_compat.text, NULL, &h) < 0)
+        goto done;
+    if (ost_result(db, h, "reading the compatibility level") != 0 ||
+        ost_fetch(db, h, "reading the compatibility level") != 1) {
+        if (!db->err[0])
+            ost_err(db, "reading the compatibility level: no result");
+        goto done;
+    }
+    if (ost_get_i64(db, h, 1, &level, &lnull) < 0 || ost_get_text(db, h, 2, &ver, &vnull) < 0 ||
+        ost_drain(db, h, "reading the compatibility level") < 0)
+        goto done;
+    db->babelfish = !vnull && ver.p && strstr(ver.p, "Babelfish") != NULL;
+    if (!lnull && level < SQL_TSQL_MIN_COMPAT && !db->babelfish) {
+        ost_err(db, "database \"%s\" is at compatibility level %" PRId64 "; the relay needs %d "
+                "or higher (OPENJSON): ALTER DATABASE [%s] SET COMPATIBILITY_LEVEL = %d",
+                db->conf->database, level, SQL_TSQL_MIN_COMPAT, db->conf->database,
+                SQL_TSQL_MIN_COMPAT);
+        goto done;
+    }
+    rc = 0;
+done:
+    ost_free(db, h);
+    outbox_util_buf_free(&ver);
+    return rc;
 }
 
 /* The connected database's name as UTF-8 into out. SQL_ATTR_CURRENT_CATALOG
@@ -790,16 +354,16 @@ static int current_db(odbcsrc_db *db, outbox_util_buf *out)
     const char *q = is_tsql(db) ? SQL_TSQL_CURRENT_DATABASE : SQL_PG_CURRENT_DATABASE;
     int r = -1;
     bool isnull = false;
-    if (st_run(db, "reading the database name", q, NULL, &h) < 0)
+    if (ost_run(db, "reading the database name", q, NULL, &h) < 0)
         return -1;
-    if (st_result(db, h, "reading the database name") != 0 ||
-        st_fetch(db, h, "reading the database name") != 1)
+    if (ost_result(db, h, "reading the database name") != 0 ||
+        ost_fetch(db, h, "reading the database name") != 1)
         goto done;
-    if (get_text(db, h, 1, out, &isnull) < 0)
+    if (ost_get_text(db, h, 1, out, &isnull) < 0)
         goto done;
     r = 0;
 done:
-    st_free(db, h);
+    ost_free(db, h);
     return r;
 }
 
@@ -810,7 +374,7 @@ int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
     if (current_db(db, &name) < 0)
         goto done;
     if (strcmp(name.p ? name.p : "", db->conf->database) != 0) {
-        set_err(db, "connected database \"%s\" differs from configured database \"%s\"",
+        ost_err(db, "connected database \"%s\" differs from configured database \"%s\"",
                 name.p ? name.p : "", db->conf->database);
         goto done;
     }
@@ -818,29 +382,29 @@ int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
         rc = 0;
         goto done;
     }
+    if (is_tsql(db) && compat_check(db) < 0)
+        goto done;
     params ps = {0};
     int64_t v[2] = {0, 0};
     int r = -1;
     char *sql;
     if (is_tsql(db)) {
-        p_text(&ps, db->qt, P_SHORT);
-        p_text(&ps, db->qd, P_SHORT);
-        sql = strdup(sql_tsql_tables_exist);
-        if (!sql)
-            set_err(db, "out of memory");
+        const ost_val tv[] = { TV_S("outbox", db->qt), TV_S("dead", db->qd) };
+        sql = ost_tsql_bind(db, &sql_tsql_tables_exist, tv, 2, &ps) < 0 ? NULL
+                                                                       : ost_sql_for(db, sql_tsql_tables_exist.text);
     } else {
         const pgv pv[2] = { PV_S(db->qt), PV_S(db->qd) };
-        sql = pg_stmt(db, sql_pg_tables_exist(), pv, 2, &ps);
+        sql = ost_pg_stmt(db, sql_pg_tables_exist(), pv, 2, &ps);
     }
     if (sql)
-        r = one_row_ints(db, "checking the outbox tables", sql, &ps, v, 2);
+        r = ost_one_row_ints(db, "checking the outbox tables", sql, &ps, v, 2);
     free(sql);
-    p_free(&ps);
+    ost_p_free(&ps);
     (void)odbcsrc_db_end(db, false);
     if (r < 0)
         goto done;
     if (!v[0] || !v[1]) {
-        set_err(db, "%s%s%s%s%s %s not exist in database \"%s\": run outbox-relay init",
+        ost_err(db, "%s%s%s%s%s %s not exist in database \"%s\": run outbox-relay init",
                 v[0] ? "" : "table ", v[0] ? "" : db->qt, (!v[0] && !v[1]) ? " and " : "",
                 v[1] ? "" : "dead-letter table ", v[1] ? "" : db->qd,
                 (!v[0] && !v[1]) ? "do" : "does", db->conf->database);
@@ -871,41 +435,40 @@ int odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t le
     if (hlen)
         holder[0] = '\0';
     if (is_tsql(db)) {
-        sql = sql_for(db, sql_tsql_lead);
-        p_text(&ps, me, P_SHORT);
-        p_i32(&ps, lease_ms);
-        p_i64(&ps, epoch);
+        const ost_val v[] = { TV_S("owner", me), TV_I("lease", lease_ms), TV_I("mine", epoch) };
+        sql = ost_tsql_bind(db, &sql_tsql_lead, v, 3, &ps) < 0 ? NULL
+                                                               : ost_sql_for(db, sql_tsql_lead.text);
     } else {
         const pgv v[3] = { PV_S(me), PV_I(epoch), PV_I(lease_ms) };
-        sql = pg_stmt(db, sql_pg_lead(&db->conf->pgn), v, 3, &ps);
+        sql = ost_pg_stmt(db, sql_pg_lead(&db->conf->pgn), v, 3, &ps);
     }
     if (!sql)
         goto done;
-    if (st_run(db, "lead", sql, &ps, &h) < 0)
+    if (ost_run(db, "lead", sql, &ps, &h) < 0)
         goto done;
-    int r = st_result(db, h, "lead");
+    int r = ost_result(db, h, "lead");
     if (r != 0) {
         if (r > 0)
-            set_err(db, "lead: no result");
+            ost_err(db, "lead: no result");
         goto done;
     }
-    r = st_fetch(db, h, "lead");
+    r = ost_fetch(db, h, "lead");
     if (r <= 0) {
         if (r == 0)
-            set_err(db, "lead: no result row");
+            ost_err(db, "lead: no result row");
         goto done;
     }
-    if (get_i64(db, h, 1, got, NULL) < 0 || get_text(db, h, 2, &who, &isnull) < 0 ||
-        get_i64(db, h, 3, held, NULL) < 0 || get_i64(db, h, 4, reset, NULL) < 0)
+    if (ost_get_i64(db, h, 1, got, NULL) < 0 || ost_get_text(db, h, 2, &who, &isnull) < 0 ||
+        ost_get_i64(db, h, 3, held, NULL) < 0 || ost_get_i64(db, h, 4, reset, NULL) < 0)
         goto done;
     if (hlen && who.p && !isnull)
         snprintf(holder, hlen, "%s", who.p);
-    if (st_drain(db, h, "lead") < 0)
+    if (ost_drain(db, h, "lead") < 0)
         goto done;
     rc = 0;
 done:
-    st_free(db, h);
-    p_free(&ps);
+    ost_free(db, h);
+    ost_p_free(&ps);
     free(who.p);
     free(sql);
     return rc;
@@ -944,35 +507,27 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
     *n_out = 0;
     const char *me = owner ? owner : "";
     if (is_tsql(db)) {
-        if (competing) {
-            p_text(&ps, me, P_SHORT);
-            p_i32(&ps, lease_ms);
-            p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
-            p_i64(&ps, token);
-        } else {
-            p_i32(&ps, (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows));
-            p_i64(&ps, epoch);
-            p_text(&ps, me, P_SHORT);
-            p_i64(&ps, epoch);
-            p_text(&ps, me, P_SHORT);
-            p_i64(&ps, token);
-            p_i32(&ps, lease_ms);
-        }
-        sql = sql_for(db, competing ? sql_tsql_claim_competing : sql_tsql_claim);
+        const sql_tsql_stmt *st = competing ? &sql_tsql_claim_competing : &sql_tsql_claim;
+        const int64_t limit = (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows);
+        const ost_val v[] = { TV_I("limit", limit), TV_S("owner", me), TV_I("token", token),
+                              TV_I("lease_ms", lease_ms), TV_I("epoch", epoch) };
+        /* competing: no leadership fence, hence no epoch */
+        sql = ost_tsql_bind(db, st, v, competing ? 4 : 5, &ps) < 0 ? NULL
+                                                                   : ost_sql_for(db, st->text);
     } else {
         const pgv v[5] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
                            PV_I(competing ? 0 : epoch) };
-        sql = pg_stmt(db, sql_pg_claim(&db->conf->pgn, competing), v, 5, &ps);
+        sql = ost_pg_stmt(db, sql_pg_claim(&db->conf->pgn, competing), v, 5, &ps);
     }
     if (!sql)
         goto done;
-    if (st_run(db, "claim", sql, &ps, &h) < 0)
+    if (ost_run(db, "claim", sql, &ps, &h) < 0)
         goto done;
-    int r = st_result(db, h, "claim");
+    int r = ost_result(db, h, "claim");
     if (r < 0)
         goto done;
     while (r == 0) {
-        int f = st_fetch(db, h, "claim");
+        int f = ost_fetch(db, h, "claim");
         if (f < 0)
             goto done;
         if (f == 0)
@@ -981,15 +536,15 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
         int64_t attempts = 0;
         bool age_null = false;
         memset(&rf, 0, sizeof rf);
-        if (get_i64(db, h, 1, &rf.id, NULL) < 0)
+        if (ost_get_i64(db, h, 1, &rf.id, NULL) < 0)
             goto done;
         for (int i = 0; i < NTXT; i++)
-            if (get_text(db, h, 2 + i, &txt[i], &tnull[i]) < 0)
+            if (ost_get_text(db, h, 2 + i, &txt[i], &tnull[i]) < 0)
                 goto done;
-        if (get_bin(db, h, 10, &pay, &pnull) < 0 ||
-            get_i64(db, h, 11, &attempts, NULL) < 0 ||
-            get_i64(db, h, 12, &rf.created_at_us, NULL) < 0 ||
-            get_i64(db, h, 13, &rf.age_us, &age_null) < 0)
+        if (ost_get_bin(db, h, 10, &pay, &pnull) < 0 ||
+            ost_get_i64(db, h, 11, &attempts, NULL) < 0 ||
+            ost_get_i64(db, h, 12, &rf.created_at_us, NULL) < 0 ||
+            ost_get_i64(db, h, 13, &rf.age_us, &age_null) < 0)
             goto done;
         if (age_null)
             rf.age_us = -1;
@@ -1009,7 +564,7 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
             size_t nc = cap ? cap * 2 : 16;
             row **nr = realloc(rows, nc * sizeof *nr);
             if (!nr) {
-                set_err(db, "claim: out of memory");
+                ost_err(db, "claim: out of memory");
                 goto done;
             }
             rows = nr;
@@ -1017,12 +572,12 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
         }
         rows[n] = row_new(&rf);
         if (!rows[n]) {
-            set_err(db, "claim: row %" PRId64 ": out of memory or a malformed message_id", rf.id);
+            ost_err(db, "claim: row %" PRId64 ": out of memory or a malformed message_id", rf.id);
             goto done;
         }
         n++;
     }
-    if (r == 0 && st_drain(db, h, "claim") < 0)
+    if (r == 0 && ost_drain(db, h, "claim") < 0)
         goto done;
     if (n > 1)
         qsort(rows, n, sizeof *rows, row_cmp);
@@ -1035,8 +590,8 @@ done:
     for (size_t i = 0; i < n; i++)
         row_free(rows[i]);
     free(rows);
-    st_free(db, h);
-    p_free(&ps);
+    ost_free(db, h);
+    ost_p_free(&ps);
     free(sql);
     for (int i = 0; i < NTXT; i++)
         free(txt[i].p);
@@ -1046,54 +601,77 @@ done:
 
 static char *odbcsrc_outcomes_json(const src_outcome *v, size_t n);
 
-/* Settles outcomes in one statement: T-SQL gets them as JSON, PostgreSQL as the
- * arrays of the libpq path (and its plain statement when they are all SENT). */
+/* T-SQL: at most SQL_TSQL_MAX_ROWS outcomes as JSON, in one statement. */
+static int settle_tsql(odbcsrc_db *db, const src_outcome *v, size_t n, int64_t *cnt)
+{
+    params ps = {0};
+    outbox_util_buf t = {0};
+    char *sql = NULL, *json = odbcsrc_outcomes_json(v, n);
+    int rc = -1;
+    bool del = db->conf->on_sent == CFG_ON_SENT_DELETE;
+    if (!json || outbox_util_buf_puts(&t, sql_tsql_settle_head.text) < 0 ||
+        outbox_util_buf_puts(&t, del ? sql_tsql_settle_delete.text
+                                     : sql_tsql_settle_mark.text) < 0 ||
+        outbox_util_buf_puts(&t, sql_tsql_settle_tail.text) < 0) {
+        ost_err(db, "settle: out of memory");
+        goto done;
+    }
+    const ost_val pv[] = { TV_S("outcomes", json) };
+    if (ost_tsql_bind(db, &sql_tsql_settle_head, pv, 1, &ps) < 0 || !(sql = ost_sql_for(db, t.p)))
+        goto done;
+    rc = ost_one_row_ints(db, "settle", sql, &ps, cnt, 1);
+done:
+    ost_p_free(&ps);
+    free(sql);
+    free(t.p);
+    free(json);
+    return rc;
+}
+
+/* Settles outcomes: T-SQL in statements of at most SQL_TSQL_MAX_ROWS outcomes each
+ * (lock escalation), all in the caller's one transaction; PostgreSQL in one statement
+ * with the arrays of the libpq path (and its plain statement when they are all SENT). */
 int odbcsrc_db_settle(odbcsrc_db *db, const src_outcome *v, size_t n, size_t *applied)
 {
     params ps = {0};
     outbox_util_buf arr[5];
     bool have_arr = false;
-    char *sql = NULL, *json = NULL;
+    char *sql = NULL;
     int64_t cnt = 0;
     int rc = -1;
-    bool del = db->conf->on_sent == CFG_ON_SENT_DELETE;
     *applied = 0;
     if (is_tsql(db)) {
-        outbox_util_buf t = {0};
-        json = odbcsrc_outcomes_json(v, n);
-        if (!json || outbox_util_buf_puts(&t, sql_tsql_settle_head) < 0 ||
-            outbox_util_buf_puts(&t, del ? sql_tsql_settle_delete : sql_tsql_settle_mark) < 0 ||
-            outbox_util_buf_puts(&t, sql_tsql_settle_tail) < 0) {
-            free(t.p);
-            set_err(db, "settle: out of memory");
-            goto done;
+        size_t total = 0;
+        for (size_t at = 0; at < n; at += SQL_TSQL_MAX_ROWS) {
+            size_t k = n - at < SQL_TSQL_MAX_ROWS ? n - at : SQL_TSQL_MAX_ROWS;
+            cnt = 0;
+            if (settle_tsql(db, v + at, k, &cnt) < 0)
+                return -1;
+            total += cnt > 0 ? (size_t)cnt : 0;
         }
-        sql = sql_for(db, t.p);
-        free(t.p);
-        p_text(&ps, json, P_MAX);
-    } else {
-        bool all_sent = true;
-        if (sql_pg_settle_arrays(v, n, arr) < 0) {
-            set_err(db, "settle: out of memory");
-            goto done;
-        }
-        have_arr = true;
-        for (size_t i = 0; i < n; i++)
-            all_sent = all_sent && v[i].kind == SRC_SENT;
-        const pgv pv[5] = { PV_BIG(arr[0].p), PV_BIG(arr[1].p), PV_BIG(arr[2].p),
-                            PV_BIG(arr[3].p), PV_BIG(arr[4].p) };
-        sql = all_sent ? pg_stmt(db, sql_pg_settle_sent(&db->conf->pgn, db->conf->on_sent), pv, 2, &ps)
-                       : pg_stmt(db, sql_pg_settle(&db->conf->pgn, db->conf->on_sent), pv, 5, &ps);
+        *applied = total;
+        return 0;
     }
+    bool all_sent = true;
+    if (sql_pg_settle_arrays(v, n, arr) < 0) {
+        ost_err(db, "settle: out of memory");
+        goto done;
+    }
+    have_arr = true;
+    for (size_t i = 0; i < n; i++)
+        all_sent = all_sent && v[i].kind == SRC_SENT;
+    const pgv pv[5] = { PV_BIG(arr[0].p), PV_BIG(arr[1].p), PV_BIG(arr[2].p),
+                        PV_BIG(arr[3].p), PV_BIG(arr[4].p) };
+    sql = all_sent ? ost_pg_stmt(db, sql_pg_settle_sent(&db->conf->pgn, db->conf->on_sent), pv, 2, &ps)
+                   : ost_pg_stmt(db, sql_pg_settle(&db->conf->pgn, db->conf->on_sent), pv, 5, &ps);
     if (!sql)
         goto done;
-    rc = one_row_ints(db, "settle", sql, &ps, &cnt, 1);
+    rc = ost_one_row_ints(db, "settle", sql, &ps, &cnt, 1);
     if (rc == 0)
         *applied = cnt > 0 ? (size_t)cnt : 0;
 done:
-    p_free(&ps);
+    ost_p_free(&ps);
     free(sql);
-    free(json);
     for (int k = 0; have_arr && k < 5; k++)
         outbox_util_buf_free(&arr[k]);
     return rc;
@@ -1109,20 +687,22 @@ int odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, const
     if (retention_ms < 0)
         retention_ms = 0;
     if (is_tsql(db)) {
-        p_i32(&ps, (int64_t)(limit > INT32_MAX ? INT32_MAX : limit));
-        p_i32(&ps, retention_ms % 1000);
-        p_i32(&ps, retention_ms / 1000);
-        p_i64(&ps, epoch);
-        p_text(&ps, me, P_SHORT);
-        p_i64(&ps, epoch);
-        sql = sql_for(db, sql_tsql_cleanup);
+        const ost_val v[] = { TV_I("limit", (int64_t)(limit > INT32_MAX ? INT32_MAX : limit)),
+                              TV_I("keep_ms", retention_ms % 1000),
+                              TV_I("keep_s", retention_ms / 1000), TV_I("epoch", epoch),
+                              TV_S("owner", me) };
+        int64_t n = 0;
+        sql = ost_tsql_bind(db, &sql_tsql_cleanup, v, 5, &ps) < 0 ? NULL
+                                                                  : ost_sql_for(db, sql_tsql_cleanup.text);
+        if (sql && (rc = ost_one_row_ints(db, "cleanup", sql, &ps, &n, 1)) == 0)
+            *deleted = n > 0 ? (size_t)n : 0;
     } else {
         const pgv v[4] = { PV_I(retention_ms), PV_I((int64_t)limit), PV_S(me), PV_I(epoch) };
-        sql = pg_stmt(db, sql_pg_cleanup(&db->conf->pgn), v, 4, &ps);
+        sql = ost_pg_stmt(db, sql_pg_cleanup(&db->conf->pgn), v, 4, &ps);
+        if (sql)
+            rc = ost_exec_count(db, "cleanup", sql, &ps, deleted);
     }
-    if (sql)
-        rc = exec_count(db, "cleanup", sql, &ps, deleted);
-    p_free(&ps);
+    ost_p_free(&ps);
     free(sql);
     return rc;
 }
@@ -1139,35 +719,35 @@ int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full)
     out->next_due_s = -1;   /* T-SQL does not say: the core uses it only where NOTIFY wakes it */
     if (is_tsql(db)) {
         outbox_util_buf t = {0};
-        outbox_util_buf_puts(&t, sql_tsql_stats);
-        outbox_util_buf_puts(&t, full ? sql_tsql_stats_kept : "CAST(-1 AS bigint)");
-        sql = t.failed ? NULL : sql_for(db, t.p);
+        outbox_util_buf_puts(&t, sql_tsql_stats.text);
+        outbox_util_buf_puts(&t, full ? sql_tsql_stats_kept.text : "CAST(-1 AS bigint)");
+        sql = t.failed ? NULL : ost_sql_for(db, t.p);
         if (t.failed)
-            set_err(db, "stats: out of memory");
+            ost_err(db, "stats: out of memory");
         outbox_util_buf_free(&t);
     } else {
         sql = sql_pg_stats(&db->conf->pgn, full);
         if (!sql)
-            set_err(db, "stats: out of memory");
+            ost_err(db, "stats: out of memory");
     }
     if (!sql)
         return -1;
-    if (st_run(db, "stats", sql, NULL, &h) < 0)
+    if (ost_run(db, "stats", sql, NULL, &h) < 0)
         goto done;
-    if (st_result(db, h, "stats") != 0 || st_fetch(db, h, "stats") != 1) {
+    if (ost_result(db, h, "stats") != 0 || ost_fetch(db, h, "stats") != 1) {
         if (!db->err[0] || strncmp(db->err, "stats", 5) != 0)
-            set_err(db, "stats: no result");
+            ost_err(db, "stats: no result");
         goto done;
     }
-    if (get_i64(db, h, 1, &out->backlog, NULL) < 0 ||
-        get_f64(db, h, 2, &out->oldest_pending_s, NULL) < 0 ||
-        get_i64(db, h, 3, &out->dead, NULL) < 0 ||
-        get_i64(db, h, 4, &out->sent_kept, NULL) < 0)
+    if (ost_get_i64(db, h, 1, &out->backlog, NULL) < 0 ||
+        ost_get_f64(db, h, 2, &out->oldest_pending_s, NULL) < 0 ||
+        ost_get_i64(db, h, 3, &out->dead, NULL) < 0 ||
+        ost_get_i64(db, h, 4, &out->sent_kept, NULL) < 0)
         goto done;
     if (!is_tsql(db)) {
         bool none = false;
         double due = 0;
-        if (get_f64(db, h, 5, &due, &none) < 0)
+        if (ost_get_f64(db, h, 5, &due, &none) < 0)
             goto done;
         if (!none)
             out->next_due_s = due < 0 ? 0 : due;
@@ -1176,7 +756,7 @@ int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full)
         out->oldest_pending_s = 0;
     rc = 0;
 done:
-    st_free(db, h);
+    ost_free(db, h);
     free(sql);
     return rc;
 }
@@ -1188,7 +768,7 @@ int odbcsrc_db_init(odbcsrc_db *db)
     char **stmts = outbox_ddl((outbox_dialect)db->dialect, &db->conf->tn);
     int rc = -1;
     if (!stmts) {
-        set_err(db, "init: out of memory");
+        ost_err(db, "init: out of memory");
         return -1;
     }
     /* never queue for long behind a producer transaction (every later producer would
@@ -1201,10 +781,10 @@ int odbcsrc_db_init(odbcsrc_db *db)
         snprintf(lt, sizeof lt, "SET lock_timeout = %d", OUTBOX_INIT_LOCK_TIMEOUT_MS);
     {
         SQLHSTMT h = SQL_NULL_HSTMT;
-        if (st_run(db, "init: lock timeout", lt, NULL, &h) < 0)
+        if (ost_run(db, "init: lock timeout", lt, NULL, &h) < 0)
             goto done;
-        int r = st_drain(db, h, "init: lock timeout");
-        st_free(db, h);
+        int r = ost_drain(db, h, "init: lock timeout");
+        ost_free(db, h);
         if (r < 0)
             goto done;
     }
@@ -1212,10 +792,10 @@ int odbcsrc_db_init(odbcsrc_db *db)
         SQLHSTMT h = SQL_NULL_HSTMT;
         char what[64];
         snprintf(what, sizeof what, "init: DDL statement %zu", i + 1);
-        if (st_run(db, what, stmts[i], NULL, &h) < 0)
+        if (ost_run(db, what, stmts[i], NULL, &h) < 0)
             goto done;
-        int r = st_drain(db, h, what);
-        st_free(db, h);
+        int r = ost_drain(db, h, what);
+        ost_free(db, h);
         if (r < 0)
             goto done;
     }
@@ -1228,28 +808,28 @@ done:
 int odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out)
 {
     SQLHSTMT h = SQL_NULL_HSTMT;
-    char *sql = is_tsql(db) ? sql_for(db, sql_tsql_dead_list) : sql_pg_dead_list(&db->conf->pgn);
+    char *sql = is_tsql(db) ? ost_sql_for(db, sql_tsql_dead_list.text) : sql_pg_dead_list(&db->conf->pgn);
     outbox_util_buf t[5];
     int rc = -1;
     memset(t, 0, sizeof t);
     if (!sql) {
-        set_err(db, "dead list: out of memory");
+        ost_err(db, "dead list: out of memory");
         return -1;
     }
-    if (st_run(db, "dead list", sql, NULL, &h) < 0 || st_result(db, h, "dead list") < 0)
+    if (ost_run(db, "dead list", sql, NULL, &h) < 0 || ost_result(db, h, "dead list") < 0)
         goto done;
     for (;;) {
-        int f = st_fetch(db, h, "dead list");
+        int f = ost_fetch(db, h, "dead list");
         if (f < 0)
             goto done;
         if (f == 0)
             break;
         int64_t id = 0, attempts = 0;
         bool nul[5];
-        if (get_i64(db, h, 1, &id, NULL) < 0 || get_text(db, h, 2, &t[0], &nul[0]) < 0 ||
-            get_text(db, h, 3, &t[1], &nul[1]) < 0 || get_text(db, h, 4, &t[2], &nul[2]) < 0 ||
-            get_i64(db, h, 5, &attempts, NULL) < 0 || get_text(db, h, 6, &t[3], &nul[3]) < 0 ||
-            get_text(db, h, 7, &t[4], &nul[4]) < 0)
+        if (ost_get_i64(db, h, 1, &id, NULL) < 0 || ost_get_text(db, h, 2, &t[0], &nul[0]) < 0 ||
+            ost_get_text(db, h, 3, &t[1], &nul[1]) < 0 || ost_get_text(db, h, 4, &t[2], &nul[2]) < 0 ||
+            ost_get_i64(db, h, 5, &attempts, NULL) < 0 || ost_get_text(db, h, 6, &t[3], &nul[3]) < 0 ||
+            ost_get_text(db, h, 7, &t[4], &nul[4]) < 0)
             goto done;
         char ids[24], atts[24];
         snprintf(ids, sizeof ids, "%" PRId64, id);
@@ -1261,7 +841,7 @@ int odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out)
     }
     rc = 0;
 done:
-    st_free(db, h);
+    ost_free(db, h);
     free(sql);
     for (int i = 0; i < 5; i++)
         free(t[i].p);
@@ -1290,32 +870,34 @@ int odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t 
                 goto oom;
         if (outbox_util_buf_puts(&list, "]") < 0)
             goto oom;
-        p_i32(&ps, all ? 1 : 0);
-        p_text(&ps, list.p, P_MAX);
-        sql = sql_for(db, retry ? sql_tsql_dead_retry : sql_tsql_dead_purge);
+        const sql_tsql_stmt *st = retry ? &sql_tsql_dead_retry : &sql_tsql_dead_purge;
+        const ost_val v[] = { TV_I("all", all ? 1 : 0), TV_S("list", list.p) };
+        if (ost_tsql_bind(db, st, v, 2, &ps) < 0)
+            goto done;
+        sql = ost_sql_for(db, st->text);
     } else {
         char *arr = NULL;
         if (sql_pg_id_array(ids, n_ids, &arr) < 0)
             goto oom;
         list.p = arr;    /* owned by list from here */
         const pgv v[1] = { arr ? PV_BIG(arr) : PV_NUL };
-        sql = pg_stmt(db, retry ? sql_pg_dead_retry(&db->conf->pgn)
+        sql = ost_pg_stmt(db, retry ? sql_pg_dead_retry(&db->conf->pgn)
                                 : sql_pg_dead_purge(&db->conf->pgn), v, 1, &ps);
     }
     if (!sql)
         goto done;
-    if (retry && is_tsql(db)) {
+    if (is_tsql(db)) {
         int64_t v = 0;
-        rc = one_row_ints(db, "dead retry", sql, &ps, &v, 1);
+        rc = ost_one_row_ints(db, retry ? "dead retry" : "dead purge", sql, &ps, &v, 1);
         *affected = v > 0 ? (size_t)v : 0;
     } else {
-        rc = exec_count(db, retry ? "dead retry" : "dead purge", sql, &ps, affected);
+        rc = ost_exec_count(db, retry ? "dead retry" : "dead purge", sql, &ps, affected);
     }
     goto done;
 oom:
-    set_err(db, "out of memory");
+    ost_err(db, "out of memory");
 done:
-    p_free(&ps);
+    ost_p_free(&ps);
     free(sql);
     free(list.p);
     return rc;

@@ -20,7 +20,9 @@
 #include "lib/outbox_schema.h"
 #include "relay/row.h"
 #include "relay/source.h"
+#include "lib/outbox_util.h"
 #include "sources/sql_pg.h"
+#include "sources/sql_tsql.h"
 #include "sources/sources.h"
 
 /* What a session needs from the configuration (copied: the worker thread
@@ -52,6 +54,8 @@ typedef struct odbcsrc_db {
     bool     connected;       /* SQLDriverConnect succeeded, not yet disconnected */
     bool     lost;            /* the last error was connection-class */
     bool     nodata;          /* the last execution returned SQL_NO_DATA */
+    bool     babelfish;       /* T-SQL answered by Babelfish for PostgreSQL (@@VERSION) */
+    long     native;          /* the native error number of the last error (1205: deadlock) */
     int      dialect;         /* OUTBOX_DIALECT_* */
     char     qt[160];         /* quoted outbox table */
     char     qd[160];         /* quoted dead-letter table */
@@ -91,5 +95,87 @@ int  odbcsrc_db_init(odbcsrc_db *db);
 int  odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out);
 int  odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t n_ids,
                           size_t *affected);
+
+/* ------------------------------------------------ statement mechanics (odbcsrc_stmt.c) */
+
+#define MAX_PARAMS 12  /* the most any statement binds: the competing claim on PostgreSQL (9) */
+#define P_SHORT 255    /* nvarchar(255): names, owners */
+#define P_MAX   0      /* nvarchar(max) (column size 0: SQL_SS_LENGTH_UNLIMITED) */
+
+typedef struct param {
+    SQLSMALLINT ctype, stype;
+    SQLULEN     colsize;
+    int64_t     i64;
+    SQLINTEGER  i32;
+    SQLWCHAR   *w;       /* owned */
+    SQLLEN      ind;
+} param;
+
+typedef struct params {
+    param p[MAX_PARAMS];
+    int   n;
+    int   oom;
+} params;
+
+/* A value for a T-SQL statement's parameter, given by the parameter's name. */
+typedef struct ost_val {
+    const char *name;
+    bool        text;
+    int64_t     i;
+    const char *s;
+} ost_val;
+#define TV_I(n, x) ((ost_val){ .name = (n), .i = (x) })
+#define TV_S(n, x) ((ost_val){ .name = (n), .text = true, .s = (x) })
+
+/* One value of a PostgreSQL statement's $n parameter. */
+typedef struct pgv {
+    enum { PV_INT, PV_TEXT, PV_NULL } t;
+    int64_t     i;
+    const char *s;
+    SQLULEN     size;      /* PV_TEXT: P_SHORT or P_MAX */
+} pgv;
+#define PV_I(x)   ((pgv){ .t = PV_INT, .i = (x) })
+#define PV_S(x)   ((pgv){ .t = PV_TEXT, .s = (x), .size = P_SHORT })
+#define PV_BIG(x) ((pgv){ .t = PV_TEXT, .s = (x), .size = P_MAX })
+#define PV_NUL    ((pgv){ .t = PV_NULL })
+
+void ost_err(odbcsrc_db *db, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* db->err = "what: [STATE] message; ..." from h's diagnostics; db->native the first
+ * record's native error; db->lost on a connection-class error. */
+void ost_diag(odbcsrc_db *db, SQLSMALLINT type, SQLHANDLE h, const char *what);
+void ost_p_i64(params *ps, int64_t v);
+void ost_p_i32(params *ps, int64_t v);
+void ost_p_text(params *ps, const char *s, SQLULEN size);
+void ost_p_null(params *ps);
+void ost_p_free(params *ps);
+/* Binds st's parameters from its table, each from the value named like it. */
+int  ost_tsql_bind(odbcsrc_db *db, const sql_tsql_stmt *st, const ost_val *v, size_t nv,
+                   params *ps);
+/* A sources/sql_pg.c statement (text owned and freed here) with `?` markers; ps
+ * gets v[n - 1] for each $n in marker order. NULL with db->err. */
+char *ost_pg_stmt(odbcsrc_db *db, char *text, const pgv *v, int nv, params *ps);
+/* tmpl with {T}, {D}, {L} replaced by the quoted tables (malloc'd), NULL on OOM. */
+char *ost_sql_for(odbcsrc_db *db, const char *tmpl);
+/* Allocates a statement, binds ps, executes sql (query timeout set). 0 with *out
+ * (free with ost_free), or -1 with db->err. */
+int  ost_run(odbcsrc_db *db, const char *what, const char *sql, params *ps, SQLHSTMT *out);
+void ost_free(odbcsrc_db *db, SQLHSTMT h);
+/* Advances to the first result set with columns: 0, 1 (none), -1 error. */
+int  ost_result(odbcsrc_db *db, SQLHSTMT h, const char *what);
+/* Consumes the remaining results (later statements' errors surface here). */
+int  ost_drain(odbcsrc_db *db, SQLHSTMT h, const char *what);
+/* 1 row, 0 end, -1 error. */
+int  ost_fetch(odbcsrc_db *db, SQLHSTMT h, const char *what);
+int  ost_get_i64(odbcsrc_db *db, SQLHSTMT h, int col, int64_t *v, bool *isnull);
+int  ost_get_f64(odbcsrc_db *db, SQLHSTMT h, int col, double *v, bool *isnull);
+/* Long columns, read in chunks: text as UTF-8, binary as is (out reset first). */
+int  ost_get_text(odbcsrc_db *db, SQLHSTMT h, int col, outbox_util_buf *out, bool *isnull);
+int  ost_get_bin(odbcsrc_db *db, SQLHSTMT h, int col, outbox_util_buf *out, bool *isnull);
+/* Runs a statement returning one row of integers; reads n of them. */
+int  ost_one_row_ints(odbcsrc_db *db, const char *what, const char *sql, params *ps,
+                      int64_t *v, int n);
+/* Runs a statement without a result set; *count gets SQLRowCount (>= 0). */
+int  ost_exec_count(odbcsrc_db *db, const char *what, const char *sql, params *ps,
+                    size_t *count);
 
 #endif

@@ -340,7 +340,7 @@ static int unhex(const char *h, char **out)
 
 static void cmd_settle(slot *s, char *args)
 {
-    enum { MAXO = 1024 };
+    enum { MAXO = 10000 };
     static src_outcome v[MAXO];
     static char *reasons[MAXO];
     size_t n = 0;

@@ -3,8 +3,11 @@
  * psqlODBC path runs every PostgreSQL statement through (markers inside quoted
  * literals and identifiers stay, a parameter used twice is bound twice, too many
  * markers are refused), that every statement numbers its parameters within what
- * its callers bind, and the array literals the values travel in. The statements'
- * behaviour on a server is tests/test_source_contract.py's (libpq and psqlODBC).
+ * its callers bind, and the array literals the values travel in; and that every
+ * T-SQL statement of sources/sql_tsql.c declares its parameters exactly as its
+ * parameter table says (one `DECLARE @name type = ?` per marker, in the table's
+ * order, of the table's type and size). The statements' behaviour on a server is
+ * tests/test_source_contract.py's (libpq, psqlODBC, Babelfish or SQL Server).
  * tests/test_unit_relay.py runs it.
  */
 #include <setjmp.h>
@@ -17,6 +20,7 @@
 #include <cmocka.h>
 
 #include "sources/sql_pg.h"
+#include "sources/sql_tsql.h"
 
 static void t_qmarks(void **state)
 {
@@ -123,12 +127,106 @@ static void t_arrays(void **state)
     free(ids);
 }
 
+/* The T-SQL type a parameter table entry binds. */
+static const char *tsql_type(const sql_tsql_param *p)
+{
+    if (p->ctype == SQL_C_SBIGINT && p->stype == SQL_BIGINT)
+        return "bigint";
+    if (p->ctype == SQL_C_SLONG && p->stype == SQL_INTEGER)
+        return "int";
+    if (p->ctype == SQL_C_WCHAR && p->stype == SQL_WVARCHAR && p->size == 255)
+        return "nvarchar(255)";
+    if (p->ctype == SQL_C_WCHAR && p->stype == SQL_WVARCHAR && p->size == 0)
+        return "nvarchar(max)";
+    return NULL;
+}
+
+/* Checks one statement against its table: 0, or -1 with why[] filled. */
+static int tsql_check(const sql_tsql_stmt *st, char *why, size_t wl)
+{
+    size_t k = 0;
+    for (const char *p = st->text; *p; p++) {
+        if (*p == '\'') {                       /* skip string literals ('' inside) */
+            for (p++; *p && !(*p == '\'' && p[1] != '\''); p += (*p == '\'' ? 2 : 1))
+                ;
+            if (!*p)
+                break;
+            continue;
+        }
+        if (*p == '[') {                        /* and [identifiers] */
+            while (*p && *p != ']')
+                p++;
+            if (!*p)
+                break;
+            continue;
+        }
+        if (*p != '?')
+            continue;
+        if (k >= st->n_params) {
+            snprintf(why, wl, "%s: marker %zu has no entry in its parameter table (%zu)",
+                     st->name, k + 1, st->n_params);
+            return -1;
+        }
+        const sql_tsql_param *t = &st->params[k];
+        const char *type = tsql_type(t);
+        char want[160];
+        snprintf(want, sizeof want, "@%s %s = ?", t->name, type ? type : "(unknown type)");
+        size_t wlen = strlen(want);
+        if (!type || (size_t)(p - st->text) + 1 < wlen ||
+            strncmp(p + 1 - wlen, want, wlen) != 0) {
+            snprintf(why, wl, "%s: marker %zu is not declared as \"%s\" (its table's entry)",
+                     st->name, k + 1, want);
+            return -1;
+        }
+        k++;
+    }
+    if (k != st->n_params) {
+        snprintf(why, wl, "%s: %zu markers, %zu entries in its parameter table", st->name, k,
+                 st->n_params);
+        return -1;
+    }
+    return 0;
+}
+
+static void t_tsql_parameter_tables(void **state)
+{
+    (void)state;
+    char why[256];
+    size_t n = 0;
+    for (const sql_tsql_stmt *const *st = sql_tsql_all; *st; st++, n++)
+        if (tsql_check(*st, why, sizeof why) < 0)
+            fail_msg("%s", why);
+    assert_true(n >= 15);
+    assert_int_equal(sql_tsql_claim.n_params, 5);
+    /* the check is not vacuous: epoch and token swapped in the claim's table, a
+       table one entry short, a size that differs from the declaration */
+    sql_tsql_param swapped[5];
+    memcpy(swapped, sql_tsql_claim.params, sizeof swapped);
+    sql_tsql_param x = swapped[1];
+    swapped[1] = swapped[3];
+    swapped[3] = x;
+    assert_string_equal(swapped[3].name, "epoch");
+    sql_tsql_stmt bad = sql_tsql_claim;
+    bad.params = swapped;
+    assert_int_equal(tsql_check(&bad, why, sizeof why), -1);
+    assert_non_null(strstr(why, "marker 2"));
+    bad = sql_tsql_claim;
+    bad.n_params = 4;
+    assert_int_equal(tsql_check(&bad, why, sizeof why), -1);
+    memcpy(swapped, sql_tsql_claim.params, sizeof swapped);
+    swapped[2].size = 0;   /* owner as nvarchar(max): declared nvarchar(255) */
+    bad.params = swapped;
+    bad.n_params = 5;
+    assert_int_equal(tsql_check(&bad, why, sizeof why), -1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(t_qmarks),
         cmocka_unit_test(t_statements),
         cmocka_unit_test(t_arrays),
+        cmocka_unit_test(t_tsql_parameter_tables),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -15,7 +15,9 @@
  *     number of bound parameters divided by K, e.g. the rows of an INSERT of
  *     K parameters per row), doubles as 1.5, column 2 as text as a UUID,
  *     other text as "x", binary as "p";
- *   - the current catalog is the Database= of the connection string.
+ *   - the current catalog is the Database= of the connection string;
+ *   - a statement naming compatibility_level reads its integers as
+ *     OUTBOX_REC_COMPAT (default 130: a database the relay accepts).
  *
  * OUTBOX_REC_FAIL=SUBSTR and OUTBOX_REC_FAIL_NTH=N (default 1) make the Nth
  * execution whose text contains SUBSTR fail with SQLSTATE 42000 (native
@@ -79,6 +81,7 @@ typedef struct rstmt {
     int     np;         /* allocated entries */
     int     has_rs;
     int     nparams;    /* bound at the last execution */
+    int     compat;     /* the statement reads compatibility_level */
     long    rows_left;
     int     on_row;
     int     col_read[NCOLS + 1];
@@ -623,6 +626,7 @@ static SQLRETURN execute(rstmt *s, const char *sql)
             return SQL_ERROR;
         }
     }
+    s->compat = strstr(sql, "compatibility_level") != NULL;
     if (has_word(sql, "SELECT") || has_word(sql, "OUTPUT") || has_word(sql, "EXEC")) {
         const char *rows = getenv("OUTBOX_REC_ROWS");
         s->has_rs = 1;
@@ -729,6 +733,10 @@ EXPORT SQLRETURN SQL_API SQLGetData(SQLHSTMT h, SQLUSMALLINT col, SQLSMALLINT ct
         num = atoll(iv + 7) > 0 ? s->nparams / atoll(iv + 7) : 0;
     else if (iv && *iv)
         num = atoll(iv);
+    if (s->compat) {   /* the database's compatibility level: OUTBOX_REC_COMPAT, else 130 */
+        const char *cv = getenv("OUTBOX_REC_COMPAT");
+        num = cv && *cv ? atoll(cv) : 130;
+    }
     const char *text = col == 2 ? "00000000-0000-4000-8000-00000000000" : "x";
     char tbuf[64];
     if (col == 2) {
