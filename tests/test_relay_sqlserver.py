@@ -168,15 +168,17 @@ END""")
 
 def audit_marks(t):
     """[(id, owner, lease_live, seconds since 1970 of the mark)]."""
-    return [(int(i), o, int(live), float(at)) for i, o, live, at in t.sql.rows(
-        f"SELECT id, owner, lease_live, DATEDIFF_BIG(millisecond, '1970-01-01', at) / 1000.0 "
+    # milliseconds as a bigint, divided here: a numeric column computed from a datetime2
+    # column broke the FreeTDS session on Babelfish ("Unknown error")
+    return [(int(i), o, int(live), int(ms) / 1000.0) for i, o, live, ms in t.sql.rows(
+        f"SELECT id, owner, lease_live, DATEDIFF_BIG(millisecond, '1970-01-01', at) "
         f"FROM {t.q('mark_audit')}")]
 
 
 def db_now(t):
     """The database's clock (UTC), seconds since 1970."""
-    return float(t.sql.value("SELECT DATEDIFF_BIG(millisecond, '1970-01-01', SYSUTCDATETIME()) "
-                             "/ 1000.0"))
+    return int(t.sql.value("SELECT DATEDIFF_BIG(millisecond, '1970-01-01', SYSUTCDATETIME())")) \
+        / 1000.0
 
 
 class KeyHolderSampler:
