@@ -24,6 +24,10 @@
  *   - statistics, the lease reset of a takeover and retention read WITH (READPAST,
  *     READCOMMITTEDLOCK): rows a producer has not committed carry no lease and are
  *     never sent, so skipping them is exact (or, for statistics, good enough);
+ *   - a claim's UPDATE repeats the claimable conditions on the rows it writes: redundant
+ *     on SQL Server (the rows are held WITH UPDLOCK since they were read), and what keeps
+ *     two claims disjoint where reads are snapshots and locks are taken only by the write
+ *     (Babelfish: the second claim waits for the first, then re-checks the row);
  *   - no statement touches more than SQL_TSQL_MAX_ROWS rows of a table (lock
  *     escalation); DML writes its OUTPUT INTO a table variable, then selects from it
  *     (OUTPUT without INTO fails on a table with a trigger, Msg 334), and converts
@@ -82,11 +86,14 @@ static const char lead_text[] =
     "SET @got = 1; "
     "END "
     "ELSE "
-    "UPDATE {L} SET @got = CASE WHEN owner = @owner AND epoch = @mine THEN epoch "
-    "ELSE epoch + 1 END, owner = @owner, "
+    "BEGIN "
+    "DECLARE @e TABLE (epoch bigint NOT NULL); "
+    "UPDATE {L} SET owner = @owner, "
     "epoch = CASE WHEN owner = @owner AND epoch = @mine THEN epoch ELSE epoch + 1 END, "
-    "expires_at = DATEADD(millisecond, @lease, @now) "
+    "expires_at = DATEADD(millisecond, @lease, @now) OUTPUT inserted.epoch INTO @e (epoch) "
     "WHERE name = N'leader' AND ((owner = @owner AND epoch = @mine) OR expires_at < @now); "
+    "SELECT @got = COALESCE(MAX(epoch), 0) FROM @e; "
+    "END "
     "IF @got <> 0 AND @got <> @mine "
     "BEGIN "
     "WHILE @k = " MAX_ROWS " "
@@ -115,7 +122,8 @@ static const char claim_text[] =
     "UPDATE {T} WITH (ROWLOCK) SET lease_owner = @owner, lease_token = @token, "
     "lease_until = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()) "
     CLAIMED_OUTPUT
-    "WHERE id IN (SELECT TOP (@limit) m.id FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
+    "WHERE sent_at IS NULL AND (lease_until IS NULL OR lease_until < SYSUTCDATETIME()) "
+    "AND id IN (SELECT TOP (@limit) m.id FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
     "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
     "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
     "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p WITH (NOLOCK) "
@@ -173,7 +181,8 @@ static const char claim_competing_text[] =
     "UPDATE {T} WITH (ROWLOCK) SET lease_owner = @owner, lease_token = @token, "
     "lease_until = @until "
     CLAIMED_OUTPUT
-    "WHERE id IN (SELECT id FROM @c0); "
+    "WHERE sent_at IS NULL AND (lease_until IS NULL OR lease_until < SYSUTCDATETIME()) "
+    "AND id IN (SELECT id FROM @c0); "
     CLAIMED_SELECT;
 static const sql_tsql_param claim_competing_p[] = { P_NAME("owner"), P_INT("lease_ms"),
                                                     P_INT("limit"), P_BIGINT("token") };
@@ -274,10 +283,12 @@ STMT0(sql_tsql_stats_kept,
     "(SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
     "WHERE sent_at IS NOT NULL)");
 
-/* -> id, message_id, exchange, routing_key, attempts, dead_at (ISO 8601 UTC), reason */
+/* -> id, message_id, exchange, routing_key, attempts, dead_at (ISO 8601 UTC), reason.
+   (Babelfish writes style 126 with a space for the T: the REPLACE makes both alike.) */
 STMT0(sql_tsql_dead_list,
     "SELECT id, LOWER(CONVERT(nvarchar(36), message_id)), exchange, routing_key, attempts, "
-    "CONVERT(nvarchar(23), dead_at, 126) + N'Z', reason FROM {D} ORDER BY id");
+    "REPLACE(CONVERT(nvarchar(23), dead_at, 126), N' ', N'T') + N'Z', reason FROM {D} "
+    "ORDER BY id");
 
 /* Dead letters back to the outbox, in batches of SQL_TSQL_MAX_ROWS ids (idempotent,
    never fails forever: see odbcsrc_db.c). Parameters: all (1/0), the ids as a JSON
@@ -334,15 +345,17 @@ static const char tables_exist_text[] =
 static const sql_tsql_param tables_exist_p[] = { P_NAME("outbox"), P_NAME("dead") };
 STMT(sql_tsql_tables_exist, tables_exist_text, tables_exist_p);
 
-/* -> the database's compatibility level, and the server's @@VERSION (Babelfish for
-   PostgreSQL names itself there). */
+/* -> the server's @@VERSION (Babelfish for PostgreSQL names itself there). */
+STMT0(sql_tsql_version, "SELECT CAST(@@VERSION AS nvarchar(4000))");
+
+/* -> the database's compatibility level (asked only of SQL Server: on Babelfish a first
+   catalog view read of a session takes about a second). */
 STMT0(sql_tsql_compat,
-    "SELECT CAST(compatibility_level AS int), CAST(@@VERSION AS nvarchar(4000)) "
-    "FROM sys.databases WHERE name = DB_NAME()");
+    "SELECT CAST(compatibility_level AS int) FROM sys.databases WHERE name = DB_NAME()");
 
 const sql_tsql_stmt *const sql_tsql_all[] = {
     &sql_tsql_lead, &sql_tsql_claim, &sql_tsql_claim_competing, &sql_tsql_settle_head,
     &sql_tsql_settle_mark, &sql_tsql_settle_delete, &sql_tsql_settle_tail, &sql_tsql_cleanup,
     &sql_tsql_stats, &sql_tsql_stats_kept, &sql_tsql_dead_list, &sql_tsql_dead_retry,
-    &sql_tsql_dead_purge, &sql_tsql_tables_exist, &sql_tsql_compat, NULL
+    &sql_tsql_dead_purge, &sql_tsql_tables_exist, &sql_tsql_version, &sql_tsql_compat, NULL
 };

@@ -45,6 +45,7 @@ extern const sql_tsql_stmt sql_tsql_dead_list;
 extern const sql_tsql_stmt sql_tsql_dead_retry;
 extern const sql_tsql_stmt sql_tsql_dead_purge;
 extern const sql_tsql_stmt sql_tsql_tables_exist;
+extern const sql_tsql_stmt sql_tsql_version;
 extern const sql_tsql_stmt sql_tsql_compat;
 /* Every statement above, NULL-terminated (for tests). */
 extern const sql_tsql_stmt *const sql_tsql_all[];

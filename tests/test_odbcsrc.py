@@ -7,12 +7,13 @@ Does not belong here: any behaviour of relay/source.h that every source must hav
 settle, leadership, competing mode, stats, retention, dead letters, timeouts, connection
 loss, the database-name check, a stalled source not stalling another in the same process):
 tests/test_source_contract.py runs those against every source, this one through psqlODBC
-and (OUTBOX_TEST_MSSQL) SQL Server. T-SQL text checks: tests/test_tsql_capture.py.
+and FreeTDS. T-SQL text checks: tests/test_tsql_capture.py.
 
-Every test runs against PostgreSQL through psqlODBC (the harness's server), and against
-SQL Server when OUTBOX_TEST_MSSQL holds an ODBC connection string to a SQL Server database
-(the contract suite's adapters: tests/test_source_contract.py); otherwise that half is
-reported SKIPPED."""
+Every test runs against PostgreSQL through psqlODBC (the harness's server) and against a
+T-SQL engine through FreeTDS: the harness's Babelfish for PostgreSQL, or a real SQL Server
+when OUTBOX_TEST_MSSQL holds an ODBC connection string to one of its databases (the
+contract suite's adapters and their engine differences: tests/test_source_contract.py,
+MssqlSide)."""
 import pytest
 
 from test_source_contract import drivers, side_of  # noqa: F401 (drivers: the contract's fixture)

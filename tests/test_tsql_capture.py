@@ -26,9 +26,17 @@ producers, READPAST only where it is legal under READ_COMMITTED_SNAPSHOT, an ide
 dead-letter move. test_checker_finds_broken_statements shows each rule failing on a
 broken statement.
 
-What this does not show: that SQL Server executes the statements as intended. That needs
-a server: OUTBOX_TEST_MSSQL runs tests/test_lib_odbc.py, tests/test_source_contract.py and
-tests/test_odbcsrc.py there.
+The relay's own locking on SQL Server (READ_COMMITTED_SNAPSHOT off), which Babelfish cannot
+show since it ignores table hints, has rules of its own (tsql_check.py, "relay locking
+rules"): membership and per-key probes that never wait, the leader fence held to the
+commit, OUTPUT INTO a table variable, no UPDATE or DELETE over 4,000 rows; each is shown
+failing on the statement it was written against. A deadlock victim (1205) is driven through
+the recorder's injected failures.
+
+What this does not show: that SQL Server executes the statements as intended. The same
+statements execute on Babelfish for PostgreSQL in tests/test_lib_odbc.py,
+tests/test_source_contract.py and tests/test_odbcsrc.py, and on a real SQL Server when
+OUTBOX_TEST_MSSQL names one.
 """
 import json
 import os
@@ -641,6 +649,50 @@ def test_compatibility_level_is_checked_before_openjson(cap):
     assert r["rc"] == -1 and r["error"] == (
         'database "app" is at compatibility level 120; the relay needs 130 or higher '
         '(OPENJSON): ALTER DATABASE [app] SET COMPATIBILITY_LEVEL = 130'), r
+
+
+def test_a_deadlock_victim_is_retried_and_reported_once(build, tmp_path):
+    """A request chosen as the deadlock victim (1205, SQLSTATE 40001: the server rolled its
+    transaction back) is run again: a claim failing once succeeds on its second attempt; a
+    settle failing every time is tried three times and reported once, as a failed request
+    (nothing is dead-lettered: the settle's outcomes are not changed). Neither rolls back a
+    transaction the server no longer holds (@@TRANCOUNT is read first)."""
+    build_driver(tmp_path)
+    log = tmp_path / "statements.jsonl"
+    saved = dict(os.environ)
+    os.environ.update(ODBCSYSINI=str(tmp_path), OUTBOX_REC_LOG=str(log),
+                      OUTBOX_REC_FAIL_STATE="40001", OUTBOX_REC_FAIL_NATIVE="1205")
+    os.environ.pop("ODBCINSTINI", None)
+    try:
+        os.environ.update(OUTBOX_REC_FAIL="@lease_ms int = ?", OUTBOX_REC_FAIL_NTH="1")
+        d = Driver(build / "tests" / "source_contract", "odbc", CONN, "app", table=TABLE)
+        try:
+            d.start_up()
+            done, rows = d.claim(10, 7, owner="relay-a")
+            assert done["ok"] == 0 and len(rows) == 1, done
+        finally:
+            d.close()
+        claims = [json.loads(x)["sql"] for x in log.read_text().splitlines()
+                  if '"exec"' in x and "@lease_ms int = ?" in x]
+        assert len(claims) == 2, len(claims)
+        os.environ.update(OUTBOX_REC_FAIL="@outcomes nvarchar(max) = ?", OUTBOX_REC_FAIL_NTH="1+")
+        d = Driver(build / "tests" / "source_contract", "odbc", CONN, "app", table=TABLE)
+        try:
+            d.start_up()
+            log.write_text("")
+            done = d.settle((1, 7, "D", 0, "poison"))
+            assert done["ok"] == -1 and "injected failure" in done["error"], done
+            d.absent(r"^DONE", 0.5)
+        finally:
+            d.close()
+        recs = [json.loads(x) for x in log.read_text().splitlines()]
+        settles = [r for r in recs if r["ev"] == "exec" and "@outcomes" in r["sql"]]
+        assert len(settles) == 3, len(settles)
+        assert not any("ROLLBACK" in r["sql"].upper() for r in recs if r["ev"] == "exec")
+        assert sum(1 for r in recs if r["ev"] == "exec" and "@@TRANCOUNT" in r["sql"]) == 3
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 # The statements as they were before these rules (sources/sql_tsql.c at 9c1a646), abridged

@@ -574,7 +574,7 @@ def escalation_problems(sql, tables):
         if re.search(r"(JOIN|FROM|IN \(SELECT \w+ FROM) @\w+", body) or \
                 re.search(r"EXISTS \(SELECT 1 FROM @\w+", body) or \
                 re.search(r"\bWHERE (\w+\.)?(NAME|ID) = ", body) or \
-                re.search(r"\bWHERE (\w+\.)?ID IN \(SELECT TOP \((\d+|@\w+)\)", body):
+                re.search(r"\b(WHERE|AND) (\w+\.)?ID IN \(SELECT TOP \((\d+|@\w+)\)", body):
             continue
         out.append(f"{m.group(1)} without TOP, a table variable of ids or a key: "
                    f"unbounded, escalates to a table lock: {seg.strip()[:160]}")

@@ -301,21 +301,28 @@ static int compat_check(odbcsrc_db *db)
     SQLHSTMT h = SQL_NULL_HSTMT;
     outbox_util_buf ver = {0};
     int64_t level = 0;
-    bool lnull = false, vnull = false;
+    bool vnull = false;
     int rc = -1;
-    if (ost_run(db, "reading the compatibility level", sql_tsql_compat.text, NULL, &h) < 0)
+    if (ost_run(db, "reading the server version", sql_tsql_version.text, NULL, &h) < 0)
         goto done;
-    if (ost_result(db, h, "reading the compatibility level") != 0 ||
-        ost_fetch(db, h, "reading the compatibility level") != 1) {
+    if (ost_result(db, h, "reading the server version") != 0 ||
+        ost_fetch(db, h, "reading the server version") != 1) {
         if (!db->err[0])
-            ost_err(db, "reading the compatibility level: no result");
+            ost_err(db, "reading the server version: no result");
         goto done;
     }
-    if (ost_get_i64(db, h, 1, &level, &lnull) < 0 || ost_get_text(db, h, 2, &ver, &vnull) < 0 ||
-        ost_drain(db, h, "reading the compatibility level") < 0)
+    if (ost_get_text(db, h, 1, &ver, &vnull) < 0 ||
+        ost_drain(db, h, "reading the server version") < 0)
         goto done;
     db->babelfish = !vnull && ver.p && strstr(ver.p, "Babelfish") != NULL;
-    if (!lnull && level < SQL_TSQL_MIN_COMPAT && !db->babelfish) {
+    if (db->babelfish) {
+        rc = 0;
+        goto done;
+    }
+    if (ost_one_row_ints(db, "reading the compatibility level", sql_tsql_compat.text, NULL,
+                         &level, 1) < 0)
+        goto done;
+    if (level < SQL_TSQL_MIN_COMPAT) {
         ost_err(db, "database \"%s\" is at compatibility level %" PRId64 "; the relay needs %d "
                 "or higher (OPENJSON): ALTER DATABASE [%s] SET COMPATIBILITY_LEVEL = %d",
                 db->conf->database, level, SQL_TSQL_MIN_COMPAT, db->conf->database,
@@ -906,7 +913,7 @@ done:
 /* ------------------------------------------------------------ outcomes as JSON */
 
 /* The outcomes as one JSON array for T-SQL's OPENJSON (UTF-8, malloc'd; NULL on
- * out-of-memory): [{"id":1,"token":2,"kind":0,"backoff_ms":0,"reason":null},...] */
+ * out-of-memory): [{"id":1,"token":2,"kind":1,"backoff_ms":500,"reason":"..."},...] */
 static char *odbcsrc_outcomes_json(const src_outcome *v, size_t n)
 {
     outbox_util_buf b = {0};
@@ -919,15 +926,14 @@ static char *odbcsrc_outcomes_json(const src_outcome *v, size_t n)
         if (bo > INT32_MAX)
             bo = INT32_MAX;  /* DATEADD takes an int */
         if (outbox_util_buf_printf(&b, "%s{\"id\":%" PRId64 ",\"token\":%" PRId64 ",\"kind\":%d,"
-                        "\"backoff_ms\":%" PRId64 ",\"reason\":",
-                        i ? "," : "", v[i].id, v[i].lease_token, v[i].kind, bo) < 0)
+                        "\"backoff_ms\":%" PRId64, i ? "," : "", v[i].id, v[i].lease_token,
+                        v[i].kind, bo) < 0)
             goto oom;
-        if (v[i].reason) {
-            if (outbox_util_json_string(&b, v[i].reason, REASON_MAX) < 0)
-                goto oom;
-        } else if (outbox_util_buf_puts(&b, "null") < 0) {
+        /* a NULL reason is left out (JSON_VALUE of a missing key is NULL): Babelfish
+           reads a JSON null as the text "null" */
+        if (v[i].reason && (outbox_util_buf_puts(&b, ",\"reason\":") < 0 ||
+                            outbox_util_json_string(&b, v[i].reason, REASON_MAX) < 0))
             goto oom;
-        }
         if (outbox_util_buf_put(&b, "}", 1) < 0)
             goto oom;
     }

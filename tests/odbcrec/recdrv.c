@@ -19,9 +19,10 @@
  *   - a statement naming compatibility_level reads its integers as
  *     OUTBOX_REC_COMPAT (default 130: a database the relay accepts).
  *
- * OUTBOX_REC_FAIL=SUBSTR and OUTBOX_REC_FAIL_NTH=N (default 1) make the Nth
- * execution whose text contains SUBSTR fail with SQLSTATE 42000 (native
- * 50000), to drive the callers' error paths.
+ * OUTBOX_REC_FAIL=SUBSTR and OUTBOX_REC_FAIL_NTH=N (default 1; "N+": the Nth
+ * and every later one) make the Nth execution whose text contains SUBSTR fail
+ * with SQLSTATE OUTBOX_REC_FAIL_STATE (default 42000) and native error
+ * OUTBOX_REC_FAIL_NATIVE (default 50000), to drive the callers' error paths.
  *
  * Built by the test itself (cc -shared); it links nothing but libc. Driver
  * functions never call each other through their exported names: inside a
@@ -616,12 +617,15 @@ static SQLRETURN execute(rstmt *s, const char *sql)
     if (fail && *fail && strstr(sql, fail)) {
         const char *nth = getenv("OUTBOX_REC_FAIL_NTH");
         long want = nth && *nth ? atol(nth) : 1;
+        int onwards = nth && *nth && nth[strlen(nth) - 1] == '+';
+        const char *st = getenv("OUTBOX_REC_FAIL_STATE"), *nat = getenv("OUTBOX_REC_FAIL_NATIVE");
         long seen;
         pthread_mutex_lock(&mu);
         seen = ++fail_seen;
         pthread_mutex_unlock(&mu);
-        if (seen == want) {
-            diag_set(&s->d, "42000", 50000, "[recorder] injected failure");
+        if (seen == want || (onwards && seen > want)) {
+            diag_set(&s->d, st && *st ? st : "42000", nat && *nat ? atol(nat) : 50000,
+                     "[recorder] injected failure");
             log_event(s->dbc, "failed", NULL);
             return SQL_ERROR;
         }
