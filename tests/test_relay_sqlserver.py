@@ -368,8 +368,14 @@ def test_sqlserver_two_competing_relays(services, tsql, relay_bin, build, tmp_pa
     spread over both relays."""
     n, keys, size = 800, 20, 64
     q, conn, ch = new_queue(services, "comp")
-    start_a, cfg = make_relay(relay_bin, tmp_path, services, tsql, "ca", mode="competing")
-    start_b, _ = make_relay(relay_bin, tmp_path, services, tsql, "cb", mode="competing")
+    # a lease far longer than any claim-to-mark time here, even on a loaded machine: the
+    # test is about two live relays, and a lease running out under a relay (then duplicates
+    # and marks after it lapsed) is what the kill -9 and takeover tests provoke on purpose
+    lease = "20s"
+    start_a, cfg = make_relay(relay_bin, tmp_path, services, tsql, "ca", mode="competing",
+                              lease=lease)
+    start_b, _ = make_relay(relay_bin, tmp_path, services, tsql, "cb", mode="competing",
+                            lease=lease)
     init_outbox(relay_bin, cfg)
     audit_setup(tsql)
     a = b = sampler = None
