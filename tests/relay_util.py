@@ -870,6 +870,7 @@ class OdbcSql:
         return rows[0][0] if rows else None
 
     def close(self):
+        """Ends the session; the program must exit 0 without a sanitizer report."""
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
@@ -880,3 +881,6 @@ class OdbcSql:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        err = self.proc.stderr.read()
+        assert self.proc.returncode == 0, f"odbc_sql exited {self.proc.returncode}: {err[-4000:]}"
+        assert "Sanitizer" not in err and "runtime error" not in err, err[-4000:]
