@@ -397,8 +397,7 @@ int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
     char *sql;
     if (is_tsql(db)) {
         const ost_val tv[] = { TV_S("outbox", db->qt), TV_S("dead", db->qd) };
-        sql = ost_tsql_bind(db, &sql_tsql_tables_exist, tv, 2, &ps) < 0 ? NULL
-                                                                       : ost_sql_for(db, sql_tsql_tables_exist.text);
+        sql = ost_tsql(db, &sql_tsql_tables_exist, tv, 2, &ps);
     } else {
         const pgv pv[2] = { PV_S(db->qt), PV_S(db->qd) };
         sql = ost_pg_stmt(db, sql_pg_tables_exist(), pv, 2, &ps);
@@ -443,8 +442,7 @@ int odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t le
         holder[0] = '\0';
     if (is_tsql(db)) {
         const ost_val v[] = { TV_S("owner", me), TV_I("lease", lease_ms), TV_I("mine", epoch) };
-        sql = ost_tsql_bind(db, &sql_tsql_lead, v, 3, &ps) < 0 ? NULL
-                                                               : ost_sql_for(db, sql_tsql_lead.text);
+        sql = ost_tsql(db, &sql_tsql_lead, v, 3, &ps);
     } else {
         const pgv v[3] = { PV_S(me), PV_I(epoch), PV_I(lease_ms) };
         sql = ost_pg_stmt(db, sql_pg_lead(&db->conf->pgn), v, 3, &ps);
@@ -519,8 +517,7 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
         const ost_val v[] = { TV_I("limit", limit), TV_S("owner", me), TV_I("token", token),
                               TV_I("lease_ms", lease_ms), TV_I("epoch", epoch) };
         /* competing: no leadership fence, hence no epoch */
-        sql = ost_tsql_bind(db, st, v, competing ? 4 : 5, &ps) < 0 ? NULL
-                                                                   : ost_sql_for(db, st->text);
+        sql = ost_tsql(db, st, v, competing ? 4 : 5, &ps);
     } else {
         const pgv v[5] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
                            PV_I(competing ? 0 : epoch) };
@@ -624,7 +621,8 @@ static int settle_tsql(odbcsrc_db *db, const src_outcome *v, size_t n, int64_t *
         goto done;
     }
     const ost_val pv[] = { TV_S("outcomes", json) };
-    if (ost_tsql_bind(db, &sql_tsql_settle_head, pv, 1, &ps) < 0 || !(sql = ost_sql_for(db, t.p)))
+    if (ost_tsql_bind(db, &sql_tsql_settle_head, pv, 1, &ps) < 0 ||
+        !(sql = ost_sql_for(db, t.p)))
         goto done;
     rc = ost_one_row_ints(db, "settle", sql, &ps, cnt, 1);
 done:
@@ -669,8 +667,9 @@ int odbcsrc_db_settle(odbcsrc_db *db, const src_outcome *v, size_t n, size_t *ap
         all_sent = all_sent && v[i].kind == SRC_SENT;
     const pgv pv[5] = { PV_BIG(arr[0].p), PV_BIG(arr[1].p), PV_BIG(arr[2].p),
                         PV_BIG(arr[3].p), PV_BIG(arr[4].p) };
-    sql = all_sent ? ost_pg_stmt(db, sql_pg_settle_sent(&db->conf->pgn, db->conf->on_sent), pv, 2, &ps)
-                   : ost_pg_stmt(db, sql_pg_settle(&db->conf->pgn, db->conf->on_sent), pv, 5, &ps);
+    int on_sent = db->conf->on_sent;
+    sql = all_sent ? ost_pg_stmt(db, sql_pg_settle_sent(&db->conf->pgn, on_sent), pv, 2, &ps)
+                   : ost_pg_stmt(db, sql_pg_settle(&db->conf->pgn, on_sent), pv, 5, &ps);
     if (!sql)
         goto done;
     rc = ost_one_row_ints(db, "settle", sql, &ps, &cnt, 1);
@@ -699,8 +698,7 @@ int odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, const
                               TV_I("keep_s", retention_ms / 1000), TV_I("epoch", epoch),
                               TV_S("owner", me) };
         int64_t n = 0;
-        sql = ost_tsql_bind(db, &sql_tsql_cleanup, v, 5, &ps) < 0 ? NULL
-                                                                  : ost_sql_for(db, sql_tsql_cleanup.text);
+        sql = ost_tsql(db, &sql_tsql_cleanup, v, 5, &ps);
         if (sql && (rc = ost_one_row_ints(db, "cleanup", sql, &ps, &n, 1)) == 0)
             *deleted = n > 0 ? (size_t)n : 0;
     } else {
@@ -815,7 +813,8 @@ done:
 int odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out)
 {
     SQLHSTMT h = SQL_NULL_HSTMT;
-    char *sql = is_tsql(db) ? ost_sql_for(db, sql_tsql_dead_list.text) : sql_pg_dead_list(&db->conf->pgn);
+    char *sql = is_tsql(db) ? ost_sql_for(db, sql_tsql_dead_list.text)
+                            : sql_pg_dead_list(&db->conf->pgn);
     outbox_util_buf t[5];
     int rc = -1;
     memset(t, 0, sizeof t);
@@ -833,9 +832,12 @@ int odbcsrc_db_dead_list(odbcsrc_db *db, FILE *out)
             break;
         int64_t id = 0, attempts = 0;
         bool nul[5];
-        if (ost_get_i64(db, h, 1, &id, NULL) < 0 || ost_get_text(db, h, 2, &t[0], &nul[0]) < 0 ||
-            ost_get_text(db, h, 3, &t[1], &nul[1]) < 0 || ost_get_text(db, h, 4, &t[2], &nul[2]) < 0 ||
-            ost_get_i64(db, h, 5, &attempts, NULL) < 0 || ost_get_text(db, h, 6, &t[3], &nul[3]) < 0 ||
+        if (ost_get_i64(db, h, 1, &id, NULL) < 0 ||
+            ost_get_text(db, h, 2, &t[0], &nul[0]) < 0 ||
+            ost_get_text(db, h, 3, &t[1], &nul[1]) < 0 ||
+            ost_get_text(db, h, 4, &t[2], &nul[2]) < 0 ||
+            ost_get_i64(db, h, 5, &attempts, NULL) < 0 ||
+            ost_get_text(db, h, 6, &t[3], &nul[3]) < 0 ||
             ost_get_text(db, h, 7, &t[4], &nul[4]) < 0)
             goto done;
         char ids[24], atts[24];
@@ -879,9 +881,7 @@ int odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t 
             goto oom;
         const sql_tsql_stmt *st = retry ? &sql_tsql_dead_retry : &sql_tsql_dead_purge;
         const ost_val v[] = { TV_I("all", all ? 1 : 0), TV_S("list", list.p) };
-        if (ost_tsql_bind(db, st, v, 2, &ps) < 0)
-            goto done;
-        sql = ost_sql_for(db, st->text);
+        sql = ost_tsql(db, st, v, 2, &ps);
     } else {
         char *arr = NULL;
         if (sql_pg_id_array(ids, n_ids, &arr) < 0)

@@ -151,6 +151,9 @@ void ost_p_free(params *ps);
 /* Binds st's parameters from its table, each from the value named like it. */
 int  ost_tsql_bind(odbcsrc_db *db, const sql_tsql_stmt *st, const ost_val *v, size_t nv,
                    params *ps);
+/* Both: st's text with the tables filled in (malloc'd) and ps bound. NULL with db->err. */
+char *ost_tsql(odbcsrc_db *db, const sql_tsql_stmt *st, const ost_val *v, size_t nv,
+               params *ps);
 /* A sources/sql_pg.c statement (text owned and freed here) with `?` markers; ps
  * gets v[n - 1] for each $n in marker order. NULL with db->err. */
 char *ost_pg_stmt(odbcsrc_db *db, char *text, const pgv *v, int nv, params *ps);

@@ -452,6 +452,13 @@ int ost_tsql_bind(odbcsrc_db *db, const sql_tsql_stmt *st, const ost_val *v, siz
     return 0;
 }
 
+/* st's text with its tables filled in (malloc'd), ps bound from its table; NULL with
+ * db->err set. */
+char *ost_tsql(odbcsrc_db *db, const sql_tsql_stmt *st, const ost_val *v, size_t nv, params *ps)
+{
+    return ost_tsql_bind(db, st, v, nv, ps) < 0 ? NULL : ost_sql_for(db, st->text);
+}
+
 /* Runs a statement that returns one row of integers; reads n of them. */
 int ost_one_row_ints(odbcsrc_db *db, const char *what, const char *sql, params *ps,
                         int64_t *v, int n)
