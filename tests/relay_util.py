@@ -869,3 +869,80 @@ def check_against_db(got, db, table="outbox.messages"):
             bad.append((props.message_id, f"headers {hdrs} lack the row's {missing}"))
     assert not bad, f"{len(bad)} deliveries differ from their outbox row, e.g. {bad[:5]}"
     return len(got)
+
+
+# ---------------------------------------------------------------------------- T-SQL helpers
+# (added for tests/test_relay_sqlserver.py; nothing above changed)
+class OdbcSql:
+    """One ODBC session (autocommit) to a T-SQL server through build/tests/odbc_sql
+    (tests/c/odbc_sql.c): Python has no T-SQL client here, so the tests read and write
+    SQL Server (or Babelfish) through the driver the relay uses. run(sql) -> (ok, rows,
+    error); a row is a list of str (text columns), bytes (binary columns) or None. Each
+    statement is bounded by the program's query timeout; one session is used by one
+    thread at a time (a lock serializes callers)."""
+
+    def __init__(self, build, conn, timeout=60):
+        import threading
+        binary = build / "tests" / "odbc_sql"
+        assert binary.exists(), f"{binary} is not built (make test-programs)"
+        self._lock = threading.Lock()
+        self.proc = subprocess.Popen([str(binary), "--timeout", str(timeout), conn],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, bufsize=1)
+        first = self.proc.stdout.readline()
+        assert first.startswith("CONNECT rc=0"), \
+            f"odbc_sql could not connect: {first.strip()} {self.proc.stderr.read()[-2000:]}"
+
+    @staticmethod
+    def _col(c):
+        if c == "-":
+            return None
+        if c == "~":
+            return ""
+        if c.startswith("x"):
+            return bytes.fromhex(c[1:])
+        return bytes.fromhex(c).decode("utf-8")
+
+    def run(self, sql):
+        with self._lock:
+            self.proc.stdin.write(sql.encode().hex() + "\n")
+            self.proc.stdin.flush()
+            rows = []
+            while True:
+                line = self.proc.stdout.readline()
+                if not line:
+                    return False, rows, f"odbc_sql exited: {self.proc.stderr.read()[-2000:]}"
+                line = line.rstrip("\n")
+                if line.startswith("ROW"):
+                    rows.append([self._col(c) for c in line.split()[1:]])
+                elif line.startswith("DONE rc=0"):
+                    return True, rows, None
+                elif line.startswith("DONE rc=1"):
+                    return False, rows, line.partition("error=")[2]
+
+    def rows(self, sql):
+        """The rows of sql; a failure fails the test, naming the statement."""
+        ok, rows, err = self.run(sql)
+        assert ok, f"T-SQL failed: {err}\n{sql}"
+        return rows
+
+    def value(self, sql):
+        """The first column of the first row (None when there is no row)."""
+        rows = self.rows(sql)
+        return rows[0][0] if rows else None
+
+    def close(self):
+        """Ends the session; the program must exit 0 without a sanitizer report."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        err = self.proc.stderr.read()
+        assert self.proc.returncode == 0, f"odbc_sql exited {self.proc.returncode}: {err[-4000:]}"
+        assert "Sanitizer" not in err and "runtime error" not in err, err[-4000:]
