@@ -197,6 +197,13 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
         ost_diag(db, SQL_HANDLE_DBC, db->dbc, "SQLGetInfo(SQL_DBMS_NAME)");
         goto fail;
     }
+    SQLCHAR drv[128] = "";
+    rc = SQLGetInfo(db->dbc, SQL_DRIVER_NAME, drv, sizeof drv, &dl);
+    if (!SQL_SUCCEEDED(rc)) {
+        ost_diag(db, SQL_HANDLE_DBC, db->dbc, "SQLGetInfo(SQL_DRIVER_NAME)");
+        goto fail;
+    }
+    db->freetds = strstr((char *)drv, "tdsodbc") != NULL;
     if (strstr((char *)dbms, "SQL Server"))
         db->dialect = OUTBOX_DIALECT_SQLSERVER;
     else if (strstr((char *)dbms, "PostgreSQL"))

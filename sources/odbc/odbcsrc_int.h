@@ -57,6 +57,7 @@ typedef struct odbcsrc_db {
     bool     babelfish;       /* T-SQL answered by Babelfish for PostgreSQL (@@VERSION) */
     long     native;          /* the native error number of the last error (1205: deadlock) */
     int      dialect;         /* OUTBOX_DIALECT_* */
+    bool     freetds;         /* the driver is FreeTDS's libtdsodbc (see ost_run) */
     char     qt[160];         /* quoted outbox table */
     char     qd[160];         /* quoted dead-letter table */
     char     ql[160];         /* quoted leadership lease table */

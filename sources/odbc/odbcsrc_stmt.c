@@ -179,8 +179,18 @@ int ost_run(odbcsrc_db *db, const char *what, const char *sql, params *ps, SQLHS
         SQLPOINTER v = p->ctype == SQL_C_SBIGINT ? (SQLPOINTER)&p->i64
                      : p->ctype == SQL_C_SLONG ? (SQLPOINTER)&p->i32 : (SQLPOINTER)p->w;
         SQLLEN blen = p->ctype == SQL_C_WCHAR && p->w ? p->ind + (SQLLEN)sizeof(SQLWCHAR) : 0;
-        rc = SQLBindParameter(h, (SQLUSMALLINT)(i + 1), SQL_PARAM_INPUT, p->ctype, p->stype,
-                              p->colsize, 0, v, blen, p->ctype == SQL_C_WCHAR ? &p->ind : NULL);
+        SQLSMALLINT stype = p->stype;
+        SQLULEN colsize = p->colsize;
+        /* nvarchar(max) is column size 0 (msodbcsql's SQL_SS_LENGTH_UNLIMITED). FreeTDS
+           takes that as "send nothing" and never sends more than 4,000 characters of a
+           SQL_WVARCHAR: a settle's JSON would arrive cut. It sends nvarchar(max) for
+           SQL_WLONGVARCHAR (which msodbcsql would send as the legacy ntext instead). */
+        if (db->freetds && stype == SQL_WVARCHAR && colsize == 0) {
+            stype = SQL_WLONGVARCHAR;
+            colsize = 1073741823;
+        }
+        rc = SQLBindParameter(h, (SQLUSMALLINT)(i + 1), SQL_PARAM_INPUT, p->ctype, stype,
+                              colsize, 0, v, blen, p->ctype == SQL_C_WCHAR ? &p->ind : NULL);
         if (!SQL_SUCCEEDED(rc))
             goto fail;
     }
