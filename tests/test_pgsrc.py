@@ -113,6 +113,26 @@ def test_listen_reestablished_after_the_session_is_killed(drivers, schema):
     d.expect(r"^WAKE \d+$", 5)
 
 
+def test_listen_reestablished_after_a_claim_and_a_killed_session(drivers, schema):
+    """A session killed after claims (read a row at a time) comes back as a direct session,
+    not as one behind a pooler: LISTEN works again. (The claim's row-by-row read once leaked
+    into the next session's first setup query, whose answer then read as a pooler's: no
+    LISTEN, no prepared statements, no fencing after every reconnect.)"""
+    c = schema.connect()
+    d = drivers(schema)
+    d.start_up()
+    insert(c, 3)
+    st, rows = d.claim(10, 1)
+    assert st["ok"] == 0 and len(rows) == 3, (st, rows)
+    c.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s "
+              "AND application_name = 'outbox-relay'", (schema.name,))
+    d.down()
+    d.up(15)
+    d.pending = [x for x in d.pending if not x.startswith("WAKE")]
+    insert(c, 1)
+    d.expect(r"^WAKE \d+$", 5)
+
+
 def test_every_failed_attempt_reports_down(drivers, schema):
     """The libpq source reports DOWN for each failed attempt, the reason unchanged (the
     ODBC source reports a changed reason only: tests/test_odbcsrc.py): a wrong database

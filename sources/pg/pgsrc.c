@@ -85,7 +85,6 @@ struct source {
     bool      req_deferred;
     src_result dres;          /* the deferred result */
     int64_t   claim_token;    /* the outstanding claim's token, copied into its rows */
-    bool      single_next;    /* the next query is read a row at a time (the claim) */
     row     **crows;          /* the running claim's rows so far (owned), in arrival order */
     size_t    n_crows, cap_crows;
     char      crows_err[256]; /* the first row that could not be decoded ("": none) */
@@ -290,18 +289,24 @@ static int q_flush(source *s)
 
 /* Sends one statement; the result arrives through io_cb → q_done. 0 or -1
  * (connection unusable: the caller handles it). */
+/* A claim's rows are read one at a time (PGRES_SINGLE_TUPLE) and turned into rows as they
+   come: libpq never holds the whole result beside the rows built from it, so a claim of
+   many large rows costs their size once, not twice. Called right after a claim's statement
+   was sent, whichever way (text or prepared); any other statement is read whole. Should
+   libpq refuse (it cannot, right after a send), the claim is read whole: correct, only
+   larger. */
+static void claim_row_by_row(source *s, const char *sql)
+{
+    if (sql == s->sql_claim || sql == s->sql_claim_competing)
+        (void)PQsetSingleRowMode(s->conn);
+}
+
 static int q_send(source *s, int op, const char *sql, int n, const char *const *vals,
                   int result_format)
 {
-    bool single = s->single_next;
-    s->single_next = false;
     if (!PQsendQueryParams(s->conn, sql, n, NULL, vals, NULL, NULL, result_format))
         return -1;
-    /* a claim's rows are read one at a time (PGRES_SINGLE_TUPLE) and turned into rows as
-       they come: libpq never holds the whole result beside the rows built from it, so a
-       claim of many large rows costs their size once, not twice */
-    if (single && !PQsetSingleRowMode(s->conn))
-        return -1;
+    claim_row_by_row(s, sql);
     s->qop = op;
     if (q_flush(s) < 0)
         return -1;
@@ -1081,6 +1086,7 @@ static int send_prepared(source *s, int i, int n, const char *const *vals, int f
 {
     if (!PQsendQueryPrepared(s->conn, st_name[i], n, vals, NULL, NULL, fmt))
         return -1;
+    claim_row_by_row(s, st_sql(s, i));
     s->qop = Q_REQ;
     if (q_flush(s) < 0)
         return -1;
@@ -1183,7 +1189,6 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     const char *vals[7] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
                            a->first_whole ? "true" : "false"};
     s->claim_token = a->lease_token;
-    s->single_next = true;
     /* binary results: payload as is */
     return req_send(s, a->competing ? s->sql_claim_competing : s->sql_claim, 7, vals, 1);
 }
