@@ -248,6 +248,7 @@ static void *worker_main(void *arg)
     source *s = arg;
     wstate w;
     int64_t backoff = BACKOFF_MIN_MS;
+    uint64_t rng = outbox_util_seed(s);
     int reported = -1;          /* last state posted */
     char last[sizeof w.db.err] = "";
 
@@ -281,7 +282,9 @@ static void *worker_main(void *arg)
                 reported = SRC_DOWN;
                 post_state_locked(s, SRC_DOWN, last);
             }
-            int64_t deadline = now_ms() + backoff;
+            /* jittered, as every reconnect of the relay: relays that lost the same
+               server do not all come back at once */
+            int64_t deadline = now_ms() + outbox_util_jitter(backoff, &rng);
             backoff = outbox_util_backoff_next(backoff, BACKOFF_MIN_MS, s->conf.reconnect_max_ms);
             while (!s->stop) {
                 if (s->has_req) {
