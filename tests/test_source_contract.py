@@ -1360,6 +1360,29 @@ def test_claim_stops_at_its_byte_limit(src, drivers, competing):
     assert all(state[i]["token"] is not None for i in ids), "every row claimed once, leased"
 
 
+def test_claim_counts_non_ascii_headers_within_the_limit(src, drivers):
+    """Headers count as the UTF-8 text the relay receives. SQL Server keeps them as UTF-16
+    (nvarchar): its claim counts ASCII text exactly and other text by an upper bound (3/2
+    of its stored bytes), so it may stop earlier than the limit allows, never later; the
+    PostgreSQL claims count exactly."""
+    d = byte_limit_started(src, drivers)
+    hdr = '{"a": "' + "\u00e9" * 100 + "\U0001F600" * 10 + '"}'   # 249 bytes of UTF-8
+    hb = len(hdr.encode())
+    ids = src.insert(3, headers=hdr, payload=lambda i: bytes([i]) * 100)
+    limit = 2 * (100 + hb)
+    rows = claim_b(d, 10, 1, limit)
+    assert rows and ids_of(rows) == ids[:len(rows)], "a prefix in id order"
+    assert all(r["headers"] == hdr and row_bytes(r) == 100 + hb for r in rows), \
+        [r["headers"] for r in rows]
+    assert sum(row_bytes(r) for r in rows) <= limit
+    if src.name == "sqlserver":
+        # the bound: 3/2 of the text's stored bytes, UTF-16 (SQL Server) or UTF-8
+        # (Babelfish): more than its 249 bytes, so the second row does not fit the estimate
+        assert ids_of(rows) == ids[:1], ids_of(rows)
+    else:
+        assert ids_of(rows) == ids[:2], "exactly two rows' bytes: both"
+
+
 def test_claims_never_return_more_bytes_than_asked(src, drivers):
     """Seeded: rows of random payload and header sizes, claimed over and over with random row
     and byte limits. Each claim is the longest prefix of the pending rows (id order) within
