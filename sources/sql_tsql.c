@@ -71,9 +71,9 @@
    headers are ASCII, as JSON headers usually are. The headers are nvarchar (UTF-16 on
    SQL Server): text of code points 1-127 only is as many UTF-8 bytes as characters
    (LEN of the text plus one character, so that trailing spaces count); other text at
-   most 3/2 of its DATALENGTH, rounded up (a UTF-16 code unit is 1-3 UTF-8 bytes, a surrogate pair
-   4), which still bounds it where DATALENGTH counts UTF-8 (Babelfish). The range in
-   the pattern compares code points only under a binary collation. */
+   most 3/2 of its DATALENGTH, rounded up (a UTF-16 code unit is 1-3 UTF-8 bytes, a
+   surrogate pair 4), which still bounds it where DATALENGTH counts UTF-8 (Babelfish).
+   The range in the pattern compares code points only under a binary collation. */
 #define ROW_BYTES(M) \
     "(CAST(COALESCE(DATALENGTH(" M ".payload), 0) AS bigint) + CASE " \
     "WHEN " M ".headers IS NULL THEN CAST(0 AS bigint) " \
