@@ -76,6 +76,30 @@
     "partition_key, message_type, content_type, correlation_id, headers, payload, attempts, " \
     "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), created_at), " \
     "DATEDIFF_BIG(microsecond, created_at, SYSUTCDATETIME()) FROM @c ORDER BY id"
+/* A leased row's size for a claim's byte limit, an upper bound of what the relay counts
+   of it once read (its payload plus its headers as UTF-8 text) that is exact when the
+   headers are ASCII, as JSON headers usually are. The headers are nvarchar (UTF-16 on
+   SQL Server): text of code points 1-127 only is as many UTF-8 bytes as characters
+   (LEN of the text plus one character, so that trailing spaces count); other text at
+   most 3/2 of its DATALENGTH, rounded up (a UTF-16 code unit is 1-3 UTF-8 bytes, a
+   surrogate pair 4), which still bounds it where DATALENGTH counts UTF-8 (Babelfish).
+   The range in the pattern compares code points only under a binary collation. */
+#define ROW_BYTES(M) \
+    "(CAST(COALESCE(DATALENGTH(" M ".payload), 0) AS bigint) + CASE " \
+    "WHEN " M ".headers IS NULL THEN CAST(0 AS bigint) " \
+    "WHEN " M ".headers COLLATE Latin1_General_BIN2 " \
+    "LIKE N'%[^' + NCHAR(1) + N'-' + NCHAR(127) + N']%' " \
+    "THEN (CAST(DATALENGTH(" M ".headers) AS bigint) * 3 + 1) / 2 " \
+    "ELSE CAST(LEN(" M ".headers + N'.') AS bigint) - 1 END)"
+/* Of candidates z (id, run: the running sum of their sizes in id order, rn: their
+   rank), those within the byte limit: a prefix whose sum stays within @max_bytes
+   (0: no limit), and the first whatever its size when @first_whole. */
+#define WITHIN_BYTES(Z) \
+    "(@max_bytes = 0 OR " Z ".run <= @max_bytes OR (" Z ".rn = 1 AND @first_whole = 1))"
+#define RUN_OVER(C) \
+    "SUM(" C ".sz) OVER (ORDER BY " C ".id ROWS UNBOUNDED PRECEDING) AS run, " \
+    "ROW_NUMBER() OVER (ORDER BY " C ".id) AS rn"
+
 #define S_(x) #x
 #define S(x) S_(x)
 #define MAX_ROWS S(SQL_TSQL_MAX_ROWS)
@@ -121,11 +145,12 @@ static const sql_tsql_param lead_p[] = { P_NAME("owner"), P_INT("lease"), P_BIGI
 STMT(sql_tsql_lead, lead_text, lead_p);
 
 /* Claim (leader or unfenced): @epoch 0 is unfenced, else the leader row must be ours
-   and is held to the commit. */
+   and is held to the commit. At most @limit rows, the prefix of them in id order within
+   the byte limit (WITHIN_BYTES). */
 static const char claim_text[] =
     "SET NOCOUNT ON; "
     "DECLARE @limit int = ?, @epoch bigint = ?, @owner nvarchar(255) = ?, @token bigint = ?, "
-    "@lease_ms int = ?; "
+    "@lease_ms int = ?, @max_bytes bigint = ?, @first_whole int = ?; "
     CLAIMED_TABLE
     "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
     "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
@@ -134,21 +159,24 @@ static const char claim_text[] =
     "lease_until = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()) "
     CLAIMED_OUTPUT
     "WHERE sent_at IS NULL AND (lease_until IS NULL OR lease_until < SYSUTCDATETIME()) "
-    "AND id IN (SELECT TOP (@limit) m.id FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
+    "AND id IN (SELECT z.id FROM (SELECT t.id, " RUN_OVER("t") " FROM (SELECT TOP (@limit) "
+    "m.id, " ROW_BYTES("m") " AS sz FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
     "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
     "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
     "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p WITH (NOLOCK) "
     "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
-    "AND p.id < m.id)) ORDER BY m.id); "
+    "AND p.id < m.id)) ORDER BY m.id) t) z WHERE " WITHIN_BYTES("z") "); "
     CLAIMED_SELECT;
 static const sql_tsql_param claim_p[] = { P_INT("limit"), P_BIGINT("epoch"), P_NAME("owner"),
-                                          P_BIGINT("token"), P_INT("lease_ms") };
+                                          P_BIGINT("token"), P_INT("lease_ms"),
+                                          P_BIGINT("max_bytes"), P_INT("first_whole") };
 STMT(sql_tsql_claim, claim_text, claim_p);
 
-/* Competing-mode claim (see sql_pg_claim). */
+/* Competing-mode claim (see sql_pg_claim), within the byte limit as the claim above. */
 static const char claim_competing_text[] =
     "SET NOCOUNT ON; "
-    "DECLARE @owner nvarchar(255) = ?, @lease_ms int = ?, @limit int = ?, @token bigint = ?; "
+    "DECLARE @owner nvarchar(255) = ?, @lease_ms int = ?, @limit int = ?, @token bigint = ?, "
+    "@max_bytes bigint = ?, @first_whole int = ?; "
     /* membership (see sources/sql_pg.h): renew ours, else reuse an expired member
        row, else insert one; a lease of 0 withdraws it. By primary key only (the
        name LIKE a constant prefix is a seek). */
@@ -167,8 +195,9 @@ static const char claim_competing_text[] =
     "SELECT @n = COUNT(*) + 1, @r = ISNULL(SUM(CASE WHEN owner < @owner THEN 1 ELSE 0 END), 0) "
     "FROM {L} WITH (NOLOCK) WHERE name LIKE N'member:%' AND owner <> @owner "
     "AND expires_at > SYSUTCDATETIME(); "
-    "DECLARE @c0 TABLE (id bigint PRIMARY KEY, partition_key nvarchar(255)); "
-    "INSERT INTO @c0 (id, partition_key) SELECT TOP (@limit) m.id, m.partition_key "
+    "DECLARE @c0 TABLE (id bigint PRIMARY KEY, partition_key nvarchar(255), sz bigint NOT NULL); "
+    "INSERT INTO @c0 (id, partition_key, sz) SELECT TOP (@limit) m.id, m.partition_key, "
+    ROW_BYTES("m") " "
     "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
     "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
     "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
@@ -188,6 +217,9 @@ static const char claim_competing_text[] =
     "AND p.id NOT IN (SELECT id FROM @c0) ORDER BY p.id) "
     "FROM (SELECT DISTINCT partition_key FROM @c0 WHERE partition_key IS NOT NULL) k; "
     "DELETE c FROM @c0 c JOIN @g g ON g.partition_key = c.partition_key WHERE c.id > g.gap; "
+    /* then the byte limit, over what is left: a prefix in id order */
+    "DELETE FROM @c0 WHERE id NOT IN (SELECT z.id FROM (SELECT c.id, " RUN_OVER("c") " "
+    "FROM @c0 c) z WHERE " WITHIN_BYTES("z") "); "
     CLAIMED_TABLE
     "UPDATE {T} WITH (ROWLOCK) SET lease_owner = @owner, lease_token = @token, "
     "lease_until = @until "
@@ -196,7 +228,9 @@ static const char claim_competing_text[] =
     "AND id IN (SELECT id FROM @c0); "
     CLAIMED_SELECT;
 static const sql_tsql_param claim_competing_p[] = { P_NAME("owner"), P_INT("lease_ms"),
-                                                    P_INT("limit"), P_BIGINT("token") };
+                                                    P_INT("limit"), P_BIGINT("token"),
+                                                    P_BIGINT("max_bytes"),
+                                                    P_INT("first_whole") };
 STMT(sql_tsql_claim_competing, claim_competing_text, claim_competing_p);
 
 /* Settle: head + (mark | delete) + tail, for at most SQL_TSQL_MAX_ROWS outcomes (the

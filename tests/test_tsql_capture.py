@@ -780,6 +780,24 @@ def test_producer_and_init_never_output_without_into(cap):
     assert not problems, "\n".join(problems)
 
 
+def test_escalation_rule_reads_through_derived_tables():
+    """The claims filter their TOP (n) candidates by the byte limit in derived tables: the
+    bound still holds and the rule sees it; the same nesting without a TOP is unbounded."""
+    bounded = (
+        "UPDATE [outbox].[messages] WITH (ROWLOCK) SET lease_owner = @owner WHERE sent_at IS "
+        "NULL AND id IN (SELECT z.id FROM (SELECT t.id, SUM(t.sz) OVER (ORDER BY t.id ROWS "
+        "UNBOUNDED PRECEDING) AS run, ROW_NUMBER() OVER (ORDER BY t.id) AS rn FROM (SELECT TOP "
+        "(@limit) m.id, DATALENGTH(m.payload) AS sz FROM [outbox].[messages] m WITH (ROWLOCK, "
+        "READPAST, UPDLOCK) WHERE m.sent_at IS NULL ORDER BY m.id) t) z WHERE z.run <= "
+        "@max_bytes);")
+    assert tc.escalation_problems(bounded, [QT, QD]) == []
+    unbounded = bounded.replace("SELECT TOP (@limit) m.id", "SELECT m.id").replace(
+        " ORDER BY m.id) t)", ") t)")
+    found = tc.escalation_problems(unbounded, [QT, QD])
+    assert found, "the rule passes an UPDATE over an unbounded derived table"
+    print("\n".join(found))
+
+
 # ---------------------------------------------------------------------------- the checker
 BROKEN = {
     "does not parse": ("SELECT id FROM [outbox].[messages] WHERE id = = 1", "parse"),

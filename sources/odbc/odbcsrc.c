@@ -35,6 +35,8 @@ typedef struct odbc_req {
     char   *owner;         /* CLAIM, LEAD, CLEANUP */
     int64_t epoch;         /* LEAD: held; CLAIM, CLEANUP: fence (0 none) */
     bool    competing;     /* CLAIM */
+    size_t  max_bytes;     /* CLAIM: 0 none */
+    bool    first_whole;   /* CLAIM */
     src_outcome *outcomes; /* SETTLE: a copy (reasons owned) */
     size_t  n_outcomes;
     int64_t retention_ms;  /* CLEANUP */
@@ -188,8 +190,9 @@ static odbc_event *execute_once(wstate *w, const odbc_req *r)
         break;
     }
     case SRC_REQ_CLAIM:
-        rc = odbcsrc_db_claim(db, r->max_rows, r->lease_ms, r->token, r->owner, r->epoch,
-                              r->competing, &e->res.rows, &e->res.n_rows);
+        rc = odbcsrc_db_claim(db, r->max_rows, r->max_bytes, r->first_whole, r->lease_ms,
+                              r->token, r->owner, r->epoch, r->competing, &e->res.rows,
+                              &e->res.n_rows);
         break;
     case SRC_REQ_SETTLE:
         rc = odbcsrc_db_settle(db, r->outcomes, r->n_outcomes, &e->res.n_applied);
@@ -249,6 +252,7 @@ static void *worker_main(void *arg)
     source *s = arg;
     wstate w;
     int64_t backoff = BACKOFF_MIN_MS;
+    uint64_t rng = outbox_util_seed(s);
     int reported = -1;          /* last state posted */
     char last[sizeof w.db.err] = "";
 
@@ -282,7 +286,9 @@ static void *worker_main(void *arg)
                 reported = SRC_DOWN;
                 post_state_locked(s, SRC_DOWN, last);
             }
-            int64_t deadline = now_ms() + backoff;
+            /* jittered, as every reconnect of the relay: relays that lost the same
+               server do not all come back at once */
+            int64_t deadline = now_ms() + outbox_util_jitter(backoff, &rng);
             backoff = outbox_util_backoff_next(backoff, BACKOFF_MIN_MS, s->conf.reconnect_max_ms);
             while (!s->stop) {
                 if (s->has_req) {
@@ -517,6 +523,13 @@ static int odbcsrc_lead(source *s, const src_lead_args *a)
     return submit(s, &r);
 }
 
+/* Both dialects' claims stop at the byte limit (sql_pg_claim_bytes, sql_tsql_claim). */
+static bool odbcsrc_claims_bytes(const source *s)
+{
+    (void)s;
+    return true;
+}
+
 static int odbcsrc_claim(source *s, const src_claim_args *a)
 {
     odbc_req r = {0};
@@ -526,6 +539,8 @@ static int odbcsrc_claim(source *s, const src_claim_args *a)
     r.token = a->lease_token;
     r.epoch = a->competing ? 0 : a->epoch;
     r.competing = a->competing;
+    r.max_bytes = a->max_bytes;
+    r.first_whole = a->first_whole;
     r.owner = strdup(a->owner ? a->owner : "");
     if (!r.owner)
         return -1;
@@ -694,6 +709,7 @@ const source_ops odbcsrc_ops = {
     .start      = odbcsrc_start,
     .lead       = odbcsrc_lead,
     .claim      = odbcsrc_claim,
+    .claims_bytes = odbcsrc_claims_bytes,
     .settle     = odbcsrc_settle,
     .cleanup    = odbcsrc_cleanup,
     .stats      = odbcsrc_stats,

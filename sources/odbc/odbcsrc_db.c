@@ -500,9 +500,9 @@ static row_field fld(const outbox_util_buf *b, bool isnull)
     return f;
 }
 
-int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t token,
-                     const char *owner, int64_t epoch, bool competing,
-                     row ***rows_out, size_t *n_out)
+int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool first_whole,
+                     int64_t lease_ms, int64_t token, const char *owner, int64_t epoch,
+                     bool competing, row ***rows_out, size_t *n_out)
 {
     enum { NTXT = 8 };
     outbox_util_buf txt[NTXT], pay = {0};
@@ -518,17 +518,22 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t 
     *rows_out = NULL;
     *n_out = 0;
     const char *me = owner ? owner : "";
+    /* the byte limit (0: none); beyond bigint it is no limit either */
+    const int64_t bytes = max_bytes > (size_t)INT64_MAX ? 0 : (int64_t)max_bytes;
     if (is_tsql(db)) {
         const sql_tsql_stmt *st = competing ? &sql_tsql_claim_competing : &sql_tsql_claim;
         const int64_t limit = (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows);
+        /* competing: no leadership fence, hence no epoch (last) */
         const ost_val v[] = { TV_I("limit", limit), TV_S("owner", me), TV_I("token", token),
-                              TV_I("lease_ms", lease_ms), TV_I("epoch", epoch) };
-        /* competing: no leadership fence, hence no epoch */
-        sql = ost_tsql(db, st, v, competing ? 4 : 5, &ps);
+                              TV_I("lease_ms", lease_ms), TV_I("max_bytes", bytes),
+                              TV_I("first_whole", first_whole ? 1 : 0), TV_I("epoch", epoch) };
+        const size_t nv = sizeof v / sizeof v[0];
+        sql = ost_tsql(db, st, v, competing ? nv - 1 : nv, &ps);
     } else {
-        const pgv v[5] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
-                           PV_I(competing ? 0 : epoch) };
-        sql = ost_pg_stmt(db, sql_pg_claim(&db->conf->pgn, competing), v, 5, &ps);
+        const pgv v[7] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
+                           PV_I(competing ? 0 : epoch), PV_I(bytes),
+                           PV_S(first_whole ? "true" : "false") };
+        sql = ost_pg_stmt(db, sql_pg_claim_bytes(&db->conf->pgn, competing), v, 7, &ps);
     }
     if (!sql)
         goto done;

@@ -83,10 +83,12 @@ int  odbcsrc_db_end(odbcsrc_db *db, bool commit);
 int  odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t lease_ms,
                      int64_t *got, int64_t *held, int64_t *reset, char *holder, size_t hlen);
 /* rows: malloc'd array of rows (ownership to the caller), sorted by id.
- * epoch > 0: fenced on the leadership lease; competing: from each key's head. */
-int  odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, int64_t lease_ms, int64_t token,
-                      const char *owner, int64_t epoch, bool competing,
-                      row ***rows, size_t *n_rows);
+ * epoch > 0: fenced on the leadership lease; competing: from each key's head.
+ * max_bytes > 0: the prefix in id order whose payload + headers bytes stay within it,
+ * and the first row whatever its size when first_whole (src_claim_args). */
+int  odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool first_whole,
+                      int64_t lease_ms, int64_t token, const char *owner, int64_t epoch,
+                      bool competing, row ***rows, size_t *n_rows);
 /* Settles the outcomes v[0..n) in one statement; *applied the rows it changed. */
 int  odbcsrc_db_settle(odbcsrc_db *db, const src_outcome *v, size_t n, size_t *applied);
 int  odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, const char *owner,

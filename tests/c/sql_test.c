@@ -82,6 +82,8 @@ static void t_statements(void **state)
     check_stmt(sql_pg_lead(&n), 3);
     check_stmt(sql_pg_claim(&n, false), 5);
     check_stmt(sql_pg_claim(&n, true), 5);
+    check_stmt(sql_pg_claim_bytes(&n, false), 7);
+    check_stmt(sql_pg_claim_bytes(&n, true), 7);
     for (int on_sent = 0; on_sent < 2; on_sent++) {
         check_stmt(sql_pg_settle_sent(&n, on_sent), 2);
         check_stmt(sql_pg_settle(&n, on_sent), 5);
@@ -197,10 +199,10 @@ static void t_tsql_parameter_tables(void **state)
         if (tsql_check(*st, why, sizeof why) < 0)
             fail_msg("%s", why);
     assert_true(n >= 15);
-    assert_int_equal(sql_tsql_claim.n_params, 5);
+    assert_int_equal(sql_tsql_claim.n_params, 7);
     /* the check is not vacuous: epoch and token swapped in the claim's table, a
        table one entry short, a size that differs from the declaration */
-    sql_tsql_param swapped[5];
+    sql_tsql_param swapped[7];
     memcpy(swapped, sql_tsql_claim.params, sizeof swapped);
     sql_tsql_param x = swapped[1];
     swapped[1] = swapped[3];
@@ -211,12 +213,12 @@ static void t_tsql_parameter_tables(void **state)
     assert_int_equal(tsql_check(&bad, why, sizeof why), -1);
     assert_non_null(strstr(why, "marker 2"));
     bad = sql_tsql_claim;
-    bad.n_params = 4;
+    bad.n_params = 6;
     assert_int_equal(tsql_check(&bad, why, sizeof why), -1);
     memcpy(swapped, sql_tsql_claim.params, sizeof swapped);
     swapped[2].size = 0;   /* owner as nvarchar(max): declared nvarchar(255) */
     bad.params = swapped;
-    bad.n_params = 5;
+    bad.n_params = 7;
     assert_int_equal(tsql_check(&bad, why, sizeof why), -1);
 }
 
