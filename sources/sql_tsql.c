@@ -20,8 +20,7 @@
  *   - a statement fenced by the leadership epoch reads the leader row WITH (UPDLOCK,
  *     HOLDLOCK) and so holds it to its commit: a takeover (whose lead reads the row
  *     the same way) waits for a claim in flight instead of resetting the leases
- *     around it; the commit is inside the statement's own batch (COMMIT_IN_BATCH), so a
- *     frozen relay never holds the row past its statement;
+ *     around it;
  *   - statistics, the lease reset of a takeover and retention read WITH (READPAST,
  *     READCOMMITTEDLOCK): rows a producer has not committed carry no lease and are
  *     never sent, so skipping them is exact (or, for statistics, good enough);
@@ -62,16 +61,7 @@
     "inserted.partition_key, inserted.message_type, inserted.content_type, " \
     "inserted.correlation_id, inserted.headers, inserted.payload, inserted.attempts, " \
     "inserted.created_at INTO @c "
-/* A statement that holds the leader row (UPDLOCK, HOLDLOCK) commits inside its own batch,
-   before its result goes back: no lock outlives the batch while the client reads the result
-   and commits. A relay frozen (SIGSTOP, a paused container) between a claim and its commit
-   would otherwise keep the leader row, and the lead of the relay taking over would wait for
-   it as long as the freeze lasts. The session runs with autocommit off, so the batch then
-   opens an empty transaction (no lock of any table) for the client's commit to end. */
-#define COMMIT_IN_BATCH "IF @@TRANCOUNT > 0 COMMIT TRANSACTION; BEGIN TRANSACTION; "
-
 #define CLAIMED_SELECT \
-    COMMIT_IN_BATCH \
     "SELECT id, LOWER(CONVERT(nvarchar(36), message_id)), exchange, routing_key, " \
     "partition_key, message_type, content_type, correlation_id, headers, payload, attempts, " \
     "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), created_at), " \
@@ -139,7 +129,6 @@ static const char lead_text[] =
     "SET @reset = @reset + @k; "
     "END "
     "END "
-    COMMIT_IN_BATCH
     "SELECT @got, COALESCE(@cur_owner, N''), COALESCE(@cur_epoch, 0), @reset";
 static const sql_tsql_param lead_p[] = { P_NAME("owner"), P_INT("lease"), P_BIGINT("mine") };
 STMT(sql_tsql_lead, lead_text, lead_p);
@@ -310,7 +299,6 @@ static const char cleanup_text[] =
     "DATEADD(millisecond, -@keep_ms, DATEADD(second, -@keep_s, SYSUTCDATETIME())); "
     "SET @deleted = @@ROWCOUNT; "
     "END "
-    COMMIT_IN_BATCH
     "SELECT @deleted";
 static const sql_tsql_param cleanup_p[] = { P_INT("limit"), P_INT("keep_ms"), P_INT("keep_s"),
                                             P_BIGINT("epoch"), P_NAME("owner") };

@@ -717,14 +717,6 @@ OLD = {
         "[outbox].[messages_lease] f WHERE f.name = N'leader' AND f.owner = @P3 AND f.epoch = "
         "@P4 AND f.expires_at > SYSUTCDATETIME())) ORDER BY m.id) UPDATE c SET lease_owner = "
         "@P5", "fence"),
-    # (the held fence as first written this session: held, but past the batch)
-    "leader fence held past the batch": (
-        "IF @epoch = 0 OR EXISTS (SELECT 1 FROM [outbox].[messages_lease] f WITH (UPDLOCK, "
-        "HOLDLOCK, ROWLOCK) WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
-        "AND f.expires_at > SYSUTCDATETIME()) UPDATE [outbox].[messages] WITH (ROWLOCK) SET "
-        "lease_owner = @owner OUTPUT inserted.id INTO @c (id) WHERE id IN (SELECT TOP (@limit) "
-        "m.id FROM [outbox].[messages] m WITH (ROWLOCK, READPAST, UPDLOCK) ORDER BY m.id); "
-        "SELECT id FROM @c ORDER BY id", "fence"),
     "OUTPUT without INTO": (
         "UPDATE c SET lease_owner = @P5, lease_token = @P6 OUTPUT inserted.id, "
         "LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange", "output"),
@@ -749,7 +741,6 @@ def test_relay_rules_fail_on_the_old_statements(case):
              "escalation": lambda: tc.escalation_problems(sql, [QT, QD])}[rule]()
     assert found, f"the {rule} rule passes the old statement"
     print("\n".join(found))
-
 
 def test_producer_batches_open_their_transaction_with_a_real_read(cap):
     """liboutbox's batch over the parameter limit sets a savepoint, which needs an open

@@ -533,10 +533,6 @@ def fence_problems(sql, ql):
         if not hs & {"HOLDLOCK", "REPEATABLEREAD", "SERIALIZABLE"}:
             out.append("the leader fence is read and released at once (no HOLDLOCK or "
                        "REPEATABLEREAD): a takeover does not wait for this statement")
-        elif not re.search(r"IF @@TRANCOUNT > 0 COMMIT", n[m.end():]):
-            out.append("the leader row is held past the batch (no COMMIT inside it): a relay "
-                       "frozen before its commit blocks every takeover for as long as it is "
-                       "frozen")
     return out
 
 
