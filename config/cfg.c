@@ -13,6 +13,7 @@
  */
 #include "config/cfg.h"
 #include "outbox_schema.h"
+#include "outbox_util.h"
 
 #include <ctype.h>
 #include <errno.h>
@@ -1499,12 +1500,6 @@ size_t cfg_max_rows_in_memory(const cfg *c)
 /* comparison (reload)                                                 */
 /* ------------------------------------------------------------------ */
 
-static bool str_eq(const char *a, const char *b)
-{
-    if (a == NULL || b == NULL)
-        return a == b;
-    return strcmp(a, b) == 0;
-}
 
 /* The settings of one backend be (both sections have it). */
 static bool backend_conf_equal(const cfg_backend *be, const void *a, const void *b)
@@ -1518,8 +1513,8 @@ bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b)
 {
     if (a == NULL || b == NULL)
         return a == b;
-    return str_eq(a->name, b->name) && a->type == b->type && str_eq(a->url, b->url) &&
-           str_eq(a->password, b->password) && a->publish_window == b->publish_window &&
+    return outbox_util_str_eq(a->name, b->name) && a->type == b->type && outbox_util_str_eq(a->url, b->url) &&
+           outbox_util_str_eq(a->password, b->password) && a->publish_window == b->publish_window &&
            a->confirm_timeout_ms == b->confirm_timeout_ms &&
            a->connect_timeout_ms == b->connect_timeout_ms &&
            a->reconnect_max_ms == b->reconnect_max_ms &&
@@ -1531,12 +1526,12 @@ bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b)
 {
     if (a == NULL || b == NULL)
         return a == b;
-    return str_eq(a->name, b->name) && a->source == b->source &&
-           str_eq(a->conninfo, b->conninfo) && str_eq(a->password, b->password) &&
-           str_eq(a->database, b->database) && str_eq(a->table, b->table) &&
+    return outbox_util_str_eq(a->name, b->name) && a->source == b->source &&
+           outbox_util_str_eq(a->conninfo, b->conninfo) && outbox_util_str_eq(a->password, b->password) &&
+           outbox_util_str_eq(a->database, b->database) && outbox_util_str_eq(a->table, b->table) &&
            strcmp(a->schema_part, b->schema_part) == 0 &&
            strcmp(a->table_part, b->table_part) == 0 &&
-           strcmp(a->dead_part, b->dead_part) == 0 && str_eq(a->sink_name, b->sink_name) &&
+           strcmp(a->dead_part, b->dead_part) == 0 && outbox_util_str_eq(a->sink_name, b->sink_name) &&
            cfg_sink_equal(a->sink, b->sink) && a->batch_size == b->batch_size &&
            a->poll_interval_ms == b->poll_interval_ms && a->lease_ms == b->lease_ms &&
            a->max_attempts == b->max_attempts && a->retry_backoff_ms == b->retry_backoff_ms &&

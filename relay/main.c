@@ -17,6 +17,7 @@
 #include "config/cfg.h"
 #include "outbox.h"
 #include "outbox_schema.h"
+#include "outbox_util.h"
 #include "relay/drainset.h"
 #include "relay/http.h"
 #include "relay/log.h"
@@ -90,11 +91,6 @@ static double wall_now(void)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-static bool same_str(const char *a, const char *b)
-{
-    return (a == NULL || b == NULL) ? a == b : strcmp(a, b) == 0;
-}
-
 static void on_all_stopped(void *ud)
 {
     relay_state *st = ud;
@@ -157,7 +153,7 @@ static int log_file_writable(const char *path, char *err, size_t errlen)
 static int keep_restart_only(const cfg *old, cfg *nc)
 {
     const char *path = nc->path;
-    if (!same_str(old->relay.name, nc->relay.name)) {
+    if (!outbox_util_str_eq(old->relay.name, nc->relay.name)) {
         char *keep = strdup(old->relay.name);
         if (keep == NULL)
             return -1;
@@ -167,7 +163,7 @@ static int keep_restart_only(const cfg *old, cfg *nc)
         free(nc->relay.name);
         nc->relay.name = keep;
     }
-    if (!same_str(old->relay.http_listen, nc->relay.http_listen)) {
+    if (!outbox_util_str_eq(old->relay.http_listen, nc->relay.http_listen)) {
         char *keep = NULL;
         if (old->relay.http_listen != NULL && (keep = strdup(old->relay.http_listen)) == NULL)
             return -1;
@@ -211,7 +207,7 @@ static void reload(relay_state *st)
         goto refused;
     }
     cfg_errors_clear(&errs);
-    if (nc->relay.log_file != NULL && !same_str(nc->relay.log_file, old->relay.log_file) &&
+    if (nc->relay.log_file != NULL && !outbox_util_str_eq(nc->relay.log_file, old->relay.log_file) &&
         log_file_writable(nc->relay.log_file, err, sizeof err) != 0) {
         log_ev(LOG_ERROR, &(log_fields){ .event = "config_reload_failed" },
                "SIGHUP: %s: [relay] log_file: cannot open \"%s\": %s; keeping the "
@@ -231,7 +227,7 @@ static void reload(relay_state *st)
              ? cfg_log_level_name(nc->relay.log_level) : "");
     bool log_changed = old->relay.log_level != nc->relay.log_level ||
                        old->relay.log_format != nc->relay.log_format ||
-                       !same_str(old->relay.log_file, nc->relay.log_file);
+                       !outbox_util_str_eq(old->relay.log_file, nc->relay.log_file);
     int level = nc->relay.log_level, format = nc->relay.log_format;
     dset_diff df;
     int applied = dset_apply(st->set, nc, &df, err, sizeof err);   /* takes nc */
