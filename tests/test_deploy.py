@@ -260,7 +260,10 @@ def shell_scripts():
     """Every shell script in the repository: *.sh, and files whose #! names sh/bash/dash."""
     out = []
     for dirpath, dirnames, filenames in os.walk(ROOT):
-        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("build"))
+        # build*: build dirs; .services*: the harness's servers (.services-san for the
+        # instrumented run), which hold Babelfish's own scripts
+        dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and
+                             not d.startswith(("build", ".services")))
         for f in sorted(filenames):
             p = pathlib.Path(dirpath) / f
             if p.suffix == ".sh":
