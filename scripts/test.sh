@@ -25,7 +25,7 @@ if [[ -f tests/lsan.supp ]]; then   # optional: leaks inside third-party librari
 fi
 exec </dev/null
 
-STEP_TIMEOUT=${OUTBOX_CI_STEP_TIMEOUT:-1800}  # per step; a hung test must not hang CI
+STEP_TIMEOUT=${OUTBOX_CI_STEP_TIMEOUT:-3600}  # per step; a hung test must not hang CI (CI allows 90 min)
 LOGDIR=$(mktemp -d /tmp/outbox-ci.XXXXXX)
 START=$SECONDS
 say() { printf '\n=== test.sh: %s (%ds)\n' "$*" $((SECONDS - START)); }
