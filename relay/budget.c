@@ -80,25 +80,39 @@ void rbudget_leave(rbudget *b, rb_member *m)
         wake_waiting(b);
 }
 
+/* m's equal part of limit among the outboxes that hold something (m asking counts); at
+   least 1: with more drains than units, one each, and the sum may pass the limit */
+static size_t share_of(const rbudget *b, const rb_member *m, size_t limit)
+{
+    if (limit == 0)
+        return SIZE_MAX;
+    size_t busy = b->n_busy + (is_busy(m) ? 0 : 1);
+    size_t share = limit / busy;
+    return share > 0 ? share : 1;
+}
+
+/* what m may still take: what its share leaves, within what the limit leaves */
+static size_t avail_of(size_t limit, size_t used, size_t held, size_t share)
+{
+    if (limit == 0)
+        return SIZE_MAX;
+    size_t mine = share > held ? share - held : 0;
+    size_t left = limit > used ? limit - used : 0;
+    return mine < left ? mine : left;
+}
+
 size_t rbudget_share(const rbudget *b, const rb_member *m)
 {
-    if (b->limit == 0)
-        return SIZE_MAX;
-    size_t busy = b->n_busy + (is_busy(m) ? 0 : 1);   /* m asking counts */
-    size_t share = b->limit / busy;
-    return share > 0 ? share : 1;   /* more drains than rows: one each, the sum may pass */
+    return share_of(b, m, b->limit);
 }
 
 size_t rbudget_avail(const rbudget *b, const rb_member *m)
 {
-    if (b->limit == 0)
-        return SIZE_MAX;
     size_t share = rbudget_share(b, m);
-    size_t mine = share > m->held ? share - m->held : 0;
-    size_t left = b->limit > b->used ? b->limit - b->used : 0;
-    if (left == 0 && m->held == 0 && share == 1)
-        left = 1;        /* the one-row floor of a share */
-    return mine < left ? mine : left;
+    size_t avail = avail_of(b->limit, b->used, m->held, share);
+    if (avail == 0 && b->limit != 0 && b->used >= b->limit && m->held == 0 && share == 1)
+        return 1;        /* the one-row floor of a share */
+    return avail;
 }
 
 void rbudget_wait(rbudget *b, rb_member *m)
@@ -123,21 +137,12 @@ void rbudget_hold(rbudget *b, rb_member *m, size_t n, size_t bytes)
 
 size_t rbudget_share_bytes(const rbudget *b, const rb_member *m)
 {
-    if (b->limit_bytes == 0)
-        return SIZE_MAX;
-    size_t busy = b->n_busy + (is_busy(m) ? 0 : 1);   /* m asking counts */
-    size_t share = b->limit_bytes / busy;
-    return share > 0 ? share : 1;
+    return share_of(b, m, b->limit_bytes);
 }
 
 size_t rbudget_avail_bytes(const rbudget *b, const rb_member *m)
 {
-    if (b->limit_bytes == 0)
-        return SIZE_MAX;
-    size_t share = rbudget_share_bytes(b, m);
-    size_t mine = share > m->held_bytes ? share - m->held_bytes : 0;
-    size_t left = b->limit_bytes > b->used_bytes ? b->limit_bytes - b->used_bytes : 0;
-    return mine < left ? mine : left;
+    return avail_of(b->limit_bytes, b->used_bytes, m->held_bytes, rbudget_share_bytes(b, m));
 }
 
 size_t rbudget_claim_bytes(rbudget *b, rb_member *m, size_t held, bool *first_whole)
