@@ -701,9 +701,12 @@ static void src_on_done(void *ud, const src_result *res)
     sconn *c = ud;
     drain *d = c->d;
     c->busy = false;
-    if (res->ok != 0)
+    /* a table-health read that fails (a table without statistics yet, a role that may not
+       read them) leaves the metrics as they were: it must not hold back the claims that
+       share its connection */
+    if (res->ok != 0 && res->req != SRC_REQ_HEALTH)
         hold_after_failure(c);
-    else
+    else if (res->ok == 0)
         c->fail_delay_ms = 0;
     switch (res->req) {
     case SRC_REQ_LEAD:
