@@ -294,6 +294,9 @@ def test_broker_restart_mid_drain(services, pgdb, relay_bin, build, tmp_path):
         assert p.returncode == 0, p.stdout + p.stderr
         outage = time.monotonic() - t_stop
         took = c.wait_all_sent(n)
+        # Under a sanitizer the relay may have drained everything before stop_app took
+        # effect; it must still reconnect once the broker is back.
+        wait_log_at(r, r"sink=main: connected", INFO, timeout=30, count=2)
         text = r.text()
         lost = r.metric("outbox_relay_retried_unconfirmed_total")
     finally:
