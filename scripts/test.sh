@@ -114,10 +114,10 @@ if [[ $MODE == all && $PARALLEL == 1 ]]; then
         echo "0 passed, 1 failed, 0 skipped"
         exit 1
     fi
-    (timeout -k 15 "$STEP_TIMEOUT" make test >"$LOGDIR/plain.log" 2>&1; echo $? >"$LOGDIR/plain.rc") &
+    (timeout -k 15 "$STEP_TIMEOUT" make test PYTEST_ARGS="--durations=30" >"$LOGDIR/plain.log" 2>&1; echo $? >"$LOGDIR/plain.rc") &
     p1=$!
     (export OUTBOX_SERVICES_DIR=$SAN_SVC
-     timeout -k 15 "$STEP_TIMEOUT" make SANITIZER=address+undefined test >"$LOGDIR/asan+ubsan.log" 2>&1
+     timeout -k 15 "$STEP_TIMEOUT" make SANITIZER=address+undefined test PYTEST_ARGS="--durations=30" >"$LOGDIR/asan+ubsan.log" 2>&1
      echo $? >"$LOGDIR/asan+ubsan.rc") &
     p2=$!
     wait "$p1" "$p2"
