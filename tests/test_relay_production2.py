@@ -8,13 +8,16 @@ the cause goes away.
 
 Each test uses its own database, queue, vhost or user and relay name."""
 import secrets
+import signal
 import time
 
 import pika
 import psycopg
+import pytest
 
 from conftest import wait_for
-from relay_util import check_against_db, consume, order_report, proc_cpu_seconds
+from relay_util import (check_against_db, consume, delivery_report, order_report,
+                        proc_cpu_seconds, wait_log_at)
 from test_relay_faults import Case, relayed, wait_relayed
 from test_relay_production import SPIN, dead_rows, sent_count, warn_lines
 
@@ -128,3 +131,77 @@ def test_broker_vhost_deleted_mid_run(services, pgdb, relay_bin, build, tmp_path
         "no WARN/ERROR names the missing vhost: " + str(warn_lines(text, "sink=main")[:5]))
     # one lost connection: at most the unconfirmed messages are published again
     assert dups <= c.window, f"{dups} duplicates > window {c.window} (one lost connection)"
+
+
+@pytest.mark.parametrize("target", ["broker", "database"])
+def test_reload_to_an_unreachable_server(services, pgdb, relay_bin, build, tmp_path, target):
+    """A valid reload (SIGHUP) mid-drain whose new sink `url` (or outbox `conninfo`) names a
+    port nothing listens on. What README promises for a changed outbox: the old drain stops
+    gracefully (its in-flight confirms settled and marked, its buffered rows given back), the
+    new one starts and reports the unreachable server as the usual connection error at WARN.
+    While it cannot connect nothing is marked or dead-lettered and the relay does not spin;
+    once the address answers (a forwarder to the real server starts on that port) the new
+    drain connects by itself and finishes: nothing lost, order per key, and no duplicate (a
+    graceful stop leaves nothing unconfirmed behind)."""
+    from relay_util import BlackholeProxy, free_port, write_config
+    n, keys, window = 20000, 100, 200
+    c = Case(services, pgdb, relay_bin, build, tmp_path, f"hup-{target[:2]}", reconnect_max="1s",
+             sink={"publish_window": str(window)})
+    c.produce(n, keys, size=256, batch=1000)
+    port = free_port()
+    relay_keys = {"name": c.name, "http_listen": f"127.0.0.1:{c.port}"}
+    if target == "broker":
+        url = f"amqp://guest:guest@127.0.0.1:{port}/%2f"
+        assert pika.URLParameters(services.amqp_url).credentials.username == "guest"
+        new = dict(relay=relay_keys, sink={"publish_window": str(window), "url": url},
+                   reconnect_max="1s")
+        real_port, peer = services.amqp_port, f"127.0.0.1:{port}"
+    else:
+        assert f"port={services.pg_port} " in pgdb.dsn, pgdb.dsn
+        conninfo = pgdb.dsn.replace(f"port={services.pg_port} ", f"port={port} ")
+        new = dict(relay=relay_keys, sink={"publish_window": str(window)},
+                   reconnect_max="1s", conninfo=conninfo)
+        real_port, peer = services.pg_port, f"port {port}"
+    r = c.start()
+    proxy = None
+    try:
+        r.wait_log("became the active relay")
+        wait_relayed(r, 3000)
+        write_config(c.cfg, services, pgdb, **new)
+        r.proc.send_signal(signal.SIGHUP)
+        wait_log_at(r, r"^SIGHUP: .*: configuration reloaded: .*1 restarted \(main\)",
+                    ("INFO",), timeout=30)
+        wait_for(lambda: [m for m in warn_lines(r.text(), "outbox=main") if str(port) in m],
+                 30, interval=0.1, desc=f"a WARN/ERROR naming the unreachable {target}")
+        time.sleep(1.0)
+        at = relayed(r)
+        sent0 = sent_count(pgdb)
+        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
+        time.sleep(6.0)
+        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
+        span = time.monotonic() - t0
+        sent1 = sent_count(pgdb)
+        dead_during = dead_rows(pgdb)
+        proxy = BlackholeProxy(real_port, port=port)
+        t_back = time.monotonic()
+        c.wait_all_sent(n, timeout=90)
+        recovered = time.monotonic() - t_back
+        text = r.text()
+        dead_total = r.metric("outbox_relay_dead_total")
+    finally:
+        r.stop_clean()
+        if proxy is not None:
+            proxy.close()
+    got = c.collect()
+    dups, _ = delivery_report(got, n, keys)
+    causes = [m for m in warn_lines(text, "outbox=main") if str(port) in m]
+    print(f"reload to an unreachable {target} ({peer}) at {sent0} marked: {sent1 - sent0} "
+          f"marks and {dead_during} dead rows during {span:.1f} s; relay CPU {cpu:.2f} s over "
+          f"it; all {n} sent {recovered:.1f} s after the port answered; {dups} duplicates; "
+          f"logged: {causes[:2]}")
+    assert sent0 < n, "the reload should land mid-drain"
+    assert sent1 == sent0, f"rows were marked sent while the {target} was unreachable"
+    assert dead_during == 0 and dead_total == 0, f"rows dead-lettered for an unreachable {target}"
+    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert causes, f"no WARN/ERROR names the unreachable {target}"
+    assert dups == 0, f"{dups} duplicates after a graceful restart of the drain"
