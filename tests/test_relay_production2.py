@@ -9,6 +9,7 @@ the cause goes away.
 Each test uses its own database, queue, vhost or user and relay name."""
 import secrets
 import signal
+import subprocess
 import time
 
 import pika
@@ -16,7 +17,7 @@ import psycopg
 import pytest
 
 from conftest import wait_for
-from relay_util import (check_against_db, consume, delivery_report, order_report,
+from relay_util import (check_against_db, consume, delivery_report, log_events, order_report,
                         proc_cpu_seconds, wait_log_at)
 from test_relay_faults import Case, relayed, wait_relayed
 from test_relay_production import SPIN, dead_rows, sent_count, warn_lines
@@ -205,3 +206,92 @@ def test_reload_to_an_unreachable_server(services, pgdb, relay_bin, build, tmp_p
     assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
     assert causes, f"no WARN/ERROR names the unreachable {target}"
     assert dups == 0, f"{dups} duplicates after a graceful restart of the drain"
+
+
+def _mount_ro_tmpfs(path):
+    """An empty read-only tmpfs over `path` (a directory): nothing can be created in it."""
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, f"mount a read-only tmpfs (needs root): {p.stderr}"
+
+
+def test_log_file_reopen_failing_keeps_relaying(services, pgdb, relay_bin, build, tmp_path):
+    """log_file's directory goes away (renamed, as a careless rotation or cleanup would), and
+    later becomes a read-only filesystem; each time SIGHUP asks to reopen the log. The relay
+    keeps running and relaying (rows written after each failed reopen arrive), says on
+    stderr (where the service manager looks when the log file is gone) which file it cannot
+    reopen and why, at ERROR, and keeps writing to the old file; once the directory is
+    writable again the next SIGHUP reopens it, and nothing more goes to stderr."""
+    from relay_util import free_port, write_config
+    keys, step = 10, 1000
+    logdir = tmp_path / "logs"
+    logdir.mkdir()
+    logf = logdir / "relay.log"
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "logreopen",
+             relay={"log_file": str(logf)})
+    r = c.start()
+    moved = tmp_path / "logs.moved"
+    mounted = False
+    sent = 0
+    try:
+        wait_for(lambda: "became the active relay" in logf.read_text(), 30,
+                 desc="startup lines in log_file", ignore=(FileNotFoundError,))
+        c.produce(step, keys, start=sent)
+        sent += step
+        c.wait_all_sent(sent)
+
+        # 1: the directory is gone
+        logdir.rename(moved)
+        r.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "configuration reloaded" in (moved / "relay.log").read_text(), 30,
+                 desc="the reload after the failed reopen, in the old file")
+        gone = [m for lvl, m in log_events(r.text()) if lvl == "ERROR"]
+        c.produce(step, keys, start=sent)
+        sent += step
+        c.wait_all_sent(sent)
+        assert r.proc.poll() is None, "the relay exited after a failed log reopen"
+
+        # 2: the directory is back, on a read-only filesystem
+        logdir.mkdir()
+        _mount_ro_tmpfs(logdir)
+        mounted = True
+        before = len(r.text())
+        r.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: len(r.text()) > before, 30, desc="a line on stderr")
+        time.sleep(0.5)
+        ro = [m for lvl, m in log_events(r.text()[before:]) if lvl == "ERROR"]
+        c.produce(step, keys, start=sent)
+        sent += step
+        c.wait_all_sent(sent)
+        assert r.proc.poll() is None, "the relay exited after a failed log reopen"
+
+        # 3: writable again: the next SIGHUP reopens the file
+        p = subprocess.run(["umount", str(logdir)], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        mounted = False
+        before = len(r.text())
+        r.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "SIGHUP: log reopened" in logf.read_text(), 30,
+                 desc="the log reopened in the writable directory", ignore=(FileNotFoundError,))
+        c.produce(step, keys, start=sent)
+        sent += step
+        c.wait_all_sent(sent)
+        after = r.text()[before:]
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(logdir)], capture_output=True, timeout=30)
+        r.stop_clean()
+    got = c.collect()
+    dups, _ = delivery_report(got, sent, keys)
+    old = (moved / "relay.log").read_text()
+    print(f"log_file reopen failing: {sent} rows relayed across 3 SIGHUPs, {dups} duplicates; "
+          f"stderr when the directory was gone: {gone[:1]}; on a read-only filesystem: "
+          f"{ro[:1]}")
+    assert any(str(logf) in m and "No such file" in m for m in gone), (
+        f"no ERROR on stderr names {logf} and the missing directory: {r.text()[-2000:]}")
+    assert any(str(logf) in m and "Read-only" in m for m in ro), (
+        f"no ERROR on stderr names {logf} and the read-only filesystem: {r.text()[-2000:]}")
+    assert "cannot reopen" in old, "the old file should say it too"
+    assert after.strip() == "", f"stderr after a successful reopen: {after}"
+    assert "outbox-relay stopped" in logf.read_text()
+    assert dups == 0, f"{dups} duplicates without a broker or database fault"
