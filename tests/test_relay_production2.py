@@ -295,3 +295,103 @@ def test_log_file_reopen_failing_keeps_relaying(services, pgdb, relay_bin, build
     assert after.strip() == "", f"stderr after a successful reopen: {after}"
     assert "outbox-relay stopped" in logf.read_text()
     assert dups == 0, f"{dups} duplicates without a broker or database fault"
+
+
+def test_database_disk_full_during_marks(services, pgdb, relay_bin, build, tmp_path):
+    """The outbox table and its indexes live in a tablespace on a small tmpfs (a disk of
+    their own; the WAL and the dead-letter table stay on the server's disk). Mid-drain the
+    disk is filled up (a file written until ENOSPC): every mark (a non-HOT UPDATE needing new
+    pages) fails with SQLSTATE 53100, disk full. Nothing may be marked or dead-lettered
+    meanwhile (the messages are fine: the database is not), the relay must not spin and must
+    say why; the file removed, the relay finishes by itself: nothing lost, order per key,
+    duplicates within the window (confirmed rows whose mark failed are published again)."""
+    import os
+    import uuid
+    n, keys, window = 20000, 100, 200
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "diskfull", reconnect_max="1s",
+             sink={"publish_window": str(window)})
+    admin = services.pg_connect()
+    data_dir = admin.execute("SHOW data_directory").fetchone()[0]
+    st = os.stat(data_dir)
+    tag = uuid.uuid4().hex[:8]
+    disk = f"/tmp/outbox-ts-{tag}"   # not under tmp_path: the server's user must reach it
+    ts = f"ts_{tag}"
+    os.mkdir(disk, 0o755)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o",
+                        f"size=96m,uid={st.st_uid},gid={st.st_gid},mode=0700", "tmpfs", disk],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, f"mount a tmpfs (needs root): {p.stderr}"
+    filler = os.path.join(disk, "filler")
+    db = services.pg_connect(pgdb.name)
+    full = False
+    r = None
+    try:
+        admin.execute(f"CREATE TABLESPACE {ts} LOCATION '{disk}'")
+        db.execute(f"ALTER TABLE outbox.messages SET TABLESPACE {ts}")
+        idx = [i for (i,) in db.execute(
+            "SELECT indexrelid::regclass::text FROM pg_index "
+            "WHERE indrelid = 'outbox.messages'::regclass")]
+        for i in idx:
+            db.execute(f"ALTER INDEX {i} SET TABLESPACE {ts}")
+        c.produce(n, keys, size=256, batch=1000)
+        r = c.start()
+        r.wait_log("became the active relay")
+        wait_relayed(r, 3000)
+        with open(filler, "wb") as f:   # root writes past the server's files until ENOSPC
+            full = True
+            chunk = b"\0" * 65536
+            try:
+                while True:
+                    f.write(chunk)
+                    f.flush()
+            except OSError:
+                pass
+        wait_for(lambda: [m for m in warn_lines(r.text(), "outbox=main")
+                          if "No space left" in m or "53100" in m], 30, interval=0.1,
+                 desc="a WARN/ERROR naming the full disk")
+        time.sleep(1.0)
+        at = relayed(r)
+        sent0 = sent_count(pgdb)
+        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
+        time.sleep(6.0)
+        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
+        span = time.monotonic() - t0
+        sent1 = sent_count(pgdb)
+        dead_during = dead_rows(pgdb)
+        unmarked = r.metric("outbox_relay_confirmed_unmarked")   # their marks are failing
+        os.unlink(filler)
+        full = False
+        t_back = time.monotonic()
+        c.wait_all_sent(n, timeout=90)
+        recovered = time.monotonic() - t_back
+        text = r.text()
+        dead_total = r.metric("outbox_relay_dead_total")
+    finally:
+        if r is not None:
+            r.stop_clean()
+        if full:
+            os.unlink(filler)
+        try:
+            got = c.collect()
+            db.execute(f"ALTER TABLE outbox.messages SET TABLESPACE pg_default")
+            db.execute(f"ALTER INDEX ALL IN TABLESPACE {ts} SET TABLESPACE pg_default")
+            db.close()
+            admin.execute(f"DROP TABLESPACE {ts}")
+            admin.close()
+        finally:
+            subprocess.run(["umount", disk], capture_output=True, timeout=30)
+            os.rmdir(disk)
+    dups, _ = delivery_report(got, n, keys)
+    causes = [m for m in warn_lines(text, "outbox=main") if "No space left" in m or "53100" in m]
+    print(f"database disk full at {at:.0f} relayed ({sent0} marked): {sent1 - sent0} marks and "
+          f"{dead_during} dead rows during {span:.1f} s, {unmarked:.0f} confirmed rows waiting "
+          f"for their mark; relay CPU {cpu:.2f} s over it; all {n} "
+          f"sent {recovered:.1f} s after space came back; {dups} duplicates; logged: "
+          f"{causes[:2]}")
+    assert sent0 < n, "the disk should fill mid-drain"
+    assert sent1 == sent0, "rows were marked sent while the disk was full"
+    assert dead_during == 0 and dead_total == 0, "rows dead-lettered for a full database disk"
+    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert causes, "no WARN/ERROR names the full disk"
+    assert unmarked > 0, "no confirmed row was waiting for its mark: the marks were not tried"
+    assert dups <= window, f"{dups} duplicates > window {window}"
