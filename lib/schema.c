@@ -585,33 +585,44 @@ static void ms_index(list *l, size_t i, const names *n)
     add(l, &b);
 }
 
-/* A table made before the pending index carried its INCLUDE columns has the narrow
- * index <table>_pending_idx (id) WHERE sent_at IS NULL; once the covering index
- * exists, the narrow one is dropped (the order keeps the claims on an index
- * throughout). Both are recognized by their shape in sys.index_columns, not by name:
- * the narrow one is the outbox's only index whose one key column is id, that is not
- * the primary key and includes nothing; the covering one has key id and includes
- * created_at. Babelfish shows both shapes as SQL Server does (not the names), so the
- * same statement migrates there. DROP INDEX takes a schema-modification lock, bounded
- * by init's lock timeout. */
+/* A table made before the pending index carried its INCLUDE columns has a narrow index
+ * (id) WHERE sent_at IS NULL, made as <table>_pending_idx or under any other name a
+ * migration tool gave it; once the covering index exists, the narrow one is dropped (the
+ * order keeps the claims on an index throughout). Both are recognized by their shape in
+ * sys.index_columns, not by name: the narrow one is the outbox's only index whose one key
+ * column is id, that is not the primary key and includes nothing; the covering one has key
+ * id and includes created_at. What is dropped is the index found, by the name sys.indexes
+ * gives it. Babelfish (a T-SQL engine on PostgreSQL) shows the same shapes but lists an
+ * index as <name><table><32 hex digits> while DROP INDEX wants <name>: there the head is
+ * taken (a name too long for that pattern, which Babelfish shortens, makes the DROP fail
+ * and init say so). DROP INDEX takes a schema-modification lock, bounded by init's lock
+ * timeout. */
 static void ms_pending_migration(list *l, const names *n)
 {
-    char old_idx[64];
     outbox_util_buf b = { 0 };
-    outbox_derived_name(n->t, "pending_idx", old_idx);
     outbox_util_buf_printf(&b,
-        "IF EXISTS (SELECT 1 FROM sys.indexes i WHERE i.object_id = OBJECT_ID(N'%s') "
+        "DECLARE @narrow sysname = (SELECT TOP (1) i.name FROM sys.indexes i "
+        "WHERE i.object_id = OBJECT_ID(N'%s') "
         "AND i.type = 2 AND i.is_primary_key = 0 AND i.is_unique = 0\n"
         "        AND NOT EXISTS (SELECT 1 FROM sys.index_columns c WHERE c.object_id = i.object_id "
         "AND c.index_id = i.index_id AND (c.is_included_column = 1 OR c.key_ordinal > 1))\n"
         "        AND EXISTS (SELECT 1 FROM sys.index_columns c JOIN sys.columns k "
         "ON k.object_id = c.object_id AND k.column_id = c.column_id WHERE c.object_id = i.object_id "
-        "AND c.index_id = i.index_id AND c.key_ordinal = 1 AND k.name = N'id'))\n"
+        "AND c.index_id = i.index_id AND c.key_ordinal = 1 AND k.name = N'id') "
+        "ORDER BY i.index_id);\n"
+        "IF @narrow IS NOT NULL\n"
         "   AND EXISTS (SELECT 1 FROM sys.indexes i JOIN sys.index_columns c "
         "ON c.object_id = i.object_id AND c.index_id = i.index_id JOIN sys.columns k "
         "ON k.object_id = c.object_id AND k.column_id = c.column_id WHERE i.object_id = OBJECT_ID(N'%s') "
         "AND c.is_included_column = 1 AND k.name = N'created_at')\n"
-        "    DROP INDEX [%s] ON %s", n->tab, n->tab, old_idx, n->tab);
+        "BEGIN\n"
+        "    IF @@VERSION LIKE N'%%Babelfish%%' AND LEN(@narrow) > 32 + LEN(N'%s')\n"
+        "       AND RIGHT(@narrow, 32) NOT LIKE N'%%[^0-9a-f]%%'\n"
+        "       AND SUBSTRING(@narrow, LEN(@narrow) - 31 - LEN(N'%s'), LEN(N'%s')) = N'%s'\n"
+        "        SET @narrow = LEFT(@narrow, LEN(@narrow) - 32 - LEN(N'%s'));\n"
+        "    DECLARE @drop nvarchar(max) = N'DROP INDEX ' + QUOTENAME(@narrow) + N' ON %s';\n"
+        "    EXEC (@drop);\n"
+        "END", n->tab, n->tab, n->t, n->t, n->t, n->t, n->t, n->tab);
     add(l, &b);
 }
 

@@ -92,6 +92,8 @@ struct drain {
     uint64_t  token_state;       /* splitmix64 state for lease tokens, seeded by getrandom */
     bool      lead_due;
     bool      cleanup_due;
+    int64_t   cleanup_backoff_ms; /* retention failing: the wait before its next try; 0: not */
+    log_limit cleanup_log;       /* a failing retention: logged once per episode */
     bool      stats_due;
     bool      health_due;
     bool      horizon_held;      /* a held-back xmin horizon was reported (WARN), not ended */
@@ -111,6 +113,7 @@ struct drain {
     ev_timer  lead_timer;
     ev_timer  deadline_timer;    /* fires at leader_until: the leadership lapses then */
     ev_timer  cleanup_timer;
+    ev_timer  cleanup_retry;     /* one shot: a failed retention tries again after back-off */
     ev_timer  stats_timer;
     ev_timer  health_timer;      /* every health_interval: the table's health */
     ev_timer  coalesce_timer;    /* a woken claim waits for it (claim_delay after a short one) */
@@ -696,6 +699,43 @@ static void on_health(drain *d, const src_health *h)
     }
 }
 
+/* Retention that fails (a role without DELETE, a lock timeout, a lost lease) tries again
+   after a back-off of its own, 1 s doubling up to cleanup_interval (at most 60 s), instead
+   of waiting for the next cleanup_interval tick, which may be hours away; the ticks go on
+   meanwhile (a tick while a retry waits starts the pass at once). The failure is logged
+   once per episode at WARN (an identical repeat at debug, again at WARN after a minute
+   with its count), and its end at INFO with the number of failed passes. */
+#define CLEANUP_RETRY_FIRST_MS 1000
+#define CLEANUP_RETRY_MAX_MS   60000
+
+static void cleanup_failed(drain *d, const char *why)
+{
+    int64_t cap = d->ob->cleanup_interval_ms < CLEANUP_RETRY_MAX_MS ? d->ob->cleanup_interval_ms
+                                                                    : CLEANUP_RETRY_MAX_MS;
+    int64_t first = cap < CLEANUP_RETRY_FIRST_MS ? cap : CLEANUP_RETRY_FIRST_MS;
+    d->cleanup_backoff_ms = outbox_util_backoff_next(d->cleanup_backoff_ms, first, cap);
+    log_fail(&d->cleanup_log, LOG_WARN,
+             &(log_fields){ .event = "database_error", .outbox = d->ob->name, .error = why },
+             "outbox=%s: retention failed: %s; marked rows stay until it succeeds (retried "
+             "with back-off up to %.0f s)", d->ob->name, why ? why : "unknown error",
+             (double)cap / 1000.0);
+    if (d->stopping)
+        return;
+    ev_timer_stop(d->loop, &d->cleanup_retry);
+    ev_timer_set(&d->cleanup_retry, (double)d->cleanup_backoff_ms / 1000.0, 0.);
+    ev_timer_start(d->loop, &d->cleanup_retry);
+}
+
+static void cleanup_ok(drain *d)
+{
+    if (d->cleanup_backoff_ms == 0)
+        return;
+    d->cleanup_backoff_ms = 0;
+    ev_timer_stop(d->loop, &d->cleanup_retry);
+    log_ok(&d->cleanup_log, LOG_INFO, &(log_fields){ .event = "retention", .outbox = d->ob->name },
+           "outbox=%s: retention resumed", d->ob->name);
+}
+
 static void src_on_done(void *ud, const src_result *res)
 {
     sconn *c = ud;
@@ -703,8 +743,9 @@ static void src_on_done(void *ud, const src_result *res)
     c->busy = false;
     /* a table-health read that fails (a table without statistics yet, a role that may not
        read them) leaves the metrics as they were: it must not hold back the claims that
-       share its connection */
-    if (res->ok != 0 && res->req != SRC_REQ_HEALTH)
+       share its connection; a failed retention pass backs off on its own (cleanup_failed)
+       and must not hold back the settles on its connection either */
+    if (res->ok != 0 && res->req != SRC_REQ_HEALTH && res->req != SRC_REQ_CLEANUP)
         hold_after_failure(c);
     else if (res->ok == 0)
         c->fail_delay_ms = 0;
@@ -720,10 +761,15 @@ static void src_on_done(void *ud, const src_result *res)
         on_settled(d, res);
         break;
     case SRC_REQ_CLEANUP:
-        if (res->ok == 0 && res->n_deleted > 0)
+        if (res->ok != 0) {
+            cleanup_failed(d, res->error);
+            break;
+        }
+        cleanup_ok(d);
+        if (res->n_deleted > 0)
             log_ev(LOG_DEBUG, &(log_fields){ .event = "retention", .outbox = d->ob->name },
                    "outbox=%s: retention removed %zu rows", d->ob->name, res->n_deleted);
-        if (res->ok == 0 && res->n_deleted >= (size_t)d->ob->cleanup_batch)
+        if (res->n_deleted >= (size_t)d->ob->cleanup_batch)
             d->cleanup_due = true;      /* more to do: continue after other work */
         break;
     case SRC_REQ_HEALTH:
@@ -748,7 +794,7 @@ static void src_on_done(void *ud, const src_result *res)
     default:
         break;
     }
-    if (res->ok != 0 && res->error != NULL)
+    if (res->ok != 0 && res->error != NULL && res->req != SRC_REQ_CLEANUP)
         log_ev(LOG_WARN, &(log_fields){ .event = "database_error", .outbox = d->ob->name,
                                         .error = res->error },
                "outbox=%s: database request failed: %s", d->ob->name, res->error);
@@ -1085,6 +1131,15 @@ static void cleanup_cb(struct ev_loop *loop, ev_timer *w, int revents)
     schedule_kick(d);
 }
 
+/* the retry of a failed retention pass (cleanup_failed) */
+static void cleanup_retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    drain *d = w->data;
+    d->cleanup_due = true;
+    schedule_kick(d);
+}
+
 /* Every STATS_BUSY_S; while nothing happened (no rows claimed or settled, no wake-up)
    only every STATS_IDLE_S, the oldest pending row's age running on meanwhile (nothing
    drained it): fifty idle outboxes then cost the database next to nothing. */
@@ -1198,6 +1253,8 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
     double ci = ob->cleanup_interval_ms / 1000.0;
     ev_timer_init(&d->cleanup_timer, cleanup_cb, ci, ci);
     d->cleanup_timer.data = d;
+    ev_timer_init(&d->cleanup_retry, cleanup_retry_cb, 1., 0.);
+    d->cleanup_retry.data = d;
     ev_timer_init(&d->stats_timer, stats_cb, STATS_BUSY_S, STATS_BUSY_S);
     d->stats_timer.data = d;
     double hi = ob->health_interval_ms / 1000.0;
@@ -1255,6 +1312,7 @@ void drain_stop(drain *d, void (*on_stopped)(void *ud), void *ud)
     ev_timer_stop(d->loop, &d->lead_timer);
     ev_timer_stop(d->loop, &d->deadline_timer);
     ev_timer_stop(d->loop, &d->cleanup_timer);
+    ev_timer_stop(d->loop, &d->cleanup_retry);
     ev_timer_stop(d->loop, &d->stats_timer);
     ev_timer_stop(d->loop, &d->health_timer);
     ev_timer_stop(d->loop, &d->coalesce_timer);
@@ -1269,6 +1327,7 @@ void drain_free(drain *d)
     ev_timer_stop(d->loop, &d->lead_timer);
     ev_timer_stop(d->loop, &d->deadline_timer);
     ev_timer_stop(d->loop, &d->cleanup_timer);
+    ev_timer_stop(d->loop, &d->cleanup_retry);
     ev_timer_stop(d->loop, &d->stats_timer);
     ev_timer_stop(d->loop, &d->coalesce_timer);
     ev_timer_stop(d->loop, &d->health_timer);

@@ -29,6 +29,7 @@ static pthread_mutex_t log_mu = PTHREAD_MUTEX_INITIALIZER;
 static int   log_level_cur = CFG_LOG_INFO;
 static int   log_format_cur = CFG_LOG_TEXT;
 static int   log_fd = STDERR_FILENO;
+static bool  log_echo;            /* also to stderr: a failed reopen of log_file */
 static char *log_path;            /* owned here; NULL: stderr */
 
 static int open_log(const char *path)
@@ -101,8 +102,16 @@ int log_reopen(void)
     fd = open_log(path);
     err = errno;
     if (fd < 0) {
+        /* The old file may be gone (rotated away, its directory removed): the
+           line goes to stderr as well, where the service manager collects it. */
+        pthread_mutex_lock(&log_mu);
+        log_echo = true;
+        pthread_mutex_unlock(&log_mu);
         log_ev(CFG_LOG_ERROR, &(log_fields){ .event = "log_reopen_failed", .error = strerror(err) },
                "log_file: cannot reopen \"%s\": %s; keeping the old file", path, strerror(err));
+        pthread_mutex_lock(&log_mu);
+        log_echo = false;
+        pthread_mutex_unlock(&log_mu);
         free(path);
         return -1;
     }
@@ -305,6 +314,8 @@ static void vlog(int level, const log_fields *f, const char *fmt, va_list ap)
         put_raw(l, "\n", 1);
     }
     write_all(log_fd, l->b, l->n);
+    if (log_echo && log_fd != STDERR_FILENO)
+        write_all(STDERR_FILENO, l->b, l->n);
     pthread_mutex_unlock(&log_mu);
     errno = saved_errno;
 }

@@ -76,6 +76,7 @@ row *row_new(const row_fields *f)
     r->headers_json = put_field(&cur, &f->headers_json, 0);
     r->payload_len = f->payload.p ? f->payload.len : 0;
     r->payload = (const unsigned char *)put_field(&cur, &f->payload, 1);
+    r->bytes = r->payload_len + (r->headers_json ? strlen(r->headers_json) : 0);
     return r;   /* the caller owns the row */
 }
 

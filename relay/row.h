@@ -29,6 +29,8 @@ typedef struct row {
     const char    *headers_json;   /* NULL when none; a JSON object as stored */
     const unsigned char *payload;  /* payload_len bytes (may contain NULs) */
     size_t         payload_len;
+    size_t         bytes;          /* its size for the byte budget: payload_len + the
+                                      length of headers_json; set once by row_new */
 } row;
 
 /* Field values for row_new(); each string is (ptr, len), ptr NULL = SQL NULL. */

@@ -208,10 +208,11 @@ typedef struct source_ops {
 } source_ops;
 
 /* The size of a row for the byte budget: its payload and its headers as text, the
-   part of a row that can be large (the claim's running sum counts the same columns). */
+   part of a row that can be large (the claim's running sum counts the same columns);
+   row_new computed it once. */
 static inline size_t src_row_bytes(const row *r)
 {
-    return r->payload_len + (r->headers_json != NULL ? strlen(r->headers_json) : 0);
+    return r->bytes;
 }
 
 /* The ops of an outbox's source (registered by sources/, found by config/). */

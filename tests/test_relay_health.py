@@ -67,3 +67,35 @@ def test_held_horizon_is_measured_and_its_holder_named(services, pgdb, relay_bin
         r.assert_clean_exit(r.stop())
         conn.close()
     assert "cannot see other roles' transactions" not in r.text()   # a superuser sees all
+
+
+def test_health_of_a_table_whose_name_needs_quoting(services, pgdb, relay_bin, tmp_path):
+    """The table's name reaches the health query as a value, not pasted into its text: a
+    mixed-case schema and table (each part quoted) are read like any other, and the health
+    read never fails."""
+    q = f"qhealthq-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    port = free_port()
+    cfg = write_config(tmp_path / "r.ini", services, pgdb,
+                       relay={"name": "healthq", "http_listen": f"127.0.0.1:{port}"},
+                       table="Billing.OrdersOut", health_interval="200ms", retention="1h")
+    init_schema(relay_bin, cfg)
+    insert_rows(pgdb, 50, 5, routing_key=q, table='"Billing"."OrdersOut"')
+    r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
+    try:
+        assert len(consume(ch, q, 50, timeout=30)) == 50
+        wait_for(lambda: (metric(r, "table_size_bytes") or -1) > 0, 20,
+                 desc="table health in /metrics", ignore=(OSError,))
+        with psycopg.connect(services.pg_dsn(pgdb.name)) as c:
+            size = c.execute("""SELECT pg_total_relation_size('"Billing"."OrdersOut"')""").fetchone()[0]
+            sent = c.execute("""SELECT count(*) FROM "Billing"."OrdersOut"
+                                WHERE sent_at IS NOT NULL""").fetchone()[0]
+        assert sent == 50
+        # the same relation's size, not another table's
+        wait_for(lambda: metric(r, "table_size_bytes") == size, 10,
+                 desc=f"size {metric(r, 'table_size_bytes')} vs {size}", ignore=(OSError,))
+        assert log_lines_at(r.text(), r"table health") == []
+    finally:
+        r.assert_clean_exit(r.stop())
+        conn.close()

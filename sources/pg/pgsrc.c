@@ -981,7 +981,7 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
     s->sql_settle_sent = sql_pg_settle_sent(&s->names, ob->on_sent);
     s->sql_cleanup = sql_pg_cleanup(&s->names);
     s->sql_stats = sql_pg_stats(&s->names, false);
-    s->sql_health = sql_pg_health(&s->names);
+    s->sql_health = sql_pg_health();
     if (!s->sql_lead || !s->sql_claim || !s->sql_claim_competing || !s->sql_settle ||
         !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats || !s->sql_health)
         goto oom;
@@ -1247,7 +1247,8 @@ static int pgsrc_health(source *s)
     int rc = req_begin(s, SRC_REQ_HEALTH);
     if (rc)
         return rc < 0 ? -1 : 0;
-    return req_send(s, s->sql_health, 0, NULL, 0);
+    const char *vals[1] = { s->names.table };   /* quoted: "schema"."table" */
+    return req_send(s, s->sql_health, 1, vals, 0);
 }
 
 static bool pgsrc_notifies(const source *s)

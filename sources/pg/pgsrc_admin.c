@@ -323,6 +323,24 @@ unlisten:
     return rc;
 }
 
+int pgsrc_server_version_ok(int version_num, char *msg, size_t msglen)
+{
+    char ver[32];
+    if (version_num >= PGSRC_MIN_SERVER_VERSION)
+        return 0;
+    if (version_num <= 0)
+        snprintf(ver, sizeof ver, "of unknown version");
+    else if (version_num >= 100000)   /* 10 and newer: major * 10000 + minor */
+        snprintf(ver, sizeof ver, "%d.%d", version_num / 10000, version_num % 10000);
+    else                              /* 9.6 and older: major, minor, patch */
+        snprintf(ver, sizeof ver, "%d.%d.%d", version_num / 10000, version_num / 100 % 100,
+                 version_num % 100);
+    snprintf(msg, msglen, "the server is PostgreSQL %s (server_version_num %d): outbox-relay "
+             "needs PostgreSQL %d or newer (plan_cache_mode, MATERIALIZED CTEs)", ver,
+             version_num, PGSRC_MIN_SERVER_VERSION / 10000);
+    return -1;
+}
+
 int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
 {
     sql_pg_names n;
@@ -334,6 +352,11 @@ int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
     PGconn *c = adm_connect_path(ob, &path, err, errlen);
     if (!c)
         return -1;
+    if (pgsrc_server_version_ok(PQserverVersion(c), msg, sizeof msg) < 0) {
+        PQfinish(c);
+        errf(ob, err, errlen, "%s", msg);
+        return -1;
+    }
     sql_pg_names_init(ob, &n);
     int rc = adm_schema(c, ob, &n, &t_ok, &d_ok, err, errlen);
     /* through a pooler, no probe: its LISTEN would stay on a shared server connection

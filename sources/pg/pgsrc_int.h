@@ -32,6 +32,15 @@ void pgsrc_oneline(const char *msg, char *out, size_t outlen);
 /* The stats row (sql_pg_stats, text format) into out; 0 or -1. */
 int pgsrc_parse_stats(const PGresult *r, src_stats *out);
 
+/* The oldest server the relay's statements run on: plan_cache_mode (the claims' custom
+ * plans) and WITH ... AS MATERIALIZED came with PostgreSQL 12. */
+#define PGSRC_MIN_SERVER_VERSION 120000
+
+/* Whether a server of version_num (server_version_num, as PQserverVersion gives it; 0 when
+ * unknown) can run the relay: 0 yes; -1 no, with one line in msg naming the server's
+ * version and the one required. */
+int pgsrc_server_version_ok(int version_num, char *msg, size_t msglen);
+
 /* Admin side (pgsrc_admin.c): synchronous, bounded by the outbox's timeouts. */
 int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen);
 int pgsrc_init(const cfg_outbox *ob, char *err, size_t errlen);

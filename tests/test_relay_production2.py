@@ -1,0 +1,397 @@
+"""More conditions production meets (issue 23, continued from test_relay_production.py): the
+broker's vhost deleted under the relay, a reload whose new broker or database cannot be
+reached, `log_file` that cannot be reopened. For each, while the cause lasts: nothing lost,
+nothing marked sent that the broker did not confirm, nothing dead-lettered for a cause that is
+not the message's, no spinning (the relay's CPU time over the fault window, from /proc), a
+WARN/ERROR naming the cause at the default log level; and the relay recovers on its own once
+the cause goes away.
+
+Each test uses its own database, queue, vhost or user and relay name."""
+import secrets
+import signal
+import subprocess
+import time
+
+import pika
+import psycopg
+import pytest
+
+from conftest import wait_for
+from relay_util import (check_against_db, consume, delivery_report, log_events, order_report,
+                        proc_cpu_seconds, wait_log_at)
+from test_relay_faults import Case, relayed, wait_relayed
+from test_relay_production import SPIN, dead_rows, sent_count, warn_lines
+
+
+def marked_seqs(pgdb):
+    with psycopg.connect(pgdb.dsn, autocommit=True) as c:
+        return {int(s) for (s,) in c.execute(
+            "select headers->>'seq' from outbox.messages where sent_at is not null")}
+
+
+def vhost_channel(services, vhost):
+    """A pika connection + channel to `vhost` as the harness's guest user."""
+    conn = pika.BlockingConnection(pika.ConnectionParameters(
+        host="127.0.0.1", port=services.amqp_port, virtual_host=vhost, heartbeat=0,
+        blocked_connection_timeout=30))
+    return conn, conn.channel()
+
+
+def ctl(services, *args):
+    p = services.rabbitmqctl(*args)
+    assert p.returncode == 0, f"rabbitmqctl {' '.join(args)}: {p.stdout}{p.stderr}"
+
+
+def make_vhost(services, vhost, user, queue):
+    """The vhost, the guest user's permissions on it, the queue, and only then the relay user's
+    permissions: the relay cannot publish before its queue exists (such rows would come back
+    unroutable and count as failed attempts)."""
+    ctl(services, "add_vhost", vhost)
+    ctl(services, "set_permissions", "-p", vhost, "guest", ".*", ".*", ".*")
+    conn, ch = vhost_channel(services, vhost)
+    try:
+        ch.queue_declare(queue=queue, durable=True)
+    finally:
+        conn.close()
+    ctl(services, "set_permissions", "-p", vhost, user, ".*", ".*", ".*")
+
+
+def test_broker_vhost_deleted_mid_run(services, pgdb, relay_bin, build, tmp_path):
+    """The relay's vhost is deleted mid-run (`rabbitmqctl delete_vhost`): the broker closes
+    the relay's connection and refuses every new one ("vhost ... not found"). Nothing may be
+    marked or dead-lettered meanwhile, the relay must not spin and must say why; once the
+    vhost is back (permissions and queue with it) it resumes by itself. The messages the
+    deleted vhost held are gone with it (the operator's doing); every row not marked sent
+    when the vhost went arrives in the new queue, in order per key."""
+    n, first, keys = 20000, 2000, 100
+    tag = secrets.token_hex(4)
+    vhost, user, pw = f"vh-{tag}", f"relay-vh-{tag}", secrets.token_hex(8)
+    ctl(services, "add_user", user, pw)
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "vhostdel", declare_queue=False,
+             reconnect_max="1s",
+             sink={"url": f"amqp://{user}:{pw}@127.0.0.1:{services.amqp_port}/{vhost}",
+                   "reconnect_max": "1s"})
+    deleted = False
+    r = None
+    try:
+        make_vhost(services, vhost, user, c.q)
+        c.produce(first, keys, size=256, batch=1000)
+        r = c.start()
+        r.wait_log("became the active relay")
+        wait_relayed(r, first)
+        ctl(services, "delete_vhost", vhost)
+        deleted = True
+        wait_for(lambda: warn_lines(r.text(), "sink=main: down:")
+                 and r.metric("outbox_relay_sink_up") == 0, 30, interval=0.1,
+                 desc="the relay's broker connection down")
+        c.produce(n - first, keys, size=256, batch=1000, start=first)
+        time.sleep(1.0)
+        at = relayed(r)
+        before = marked_seqs(pgdb)
+        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
+        time.sleep(6.0)
+        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
+        span = time.monotonic() - t0
+        sent1 = sent_count(pgdb)
+        dead_during = dead_rows(pgdb)
+        make_vhost(services, vhost, user, c.q)
+        deleted = False
+        t_back = time.monotonic()
+        c.wait_all_sent(n, timeout=90)
+        recovered = time.monotonic() - t_back
+        text = r.text()
+        dead_total = r.metric("outbox_relay_dead_total")
+    finally:
+        if r is not None:
+            r.stop_clean()
+        services.rabbitmqctl("delete_user", user)
+    try:
+        conn, ch = vhost_channel(services, vhost)
+        try:
+            depth = ch.queue_declare(queue=c.q, passive=True).method.message_count
+            got = consume(ch, c.q, depth, timeout=60, idle=0.3)
+        finally:
+            conn.close()
+    finally:
+        services.rabbitmqctl("delete_vhost", vhost)
+    assert not deleted
+    check_against_db(got, pgdb)
+    expected = set(range(n)) - before
+    dups, _ = order_report(got, expected, lambda s: s % keys)
+    causes = [m for m in warn_lines(text, "sink=main: down:") if vhost in m]
+    print(f"vhost deleted at {at:.0f} relayed ({len(before)} marked): {sent1 - len(before)} "
+          f"marks and {dead_during} dead rows during {span:.1f} s; relay CPU {cpu:.2f} s over "
+          f"it; all {n} sent {recovered:.1f} s after the vhost was back; {len(got)} deliveries "
+          f"of {len(expected)} rows unsent when it went, {dups} duplicates; logged: "
+          f"{causes[:2]}")
+    assert at < n
+    assert sent1 == len(before), "rows were marked sent while the vhost did not exist"
+    assert dead_during == 0 and dead_total == 0, "rows dead-lettered for a deleted vhost"
+    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert any("not found" in m.lower() or "not_allowed" in m.lower() for m in causes), (
+        "no WARN/ERROR names the missing vhost: " + str(warn_lines(text, "sink=main")[:5]))
+    # one lost connection: at most the unconfirmed messages are published again
+    assert dups <= c.window, f"{dups} duplicates > window {c.window} (one lost connection)"
+
+
+@pytest.mark.parametrize("target", ["broker", "database"])
+def test_reload_to_an_unreachable_server(services, pgdb, relay_bin, build, tmp_path, target):
+    """A valid reload (SIGHUP) mid-drain whose new sink `url` (or outbox `conninfo`) names a
+    port nothing listens on. What README promises for a changed outbox: the old drain stops
+    gracefully (its in-flight confirms settled and marked, its buffered rows given back), the
+    new one starts and reports the unreachable server as the usual connection error at WARN.
+    While it cannot connect nothing is marked or dead-lettered and the relay does not spin;
+    once the address answers (a forwarder to the real server starts on that port) the new
+    drain connects by itself and finishes: nothing lost, order per key, and no duplicate (a
+    graceful stop leaves nothing unconfirmed behind)."""
+    from relay_util import BlackholeProxy, free_port, write_config
+    n, keys, window = 20000, 100, 200
+    c = Case(services, pgdb, relay_bin, build, tmp_path, f"hup-{target[:2]}", reconnect_max="1s",
+             sink={"publish_window": str(window)})
+    c.produce(n, keys, size=256, batch=1000)
+    port = free_port()
+    relay_keys = {"name": c.name, "http_listen": f"127.0.0.1:{c.port}"}
+    if target == "broker":
+        url = f"amqp://guest:guest@127.0.0.1:{port}/%2f"
+        assert pika.URLParameters(services.amqp_url).credentials.username == "guest"
+        new = dict(relay=relay_keys, sink={"publish_window": str(window), "url": url},
+                   reconnect_max="1s")
+        real_port, peer = services.amqp_port, f"127.0.0.1:{port}"
+    else:
+        assert f"port={services.pg_port} " in pgdb.dsn, pgdb.dsn
+        conninfo = pgdb.dsn.replace(f"port={services.pg_port} ", f"port={port} ")
+        new = dict(relay=relay_keys, sink={"publish_window": str(window)},
+                   reconnect_max="1s", conninfo=conninfo)
+        real_port, peer = services.pg_port, f"port {port}"
+    r = c.start()
+    proxy = None
+    try:
+        r.wait_log("became the active relay")
+        wait_relayed(r, 3000)
+        write_config(c.cfg, services, pgdb, **new)
+        r.proc.send_signal(signal.SIGHUP)
+        wait_log_at(r, r"^SIGHUP: .*: configuration reloaded: .*1 restarted \(main\)",
+                    ("INFO",), timeout=30)
+        wait_for(lambda: [m for m in warn_lines(r.text(), "outbox=main") if str(port) in m],
+                 30, interval=0.1, desc=f"a WARN/ERROR naming the unreachable {target}")
+        time.sleep(1.0)
+        at = relayed(r)
+        sent0 = sent_count(pgdb)
+        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
+        time.sleep(6.0)
+        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
+        span = time.monotonic() - t0
+        sent1 = sent_count(pgdb)
+        dead_during = dead_rows(pgdb)
+        proxy = BlackholeProxy(real_port, port=port)
+        t_back = time.monotonic()
+        c.wait_all_sent(n, timeout=90)
+        recovered = time.monotonic() - t_back
+        text = r.text()
+        dead_total = r.metric("outbox_relay_dead_total")
+    finally:
+        r.stop_clean()
+        if proxy is not None:
+            proxy.close()
+    got = c.collect()
+    dups, _ = delivery_report(got, n, keys)
+    causes = [m for m in warn_lines(text, "outbox=main") if str(port) in m]
+    print(f"reload to an unreachable {target} ({peer}) at {sent0} marked: {sent1 - sent0} "
+          f"marks and {dead_during} dead rows during {span:.1f} s; relay CPU {cpu:.2f} s over "
+          f"it; all {n} sent {recovered:.1f} s after the port answered; {dups} duplicates; "
+          f"logged: {causes[:2]}")
+    assert sent0 < n, "the reload should land mid-drain"
+    assert sent1 == sent0, f"rows were marked sent while the {target} was unreachable"
+    assert dead_during == 0 and dead_total == 0, f"rows dead-lettered for an unreachable {target}"
+    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert causes, f"no WARN/ERROR names the unreachable {target}"
+    assert dups == 0, f"{dups} duplicates after a graceful restart of the drain"
+
+
+def _mount_ro_tmpfs(path):
+    """An empty read-only tmpfs over `path` (a directory): nothing can be created in it."""
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(path)],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, f"mount a read-only tmpfs (needs root): {p.stderr}"
+
+
+def test_log_file_reopen_failing_keeps_relaying(services, pgdb, relay_bin, build, tmp_path):
+    """log_file's directory goes away (renamed, as a careless rotation or cleanup would), and
+    later becomes a read-only filesystem; each time SIGHUP asks to reopen the log. The relay
+    keeps running and relaying (rows written after each failed reopen arrive), says on
+    stderr (where the service manager looks when the log file is gone) which file it cannot
+    reopen and why, at ERROR, and keeps writing to the old file; once the directory is
+    writable again the next SIGHUP reopens it, and nothing more goes to stderr."""
+    from relay_util import free_port, write_config
+    keys, step = 10, 1000
+    logdir = tmp_path / "logs"
+    logdir.mkdir()
+    logf = logdir / "relay.log"
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "logreopen",
+             relay={"log_file": str(logf)})
+    r = c.start()
+    moved = tmp_path / "logs.moved"
+    mounted = False
+    sent = 0
+    try:
+        wait_for(lambda: "became the active relay" in logf.read_text(), 30,
+                 desc="startup lines in log_file", ignore=(FileNotFoundError,))
+        c.produce(step, keys, start=sent)
+        sent += step
+        c.wait_all_sent(sent)
+
+        # 1: the directory is gone
+        logdir.rename(moved)
+        r.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "configuration reloaded" in (moved / "relay.log").read_text(), 30,
+                 desc="the reload after the failed reopen, in the old file")
+        gone = [m for lvl, m in log_events(r.text()) if lvl == "ERROR"]
+        c.produce(step, keys, start=sent)
+        sent += step
+        c.wait_all_sent(sent)
+        assert r.proc.poll() is None, "the relay exited after a failed log reopen"
+
+        # 2: the directory is back, on a read-only filesystem
+        logdir.mkdir()
+        _mount_ro_tmpfs(logdir)
+        mounted = True
+        before = len(r.text())
+        r.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: len(r.text()) > before, 30, desc="a line on stderr")
+        time.sleep(0.5)
+        ro = [m for lvl, m in log_events(r.text()[before:]) if lvl == "ERROR"]
+        c.produce(step, keys, start=sent)
+        sent += step
+        c.wait_all_sent(sent)
+        assert r.proc.poll() is None, "the relay exited after a failed log reopen"
+
+        # 3: writable again: the next SIGHUP reopens the file
+        p = subprocess.run(["umount", str(logdir)], capture_output=True, text=True, timeout=30)
+        assert p.returncode == 0, p.stderr
+        mounted = False
+        before = len(r.text())
+        r.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: "SIGHUP: log reopened" in logf.read_text(), 30,
+                 desc="the log reopened in the writable directory", ignore=(FileNotFoundError,))
+        c.produce(step, keys, start=sent)
+        sent += step
+        c.wait_all_sent(sent)
+        after = r.text()[before:]
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(logdir)], capture_output=True, timeout=30)
+        r.stop_clean()
+    got = c.collect()
+    dups, _ = delivery_report(got, sent, keys)
+    old = (moved / "relay.log").read_text()
+    print(f"log_file reopen failing: {sent} rows relayed across 3 SIGHUPs, {dups} duplicates; "
+          f"stderr when the directory was gone: {gone[:1]}; on a read-only filesystem: "
+          f"{ro[:1]}")
+    assert any(str(logf) in m and "No such file" in m for m in gone), (
+        f"no ERROR on stderr names {logf} and the missing directory: {r.text()[-2000:]}")
+    assert any(str(logf) in m and "Read-only" in m for m in ro), (
+        f"no ERROR on stderr names {logf} and the read-only filesystem: {r.text()[-2000:]}")
+    assert "cannot reopen" in old, "the old file should say it too"
+    assert after.strip() == "", f"stderr after a successful reopen: {after}"
+    assert "outbox-relay stopped" in logf.read_text()
+    assert dups == 0, f"{dups} duplicates without a broker or database fault"
+
+
+def test_database_disk_full_during_marks(services, pgdb, relay_bin, build, tmp_path):
+    """The outbox table and its indexes live in a tablespace on a small tmpfs (a disk of
+    their own; the WAL and the dead-letter table stay on the server's disk). Mid-drain the
+    disk is filled up (a file written until ENOSPC): every mark (a non-HOT UPDATE needing new
+    pages) fails with SQLSTATE 53100, disk full. Nothing may be marked or dead-lettered
+    meanwhile (the messages are fine: the database is not), the relay must not spin and must
+    say why; the file removed, the relay finishes by itself: nothing lost, order per key,
+    duplicates within the window (confirmed rows whose mark failed are published again)."""
+    import os
+    import uuid
+    n, keys, window = 20000, 100, 200
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "diskfull", reconnect_max="1s",
+             sink={"publish_window": str(window)})
+    admin = services.pg_connect()
+    data_dir = admin.execute("SHOW data_directory").fetchone()[0]
+    st = os.stat(data_dir)
+    tag = uuid.uuid4().hex[:8]
+    disk = f"/tmp/outbox-ts-{tag}"   # not under tmp_path: the server's user must reach it
+    ts = f"ts_{tag}"
+    os.mkdir(disk, 0o755)
+    p = subprocess.run(["mount", "-t", "tmpfs", "-o",
+                        f"size=96m,uid={st.st_uid},gid={st.st_gid},mode=0700", "tmpfs", disk],
+                       capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, f"mount a tmpfs (needs root): {p.stderr}"
+    filler = os.path.join(disk, "filler")
+    db = services.pg_connect(pgdb.name)
+    full = False
+    r = None
+    try:
+        admin.execute(f"CREATE TABLESPACE {ts} LOCATION '{disk}'")
+        db.execute(f"ALTER TABLE outbox.messages SET TABLESPACE {ts}")
+        idx = [i for (i,) in db.execute(
+            "SELECT indexrelid::regclass::text FROM pg_index "
+            "WHERE indrelid = 'outbox.messages'::regclass")]
+        for i in idx:
+            db.execute(f"ALTER INDEX {i} SET TABLESPACE {ts}")
+        c.produce(n, keys, size=256, batch=1000)
+        r = c.start()
+        r.wait_log("became the active relay")
+        wait_relayed(r, 3000)
+        with open(filler, "wb") as f:   # root writes past the server's files until ENOSPC
+            full = True
+            chunk = b"\0" * 65536
+            try:
+                while True:
+                    f.write(chunk)
+                    f.flush()
+            except OSError:
+                pass
+        wait_for(lambda: [m for m in warn_lines(r.text(), "outbox=main")
+                          if "No space left" in m or "53100" in m], 30, interval=0.1,
+                 desc="a WARN/ERROR naming the full disk")
+        time.sleep(1.0)
+        at = relayed(r)
+        sent0 = sent_count(pgdb)
+        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
+        time.sleep(6.0)
+        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
+        span = time.monotonic() - t0
+        sent1 = sent_count(pgdb)
+        dead_during = dead_rows(pgdb)
+        unmarked = r.metric("outbox_relay_confirmed_unmarked")   # their marks are failing
+        os.unlink(filler)
+        full = False
+        t_back = time.monotonic()
+        c.wait_all_sent(n, timeout=90)
+        recovered = time.monotonic() - t_back
+        text = r.text()
+        dead_total = r.metric("outbox_relay_dead_total")
+    finally:
+        if r is not None:
+            r.stop_clean()
+        if full:
+            os.unlink(filler)
+        try:
+            got = c.collect()
+            db.execute(f"ALTER TABLE outbox.messages SET TABLESPACE pg_default")
+            db.execute(f"ALTER INDEX ALL IN TABLESPACE {ts} SET TABLESPACE pg_default")
+            db.close()
+            admin.execute(f"DROP TABLESPACE {ts}")
+            admin.close()
+        finally:
+            subprocess.run(["umount", disk], capture_output=True, timeout=30)
+            os.rmdir(disk)
+    dups, _ = delivery_report(got, n, keys)
+    causes = [m for m in warn_lines(text, "outbox=main") if "No space left" in m or "53100" in m]
+    print(f"database disk full at {at:.0f} relayed ({sent0} marked): {sent1 - sent0} marks and "
+          f"{dead_during} dead rows during {span:.1f} s, {unmarked:.0f} confirmed rows waiting "
+          f"for their mark; relay CPU {cpu:.2f} s over it; all {n} "
+          f"sent {recovered:.1f} s after space came back; {dups} duplicates; logged: "
+          f"{causes[:2]}")
+    assert sent0 < n, "the disk should fill mid-drain"
+    assert sent1 == sent0, "rows were marked sent while the disk was full"
+    assert dead_during == 0 and dead_total == 0, "rows dead-lettered for a full database disk"
+    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert causes, "no WARN/ERROR names the full disk"
+    assert unmarked > 0, "no confirmed row was waiting for its mark: the marks were not tried"
+    assert dups <= window, f"{dups} duplicates > window {window}"
