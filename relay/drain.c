@@ -1131,15 +1131,6 @@ static void cleanup_cb(struct ev_loop *loop, ev_timer *w, int revents)
     schedule_kick(d);
 }
 
-/* the retry of a failed retention pass (cleanup_failed) */
-static void cleanup_retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
-{
-    (void)loop; (void)revents;
-    drain *d = w->data;
-    d->cleanup_due = true;
-    schedule_kick(d);
-}
-
 /* Every STATS_BUSY_S; while nothing happened (no rows claimed or settled, no wake-up)
    only every STATS_IDLE_S, the oldest pending row's age running on meanwhile (nothing
    drained it): fifty idle outboxes then cost the database next to nothing. */
@@ -1253,7 +1244,7 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
     double ci = ob->cleanup_interval_ms / 1000.0;
     ev_timer_init(&d->cleanup_timer, cleanup_cb, ci, ci);
     d->cleanup_timer.data = d;
-    ev_timer_init(&d->cleanup_retry, cleanup_retry_cb, 1., 0.);
+    ev_timer_init(&d->cleanup_retry, cleanup_cb, 1., 0.);   /* cleanup_failed sets it */
     d->cleanup_retry.data = d;
     ev_timer_init(&d->stats_timer, stats_cb, STATS_BUSY_S, STATS_BUSY_S);
     d->stats_timer.data = d;

@@ -1,7 +1,8 @@
 /*
  * row.c — one claimed outbox row in one allocation (row.h).
  *
- * Layout: [struct row][message_id is inline][strings, each NUL-terminated][payload + NUL].
+ * Layout: [struct row][message_id is inline][strings, each NUL-terminated][payload + NUL];
+ * with a payload_owner the payload stays where it is and the block ends after the strings.
  */
 #include "relay/row.h"
 
@@ -51,7 +52,8 @@ row *row_new(const row_fields *f)
     if (add_len(&total, &f->exchange, 1) < 0 || add_len(&total, &f->routing_key, 1) < 0 ||
         add_len(&total, &f->partition_key, 0) < 0 || add_len(&total, &f->message_type, 0) < 0 ||
         add_len(&total, &f->content_type, 0) < 0 || add_len(&total, &f->correlation_id, 0) < 0 ||
-        add_len(&total, &f->headers_json, 0) < 0 || add_len(&total, &f->payload, 1) < 0)
+        add_len(&total, &f->headers_json, 0) < 0 ||
+        (!f->payload_release && add_len(&total, &f->payload, 1) < 0))
         return NULL;
     if (!(r = malloc(total)))
         return NULL;
@@ -75,12 +77,23 @@ row *row_new(const row_fields *f)
     r->correlation_id = put_field(&cur, &f->correlation_id, 0);
     r->headers_json = put_field(&cur, &f->headers_json, 0);
     r->payload_len = f->payload.p ? f->payload.len : 0;
-    r->payload = (const unsigned char *)put_field(&cur, &f->payload, 1);
+    r->owner = NULL;
+    r->release = NULL;
+    if (f->payload_release) {
+        /* takes payload_owner over: the payload is read where it is */
+        r->payload = (const unsigned char *)(f->payload.p ? f->payload.p : "");
+        r->owner = f->payload_owner;
+        r->release = f->payload_release;
+    } else {
+        r->payload = (const unsigned char *)put_field(&cur, &f->payload, 1);
+    }
     r->bytes = r->payload_len + (r->headers_json ? strlen(r->headers_json) : 0);
     return r;   /* the caller owns the row */
 }
 
 void row_free(row *r)
 {
+    if (r && r->release)
+        r->release(r->owner);
     free(r);
 }

@@ -1,8 +1,9 @@
 /*
  * row.h — one claimed outbox row, as a source hands it to the core and the
  * core hands it to a sink. A row is one allocation (strings live in the same
- * block): free it with row_free(). Owner: whoever holds the pointer; the
- * claim callback passes ownership to the core.
+ * block; a large payload may instead live in a buffer the row holds, see
+ * row_fields.payload_owner): free it with row_free(). Owner: whoever holds the
+ * pointer; the claim callback passes ownership to the core.
  */
 #ifndef RELAY_ROW_H
 #define RELAY_ROW_H
@@ -31,6 +32,8 @@ typedef struct row {
     size_t         payload_len;
     size_t         bytes;          /* its size for the byte budget: payload_len + the
                                       length of headers_json; set once by row_new */
+    void          *owner;          /* what payload points into, when not copied (or NULL) */
+    void         (*release)(void *owner);   /* frees owner with the row */
 } row;
 
 /* Field values for row_new(); each string is (ptr, len), ptr NULL = SQL NULL. */
@@ -40,10 +43,17 @@ typedef struct row_fields {
     int       attempts;
     row_field message_id, exchange, routing_key, partition_key, message_type,
               content_type, correlation_id, headers_json, payload;
+    /* NULL: the payload is copied like the other fields. Else the payload is not copied:
+       payload.p (NUL-terminated after payload.len bytes) lives in payload_owner, which the
+       row takes over when row_new succeeds and frees with payload_release in row_free
+       (on failure the caller keeps it). For a large payload: one copy fewer. */
+    void     *payload_owner;
+    void    (*payload_release)(void *owner);
 } row_fields;
 
-/* Copies everything into one block. NULL on out-of-memory or a message_id
- * that is not 36 characters. exchange/routing_key NULL become "". */
+/* Copies everything into one block (the payload too, unless f->payload_owner). NULL on
+ * out-of-memory or a message_id that is not 36 characters. exchange/routing_key NULL
+ * become "". */
 row *row_new(const row_fields *f);
 void row_free(row *r);
 

@@ -10,9 +10,9 @@ sha256(payload) of the row in PostgreSQL).
 The relay reaches the broker through a small counting proxy, so that the test knows when the
 message's bytes start to flow: the bound is asserted on the time each probe waited from then
 until the row is marked sent. Before that the relay claims the row, and loading it (libpq
-builds the 64 MiB result at once, the relay copies it into its own row) is the source's and
-the core's work, not the sink's: the slowest probe of that phase is printed, not asserted
-here."""
+builds the 64 MiB result at once; the relay's row keeps that result instead of copying the
+payload) is the source's work, not the sink's: the slowest probe of that phase is printed,
+not asserted here (it also waits for the machine, busy with the insert)."""
 import hashlib
 import os
 import socket

@@ -470,9 +470,22 @@ static int row_cmp(const void *a, const void *b)
     return x->id < y->id ? -1 : x->id > y->id;
 }
 
+/* A payload at least this large is not copied out of its result: the row keeps the
+   result (one row in single-row mode) and points into it. Below it, the copy is cheaper
+   than the result's own overhead kept per row. */
+#define PGSRC_KEEP_RESULT_MIN (64 * 1024)
+
+static void result_release(void *r)
+{
+    PQclear(r);
+}
+
 /* Appends the claimed rows of a binary-format result (one row in single-row mode, or
-   none: the final result) to s->crows. 0 or -1 (err set; what was appended stays). */
-static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, size_t errlen)
+   none: the final result) to s->crows. 0 or -1 (err set; what was appended stays).
+   own: NULL, or the caller's hold on r: a row whose payload is large takes r over (it
+   frees it with itself) and sets *own to NULL; the caller PQclears *own. */
+static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, size_t errlen,
+                        PGresult **own)
 {
     int n = PQntuples(r);
     if (PQnfields(r) != 13) {
@@ -523,6 +536,10 @@ static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, 
         f.correlation_id = bfield(r, i, 7);
         f.headers_json = bfield(r, i, 8);
         f.payload = bfield(r, i, 9);
+        if (own != NULL && *own == r && n == 1 && f.payload.len >= PGSRC_KEEP_RESULT_MIN) {
+            f.payload_owner = *own;          /* row_new takes it when it succeeds */
+            f.payload_release = result_release;
+        }
         f.attempts = be32(PQgetvalue(r, i, 10));
         f.created_at_us = be64(PQgetvalue(r, i, 11));
         f.age_us = PQgetisnull(r, i, 12) ? -1 : be64(PQgetvalue(r, i, 12));
@@ -532,6 +549,8 @@ static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, 
             return -1;
         }
         s->crows[s->n_crows++] = w;
+        if (f.payload_owner != NULL)
+            *own = NULL;
     }
     return 0;
 }
@@ -577,7 +596,7 @@ static void req_complete(source *s, PGresult *r)
                 snprintf(err, sizeof err, "%s", s->crows_err);
                 res.ok = -1;
                 res.error = err;
-            } else if (decode_claim(s, r, s->claim_token, err, sizeof err) < 0) {
+            } else if (decode_claim(s, r, s->claim_token, err, sizeof err, NULL) < 0) {
                 res.ok = -1;
                 res.error = err;
             } else {
@@ -839,12 +858,14 @@ static void io_process(source *s, int revents)
             continue;
         }
         if (PQresultStatus(r) == PGRES_SINGLE_TUPLE) {
-            /* one row of the claim: built now, the result freed at once */
+            /* one row of the claim: built now; the result freed at once, or kept by the row
+               when its payload is large (no second copy of it) */
             char err[256];
+            PGresult *own = r;
             if (s->qop == Q_REQ && s->req == SRC_REQ_CLAIM && s->crows_err[0] == '\0' &&
-                decode_claim(s, r, s->claim_token, err, sizeof err) < 0)
+                decode_claim(s, r, s->claim_token, err, sizeof err, &own) < 0)
                 snprintf(s->crows_err, sizeof s->crows_err, "%s", err);
-            PQclear(r);
+            PQclear(own);
             continue;
         }
         if (!s->qres) {
