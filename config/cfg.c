@@ -131,7 +131,7 @@ int cfg_register(const cfg_backend *b)
     return 0;
 }
 
-const cfg_backend *cfg_backend_find(int kind, const char *name)
+const cfg_backend *cfg_backend_find(enum cfg_backend_kind kind, const char *name)
 {
     for (size_t i = 0; i < n_backends; i++)
         if (backends[i]->kind == kind && (name == NULL || strcasecmp(backends[i]->name, name) == 0))
@@ -255,10 +255,11 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
         for (size_t i = 0; i < n_backends && o < len; i++) {
             const char *t = backends[i]->expect;
             bool dup = false;
-            if (backends[i]->kind != (int)k->min || t == NULL)
+            if (backends[i]->kind != (enum cfg_backend_kind)k->min || t == NULL)
                 continue;
             for (size_t j = 0; j < i && !dup; j++)
-                dup = backends[j]->kind == (int)k->min && backends[j]->expect != NULL &&
+                dup = backends[j]->kind == (enum cfg_backend_kind)k->min &&
+                      backends[j]->expect != NULL &&
                       strcmp(backends[j]->expect, t) == 0;
             if (!dup)
                 o += (size_t)snprintf(buf + o, len - o, "%s%s", o ? " or " : "", t);
@@ -267,7 +268,8 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
             snprintf(buf, len, "%s", k->expect);
         return;
     }
-    switch (k->type) {
+    snprintf(buf, len, "a value");
+    switch (k->type) { /* no default: -Wswitch names a key type added without its text */
     case CFG_KT_ENUM:
         o += (size_t)snprintf(buf + o, len - o, "one of ");
         for (size_t i = 0; k->names[i] && o < len; i++)
@@ -277,7 +279,7 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
         bool first = true;
         o += (size_t)snprintf(buf + o, len - o, "one of ");
         for (size_t i = 0; i < n_backends && o < len; i++) {
-            if (backends[i]->kind != (int)k->min)
+            if (backends[i]->kind != (enum cfg_backend_kind)k->min)
                 continue;
             o += (size_t)snprintf(buf + o, len - o, "%s%s", first ? "" : " | ", backends[i]->name);
             first = false;
@@ -309,7 +311,8 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
     case CFG_KT_SECRET_FILE:
         snprintf(buf, len, "a readable file");
         break;
-    default:
+    case CFG_KT_STR:
+    case CFG_KT_NAME:
         snprintf(buf, len, "%s", k->expect ? k->expect : "a value");
         break;
     }
@@ -395,7 +398,7 @@ static int apply_value(cfg_loader *L, const char *sec, const cfg_key *k, const c
         }
         BAD();
     case CFG_KT_BACKEND: {
-        const cfg_backend *be = cfg_backend_find((int)k->min, v);
+        const cfg_backend *be = cfg_backend_find((enum cfg_backend_kind)k->min, v);
         if (be == NULL)
             BAD();
         *(const cfg_backend **)(void *)field = be;
@@ -433,9 +436,7 @@ static int apply_value(cfg_loader *L, const char *sec, const cfg_key *k, const c
             BAD();
         *(bool *)(void *)field = b;
         return 0;
-    default:
-        break;
-    }
+    } /* no default: -Wswitch names a key type added without its parser */
 #undef BAD
     cfg_lerr(L, sec, k->key, "internal error: unknown key type");
     return -1;
@@ -449,15 +450,15 @@ static const cfg_key *find_key(const cfg_key *t, size_t n, const char *key)
     return NULL;
 }
 
-/* The keys a section of kind (a CFG_BACKEND_* for sinks and outboxes, 0 for [relay]) may
+/* The keys a section of kind (CFG_BACKEND_SINK, _SOURCE or, for [relay], _NONE) may
    hold: its table t, and the keys of its backend be; with be NULL (its name is not known
    before its value is expanded, or names nothing) the keys of every backend of the kind. */
-static bool key_known(const cfg_key *t, size_t n, int kind, const cfg_backend *be,
-                      const char *key)
+static bool key_known(const cfg_key *t, size_t n, enum cfg_backend_kind kind,
+                      const cfg_backend *be, const char *key)
 {
     if (find_key(t, n, key))
         return true;
-    for (size_t i = 0; kind != 0 && i < n_backends; i++)
+    for (size_t i = 0; kind != CFG_BACKEND_NONE && i < n_backends; i++)
         if (backends[i]->kind == kind && (be == NULL || backends[i] == be) &&
             backends[i]->keys != NULL && find_key(backends[i]->keys, backends[i]->n_keys, key))
             return true;
@@ -466,13 +467,13 @@ static bool key_known(const cfg_key *t, size_t n, int kind, const cfg_backend *b
 
 /* Reports keys of section sec that it may not hold (key_known). */
 static void check_unknown_keys(cfg_loader *L, const char *sec, const cfg_key *t, size_t n,
-                               int kind, const char *kind_key)
+                               enum cfg_backend_kind kind, const char *kind_key)
 {
     size_t slen = strlen(sec);
     dictionary *d = L->d;
     const cfg_backend *be = NULL;
 
-    if (kind != 0) {   /* the section's backend, if its raw value names one */
+    if (kind != CFG_BACKEND_NONE) {   /* the section's backend, if its raw value names one */
         char full[512];
         snprintf(full, sizeof full, "%s:%s", sec, kind_key);
         const char *raw = iniparser_getstring(d, full, NULL);
@@ -518,7 +519,7 @@ static void apply_section(cfg_loader *L, const char *sec, const cfg_key *t, size
                 apply_value(L, sec, k, k->def, base);
             else if (k->type == CFG_KT_BACKEND &&   /* the default: the first registered */
                      !(*(const cfg_backend **)(void *)((char *)base + k->off) =
-                       cfg_backend_find((int)k->min, NULL)))
+                       cfg_backend_find((enum cfg_backend_kind)k->min, NULL)))
                 cfg_lerr(L, sec, k->key, "no implementation is built in");
             continue;
         }
@@ -807,7 +808,7 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
     }
 
     /* pass 2: [relay] (optional; defaults when absent) */
-    check_unknown_keys(&L, "relay", relay_keys, NKEYS(relay_keys), 0, NULL);
+    check_unknown_keys(&L, "relay", relay_keys, NKEYS(relay_keys), CFG_BACKEND_NONE, NULL);
     apply_section(&L, "relay", relay_keys, NKEYS(relay_keys), &c->relay);
     default_relay_name(&L, &c->relay);
 

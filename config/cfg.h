@@ -167,10 +167,11 @@ typedef struct cfg_key {
     const char *expect;              /* CFG_KT_STR/NAME, CFG_KF_MUST_TRUE: what is expected */
 } cfg_key;
 
-enum cfg_backend_kind { CFG_BACKEND_SOURCE = 1, CFG_BACKEND_SINK };
+/* CFG_BACKEND_NONE: a section without a backend ([relay]); never a registered one. */
+enum cfg_backend_kind { CFG_BACKEND_NONE = 0, CFG_BACKEND_SOURCE, CFG_BACKEND_SINK };
 
 struct cfg_backend {
-    int          kind;              /* enum cfg_backend_kind */
+    enum cfg_backend_kind kind;     /* a source or a sink */
     const char  *name;              /* the value of `source =` or `type =` */
     const char  *expect;            /* for error lines, what its connection value holds: a
                                        source's conninfo ("a libpq conninfo"), a sink's url */
@@ -202,7 +203,7 @@ struct cfg_backend {
    conf_size without conf_equal or keys without conf_size. */
 int cfg_register(const cfg_backend *b);
 /* The registered backend of kind named name, or NULL. */
-const cfg_backend *cfg_backend_find(int kind, const char *name);
+const cfg_backend *cfg_backend_find(enum cfg_backend_kind kind, const char *name);
 
 /* One error line for the section being finished: "FILE: [SECTION] KEY: message". */
 void cfg_report_error(cfg_report *r, const char *key, const char *fmt, ...)

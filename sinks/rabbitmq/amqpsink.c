@@ -621,7 +621,7 @@ static amqp_channel_t next_channel(const sink *s)
     return (amqp_channel_t)(s->ch >= max ? 1 : s->ch + 1);
 }
 
-static OUTBOX_MUST_CHECK bool emit_event(sink *s, int ev, const char *msg)
+static OUTBOX_MUST_CHECK bool emit_event(sink *s, enum sink_event ev, const char *msg)
 {
     if (s->cbs.on_event != NULL) {
         s->cbs.on_event(s->cbs.ud, ev, msg);
