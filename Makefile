@@ -168,6 +168,8 @@ bench: all $(BENCH_BIN)
 # here once it is formatted. `make format` rewrites them.
 CLANG_FORMAT ?= clang-format
 FORMATTED := lib/util.c lib/outbox_util.h \
+             config/cfg.c config/cfg.h config/cfg_lines.c config/cfg_loader.h \
+             config/cfg_secret.c config/cfg_value.c \
              sinks/rabbitmq/amqpcfg.c sinks/rabbitmq/amqpcfg.h \
              sinks/rabbitmq/amqpconnect.c sinks/rabbitmq/amqpconnect.h \
              sinks/rabbitmq/amqpsink.c sinks/rabbitmq/amqpsink.h \

@@ -31,12 +31,12 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define MS_S   CFG_MS_S
-#define MS_M   CFG_MS_M
-#define MS_H   CFG_MS_H
-#define MS_D   CFG_MS_D
+#define MS_S CFG_MS_S
+#define MS_M CFG_MS_M
+#define MS_H CFG_MS_H
+#define MS_D CFG_MS_D
 
-#define NAME_MAX_LEN     63
+#define NAME_MAX_LEN 63
 
 /* ------------------------------------------------------------------ */
 /* error lines                                                         */
@@ -56,7 +56,7 @@ static void errs_add(cfg_errors *e, char *line)
         return;
     }
     e->lines = n;
-    e->lines[e->n++] = line;   /* errs owns the line now */
+    e->lines[e->n++] = line; /* errs owns the line now */
 }
 
 void cfg_errors_clear(cfg_errors *e)
@@ -118,7 +118,7 @@ static size_t n_backends;
 int cfg_register(const cfg_backend *b)
 {
     if ((b->conf_size > 0 && b->conf_equal == NULL) || (b->n_keys > 0 && b->conf_size == 0))
-        return -1;   /* a reload could not compare its settings; its keys would have no home */
+        return -1; /* a reload could not compare its settings; its keys would have no home */
     for (size_t i = 0; i < n_backends; i++) {
         if (backends[i] == b)
             return 0;
@@ -136,7 +136,7 @@ const cfg_backend *cfg_backend_find(enum cfg_backend_kind kind, const char *name
     for (size_t i = 0; i < n_backends; i++)
         if (backends[i]->kind == kind && (name == NULL || strcasecmp(backends[i]->name, name) == 0))
             return backends[i];
-    return NULL;   /* name NULL: the first of that kind (the default) */
+    return NULL; /* name NULL: the first of that kind (the default) */
 }
 
 struct cfg_report {
@@ -170,9 +170,11 @@ static const int mode_vals[] = { CFG_MODE_LEADER, CFG_MODE_COMPETING };
 static const char *const ordering_names[] = { "pipelined", "strict", NULL };
 static const int ordering_vals[] = { CFG_ORDER_PIPELINED, CFG_ORDER_STRICT };
 
-#define DUR_MAX   (3650LL * MS_D)
-#define ENUM(n)   n##_names, n##_vals
+#define DUR_MAX (3650LL * MS_D)
+#define ENUM(n) n##_names, n##_vals
 
+/* A key a line, its columns aligned as a table (left to the hand, not the formatter). */
+/* clang-format off */
 #define R(f) offsetof(cfg_relay, f)
 static const cfg_key relay_keys[] = {
     { "name",             CFG_KT_NAME,   CFG_KF_EMPTY_NULL, NULL, 0, 0, NULL, NULL, R(name),
@@ -240,6 +242,7 @@ static const cfg_key outbox_keys[] = {
 #undef O
 
 #define NKEYS(t) (sizeof(t) / sizeof((t)[0]))
+/* clang-format on */
 
 /* ------------------------------------------------------------------ */
 /* generic value parsing                                               */
@@ -259,8 +262,7 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
                 continue;
             for (size_t j = 0; j < i && !dup; j++)
                 dup = backends[j]->kind == (enum cfg_backend_kind)k->min &&
-                      backends[j]->expect != NULL &&
-                      strcmp(backends[j]->expect, t) == 0;
+                      backends[j]->expect != NULL && strcmp(backends[j]->expect, t) == 0;
             if (!dup)
                 o += (size_t)snprintf(buf + o, len - o, "%s%s", o ? " or " : "", t);
         }
@@ -303,10 +305,13 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
         snprintf(buf, len, "a size like 1024, 64k, 16M or 1G, %s..%s", a, b);
         break;
     case CFG_KT_BOOL:
-        snprintf(buf, len, "%s", (k->flags & CFG_KF_MUST_TRUE) ? k->expect : "true | false (or yes | no, on | off, 1 | 0)");
+        snprintf(buf, len, "%s",
+                 (k->flags & CFG_KF_MUST_TRUE) ? k->expect
+                                               : "true | false (or yes | no, on | off, 1 | 0)");
         break;
     case CFG_KT_LISTEN:
-        snprintf(buf, len, "host:port with a port 1..65535 (IPv6 as [addr]:port), or empty to disable");
+        snprintf(buf, len,
+                 "host:port with a port 1..65535 (IPv6 as [addr]:port), or empty to disable");
         break;
     case CFG_KT_SECRET_FILE:
         snprintf(buf, len, "a readable file");
@@ -328,12 +333,13 @@ static int apply_value(cfg_loader *L, const char *sec, const cfg_key *k, const c
     bool b;
 
     expect_text(k, exp, sizeof exp);
-#define BAD() do {                                                             \
-        if (k->flags & CFG_KF_SECRET)                                              \
-            cfg_lerr(L, sec, k->key, "expected %s, got <secret>", exp);           \
-        else                                                                   \
+#define BAD()                                                                                  \
+    do {                                                                                       \
+        if (k->flags & CFG_KF_SECRET)                                                          \
+            cfg_lerr(L, sec, k->key, "expected %s, got <secret>", exp);                        \
+        else                                                                                   \
             cfg_lerr(L, sec, k->key, "expected %s, got %s", exp, cfg_quote(v, qb, sizeof qb)); \
-        return -1;                                                             \
+        return -1;                                                                             \
     } while (0)
 
     if (*v == '\0' && (k->flags & CFG_KF_NONEMPTY)) {
@@ -359,7 +365,8 @@ static int apply_value(cfg_loader *L, const char *sec, const cfg_key *k, const c
             BAD();
         if (k->flags & CFG_KF_READABLE) {
             if (access(v, R_OK) < 0) {
-                cfg_lerr(L, sec, k->key, "expected %s, got %s (%s)", exp, cfg_quote(v, qb, sizeof qb), strerror(errno));
+                cfg_lerr(L, sec, k->key, "expected %s, got %s (%s)", exp,
+                         cfg_quote(v, qb, sizeof qb), strerror(errno));
                 return -1;
             }
         }
@@ -371,7 +378,7 @@ static int apply_value(cfg_loader *L, const char *sec, const cfg_key *k, const c
             cfg_free_secret(*dst);
         else
             free(*dst);
-        *dst = copy;   /* the cfg owns it */
+        *dst = copy; /* the cfg owns it */
         return 0;
     }
     case CFG_KT_SECRET_FILE: {
@@ -425,7 +432,8 @@ static int apply_value(cfg_loader *L, const char *sec, const cfg_key *k, const c
         *(int64_t *)(void *)field = i64;
         return 0;
     case CFG_KT_SIZE:
-        if (cfg_parse_size(v, &sz) < 0 || (uint64_t)sz < (uint64_t)k->min || (uint64_t)sz > (uint64_t)k->max)
+        if (cfg_parse_size(v, &sz) < 0 || (uint64_t)sz < (uint64_t)k->min ||
+            (uint64_t)sz > (uint64_t)k->max)
             BAD();
         *(size_t *)(void *)field = sz;
         return 0;
@@ -453,8 +461,8 @@ static const cfg_key *find_key(const cfg_key *t, size_t n, const char *key)
 /* The keys a section of kind (CFG_BACKEND_SINK, _SOURCE or, for [relay], _NONE) may
    hold: its table t, and the keys of its backend be; with be NULL (its name is not known
    before its value is expanded, or names nothing) the keys of every backend of the kind. */
-static bool key_known(const cfg_key *t, size_t n, enum cfg_backend_kind kind,
-                      const cfg_backend *be, const char *key)
+static bool key_known(const cfg_key *t, size_t n, enum cfg_backend_kind kind, const cfg_backend *be,
+                      const char *key)
 {
     if (find_key(t, n, key))
         return true;
@@ -473,7 +481,7 @@ static void check_unknown_keys(cfg_loader *L, const char *sec, const cfg_key *t,
     dictionary *d = L->d;
     const cfg_backend *be = NULL;
 
-    if (kind != CFG_BACKEND_NONE) {   /* the section's backend, if its raw value names one */
+    if (kind != CFG_BACKEND_NONE) { /* the section's backend, if its raw value names one */
         char full[512];
         snprintf(full, sizeof full, "%s:%s", sec, kind_key);
         const char *raw = iniparser_getstring(d, full, NULL);
@@ -517,9 +525,9 @@ static void apply_section(cfg_loader *L, const char *sec, const cfg_key *t, size
             }
             if (k->def)
                 apply_value(L, sec, k, k->def, base);
-            else if (k->type == CFG_KT_BACKEND &&   /* the default: the first registered */
-                     !(*(const cfg_backend **)(void *)((char *)base + k->off) =
-                       cfg_backend_find((enum cfg_backend_kind)k->min, NULL)))
+            else if (k->type == CFG_KT_BACKEND && /* the default: the first registered */
+                     !(*(const cfg_backend **)(void *)((char *)base + k->off) = cfg_backend_find(
+                           (enum cfg_backend_kind)k->min, NULL)))
                 cfg_lerr(L, sec, k->key, "no implementation is built in");
             continue;
         }
@@ -579,7 +587,7 @@ static void finish_sink(cfg_loader *L, const char *sec, cfg_sink *s)
     cfg_report r = { L, sec };
 
     if (s->type == NULL || (s->type->conf_size > 0 && s->backend_conf == NULL))
-        return;   /* already reported */
+        return; /* already reported */
     if (s->url == NULL && s->type->url_default != NULL &&
         (s->url = strdup(s->type->url_default)) == NULL) {
         cfg_lerr(L, sec, "url", "out of memory");
@@ -600,8 +608,10 @@ static void finish_outbox(cfg_loader *L, const char *sec, cfg_outbox *o)
         memset(&tn, 0, sizeof tn);
         why[0] = '\0';
         if (outbox_table_parse(o->table, &tn, why, sizeof why) < 0) {
-            cfg_lerr(L, sec, "table", "expected schema.table with each part matching [A-Za-z_][A-Za-z0-9_]* "
-                 "(at most 63 bytes), got %s (%s)", cfg_quote(o->table, qb, sizeof qb), why[0] ? why : "invalid");
+            cfg_lerr(L, sec, "table",
+                     "expected schema.table with each part matching [A-Za-z_][A-Za-z0-9_]* "
+                     "(at most 63 bytes), got %s (%s)",
+                     cfg_quote(o->table, qb, sizeof qb), why[0] ? why : "invalid");
         } else {
             snprintf(o->schema_part, sizeof o->schema_part, "%s", tn.schema);
             snprintf(o->table_part, sizeof o->table_part, "%s", tn.table);
@@ -612,7 +622,8 @@ static void finish_outbox(cfg_loader *L, const char *sec, cfg_outbox *o)
         char a[32], b[32];
         cfg_fmt_duration(o->retry_backoff_ms, a, sizeof a);
         cfg_fmt_duration(o->retry_backoff_max_ms, b, sizeof b);
-        cfg_lerr(L, sec, "retry_backoff_max", "expected a duration of at least retry_backoff (%s), got \"%s\"", a, b);
+        cfg_lerr(L, sec, "retry_backoff_max",
+                 "expected a duration of at least retry_backoff (%s), got \"%s\"", a, b);
     }
     if (o->source != NULL && o->source->finish_outbox != NULL &&
         (o->source->conf_size == 0 || o->backend_conf != NULL)) {
@@ -693,7 +704,7 @@ static const char *key_section(dictionary *d, const char *key, size_t *seclen)
         size_t n;
 
         if (!s || d->val[i])
-            continue;   /* sections have NULL values */
+            continue; /* sections have NULL values */
         n = strlen(s);
         if (n > bestlen && strncmp(key, s, n) == 0 && key[n] == ':') {
             best = s;
@@ -728,7 +739,8 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
         int is_dir = fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode);
 
         /* iniparser reads a UTF-8 byte order mark as part of line 1 */
-        bom = !is_dir && fread(head, 1, sizeof head, f) == sizeof head && memcmp(head, "\xef\xbb\xbf", 3) == 0;
+        bom = !is_dir && fread(head, 1, sizeof head, f) == sizeof head &&
+              memcmp(head, "\xef\xbb\xbf", 3) == 0;
         fclose(f);
         if (is_dir) {
             cfg_lerr(&L, NULL, NULL, "cannot open: %s", strerror(EISDIR));
@@ -746,11 +758,14 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
 
         /* iniparser's message quotes the offending line (maybe a secret): keep only its number */
         if (bom)
-            cfg_lerr(&L, NULL, NULL, "line 1: cannot parse: expected plain text, got a UTF-8 byte order mark "
-                 "at the start of the file (save it without BOM)");
+            cfg_lerr(&L, NULL, NULL,
+                     "line 1: cannot parse: expected plain text, got a UTF-8 byte order mark "
+                     "at the start of the file (save it without BOM)");
         else if (lp && sscanf(lp, "(%d)", &line) == 1 && line > 0)
-            cfg_lerr(&L, NULL, NULL, "line %d: cannot parse: expected [section], key = value or a ; comment%s",
-                 line, strstr(ini_msg, "too long") ? " (line too long: at most 1024 bytes)" : "");
+            cfg_lerr(&L, NULL, NULL,
+                     "line %d: cannot parse: expected [section], key = value or a ; comment%s",
+                     line,
+                     strstr(ini_msg, "too long") ? " (line too long: at most 1024 bytes)" : "");
         else
             cfg_lerr(&L, NULL, NULL, "cannot parse the ini file");
         return -1;
@@ -772,12 +787,13 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
 
         if (!k)
             continue;
-        if (L.d->val[i]) {   /* a key: must be inside a section */
+        if (L.d->val[i]) { /* a key: must be inside a section */
             size_t sl;
             if (!key_section(L.d, k, &sl)) {
                 const char *colon = strchr(k, ':');
-                cfg_lerr(&L, "", colon ? colon + 1 : k,
-                     "key outside any section, expected it under [relay], [sink.NAME] or [outbox.NAME]");
+                cfg_lerr(
+                    &L, "", colon ? colon + 1 : k,
+                    "key outside any section, expected it under [relay], [sink.NAME] or [outbox.NAME]");
             }
             continue;
         }
@@ -792,10 +808,12 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
             continue;
         }
         if (strncmp(k, "sink.", 5) == 0 || strncmp(k, "outbox.", 7) == 0)
-            cfg_lerr(&L, k, NULL, "bad section name, expected [sink.NAME] or [outbox.NAME] with NAME of 1..63 "
-                 "characters [a-z0-9_.-] (names are case-insensitive)");
+            cfg_lerr(&L, k, NULL,
+                     "bad section name, expected [sink.NAME] or [outbox.NAME] with NAME of 1..63 "
+                     "characters [a-z0-9_.-] (names are case-insensitive)");
         else
-            cfg_lerr(&L, k, NULL, "unknown section, expected [relay], [sink.NAME] or [outbox.NAME]");
+            cfg_lerr(&L, k, NULL,
+                     "unknown section, expected [relay], [sink.NAME] or [outbox.NAME]");
     }
 
     if (n_sinks && !(c->sinks = calloc(n_sinks, sizeof *c->sinks))) {
@@ -844,7 +862,8 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
 
     /* pass 4: cross-section checks */
     if (c->n_outboxes == 0)
-        cfg_lerr(&L, "outbox.NAME", NULL, "missing section, expected at least one [outbox.NAME] section");
+        cfg_lerr(&L, "outbox.NAME", NULL,
+                 "missing section, expected at least one [outbox.NAME] section");
     for (size_t i = 0; i < c->n_outboxes; i++) {
         cfg_outbox *o = &c->outboxes[i];
         char sec[80], qb[200];
@@ -856,15 +875,17 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
                 o->sink = &c->sinks[j];
         if (!o->sink) {
             snprintf(sec, sizeof sec, "outbox.%s", o->name ? o->name : "");
-            cfg_lerr(&L, sec, "sink", "expected the NAME of a [sink.NAME] section, got %s (no [sink.%s] section "
-                 "in this file; names are case-insensitive)", cfg_quote(o->sink_name, qb, sizeof qb), o->sink_name);
+            cfg_lerr(&L, sec, "sink",
+                     "expected the NAME of a [sink.NAME] section, got %s (no [sink.%s] section "
+                     "in this file; names are case-insensitive)",
+                     cfg_quote(o->sink_name, qb, sizeof qb), o->sink_name);
         }
     }
 
     if (L.nerr)
         goto fail;
     iniparser_freedict(L.d);
-    *out = c;   /* the caller owns the cfg */
+    *out = c; /* the caller owns the cfg */
     return 0;
 
 fail:
@@ -911,8 +932,9 @@ bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b)
 {
     if (a == NULL || b == NULL)
         return a == b;
-    return outbox_util_str_eq(a->name, b->name) && a->type == b->type && outbox_util_str_eq(a->url, b->url) &&
-           outbox_util_str_eq(a->password, b->password) && a->publish_window == b->publish_window &&
+    return outbox_util_str_eq(a->name, b->name) && a->type == b->type &&
+           outbox_util_str_eq(a->url, b->url) && outbox_util_str_eq(a->password, b->password) &&
+           a->publish_window == b->publish_window &&
            a->confirm_timeout_ms == b->confirm_timeout_ms &&
            a->connect_timeout_ms == b->connect_timeout_ms &&
            a->reconnect_max_ms == b->reconnect_max_ms &&
@@ -925,21 +947,22 @@ bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b)
     if (a == NULL || b == NULL)
         return a == b;
     return outbox_util_str_eq(a->name, b->name) && a->source == b->source &&
-           outbox_util_str_eq(a->conninfo, b->conninfo) && outbox_util_str_eq(a->password, b->password) &&
+           outbox_util_str_eq(a->conninfo, b->conninfo) &&
+           outbox_util_str_eq(a->password, b->password) &&
            outbox_util_str_eq(a->database, b->database) && outbox_util_str_eq(a->table, b->table) &&
            strcmp(a->schema_part, b->schema_part) == 0 &&
-           strcmp(a->table_part, b->table_part) == 0 &&
-           strcmp(a->dead_part, b->dead_part) == 0 && outbox_util_str_eq(a->sink_name, b->sink_name) &&
-           cfg_sink_equal(a->sink, b->sink) && a->batch_size == b->batch_size &&
-           a->poll_interval_ms == b->poll_interval_ms && a->lease_ms == b->lease_ms &&
-           a->max_attempts == b->max_attempts && a->retry_backoff_ms == b->retry_backoff_ms &&
+           strcmp(a->table_part, b->table_part) == 0 && strcmp(a->dead_part, b->dead_part) == 0 &&
+           outbox_util_str_eq(a->sink_name, b->sink_name) && cfg_sink_equal(a->sink, b->sink) &&
+           a->batch_size == b->batch_size && a->poll_interval_ms == b->poll_interval_ms &&
+           a->lease_ms == b->lease_ms && a->max_attempts == b->max_attempts &&
+           a->retry_backoff_ms == b->retry_backoff_ms &&
            a->retry_backoff_max_ms == b->retry_backoff_max_ms && a->on_sent == b->on_sent &&
            a->retention_ms == b->retention_ms && a->cleanup_batch == b->cleanup_batch &&
            a->cleanup_interval_ms == b->cleanup_interval_ms && a->mode == b->mode &&
            a->claim_delay_ms == b->claim_delay_ms &&
            a->health_interval_ms == b->health_interval_ms &&
-           a->horizon_warn_ms == b->horizon_warn_ms &&
-           a->ordering == b->ordering && a->query_timeout_ms == b->query_timeout_ms &&
+           a->horizon_warn_ms == b->horizon_warn_ms && a->ordering == b->ordering &&
+           a->query_timeout_ms == b->query_timeout_ms &&
            a->connect_timeout_ms == b->connect_timeout_ms &&
            a->reconnect_max_ms == b->reconnect_max_ms &&
            backend_conf_equal(a->source, a->backend_conf, b->backend_conf);

@@ -12,11 +12,10 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 /* Names already seen (lower-cased, as iniparser stores them) and the line of each. */
 typedef struct seen_list {
     char **name;
-    int   *line;
+    int *line;
     size_t n, cap;
 } seen_list;
 
@@ -120,10 +119,12 @@ int cfg_scan_lines(cfg_loader *L)
             line[--n] = '\0';
         continued = n > 0 && line[n - 1] == '\\';
         if (was_continued)
-            continue;   /* already reported with the line that ended in '\' */
+            continue; /* already reported with the line that ended in '\' */
         if (continued) {
-            cfg_lerr_line(L, lineno, "line ends with '\\', expected one line per entry (iniparser would join "
-                      "line %d onto this one; line continuation is not supported)", lineno + 1);
+            cfg_lerr_line(L, lineno,
+                          "line ends with '\\', expected one line per entry (iniparser would join "
+                          "line %d onto this one; line continuation is not supported)",
+                          lineno + 1);
             continue;
         }
         while (ini_space(*p))
@@ -131,7 +132,7 @@ int cfg_scan_lines(cfg_loader *L)
         n = strlen(p);
         if (*p == ';' || *p == '#' || *p == '\0')
             continue;
-        if (p[0] == '[' && p[n - 1] == ']') {   /* iniparser's test for a section header */
+        if (p[0] == '[' && p[n - 1] == ']') { /* iniparser's test for a section header */
             char *close = strchr(p, ']');
             const char *after = close + 1;
 
@@ -140,25 +141,31 @@ int cfg_scan_lines(cfg_loader *L)
             while (ini_space(*after))
                 after++;
             if (*after) {
-                cfg_lerr_line(L, lineno, "[%s]: expected nothing after the ']' of a section header, got more text "
-                          "(iniparser would ignore it)", section);
+                cfg_lerr_line(
+                    L, lineno,
+                    "[%s]: expected nothing after the ']' of a section header, got more text "
+                    "(iniparser would ignore it)",
+                    section);
                 continue;
             }
             if (!section[0]) {
-                cfg_lerr_line(L, lineno, "empty section name [], expected [relay], [sink.NAME] or [outbox.NAME]");
+                cfg_lerr_line(
+                    L, lineno,
+                    "empty section name [], expected [relay], [sink.NAME] or [outbox.NAME]");
                 continue;
             }
             if ((first = seen_add(&secs, section, lineno)) < 0)
                 goto oom;
             if (first > 0)
-                cfg_lerr_line(L, lineno, "section [%s] given twice (first at line %d)", section, first);
+                cfg_lerr_line(L, lineno, "section [%s] given twice (first at line %d)", section,
+                              first);
             continue;
         }
         if (!(eq = strchr(p, '=')))
-            continue;   /* iniparser refuses it: not reached */
+            continue; /* iniparser refuses it: not reached */
         ini_name(p, (size_t)(eq - p), key, sizeof key);
         if (!key[0])
-            continue;   /* likewise */
+            continue; /* likewise */
         if ((first = seen_add(&keys, key, lineno)) < 0)
             goto oom;
         if (first > 0) {
@@ -173,8 +180,10 @@ int cfg_scan_lines(cfg_loader *L)
             const char *after;
 
             if (!close) {
-                cfg_lerr_line(L, lineno, "[%s] %s: expected a closing %c at the end of the quoted value, got none",
-                          section, key, *v);
+                cfg_lerr_line(
+                    L, lineno,
+                    "[%s] %s: expected a closing %c at the end of the quoted value, got none",
+                    section, key, *v);
                 continue;
             }
             /* like after an unquoted value, a comment needs whitespace before it */
@@ -182,16 +191,20 @@ int cfg_scan_lines(cfg_loader *L)
             while (ini_space(*after))
                 after++;
             if (*after && (after == close + 1 || (*after != ';' && *after != '#')))
-                cfg_lerr_line(L, lineno, "[%s] %s: expected only whitespace and a ; comment after the closing %c "
-                          "of the value, got more text (iniparser would cut the value at the quote)",
-                          section, key, *v);
+                cfg_lerr_line(
+                    L, lineno,
+                    "[%s] %s: expected only whitespace and a ; comment after the closing %c "
+                    "of the value, got more text (iniparser would cut the value at the quote)",
+                    section, key, *v);
             continue;
         }
         cut = v + strcspn(v, ";#");
         if (*cut && cut > v && !ini_space(cut[-1])) {
-            cfg_lerr_line(L, lineno, "[%s] %s: expected the value in quotes because it contains '%c' (an unquoted "
-                      "';' or '#' starts a comment and would cut the value), got an unquoted value",
-                      section, key, *cut);
+            cfg_lerr_line(
+                L, lineno,
+                "[%s] %s: expected the value in quotes because it contains '%c' (an unquoted "
+                "';' or '#' starts a comment and would cut the value), got an unquoted value",
+                section, key, *cut);
         }
     }
     if (ferror(f))

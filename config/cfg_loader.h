@@ -22,7 +22,7 @@ typedef struct cfg_loader {
     const char *file;
     dictionary *d;
     cfg_errors *errs;
-    int         nerr;
+    int nerr;
 } cfg_loader;
 
 /* ---- error lines (cfg.c) ---- */

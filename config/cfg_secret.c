@@ -46,17 +46,23 @@ char *cfg_expand_env(cfg_loader *L, const char *sec, const char *key, const char
                 size_t nlen;
 
                 if (!close) {
-                    cfg_lerr(L, sec, key, "expected ${NAME} with a closing }, got an unterminated ${");
+                    cfg_lerr(L, sec, key,
+                             "expected ${NAME} with a closing }, got an unterminated ${");
                     goto fail;
                 }
                 nlen = (size_t)(close - (p + 2));
-                if (nlen == 0 || nlen >= sizeof name || !(isalpha((unsigned char)p[2]) || p[2] == '_')) {
-                    cfg_lerr(L, sec, key, "expected ${NAME} with NAME matching [A-Za-z_][A-Za-z0-9_]*, got a bad variable name");
+                if (nlen == 0 || nlen >= sizeof name ||
+                    !(isalpha((unsigned char)p[2]) || p[2] == '_')) {
+                    cfg_lerr(
+                        L, sec, key,
+                        "expected ${NAME} with NAME matching [A-Za-z_][A-Za-z0-9_]*, got a bad variable name");
                     goto fail;
                 }
                 for (size_t i = 0; i < nlen; i++) {
                     if (!isalnum((unsigned char)p[2 + i]) && p[2 + i] != '_') {
-                        cfg_lerr(L, sec, key, "expected ${NAME} with NAME matching [A-Za-z_][A-Za-z0-9_]*, got a bad variable name");
+                        cfg_lerr(
+                            L, sec, key,
+                            "expected ${NAME} with NAME matching [A-Za-z_][A-Za-z0-9_]*, got a bad variable name");
                         goto fail;
                     }
                 }
@@ -64,14 +70,18 @@ char *cfg_expand_env(cfg_loader *L, const char *sec, const char *key, const char
                 name[nlen] = '\0';
                 add = getenv(name);
                 if (!add) {
-                    cfg_lerr(L, sec, key, "expected environment variable %s to be set (from ${%s}), got it unset",
-                         name, name);
+                    cfg_lerr(
+                        L, sec, key,
+                        "expected environment variable %s to be set (from ${%s}), got it unset",
+                        name, name);
                     goto fail;
                 }
                 addlen = strlen(add);
                 p = close + 1;
             } else {
-                cfg_lerr(L, sec, key, "expected ${NAME} or $$ after '$', got a lone '$' (write $$ for a literal $)");
+                cfg_lerr(
+                    L, sec, key,
+                    "expected ${NAME} or $$ after '$', got a lone '$' (write $$ for a literal $)");
                 goto fail;
             }
         } else {
@@ -113,11 +123,13 @@ char *cfg_read_secret_file(cfg_loader *L, const char *sec, const char *key, cons
 
     fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
     if (fd < 0) {
-        cfg_lerr(L, sec, key, "expected a readable file, got %s (%s)", cfg_quote(path, qb, sizeof qb), strerror(errno));
+        cfg_lerr(L, sec, key, "expected a readable file, got %s (%s)",
+                 cfg_quote(path, qb, sizeof qb), strerror(errno));
         goto fail;
     }
     if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
-        cfg_lerr(L, sec, key, "expected a readable regular file, got %s (not a regular file)", cfg_quote(path, qb, sizeof qb));
+        cfg_lerr(L, sec, key, "expected a readable regular file, got %s (not a regular file)",
+                 cfg_quote(path, qb, sizeof qb));
         goto fail;
     }
     if (!(buf = malloc(SECRET_FILE_MAX + 1))) {
@@ -129,15 +141,16 @@ char *cfg_read_secret_file(cfg_loader *L, const char *sec, const char *key, cons
         if (r < 0) {
             if (errno == EINTR)
                 continue;
-            cfg_lerr(L, sec, key, "expected a readable file, got %s (%s)", cfg_quote(path, qb, sizeof qb), strerror(errno));
+            cfg_lerr(L, sec, key, "expected a readable file, got %s (%s)",
+                     cfg_quote(path, qb, sizeof qb), strerror(errno));
             goto fail;
         }
         if (r == 0)
             break;
         len += (size_t)r;
         if (len > SECRET_FILE_MAX) {
-            cfg_lerr(L, sec, key, "expected a file of at most %d bytes, got %s (too large)", SECRET_FILE_MAX,
-                 cfg_quote(path, qb, sizeof qb));
+            cfg_lerr(L, sec, key, "expected a file of at most %d bytes, got %s (too large)",
+                     SECRET_FILE_MAX, cfg_quote(path, qb, sizeof qb));
             goto fail;
         }
     }
@@ -150,8 +163,10 @@ char *cfg_read_secret_file(cfg_loader *L, const char *sec, const char *key, cons
     }
     buf[len] = '\0';
     if (memchr(buf, '\0', len) || memchr(buf, '\n', len)) {
-        cfg_lerr(L, sec, key, "expected a file holding one line of text, got %s (contains NUL bytes or several lines)",
-             cfg_quote(path, qb, sizeof qb));
+        cfg_lerr(
+            L, sec, key,
+            "expected a file holding one line of text, got %s (contains NUL bytes or several lines)",
+            cfg_quote(path, qb, sizeof qb));
         goto fail;
     }
     return buf;

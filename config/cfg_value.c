@@ -84,7 +84,7 @@ int cfg_parse_int(const char *s, int64_t min, int64_t max, int64_t *out)
 int cfg_parse_bool(const char *s, bool *out)
 {
     static const char *const yes[] = { "true", "yes", "on", "1" };
-    static const char *const no[]  = { "false", "no", "off", "0" };
+    static const char *const no[] = { "false", "no", "off", "0" };
 
     if (!s)
         return -1;
@@ -130,11 +130,16 @@ int cfg_parse_size(const char *s, size_t *out)
 const char *cfg_log_level_name(int level)
 {
     switch (level) {
-    case CFG_LOG_ERROR: return "error";
-    case CFG_LOG_WARN:  return "warn";
-    case CFG_LOG_INFO:  return "info";
-    case CFG_LOG_DEBUG: return "debug";
-    default:            return "unknown";
+    case CFG_LOG_ERROR:
+        return "error";
+    case CFG_LOG_WARN:
+        return "warn";
+    case CFG_LOG_INFO:
+        return "info";
+    case CFG_LOG_DEBUG:
+        return "debug";
+    default:
+        return "unknown";
     }
 }
 
