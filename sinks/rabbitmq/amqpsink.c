@@ -607,17 +607,58 @@ static void wretry_cb(struct ev_loop *loop, ev_timer *w, int revents)
         ev_io_start(loop, &s->wio);
 }
 
+/* -------------------------------------------- sends the frame handler answers */
+
+amqp_channel_t amqpsink_channel_max(amqp_connection_state_t conn)
+{
+    int max = amqp_get_channel_max(conn);
+
+    return (amqp_channel_t)(max <= 0 || max > 65535 ? 65535 : max);
+}
+
+void amqpsink_wake_reader(sink *s)
+{
+    if (s->conn != NULL && (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn)))
+        ev_feed_event(s->loop, &s->rio, EV_READ);
+}
+
+void amqpsink_send_nowait(sink *s, amqp_channel_t ch, amqp_method_number_t id, void *m,
+                          const char *what)
+{
+    int rc = amqp_send_method(s->conn, ch, id, m);
+
+    if (rc != AMQP_STATUS_OK) {
+        amqpsink_mark_broken(s, what, rc);
+        return;
+    }
+    amqpsink_wake_reader(s);
+}
+
+void amqpsink_open_channel(sink *s, amqp_channel_t ch, const char *what)
+{
+    amqp_channel_open_t m;
+
+    memset(&m, 0, sizeof m);
+    m.out_of_band = amqp_empty_bytes;
+    amqpsink_send_nowait(s, ch, AMQP_CHANNEL_OPEN_METHOD, &m, what);
+}
+
+int amqpsink_close_ok(sink *s, amqp_channel_t ch)
+{
+    amqp_channel_close_ok_t ok;
+
+    memset(&ok, 0, sizeof ok);
+    return amqp_send_method(s->conn, ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
+}
+
 /* ------------------------------------------------------------ channel reopen */
 
 /* The next publishing channel number: they cycle below the check channel. */
 static amqp_channel_t next_channel(const sink *s)
 {
-    int max = amqp_get_channel_max(s->conn);
+    /* the check channel is the highest */
+    int max = s->ck_ch != 0 ? s->ck_ch - 1 : amqpsink_channel_max(s->conn);
 
-    if (max <= 0 || max > 65535)
-        max = 65535;
-    if (s->ck_ch != 0)
-        max = s->ck_ch - 1; /* the check channel is the highest */
     return (amqp_channel_t)(s->ch >= max ? 1 : s->ch + 1);
 }
 
@@ -691,29 +732,17 @@ static bool pch_kick(sink *s)
         if (s->conn == NULL || !amqpsink_sock_room(s, AMQPSINK_CHECK_BYTES))
             return true;
     }
+    s->pch_sent_at = ev_now(s->loop);
     if (s->pch == PCH_WANT_OPEN) {
-        amqp_channel_open_t m;
-
-        memset(&m, 0, sizeof m);
-        m.out_of_band = amqp_empty_bytes;
-        rc = amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_OPEN_METHOD, &m);
         s->pch = PCH_OPENING;
+        amqpsink_open_channel(s, s->ch, "channel.open");
     } else { /* PCH_WANT_SELECT */
         amqp_confirm_select_t m;
 
         memset(&m, 0, sizeof m); /* nowait = 0: confirm.select-ok answers */
-        rc = amqp_send_method(s->conn, s->ch, AMQP_CONFIRM_SELECT_METHOD, &m);
         s->pch = PCH_SELECTING;
+        amqpsink_send_nowait(s, s->ch, AMQP_CONFIRM_SELECT_METHOD, &m, "confirm.select");
     }
-    s->pch_sent_at = ev_now(s->loop);
-    if (rc != AMQP_STATUS_OK) {
-        amqpsink_mark_broken(s, s->pch == PCH_OPENING ? "channel.open" : "confirm.select", rc);
-        return true;
-    }
-    /* a send may read from the socket (heartbeat check): frames it queued
-     * would never wake the read watcher */
-    if (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn))
-        ev_feed_event(s->loop, &s->rio, EV_READ);
     return true;
 }
 
@@ -767,11 +796,9 @@ static OUTBOX_MUST_CHECK bool on_reopen_frame(sink *s, const amqp_frame_t *f)
         return true;
     case AMQP_CHANNEL_CLOSE_METHOD: {
         const amqp_channel_close_t *m = f->payload.method.decoded;
-        amqp_channel_close_ok_t ok;
         char why[700];
 
-        memset(&ok, 0, sizeof ok);
-        (void)amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
+        (void)amqpsink_close_ok(s, s->ch);
         snprintf(why, sizeof why,
                  "reopening the publishing channel: the broker closed channel "
                  "%u: %u %.*s",
@@ -841,7 +868,6 @@ static bool names_exchange(const ring_msg *e, const char *text)
 static OUTBOX_MUST_CHECK bool on_channel_close(sink *s, unsigned code, const char *text)
 {
     char msg[700];
-    amqp_channel_close_ok_t ok;
     uint64_t culprit = 0;
     unsigned long long size = 0;
     const char *sz;
@@ -852,8 +878,7 @@ static OUTBOX_MUST_CHECK bool on_channel_close(sink *s, unsigned code, const cha
     /* The broker discards the rest of a message being written: no more of its
      * frames after the close-ok (its result follows with the others). */
     s->st.active = false;
-    memset(&ok, 0, sizeof ok);
-    rc = amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
+    rc = amqpsink_close_ok(s, s->ch);
     s->chan_ok = false;
     s->ret_stage = RET_NONE;
     if (rc != AMQP_STATUS_OK) {
@@ -1349,10 +1374,7 @@ static int publish_stream(sink *s, const row *r, amqp_basic_properties_t *p, voi
     s->st.off = 0;
     s->st.progress_at = ev_now(s->loop);
     stream_pump(s);
-    /* a send may read from the socket (heartbeat check): frames it queued
-     * would never wake the read watcher */
-    if (s->conn != NULL && (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn)))
-        ev_feed_event(s->loop, &s->rio, EV_READ);
+    amqpsink_wake_reader(s);
     return SINK_QUEUED;
 }
 
@@ -1459,10 +1481,7 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
         return SINK_EAGAIN;
     }
     (void)ring_add(s, r, msg_ud);
-    /* basic_publish may read from the socket (heartbeat check): frames it
-     * queued would never wake the read watcher. */
-    if (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn))
-        ev_feed_event(s->loop, &s->rio, EV_READ);
+    amqpsink_wake_reader(s); /* basic_publish may read from the socket too */
     return SINK_QUEUED;
 }
 

@@ -178,6 +178,22 @@ void amqpsink_mark_broken(sink *s, const char *what, int rc);
  * reconnect later (to the next address of a list). False when the sink was
  * destroyed from a callback: the caller returns at once without touching s. */
 bool amqpsink_conn_fail(sink *s, const char *why);
+/* The highest channel number the connection allows (its channel_max; 0, no limit,
+ * counts as 65535). */
+amqp_channel_t amqpsink_channel_max(amqp_connection_state_t conn);
+/* rabbitmq-c's send may read from the socket (its heartbeat check): frames it queued
+ * then would never wake the read watcher. Call after each send: feeds it when some wait. */
+void amqpsink_wake_reader(sink *s);
+/* Sends method id (m: its decoded struct) on channel ch without waiting for the
+ * answer, which comes through the frame handler (channel.open, confirm.select, a
+ * passive exchange.declare). A failed send marks the connection broken, what naming
+ * the step; never calls back. The caller checks for socket room first. */
+void amqpsink_send_nowait(sink *s, amqp_channel_t ch, amqp_method_number_t id, void *m,
+                          const char *what);
+/* channel.open of ch, sent as amqpsink_send_nowait does. */
+void amqpsink_open_channel(sink *s, amqp_channel_t ch, const char *what);
+/* Answers the broker's channel.close of ch: rabbitmq-c's status of the close-ok. */
+int amqpsink_close_ok(sink *s, amqp_channel_t ch);
 
 /* amqpxcheck.c: the exchange checks (see the top of amqpxcheck.c) */
 
