@@ -1,8 +1,9 @@
 /*
  * amqpsink.c — the RabbitMQ sink (relay/sink.h) on rabbitmq-c 0.11 and libev:
  * the loop side. The connect itself runs off the loop (amqpconnect.c), the
- * exchange checks on their own channel (amqpxcheck.c); both share the sink's
- * state through amqpsink.h.
+ * exchange checks on their own channel (amqpxcheck.c), the socket's options and
+ * the sends that do not wait are amqpwire.c's; they share the sink's state
+ * through amqpsink.h.
  *
  * One connection, one channel in confirm mode. Publishes are pipelined over
  * publish_window; acks/nacks/returns/channel.close are read from the loop with
@@ -55,20 +56,14 @@
 #include <amqp.h>
 #include <errno.h>
 #include <ev.h>
-#include <linux/sockios.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/ioctl.h>
-#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "lib/outbox_util.h"
 
-#define AMQPSINK_SNDBUF      (4 * 1024 * 1024)
 #define AMQPSINK_BACKOFF_MIN 100           /* ms */
 #define AMQPSINK_DRAIN_MAX   4096          /* frames per readable event before yielding */
 #define AMQPSINK_DRAIN_BYTES (1024 * 1024) /* body bytes read per readable event before yielding */
@@ -306,52 +301,6 @@ void amqpsink_mark_broken(sink *s, const char *what, int rc)
     ev_timer_start(s->loop, &s->failt);
 }
 
-/* ------------------------------------------------------------ socket options */
-
-/* TCP_USER_TIMEOUT (= confirm_timeout) bounds how long the kernel keeps unacknowledged
- * data, zero-window probes included. While the broker blocks the connection it stops
- * reading from the socket on purpose, so a full pipeline legitimately sits in a zero
- * window: the bound is lifted then (on = false) and restored when unblocked. */
-static void set_user_timeout(sink *s, bool on)
-{
-    int fd = s->conn ? amqp_get_sockfd(s->conn) : -1;
-    unsigned ut = 0;
-
-    if (fd < 0 || s->cfg.confirm_timeout_ms <= 0)
-        return;
-    if (on)
-        ut = s->cfg.confirm_timeout_ms > 3600000 ? 3600000u : (unsigned)s->cfg.confirm_timeout_ms;
-    (void)setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ut, sizeof ut);
-}
-
-static void set_sock_opts(sink *s)
-{
-    int fd = amqp_get_sockfd(s->conn);
-    int v = AMQPSINK_SNDBUF;
-    socklen_t sl = sizeof v;
-
-    s->sndcap = 64 * 1024;
-    if (fd < 0)
-        return;
-    /* Best effort: a smaller buffer only means more SINK_EAGAIN. */
-    (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof v);
-    set_user_timeout(s, true);
-    v = 0;
-    if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &sl) == 0 && v > 0)
-        s->sndcap = (size_t)v / 2; /* the kernel doubles the value for bookkeeping */
-}
-
-bool amqpsink_sock_room(sink *s, size_t need)
-{
-    int fd, queued = 0;
-
-    if (s->conn == NULL || (fd = amqp_get_sockfd(s->conn)) < 0)
-        return true;
-    if (ioctl(fd, SIOCOUTQ, &queued) < 0 || queued <= 0)
-        return true; /* empty buffer: always allowed (TCP_USER_TIMEOUT bounds it) */
-    return (size_t)queued + need <= s->sndcap;
-}
-
 static OUTBOX_MUST_CHECK bool read_frames(sink *s);
 static void nack_check(sink *s);
 static bool pch_kick(sink *s);
@@ -431,7 +380,7 @@ static void jobw_cb(struct ev_loop *loop, ev_async *w, int revents)
     memset(&s->st, 0, sizeof s->st);
     amqpsink_xcheck_reset(s);
     s->ck_ch = amqpsink_xcheck_channel(s->conn);
-    set_sock_opts(s);
+    amqpsink_set_sock_opts(s);
     s->hb = amqp_get_heartbeat(s->conn);
     s->last_rx = ev_time();
     if (s->hb > 0 && s->hb / 4.0 < s->tick.repeat)
@@ -605,50 +554,6 @@ static void wretry_cb(struct ev_loop *loop, ev_timer *w, int revents)
     (void)revents;
     if (s->conn != NULL)
         ev_io_start(loop, &s->wio);
-}
-
-/* -------------------------------------------- sends the frame handler answers */
-
-amqp_channel_t amqpsink_channel_max(amqp_connection_state_t conn)
-{
-    int max = amqp_get_channel_max(conn);
-
-    return (amqp_channel_t)(max <= 0 || max > 65535 ? 65535 : max);
-}
-
-void amqpsink_wake_reader(sink *s)
-{
-    if (s->conn != NULL && (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn)))
-        ev_feed_event(s->loop, &s->rio, EV_READ);
-}
-
-void amqpsink_send_nowait(sink *s, amqp_channel_t ch, amqp_method_number_t id, void *m,
-                          const char *what)
-{
-    int rc = amqp_send_method(s->conn, ch, id, m);
-
-    if (rc != AMQP_STATUS_OK) {
-        amqpsink_mark_broken(s, what, rc);
-        return;
-    }
-    amqpsink_wake_reader(s);
-}
-
-void amqpsink_open_channel(sink *s, amqp_channel_t ch, const char *what)
-{
-    amqp_channel_open_t m;
-
-    memset(&m, 0, sizeof m);
-    m.out_of_band = amqp_empty_bytes;
-    amqpsink_send_nowait(s, ch, AMQP_CHANNEL_OPEN_METHOD, &m, what);
-}
-
-int amqpsink_close_ok(sink *s, amqp_channel_t ch)
-{
-    amqp_channel_close_ok_t ok;
-
-    memset(&ok, 0, sizeof ok);
-    return amqp_send_method(s->conn, ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
 }
 
 /* ------------------------------------------------------------ channel reopen */
@@ -955,7 +860,7 @@ static OUTBOX_MUST_CHECK bool handle_frame(sink *s, const amqp_frame_t *f)
             char why[400];
 
             s->blocked = true;
-            set_user_timeout(s, false);
+            amqpsink_set_user_timeout(s, false);
             snprintf(why, sizeof why, "%s: broker blocked publishing: %.*s", s->ident,
                      (int)m->reason.len, (const char *)m->reason.bytes);
             return emit_state(s, why);
@@ -964,7 +869,7 @@ static OUTBOX_MUST_CHECK bool handle_frame(sink *s, const amqp_frame_t *f)
             char why[400];
 
             s->blocked = false;
-            set_user_timeout(s, true);
+            amqpsink_set_user_timeout(s, true);
             s->unblocked_at = ev_now(s->loop);
             snprintf(why, sizeof why, "%s: broker unblocked publishing", s->ident);
             return emit_state(s, why);
@@ -1073,7 +978,7 @@ static OUTBOX_MUST_CHECK bool read_frames(sink *s)
     return true;
 }
 
-/* ------------------------------------------------------------ ops */
+/* ------------------------------------------------ ops: the sink's lifecycle */
 
 static void sink_free(sink *s)
 {
@@ -1208,6 +1113,8 @@ static size_t amqpsink_in_flight(const sink *s)
 {
     return s->inflight;
 }
+
+/* ------------------------ publish: the ring, frames written as the socket drains */
 
 static int too_long(const char *what, const char *v, char *err, size_t errlen)
 {
@@ -1484,6 +1391,8 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
     amqpsink_wake_reader(s); /* basic_publish may read from the socket too */
     return SINK_QUEUED;
 }
+
+/* ------------------------------------------------------- ops: what metrics show */
 
 static size_t amqpsink_addresses(const cfg_sink *sc, const char **out, size_t max)
 {
