@@ -405,7 +405,7 @@ static void conn_up(sconn *c)
     ev_timer_stop(c->d->loop, &c->hold_timer);
 }
 
-static void main_on_state(void *ud, int state, const char *msg)
+static void main_on_state(void *ud, enum src_state state, const char *msg)
 {
     sconn *c = ud;
     drain *d = c->d;
@@ -426,7 +426,7 @@ static void main_on_state(void *ud, int state, const char *msg)
     schedule_kick(d);
 }
 
-static void settler_on_state(void *ud, int state, const char *msg)
+static void settler_on_state(void *ud, enum src_state state, const char *msg)
 {
     sconn *c = ud;
     drain *d = c->d;
