@@ -15,6 +15,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "outbox_util.h" /* OUTBOX_MUST_CHECK */
+
 enum cfg_log_level { CFG_LOG_ERROR = 0, CFG_LOG_WARN, CFG_LOG_INFO, CFG_LOG_DEBUG };
 enum cfg_log_format { CFG_LOG_TEXT = 0, CFG_LOG_JSON };
 enum cfg_on_sent { CFG_ON_SENT_MARK = 0, CFG_ON_SENT_DELETE };
@@ -110,12 +112,13 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs);
 void cfg_free(cfg *c);
 void cfg_errors_clear(cfg_errors *e);
 
-/* Strict scalar parsers (exposed for unit tests). Return 0 or -1. */
-int cfg_parse_duration_ms(const char *s,
-                          int64_t *out); /* "250ms" "1s" "5m" "2h" "7d"; bare = seconds */
-int cfg_parse_int(const char *s, int64_t min, int64_t max, int64_t *out);
-int cfg_parse_bool(const char *s, bool *out);   /* true/false/yes/no/on/off/1/0 */
-int cfg_parse_size(const char *s, size_t *out); /* "1024", "64k", "16M", "1G" */
+/* Strict scalar parsers (exposed for unit tests). Return 0 or -1. Durations: "250ms" "1s"
+   "5m" "2h" "7d" (bare: seconds); booleans: true/false/yes/no/on/off/1/0; sizes: "1024",
+   "64k", "16M", "1G". */
+OUTBOX_MUST_CHECK int cfg_parse_duration_ms(const char *s, int64_t *out);
+OUTBOX_MUST_CHECK int cfg_parse_int(const char *s, int64_t min, int64_t max, int64_t *out);
+OUTBOX_MUST_CHECK int cfg_parse_bool(const char *s, bool *out);
+OUTBOX_MUST_CHECK int cfg_parse_size(const char *s, size_t *out);
 
 /* ---- backends ------------------------------------------------------------------
  * config/ knows sections, value types, durations, sizes, secrets and how to report a
@@ -205,7 +208,7 @@ struct cfg_backend {
 /* Registers b (static storage). Registering the same entry again does nothing.
    -1 when the table is full, another entry of that kind has the name, or b has
    conf_size without conf_equal or keys without conf_size. */
-int cfg_register(const cfg_backend *b);
+OUTBOX_MUST_CHECK int cfg_register(const cfg_backend *b);
 /* The registered backend of kind named name, or NULL. */
 const cfg_backend *cfg_backend_find(enum cfg_backend_kind kind, const char *name);
 

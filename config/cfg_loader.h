@@ -47,11 +47,13 @@ bool cfg_listen_ok(const char *v);
 /* ---- secrets (cfg_secret.c) ---- */
 /* raw with ${NAME} replaced by the environment variable and $$ by $: a malloc'd string
    the caller owns (free it with cfg_free_secret), or NULL after reporting the problem. */
-char *cfg_expand_env(cfg_loader *L, const char *sec, const char *key, const char *raw);
+OUTBOX_MUST_CHECK char *cfg_expand_env(cfg_loader *L, const char *sec, const char *key,
+                                       const char *raw);
 /* The contents of the file at path, one line without its trailing newline: a malloc'd
    string the caller owns (cfg_free_secret), or NULL after reporting (the path only,
    never the contents). */
-char *cfg_read_secret_file(cfg_loader *L, const char *sec, const char *key, const char *path);
+OUTBOX_MUST_CHECK char *cfg_read_secret_file(cfg_loader *L, const char *sec, const char *key,
+                                             const char *path);
 
 /* ---- the file's lines (cfg_lines.c) ---- */
 /* Reports what iniparser would take differently from how the file reads; returns the
