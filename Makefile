@@ -168,10 +168,12 @@ bench: all $(BENCH_BIN)
 # here once it is formatted. `make format` rewrites them.
 CLANG_FORMAT ?= clang-format
 FORMATTED := lib/util.c lib/outbox_util.h \
+             config/cfg.c config/cfg.h config/cfg_lines.c config/cfg_loader.h \
+             config/cfg_secret.c config/cfg_value.c \
              sinks/rabbitmq/amqpcfg.c sinks/rabbitmq/amqpcfg.h \
              sinks/rabbitmq/amqpconnect.c sinks/rabbitmq/amqpconnect.h \
              sinks/rabbitmq/amqpsink.c sinks/rabbitmq/amqpsink.h \
-             sinks/rabbitmq/amqpxcheck.c sinks/rabbitmq/json.h
+             sinks/rabbitmq/amqpwire.c sinks/rabbitmq/amqpxcheck.c sinks/rabbitmq/json.h
 .PHONY: format format-check
 format-check:
 	$(CLANG_FORMAT) --dry-run --Werror $(FORMATTED)

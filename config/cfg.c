@@ -7,19 +7,22 @@
  * table (name, type, default, bounds), which drives parsing, defaults and the
  * unknown-key check. Before that, the file's lines are read once more for what
  * iniparser would merge, cut or drop without a word (a section or key given
- * twice, a line continuation, a cut value: scan_lines). All problems are
+ * twice, a line continuation, a cut value: cfg_lines.c). All problems are
  * collected, one line each, then cfg_load fails. Secrets (url, conninfo,
  * password_file contents) are never echoed.
+ *
+ * Here: the error lines, the registry of backends, the key tables, applying them to
+ * a section, the sections themselves, cfg_load and the comparison for a reload. The
+ * value types are cfg_value.c's, ${NAME} and secret files cfg_secret.c's.
  */
 #include "config/cfg.h"
+#include "config/cfg_loader.h"
 #include "outbox_schema.h"
 #include "outbox_util.h"
 
 #include <ctype.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <iniparser.h>
-#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -28,161 +31,16 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define MS_S   CFG_MS_S
-#define MS_M   CFG_MS_M
-#define MS_H   CFG_MS_H
-#define MS_D   CFG_MS_D
+#define MS_S CFG_MS_S
+#define MS_M CFG_MS_M
+#define MS_H CFG_MS_H
+#define MS_D CFG_MS_D
 
-#define SECRET_FILE_MAX  65536
-#define NAME_MAX_LEN     63
-
-/* ------------------------------------------------------------------ */
-/* strict scalar parsers                                               */
-/* ------------------------------------------------------------------ */
-
-/* Leading digits only: no sign, no whitespace, no hex/octal/exponent. */
-static int parse_digits(const char *s, const char **end, int64_t *out)
-{
-    char *e;
-    long long v;
-
-    if (!s || !isdigit((unsigned char)s[0]))
-        return -1;
-    errno = 0;
-    v = strtoll(s, &e, 10);
-    if (errno == ERANGE || e == s)
-        return -1;
-    *end = e;
-    *out = (int64_t)v;
-    return 0;
-}
-
-int cfg_parse_duration_ms(const char *s, int64_t *out)
-{
-    const char *end;
-    int64_t v, mult;
-
-    if (parse_digits(s, &end, &v) < 0)
-        return -1;
-    if (*end == '\0' || strcmp(end, "s") == 0)
-        mult = MS_S;
-    else if (strcmp(end, "ms") == 0)
-        mult = 1;
-    else if (strcmp(end, "m") == 0)
-        mult = MS_M;
-    else if (strcmp(end, "h") == 0)
-        mult = MS_H;
-    else if (strcmp(end, "d") == 0)
-        mult = MS_D;
-    else
-        return -1;
-    if (v > INT64_MAX / mult)
-        return -1;
-    *out = v * mult;
-    return 0;
-}
-
-int cfg_parse_int(const char *s, int64_t min, int64_t max, int64_t *out)
-{
-    char *e;
-    long long v;
-    const char *d;
-
-    if (!s)
-        return -1;
-    d = (s[0] == '-') ? s + 1 : s;
-    if (!isdigit((unsigned char)d[0]))
-        return -1;
-    errno = 0;
-    v = strtoll(s, &e, 10);
-    if (errno == ERANGE || e == s || *e != '\0')
-        return -1;
-    if ((int64_t)v < min || (int64_t)v > max)
-        return -1;
-    *out = (int64_t)v;
-    return 0;
-}
-
-int cfg_parse_bool(const char *s, bool *out)
-{
-    static const char *const yes[] = { "true", "yes", "on", "1" };
-    static const char *const no[]  = { "false", "no", "off", "0" };
-
-    if (!s)
-        return -1;
-    for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++) {
-        if (strcasecmp(s, yes[i]) == 0) {
-            *out = true;
-            return 0;
-        }
-        if (strcasecmp(s, no[i]) == 0) {
-            *out = false;
-            return 0;
-        }
-    }
-    return -1;
-}
-
-int cfg_parse_size(const char *s, size_t *out)
-{
-    const char *end;
-    int64_t v;
-    uint64_t mult;
-
-    if (parse_digits(s, &end, &v) < 0)
-        return -1;
-    if (*end == '\0')
-        mult = 1;
-    else if (end[1] != '\0')
-        return -1;
-    else if (*end == 'k' || *end == 'K')
-        mult = 1024ULL;
-    else if (*end == 'm' || *end == 'M')
-        mult = 1024ULL * 1024;
-    else if (*end == 'g' || *end == 'G')
-        mult = 1024ULL * 1024 * 1024;
-    else
-        return -1;
-    if ((uint64_t)v > (uint64_t)SIZE_MAX / mult)
-        return -1;
-    *out = (size_t)((uint64_t)v * mult);
-    return 0;
-}
-
-const char *cfg_log_level_name(int level)
-{
-    switch (level) {
-    case CFG_LOG_ERROR: return "error";
-    case CFG_LOG_WARN:  return "warn";
-    case CFG_LOG_INFO:  return "info";
-    case CFG_LOG_DEBUG: return "debug";
-    default:            return "unknown";
-    }
-}
-
-bool cfg_host_char_ok(int c)
-{
-    return isalnum(c) || c == '.' || c == '-' || c == '_';
-}
-
-void cfg_free_secret(char *s)
-{
-    if (s) {
-        explicit_bzero(s, strlen(s));
-        free(s);
-    }
-}
+#define NAME_MAX_LEN 63
 
 /* ------------------------------------------------------------------ */
-/* loader state and error lines                                        */
+/* error lines                                                         */
 /* ------------------------------------------------------------------ */
-
-typedef struct loader {
-    const char *file;
-    dictionary *d;
-    cfg_errors *errs;
-    int         nerr;
-} loader;
 
 static void errs_add(cfg_errors *e, char *line)
 {
@@ -198,7 +56,7 @@ static void errs_add(cfg_errors *e, char *line)
         return;
     }
     e->lines = n;
-    e->lines[e->n++] = line;   /* errs owns the line now */
+    e->lines[e->n++] = line; /* errs owns the line now */
 }
 
 void cfg_errors_clear(cfg_errors *e)
@@ -214,9 +72,7 @@ void cfg_errors_clear(cfg_errors *e)
 
 /* One line: "FILE: [SECTION] KEY: message" (key NULL: "FILE: [SECTION]: message";
  * section NULL: "FILE: message"). */
-static void lerr(loader *L, const char *sec, const char *key, const char *fmt, ...)
-    __attribute__((format(printf, 4, 5)));
-static void lerr(loader *L, const char *sec, const char *key, const char *fmt, ...)
+void cfg_lerr(cfg_loader *L, const char *sec, const char *key, const char *fmt, ...)
 {
     char msg[1024], *line = NULL;
     va_list ap;
@@ -237,212 +93,19 @@ static void lerr(loader *L, const char *sec, const char *key, const char *fmt, .
     errs_add(L->errs, line);
 }
 
-/* Quotes a value for an error line: "..." with control characters escaped,
- * long values shortened. Never call it on a secret. */
-static const char *q(const char *v, char *buf, size_t len)
+/* One line: "FILE:LINE: message" (the message names section and key itself). */
+void cfg_lerr_line(cfg_loader *L, int lineno, const char *fmt, ...)
 {
-    size_t o = 0;
+    char msg[1024], *line = NULL;
+    va_list ap;
 
-    if (len < 16) {
-        if (len)
-            buf[0] = '\0';
-        return buf;
-    }
-    buf[o++] = '"';
-    for (const unsigned char *p = (const unsigned char *)v; *p; p++) {
-        if (o + 8 >= len) {
-            memcpy(buf + o, "...", 3);
-            o += 3;
-            break;
-        }
-        if (*p == '"' || *p == '\\') {
-            buf[o++] = '\\';
-            buf[o++] = (char)*p;
-        } else if (*p < 0x20 || *p == 0x7f) {
-            o += (size_t)snprintf(buf + o, len - o, "\\x%02x", *p);
-        } else {
-            buf[o++] = (char)*p;
-        }
-    }
-    buf[o++] = '"';
-    buf[o] = '\0';
-    return buf;
-}
-
-static void fmt_dur(int64_t ms, char *buf, size_t len)
-{
-    if (ms != 0 && ms % MS_D == 0)
-        snprintf(buf, len, "%lldd", (long long)(ms / MS_D));
-    else if (ms != 0 && ms % MS_H == 0)
-        snprintf(buf, len, "%lldh", (long long)(ms / MS_H));
-    else if (ms != 0 && ms % MS_M == 0)
-        snprintf(buf, len, "%lldm", (long long)(ms / MS_M));
-    else if (ms % MS_S == 0)
-        snprintf(buf, len, "%llds", (long long)(ms / MS_S));
-    else
-        snprintf(buf, len, "%lldms", (long long)ms);
-}
-
-static void fmt_size(uint64_t v, char *buf, size_t len)
-{
-    if (v != 0 && v % (1024ULL * 1024 * 1024) == 0)
-        snprintf(buf, len, "%lluG", (unsigned long long)(v >> 30));
-    else if (v != 0 && v % (1024ULL * 1024) == 0)
-        snprintf(buf, len, "%lluM", (unsigned long long)(v >> 20));
-    else if (v != 0 && v % 1024ULL == 0)
-        snprintf(buf, len, "%lluk", (unsigned long long)(v >> 10));
-    else
-        snprintf(buf, len, "%llu", (unsigned long long)v);
-}
-
-/* ------------------------------------------------------------------ */
-/* ${ENV} expansion                                                    */
-/* ------------------------------------------------------------------ */
-
-/* Returns a malloc'd copy of raw with ${NAME} replaced by the environment
- * variable and $$ by $, or NULL after reporting the problem. */
-static char *expand_env(loader *L, const char *sec, const char *key, const char *raw)
-{
-    size_t cap = strlen(raw) + 1, o = 0;
-    char *out = malloc(cap);
-    const char *p = raw;
-
-    if (!out) {
-        lerr(L, sec, key, "out of memory");
-        return NULL;
-    }
-    while (*p) {
-        const char *add = p;
-        size_t addlen = 1;
-        char name[256];
-
-        if (*p == '$') {
-            if (p[1] == '$') {
-                addlen = 1;
-                p += 2;
-            } else if (p[1] == '{') {
-                const char *close = strchr(p + 2, '}');
-                size_t nlen;
-
-                if (!close) {
-                    lerr(L, sec, key, "expected ${NAME} with a closing }, got an unterminated ${");
-                    goto fail;
-                }
-                nlen = (size_t)(close - (p + 2));
-                if (nlen == 0 || nlen >= sizeof name || !(isalpha((unsigned char)p[2]) || p[2] == '_')) {
-                    lerr(L, sec, key, "expected ${NAME} with NAME matching [A-Za-z_][A-Za-z0-9_]*, got a bad variable name");
-                    goto fail;
-                }
-                for (size_t i = 0; i < nlen; i++) {
-                    if (!isalnum((unsigned char)p[2 + i]) && p[2 + i] != '_') {
-                        lerr(L, sec, key, "expected ${NAME} with NAME matching [A-Za-z_][A-Za-z0-9_]*, got a bad variable name");
-                        goto fail;
-                    }
-                }
-                memcpy(name, p + 2, nlen);
-                name[nlen] = '\0';
-                add = getenv(name);
-                if (!add) {
-                    lerr(L, sec, key, "expected environment variable %s to be set (from ${%s}), got it unset",
-                         name, name);
-                    goto fail;
-                }
-                addlen = strlen(add);
-                p = close + 1;
-            } else {
-                lerr(L, sec, key, "expected ${NAME} or $$ after '$', got a lone '$' (write $$ for a literal $)");
-                goto fail;
-            }
-        } else {
-            p++;
-        }
-        if (o + addlen + 1 > cap) {
-            size_t ncap = (o + addlen + 1) * 2;
-            char *n = realloc(out, ncap);
-            if (!n) {
-                lerr(L, sec, key, "out of memory");
-                goto fail;
-            }
-            out = n;
-            cap = ncap;
-        }
-        memcpy(out + o, add, addlen);
-        o += addlen;
-    }
-    out[o] = '\0';
-    return out;
-
-fail:
-    free(out);
-    return NULL;
-}
-
-/* ------------------------------------------------------------------ */
-/* secret files                                                        */
-/* ------------------------------------------------------------------ */
-
-/* Reads a secret file; trims one trailing newline (\n or \r\n).
- * Returns a malloc'd string, or NULL after reporting (path only, never content). */
-static char *read_secret_file(loader *L, const char *sec, const char *key, const char *path)
-{
-    char qb[300], *buf = NULL;
-    size_t len = 0;
-    int fd = -1;
-    struct stat st;
-
-    fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
-    if (fd < 0) {
-        lerr(L, sec, key, "expected a readable file, got %s (%s)", q(path, qb, sizeof qb), strerror(errno));
-        goto fail;
-    }
-    if (fstat(fd, &st) < 0 || !S_ISREG(st.st_mode)) {
-        lerr(L, sec, key, "expected a readable regular file, got %s (not a regular file)", q(path, qb, sizeof qb));
-        goto fail;
-    }
-    if (!(buf = malloc(SECRET_FILE_MAX + 1))) {
-        lerr(L, sec, key, "out of memory");
-        goto fail;
-    }
-    for (;;) {
-        ssize_t r = read(fd, buf + len, SECRET_FILE_MAX + 1 - len);
-        if (r < 0) {
-            if (errno == EINTR)
-                continue;
-            lerr(L, sec, key, "expected a readable file, got %s (%s)", q(path, qb, sizeof qb), strerror(errno));
-            goto fail;
-        }
-        if (r == 0)
-            break;
-        len += (size_t)r;
-        if (len > SECRET_FILE_MAX) {
-            lerr(L, sec, key, "expected a file of at most %d bytes, got %s (too large)", SECRET_FILE_MAX,
-                 q(path, qb, sizeof qb));
-            goto fail;
-        }
-    }
-    close(fd);
-    fd = -1;
-    if (len > 0 && buf[len - 1] == '\n') {
-        len--;
-        if (len > 0 && buf[len - 1] == '\r')
-            len--;
-    }
-    buf[len] = '\0';
-    if (memchr(buf, '\0', len) || memchr(buf, '\n', len)) {
-        lerr(L, sec, key, "expected a file holding one line of text, got %s (contains NUL bytes or several lines)",
-             q(path, qb, sizeof qb));
-        goto fail;
-    }
-    return buf;
-
-fail:
-    if (fd >= 0)
-        close(fd);
-    if (buf) {
-        explicit_bzero(buf, SECRET_FILE_MAX + 1);
-        free(buf);
-    }
-    return NULL;
+    L->nerr++;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    if (asprintf(&line, "%s:%d: %s", L->file, lineno, msg) < 0)
+        return;
+    errs_add(L->errs, line);
 }
 
 /* ------------------------------------------------------------------ */
@@ -455,7 +118,7 @@ static size_t n_backends;
 int cfg_register(const cfg_backend *b)
 {
     if ((b->conf_size > 0 && b->conf_equal == NULL) || (b->n_keys > 0 && b->conf_size == 0))
-        return -1;   /* a reload could not compare its settings; its keys would have no home */
+        return -1; /* a reload could not compare its settings; its keys would have no home */
     for (size_t i = 0; i < n_backends; i++) {
         if (backends[i] == b)
             return 0;
@@ -468,16 +131,16 @@ int cfg_register(const cfg_backend *b)
     return 0;
 }
 
-const cfg_backend *cfg_backend_find(int kind, const char *name)
+const cfg_backend *cfg_backend_find(enum cfg_backend_kind kind, const char *name)
 {
     for (size_t i = 0; i < n_backends; i++)
         if (backends[i]->kind == kind && (name == NULL || strcasecmp(backends[i]->name, name) == 0))
             return backends[i];
-    return NULL;   /* name NULL: the first of that kind (the default) */
+    return NULL; /* name NULL: the first of that kind (the default) */
 }
 
 struct cfg_report {
-    loader     *L;
+    cfg_loader *L;
     const char *sec;
 };
 
@@ -489,12 +152,7 @@ void cfg_report_error(cfg_report *r, const char *key, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    lerr(r->L, r->sec, key, "%s", msg);
-}
-
-const char *cfg_quote(const char *v, char *buf, size_t len)
-{
-    return q(v, buf, len);
+    cfg_lerr(r->L, r->sec, key, "%s", msg);
 }
 
 /* ------------------------------------------------------------------ */
@@ -512,9 +170,11 @@ static const int mode_vals[] = { CFG_MODE_LEADER, CFG_MODE_COMPETING };
 static const char *const ordering_names[] = { "pipelined", "strict", NULL };
 static const int ordering_vals[] = { CFG_ORDER_PIPELINED, CFG_ORDER_STRICT };
 
-#define DUR_MAX   (3650LL * MS_D)
-#define ENUM(n)   n##_names, n##_vals
+#define DUR_MAX (3650LL * MS_D)
+#define ENUM(n) n##_names, n##_vals
 
+/* A key a line, its columns aligned as a table (left to the hand, not the formatter). */
+/* clang-format off */
 #define R(f) offsetof(cfg_relay, f)
 static const cfg_key relay_keys[] = {
     { "name",             CFG_KT_NAME,   CFG_KF_EMPTY_NULL, NULL, 0, 0, NULL, NULL, R(name),
@@ -582,6 +242,7 @@ static const cfg_key outbox_keys[] = {
 #undef O
 
 #define NKEYS(t) (sizeof(t) / sizeof((t)[0]))
+/* clang-format on */
 
 /* ------------------------------------------------------------------ */
 /* generic value parsing                                               */
@@ -597,11 +258,11 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
         for (size_t i = 0; i < n_backends && o < len; i++) {
             const char *t = backends[i]->expect;
             bool dup = false;
-            if (backends[i]->kind != (int)k->min || t == NULL)
+            if (backends[i]->kind != (enum cfg_backend_kind)k->min || t == NULL)
                 continue;
             for (size_t j = 0; j < i && !dup; j++)
-                dup = backends[j]->kind == (int)k->min && backends[j]->expect != NULL &&
-                      strcmp(backends[j]->expect, t) == 0;
+                dup = backends[j]->kind == (enum cfg_backend_kind)k->min &&
+                      backends[j]->expect != NULL && strcmp(backends[j]->expect, t) == 0;
             if (!dup)
                 o += (size_t)snprintf(buf + o, len - o, "%s%s", o ? " or " : "", t);
         }
@@ -609,7 +270,8 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
             snprintf(buf, len, "%s", k->expect);
         return;
     }
-    switch (k->type) {
+    snprintf(buf, len, "a value");
+    switch (k->type) { /* no default: -Wswitch names a key type added without its text */
     case CFG_KT_ENUM:
         o += (size_t)snprintf(buf + o, len - o, "one of ");
         for (size_t i = 0; k->names[i] && o < len; i++)
@@ -619,7 +281,7 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
         bool first = true;
         o += (size_t)snprintf(buf + o, len - o, "one of ");
         for (size_t i = 0; i < n_backends && o < len; i++) {
-            if (backends[i]->kind != (int)k->min)
+            if (backends[i]->kind != (enum cfg_backend_kind)k->min)
                 continue;
             o += (size_t)snprintf(buf + o, len - o, "%s%s", first ? "" : " | ", backends[i]->name);
             first = false;
@@ -631,76 +293,38 @@ static void expect_text(const cfg_key *k, char *buf, size_t len)
                  (long long)k->min, (long long)k->max);
         break;
     case CFG_KT_DUR:
-        fmt_dur(k->min, a, sizeof a);
-        fmt_dur(k->max, b, sizeof b);
+        cfg_fmt_duration(k->min, a, sizeof a);
+        cfg_fmt_duration(k->max, b, sizeof b);
         snprintf(buf, len, "%sa duration like 250ms, 30s, 5m, 2h or 7d, %s%s..%s",
                  (k->flags & CFG_KF_AUTO) ? "auto or " : "",
                  (k->flags & CFG_KF_WHOLE_SEC) ? "in whole seconds, " : "", a, b);
         break;
     case CFG_KT_SIZE:
-        fmt_size((uint64_t)k->min, a, sizeof a);
-        fmt_size((uint64_t)k->max, b, sizeof b);
+        cfg_fmt_size((uint64_t)k->min, a, sizeof a);
+        cfg_fmt_size((uint64_t)k->max, b, sizeof b);
         snprintf(buf, len, "a size like 1024, 64k, 16M or 1G, %s..%s", a, b);
         break;
     case CFG_KT_BOOL:
-        snprintf(buf, len, "%s", (k->flags & CFG_KF_MUST_TRUE) ? k->expect : "true | false (or yes | no, on | off, 1 | 0)");
+        snprintf(buf, len, "%s",
+                 (k->flags & CFG_KF_MUST_TRUE) ? k->expect
+                                               : "true | false (or yes | no, on | off, 1 | 0)");
         break;
     case CFG_KT_LISTEN:
-        snprintf(buf, len, "host:port with a port 1..65535 (IPv6 as [addr]:port), or empty to disable");
+        snprintf(buf, len,
+                 "host:port with a port 1..65535 (IPv6 as [addr]:port), or empty to disable");
         break;
     case CFG_KT_SECRET_FILE:
         snprintf(buf, len, "a readable file");
         break;
-    default:
+    case CFG_KT_STR:
+    case CFG_KT_NAME:
         snprintf(buf, len, "%s", k->expect ? k->expect : "a value");
         break;
     }
 }
 
-static bool name_ok(const char *v)
-{
-    size_t n = strlen(v);
-
-    if (n == 0 || n > 128)
-        return false;
-    for (size_t i = 0; i < n; i++)
-        if ((unsigned char)v[i] <= 0x20 || (unsigned char)v[i] >= 0x7f)
-            return false;
-    return true;
-}
-
-/* host:port, [v6]:port; port 1..65535. */
-static bool listen_ok(const char *v)
-{
-    const char *colon, *host_end;
-    int64_t port;
-
-    if (v[0] == '[') {
-        const char *close = strchr(v, ']');
-        if (!close || close == v + 1 || close[1] != ':')
-            return false;
-        for (const char *c = v + 1; c < close; c++)
-            if (!isxdigit((unsigned char)*c) && *c != ':' && *c != '.')
-                return false;
-        colon = close + 1;
-        host_end = close;
-    } else {
-        colon = strrchr(v, ':');
-        if (!colon || colon == v)
-            return false;
-        for (const char *c = v; c < colon; c++)
-            if (!cfg_host_char_ok((unsigned char)*c))
-                return false;
-        host_end = colon;
-    }
-    (void)host_end;
-    if (!isdigit((unsigned char)colon[1]))
-        return false;
-    return cfg_parse_int(colon + 1, 1, 65535, &port) == 0;
-}
-
 /* Parses one value (already expanded) into base+k->off. Reports and returns -1 on error. */
-static int apply_value(loader *L, const char *sec, const cfg_key *k, const char *v, void *base)
+static int apply_value(cfg_loader *L, const char *sec, const cfg_key *k, const char *v, void *base)
 {
     char *field = (char *)base + k->off;
     char exp[512], qb[200];
@@ -709,16 +333,17 @@ static int apply_value(loader *L, const char *sec, const cfg_key *k, const char 
     bool b;
 
     expect_text(k, exp, sizeof exp);
-#define BAD() do {                                                             \
-        if (k->flags & CFG_KF_SECRET)                                              \
-            lerr(L, sec, k->key, "expected %s, got <secret>", exp);           \
-        else                                                                   \
-            lerr(L, sec, k->key, "expected %s, got %s", exp, q(v, qb, sizeof qb)); \
-        return -1;                                                             \
+#define BAD()                                                                                  \
+    do {                                                                                       \
+        if (k->flags & CFG_KF_SECRET)                                                          \
+            cfg_lerr(L, sec, k->key, "expected %s, got <secret>", exp);                        \
+        else                                                                                   \
+            cfg_lerr(L, sec, k->key, "expected %s, got %s", exp, cfg_quote(v, qb, sizeof qb)); \
+        return -1;                                                                             \
     } while (0)
 
     if (*v == '\0' && (k->flags & CFG_KF_NONEMPTY)) {
-        lerr(L, sec, k->key, "expected %s, got an empty value", exp);
+        cfg_lerr(L, sec, k->key, "expected %s, got an empty value", exp);
         return -1;
     }
 
@@ -734,25 +359,26 @@ static int apply_value(loader *L, const char *sec, const cfg_key *k, const char 
             *dst = NULL;
             return 0;
         }
-        if (k->type == CFG_KT_NAME && !name_ok(v))
+        if (k->type == CFG_KT_NAME && !cfg_name_ok(v))
             BAD();
-        if (k->type == CFG_KT_LISTEN && !listen_ok(v))
+        if (k->type == CFG_KT_LISTEN && !cfg_listen_ok(v))
             BAD();
         if (k->flags & CFG_KF_READABLE) {
             if (access(v, R_OK) < 0) {
-                lerr(L, sec, k->key, "expected %s, got %s (%s)", exp, q(v, qb, sizeof qb), strerror(errno));
+                cfg_lerr(L, sec, k->key, "expected %s, got %s (%s)", exp,
+                         cfg_quote(v, qb, sizeof qb), strerror(errno));
                 return -1;
             }
         }
         if (!(copy = strdup(v))) {
-            lerr(L, sec, k->key, "out of memory");
+            cfg_lerr(L, sec, k->key, "out of memory");
             return -1;
         }
         if (k->flags & CFG_KF_SECRET)
             cfg_free_secret(*dst);
         else
             free(*dst);
-        *dst = copy;   /* the cfg owns it */
+        *dst = copy; /* the cfg owns it */
         return 0;
     }
     case CFG_KT_SECRET_FILE: {
@@ -764,7 +390,7 @@ static int apply_value(loader *L, const char *sec, const cfg_key *k, const char 
             *dst = NULL;
             return 0;
         }
-        if (!(content = read_secret_file(L, sec, k->key, v)))
+        if (!(content = cfg_read_secret_file(L, sec, k->key, v)))
             return -1;
         cfg_free_secret(*dst);
         *dst = content;
@@ -779,7 +405,7 @@ static int apply_value(loader *L, const char *sec, const cfg_key *k, const char 
         }
         BAD();
     case CFG_KT_BACKEND: {
-        const cfg_backend *be = cfg_backend_find((int)k->min, v);
+        const cfg_backend *be = cfg_backend_find((enum cfg_backend_kind)k->min, v);
         if (be == NULL)
             BAD();
         *(const cfg_backend **)(void *)field = be;
@@ -806,7 +432,8 @@ static int apply_value(loader *L, const char *sec, const cfg_key *k, const char 
         *(int64_t *)(void *)field = i64;
         return 0;
     case CFG_KT_SIZE:
-        if (cfg_parse_size(v, &sz) < 0 || (uint64_t)sz < (uint64_t)k->min || (uint64_t)sz > (uint64_t)k->max)
+        if (cfg_parse_size(v, &sz) < 0 || (uint64_t)sz < (uint64_t)k->min ||
+            (uint64_t)sz > (uint64_t)k->max)
             BAD();
         *(size_t *)(void *)field = sz;
         return 0;
@@ -817,11 +444,9 @@ static int apply_value(loader *L, const char *sec, const cfg_key *k, const char 
             BAD();
         *(bool *)(void *)field = b;
         return 0;
-    default:
-        break;
-    }
+    } /* no default: -Wswitch names a key type added without its parser */
 #undef BAD
-    lerr(L, sec, k->key, "internal error: unknown key type");
+    cfg_lerr(L, sec, k->key, "internal error: unknown key type");
     return -1;
 }
 
@@ -833,15 +458,15 @@ static const cfg_key *find_key(const cfg_key *t, size_t n, const char *key)
     return NULL;
 }
 
-/* The keys a section of kind (a CFG_BACKEND_* for sinks and outboxes, 0 for [relay]) may
+/* The keys a section of kind (CFG_BACKEND_SINK, _SOURCE or, for [relay], _NONE) may
    hold: its table t, and the keys of its backend be; with be NULL (its name is not known
    before its value is expanded, or names nothing) the keys of every backend of the kind. */
-static bool key_known(const cfg_key *t, size_t n, int kind, const cfg_backend *be,
+static bool key_known(const cfg_key *t, size_t n, enum cfg_backend_kind kind, const cfg_backend *be,
                       const char *key)
 {
     if (find_key(t, n, key))
         return true;
-    for (size_t i = 0; kind != 0 && i < n_backends; i++)
+    for (size_t i = 0; kind != CFG_BACKEND_NONE && i < n_backends; i++)
         if (backends[i]->kind == kind && (be == NULL || backends[i] == be) &&
             backends[i]->keys != NULL && find_key(backends[i]->keys, backends[i]->n_keys, key))
             return true;
@@ -849,14 +474,14 @@ static bool key_known(const cfg_key *t, size_t n, int kind, const cfg_backend *b
 }
 
 /* Reports keys of section sec that it may not hold (key_known). */
-static void check_unknown_keys(loader *L, const char *sec, const cfg_key *t, size_t n,
-                               int kind, const char *kind_key)
+static void check_unknown_keys(cfg_loader *L, const char *sec, const cfg_key *t, size_t n,
+                               enum cfg_backend_kind kind, const char *kind_key)
 {
     size_t slen = strlen(sec);
     dictionary *d = L->d;
     const cfg_backend *be = NULL;
 
-    if (kind != 0) {   /* the section's backend, if its raw value names one */
+    if (kind != CFG_BACKEND_NONE) { /* the section's backend, if its raw value names one */
         char full[512];
         snprintf(full, sizeof full, "%s:%s", sec, kind_key);
         const char *raw = iniparser_getstring(d, full, NULL);
@@ -875,12 +500,12 @@ static void check_unknown_keys(loader *L, const char *sec, const cfg_key *t, siz
             o += (size_t)snprintf(list + o, sizeof list - o, "%s%s", j ? ", " : "", t[j].key);
         for (size_t j = 0; be != NULL && be->keys != NULL && j < be->n_keys && o < sizeof list; j++)
             o += (size_t)snprintf(list + o, sizeof list - o, ", %s", be->keys[j].key);
-        lerr(L, sec, k + slen + 1, "unknown key, expected one of %s", list);
+        cfg_lerr(L, sec, k + slen + 1, "unknown key, expected one of %s", list);
     }
 }
 
 /* Applies every key of the table to base: the file's value (expanded) or the default. */
-static void apply_section(loader *L, const char *sec, const cfg_key *t, size_t n, void *base)
+static void apply_section(cfg_loader *L, const char *sec, const cfg_key *t, size_t n, void *base)
 {
     char full[512];
 
@@ -895,18 +520,18 @@ static void apply_section(loader *L, const char *sec, const cfg_key *t, size_t n
             if (k->flags & CFG_KF_REQUIRED) {
                 char exp[512];
                 expect_text(k, exp, sizeof exp);
-                lerr(L, sec, k->key, "expected %s (required), got nothing", exp);
+                cfg_lerr(L, sec, k->key, "expected %s (required), got nothing", exp);
                 continue;
             }
             if (k->def)
                 apply_value(L, sec, k, k->def, base);
-            else if (k->type == CFG_KT_BACKEND &&   /* the default: the first registered */
-                     !(*(const cfg_backend **)(void *)((char *)base + k->off) =
-                       cfg_backend_find((int)k->min, NULL)))
-                lerr(L, sec, k->key, "no implementation is built in");
+            else if (k->type == CFG_KT_BACKEND && /* the default: the first registered */
+                     !(*(const cfg_backend **)(void *)((char *)base + k->off) = cfg_backend_find(
+                           (enum cfg_backend_kind)k->min, NULL)))
+                cfg_lerr(L, sec, k->key, "no implementation is built in");
             continue;
         }
-        if (!(v = expand_env(L, sec, k->key, raw)))
+        if (!(v = cfg_expand_env(L, sec, k->key, raw)))
             continue;
         apply_value(L, sec, k, v, base);
         cfg_free_secret(v);
@@ -915,12 +540,12 @@ static void apply_section(loader *L, const char *sec, const cfg_key *t, size_t n
 
 /* The section's backend settings: be->conf_size bytes, zeroed, in *conf, and be's keys
    applied to them. be NULL: its name was reported already. */
-static void apply_backend_keys(loader *L, const char *sec, const cfg_backend *be, void **conf)
+static void apply_backend_keys(cfg_loader *L, const char *sec, const cfg_backend *be, void **conf)
 {
     if (be == NULL || be->conf_size == 0)
         return;
     if ((*conf = calloc(1, be->conf_size)) == NULL) {
-        lerr(L, sec, NULL, "out of memory");
+        cfg_lerr(L, sec, NULL, "out of memory");
         return;
     }
     apply_section(L, sec, be->keys, be->n_keys, *conf);
@@ -942,7 +567,7 @@ static bool section_name_ok(const char *n)
     return true;
 }
 
-static void default_relay_name(loader *L, cfg_relay *r)
+static void default_relay_name(cfg_loader *L, cfg_relay *r)
 {
     char host[256];
 
@@ -953,26 +578,26 @@ static void default_relay_name(loader *L, cfg_relay *r)
     host[sizeof host - 1] = '\0';
     if (asprintf(&r->name, "%s:%ld", host, (long)getpid()) < 0) {
         r->name = NULL;
-        lerr(L, "relay", "name", "out of memory");
+        cfg_lerr(L, "relay", "name", "out of memory");
     }
 }
 
-static void finish_sink(loader *L, const char *sec, cfg_sink *s)
+static void finish_sink(cfg_loader *L, const char *sec, cfg_sink *s)
 {
     cfg_report r = { L, sec };
 
     if (s->type == NULL || (s->type->conf_size > 0 && s->backend_conf == NULL))
-        return;   /* already reported */
+        return; /* already reported */
     if (s->url == NULL && s->type->url_default != NULL &&
         (s->url = strdup(s->type->url_default)) == NULL) {
-        lerr(L, sec, "url", "out of memory");
+        cfg_lerr(L, sec, "url", "out of memory");
         return;
     }
     if (s->type->finish_sink != NULL)
         s->type->finish_sink(s, &r);
 }
 
-static void finish_outbox(loader *L, const char *sec, cfg_outbox *o)
+static void finish_outbox(cfg_loader *L, const char *sec, cfg_outbox *o)
 {
     char qb[300];
 
@@ -983,8 +608,10 @@ static void finish_outbox(loader *L, const char *sec, cfg_outbox *o)
         memset(&tn, 0, sizeof tn);
         why[0] = '\0';
         if (outbox_table_parse(o->table, &tn, why, sizeof why) < 0) {
-            lerr(L, sec, "table", "expected schema.table with each part matching [A-Za-z_][A-Za-z0-9_]* "
-                 "(at most 63 bytes), got %s (%s)", q(o->table, qb, sizeof qb), why[0] ? why : "invalid");
+            cfg_lerr(L, sec, "table",
+                     "expected schema.table with each part matching [A-Za-z_][A-Za-z0-9_]* "
+                     "(at most 63 bytes), got %s (%s)",
+                     cfg_quote(o->table, qb, sizeof qb), why[0] ? why : "invalid");
         } else {
             snprintf(o->schema_part, sizeof o->schema_part, "%s", tn.schema);
             snprintf(o->table_part, sizeof o->table_part, "%s", tn.table);
@@ -993,9 +620,10 @@ static void finish_outbox(loader *L, const char *sec, cfg_outbox *o)
     }
     if (o->retry_backoff_ms > o->retry_backoff_max_ms) {
         char a[32], b[32];
-        fmt_dur(o->retry_backoff_ms, a, sizeof a);
-        fmt_dur(o->retry_backoff_max_ms, b, sizeof b);
-        lerr(L, sec, "retry_backoff_max", "expected a duration of at least retry_backoff (%s), got \"%s\"", a, b);
+        cfg_fmt_duration(o->retry_backoff_ms, a, sizeof a);
+        cfg_fmt_duration(o->retry_backoff_max_ms, b, sizeof b);
+        cfg_lerr(L, sec, "retry_backoff_max",
+                 "expected a duration of at least retry_backoff (%s), got \"%s\"", a, b);
     }
     if (o->source != NULL && o->source->finish_outbox != NULL &&
         (o->source->conf_size == 0 || o->backend_conf != NULL)) {
@@ -1065,224 +693,6 @@ static int ini_error_cb(const char *fmt, ...)
     return 0;
 }
 
-/* ------------------------------------------------------------------ */
-/* line checks: what iniparser would merge, cut or drop silently       */
-/* ------------------------------------------------------------------ */
-
-/* One line: "FILE:LINE: message" (the message names section and key itself). */
-static void lerr_line(loader *L, int lineno, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
-static void lerr_line(loader *L, int lineno, const char *fmt, ...)
-{
-    char msg[1024], *line = NULL;
-    va_list ap;
-
-    L->nerr++;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    if (asprintf(&line, "%s:%d: %s", L->file, lineno, msg) < 0)
-        return;
-    errs_add(L->errs, line);
-}
-
-/* Names already seen (lower-cased, as iniparser stores them) and the line of each. */
-typedef struct seen_list {
-    char **name;
-    int   *line;
-    size_t n, cap;
-} seen_list;
-
-/* Returns the line where name was first seen, or 0 after recording it (-1: out of memory). */
-static int seen_add(seen_list *l, const char *name, int lineno)
-{
-    for (size_t i = 0; i < l->n; i++)
-        if (strcmp(l->name[i], name) == 0)
-            return l->line[i];
-    if (l->n == l->cap) {
-        size_t ncap = l->cap ? l->cap * 2 : 16;
-        char **nn = realloc(l->name, ncap * sizeof *nn);
-        int *nl;
-
-        if (!nn)
-            return -1;
-        l->name = nn;
-        if (!(nl = realloc(l->line, ncap * sizeof *nl)))
-            return -1;
-        l->line = nl;
-        l->cap = ncap;
-    }
-    if (!(l->name[l->n] = strdup(name)))
-        return -1;
-    l->line[l->n++] = lineno;
-    return 0;
-}
-
-static void seen_clear(seen_list *l)
-{
-    for (size_t i = 0; i < l->n; i++)
-        free(l->name[i]);
-    l->n = 0;
-}
-
-static void seen_free(seen_list *l)
-{
-    seen_clear(l);
-    free(l->name);
-    free(l->line);
-    l->name = NULL;
-    l->line = NULL;
-    l->cap = 0;
-}
-
-static bool ini_space(int c)
-{
-    return isspace((unsigned char)c) != 0;
-}
-
-/* Copies [p, p+n) trimmed and lower-cased (as iniparser does with section and key names). */
-static void ini_name(const char *p, size_t n, char *out, size_t outlen)
-{
-    size_t o = 0;
-
-    while (n > 0 && ini_space(p[0])) {
-        p++;
-        n--;
-    }
-    while (n > 0 && ini_space(p[n - 1]))
-        n--;
-    for (size_t i = 0; i < n && o + 1 < outlen; i++)
-        out[o++] = (char)tolower((unsigned char)p[i]);
-    out[o] = '\0';
-}
-
-/* Reads the file line by line, as iniparser does, and reports what iniparser would
- * take differently from how it reads (values are never echoed: they may be secrets):
- *   - a section given twice ([Outbox.A] and [outbox.a] included): iniparser merges them;
- *   - a key given twice in one section: the last one silently wins;
- *   - an empty section name "[]": iniparser files the following keys under the
- *     previous section (or under a mangled name);
- *   - text after the ']' of a section header: dropped;
- *   - a line ending in '\': iniparser joins the next line onto it, so a comment
- *     ending in '\' swallows the key below it;
- *   - a quoted value without its closing quote, or with text after it: cut;
- *   - an unquoted ';' or '#' with no whitespace before it: iniparser ends the value
- *     there (ODBC strings: Driver={...};Server=db).
- * Returns the number of problems found; 0 means the dictionary says what the file says. */
-static int scan_lines(loader *L)
-{
-    char section[1100] = "", *line = NULL;
-    size_t cap = 0;
-    int lineno = 0, before = L->nerr;
-    bool continued = false;
-    seen_list secs = { 0 }, keys = { 0 };
-    FILE *f = fopen(L->file, "r");
-
-    if (!f) {
-        lerr(L, NULL, NULL, "cannot open: %s", strerror(errno));
-        return 1;
-    }
-    while (getline(&line, &cap, f) > 0) {
-        char *p = line, *eq, *v, *cut, key[1100];
-        size_t n = strlen(line);
-        bool was_continued = continued;
-        int first;
-
-        lineno++;
-        while (n > 0 && ini_space(line[n - 1]))
-            line[--n] = '\0';
-        continued = n > 0 && line[n - 1] == '\\';
-        if (was_continued)
-            continue;   /* already reported with the line that ended in '\' */
-        if (continued) {
-            lerr_line(L, lineno, "line ends with '\\', expected one line per entry (iniparser would join "
-                      "line %d onto this one; line continuation is not supported)", lineno + 1);
-            continue;
-        }
-        while (ini_space(*p))
-            p++;
-        n = strlen(p);
-        if (*p == ';' || *p == '#' || *p == '\0')
-            continue;
-        if (p[0] == '[' && p[n - 1] == ']') {   /* iniparser's test for a section header */
-            char *close = strchr(p, ']');
-            const char *after = close + 1;
-
-            ini_name(p + 1, (size_t)(close - p - 1), section, sizeof section);
-            seen_clear(&keys);
-            while (ini_space(*after))
-                after++;
-            if (*after) {
-                lerr_line(L, lineno, "[%s]: expected nothing after the ']' of a section header, got more text "
-                          "(iniparser would ignore it)", section);
-                continue;
-            }
-            if (!section[0]) {
-                lerr_line(L, lineno, "empty section name [], expected [relay], [sink.NAME] or [outbox.NAME]");
-                continue;
-            }
-            if ((first = seen_add(&secs, section, lineno)) < 0)
-                goto oom;
-            if (first > 0)
-                lerr_line(L, lineno, "section [%s] given twice (first at line %d)", section, first);
-            continue;
-        }
-        if (!(eq = strchr(p, '=')))
-            continue;   /* iniparser refuses it: not reached */
-        ini_name(p, (size_t)(eq - p), key, sizeof key);
-        if (!key[0])
-            continue;   /* likewise */
-        if ((first = seen_add(&keys, key, lineno)) < 0)
-            goto oom;
-        if (first > 0) {
-            lerr_line(L, lineno, "[%s] %s given twice (first at line %d)", section, key, first);
-            continue;
-        }
-        v = eq + 1;
-        while (ini_space(*v))
-            v++;
-        if (*v == '"' || *v == '\'') {
-            char *close = strchr(v + 1, *v);
-            const char *after;
-
-            if (!close) {
-                lerr_line(L, lineno, "[%s] %s: expected a closing %c at the end of the quoted value, got none",
-                          section, key, *v);
-                continue;
-            }
-            /* like after an unquoted value, a comment needs whitespace before it */
-            after = close + 1;
-            while (ini_space(*after))
-                after++;
-            if (*after && (after == close + 1 || (*after != ';' && *after != '#')))
-                lerr_line(L, lineno, "[%s] %s: expected only whitespace and a ; comment after the closing %c "
-                          "of the value, got more text (iniparser would cut the value at the quote)",
-                          section, key, *v);
-            continue;
-        }
-        cut = v + strcspn(v, ";#");
-        if (*cut && cut > v && !ini_space(cut[-1])) {
-            lerr_line(L, lineno, "[%s] %s: expected the value in quotes because it contains '%c' (an unquoted "
-                      "';' or '#' starts a comment and would cut the value), got an unquoted value",
-                      section, key, *cut);
-        }
-    }
-    if (ferror(f))
-        lerr(L, NULL, NULL, "cannot read: %s", strerror(errno));
-    free(line);
-    fclose(f);
-    seen_free(&secs);
-    seen_free(&keys);
-    return L->nerr - before;
-
-oom:
-    lerr(L, NULL, NULL, "out of memory");
-    free(line);
-    fclose(f);
-    seen_free(&secs);
-    seen_free(&keys);
-    return L->nerr - before;
-}
-
 /* Is key (a dictionary key "sec:key") inside one of the dictionary's sections? */
 static const char *key_section(dictionary *d, const char *key, size_t *seclen)
 {
@@ -1294,7 +704,7 @@ static const char *key_section(dictionary *d, const char *key, size_t *seclen)
         size_t n;
 
         if (!s || d->val[i])
-            continue;   /* sections have NULL values */
+            continue; /* sections have NULL values */
         n = strlen(s);
         if (n > bestlen && strncmp(key, s, n) == 0 && key[n] == ':') {
             best = s;
@@ -1307,7 +717,7 @@ static const char *key_section(dictionary *d, const char *key, size_t *seclen)
 
 int cfg_load(const char *path, cfg **out, cfg_errors *errs)
 {
-    loader L = { path ? path : "(null)", NULL, errs, 0 };
+    cfg_loader L = { path ? path : "(null)", NULL, errs, 0 };
     cfg *c = NULL;
     FILE *f;
     size_t n_sinks = 0, n_outboxes = 0;
@@ -1315,12 +725,12 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
 
     *out = NULL;
     if (!path) {
-        lerr(&L, NULL, NULL, "cannot open: no file given");
+        cfg_lerr(&L, NULL, NULL, "cannot open: no file given");
         return -1;
     }
     /* iniparser only says "cannot open": check first so the line carries the reason */
     if (!(f = fopen(path, "r"))) {
-        lerr(&L, NULL, NULL, "cannot open: %s", strerror(errno));
+        cfg_lerr(&L, NULL, NULL, "cannot open: %s", strerror(errno));
         return -1;
     }
     {
@@ -1329,10 +739,11 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
         int is_dir = fstat(fileno(f), &st) == 0 && S_ISDIR(st.st_mode);
 
         /* iniparser reads a UTF-8 byte order mark as part of line 1 */
-        bom = !is_dir && fread(head, 1, sizeof head, f) == sizeof head && memcmp(head, "\xef\xbb\xbf", 3) == 0;
+        bom = !is_dir && fread(head, 1, sizeof head, f) == sizeof head &&
+              memcmp(head, "\xef\xbb\xbf", 3) == 0;
         fclose(f);
         if (is_dir) {
-            lerr(&L, NULL, NULL, "cannot open: %s", strerror(EISDIR));
+            cfg_lerr(&L, NULL, NULL, "cannot open: %s", strerror(EISDIR));
             return -1;
         }
     }
@@ -1347,24 +758,27 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
 
         /* iniparser's message quotes the offending line (maybe a secret): keep only its number */
         if (bom)
-            lerr(&L, NULL, NULL, "line 1: cannot parse: expected plain text, got a UTF-8 byte order mark "
-                 "at the start of the file (save it without BOM)");
+            cfg_lerr(&L, NULL, NULL,
+                     "line 1: cannot parse: expected plain text, got a UTF-8 byte order mark "
+                     "at the start of the file (save it without BOM)");
         else if (lp && sscanf(lp, "(%d)", &line) == 1 && line > 0)
-            lerr(&L, NULL, NULL, "line %d: cannot parse: expected [section], key = value or a ; comment%s",
-                 line, strstr(ini_msg, "too long") ? " (line too long: at most 1024 bytes)" : "");
+            cfg_lerr(&L, NULL, NULL,
+                     "line %d: cannot parse: expected [section], key = value or a ; comment%s",
+                     line,
+                     strstr(ini_msg, "too long") ? " (line too long: at most 1024 bytes)" : "");
         else
-            lerr(&L, NULL, NULL, "cannot parse the ini file");
+            cfg_lerr(&L, NULL, NULL, "cannot parse the ini file");
         return -1;
     }
 
     if (!(c = calloc(1, sizeof *c)) || !(c->path = strdup(path))) {
-        lerr(&L, NULL, NULL, "out of memory");
+        cfg_lerr(&L, NULL, NULL, "out of memory");
         goto fail;
     }
 
     /* the file's lines first: if iniparser merged, cut or dropped anything, the
      * dictionary is not what the file says and validating it would mislead */
-    if (scan_lines(&L) > 0)
+    if (cfg_scan_lines(&L) > 0)
         goto fail;
 
     /* pass 1: classify sections, count, report strays */
@@ -1373,12 +787,13 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
 
         if (!k)
             continue;
-        if (L.d->val[i]) {   /* a key: must be inside a section */
+        if (L.d->val[i]) { /* a key: must be inside a section */
             size_t sl;
             if (!key_section(L.d, k, &sl)) {
                 const char *colon = strchr(k, ':');
-                lerr(&L, "", colon ? colon + 1 : k,
-                     "key outside any section, expected it under [relay], [sink.NAME] or [outbox.NAME]");
+                cfg_lerr(
+                    &L, "", colon ? colon + 1 : k,
+                    "key outside any section, expected it under [relay], [sink.NAME] or [outbox.NAME]");
             }
             continue;
         }
@@ -1393,23 +808,25 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
             continue;
         }
         if (strncmp(k, "sink.", 5) == 0 || strncmp(k, "outbox.", 7) == 0)
-            lerr(&L, k, NULL, "bad section name, expected [sink.NAME] or [outbox.NAME] with NAME of 1..63 "
-                 "characters [a-z0-9_.-] (names are case-insensitive)");
+            cfg_lerr(&L, k, NULL,
+                     "bad section name, expected [sink.NAME] or [outbox.NAME] with NAME of 1..63 "
+                     "characters [a-z0-9_.-] (names are case-insensitive)");
         else
-            lerr(&L, k, NULL, "unknown section, expected [relay], [sink.NAME] or [outbox.NAME]");
+            cfg_lerr(&L, k, NULL,
+                     "unknown section, expected [relay], [sink.NAME] or [outbox.NAME]");
     }
 
     if (n_sinks && !(c->sinks = calloc(n_sinks, sizeof *c->sinks))) {
-        lerr(&L, NULL, NULL, "out of memory");
+        cfg_lerr(&L, NULL, NULL, "out of memory");
         goto fail;
     }
     if (n_outboxes && !(c->outboxes = calloc(n_outboxes, sizeof *c->outboxes))) {
-        lerr(&L, NULL, NULL, "out of memory");
+        cfg_lerr(&L, NULL, NULL, "out of memory");
         goto fail;
     }
 
     /* pass 2: [relay] (optional; defaults when absent) */
-    check_unknown_keys(&L, "relay", relay_keys, NKEYS(relay_keys), 0, NULL);
+    check_unknown_keys(&L, "relay", relay_keys, NKEYS(relay_keys), CFG_BACKEND_NONE, NULL);
     apply_section(&L, "relay", relay_keys, NKEYS(relay_keys), &c->relay);
     default_relay_name(&L, &c->relay);
 
@@ -1422,7 +839,7 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
         if (strncmp(k, "sink.", 5) == 0 && section_name_ok(k + 5)) {
             cfg_sink *s = &c->sinks[c->n_sinks++];
             if (!(s->name = strdup(k + 5))) {
-                lerr(&L, k, NULL, "out of memory");
+                cfg_lerr(&L, k, NULL, "out of memory");
                 continue;
             }
             check_unknown_keys(&L, k, sink_keys, NKEYS(sink_keys), CFG_BACKEND_SINK, "type");
@@ -1432,7 +849,7 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
         } else if (strncmp(k, "outbox.", 7) == 0 && section_name_ok(k + 7)) {
             cfg_outbox *o = &c->outboxes[c->n_outboxes++];
             if (!(o->name = strdup(k + 7))) {
-                lerr(&L, k, NULL, "out of memory");
+                cfg_lerr(&L, k, NULL, "out of memory");
                 continue;
             }
             check_unknown_keys(&L, k, outbox_keys, NKEYS(outbox_keys), CFG_BACKEND_SOURCE,
@@ -1445,7 +862,8 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
 
     /* pass 4: cross-section checks */
     if (c->n_outboxes == 0)
-        lerr(&L, "outbox.NAME", NULL, "missing section, expected at least one [outbox.NAME] section");
+        cfg_lerr(&L, "outbox.NAME", NULL,
+                 "missing section, expected at least one [outbox.NAME] section");
     for (size_t i = 0; i < c->n_outboxes; i++) {
         cfg_outbox *o = &c->outboxes[i];
         char sec[80], qb[200];
@@ -1457,15 +875,17 @@ int cfg_load(const char *path, cfg **out, cfg_errors *errs)
                 o->sink = &c->sinks[j];
         if (!o->sink) {
             snprintf(sec, sizeof sec, "outbox.%s", o->name ? o->name : "");
-            lerr(&L, sec, "sink", "expected the NAME of a [sink.NAME] section, got %s (no [sink.%s] section "
-                 "in this file; names are case-insensitive)", q(o->sink_name, qb, sizeof qb), o->sink_name);
+            cfg_lerr(&L, sec, "sink",
+                     "expected the NAME of a [sink.NAME] section, got %s (no [sink.%s] section "
+                     "in this file; names are case-insensitive)",
+                     cfg_quote(o->sink_name, qb, sizeof qb), o->sink_name);
         }
     }
 
     if (L.nerr)
         goto fail;
     iniparser_freedict(L.d);
-    *out = c;   /* the caller owns the cfg */
+    *out = c; /* the caller owns the cfg */
     return 0;
 
 fail:
@@ -1500,7 +920,6 @@ size_t cfg_max_rows_in_memory(const cfg *c)
 /* comparison (reload)                                                 */
 /* ------------------------------------------------------------------ */
 
-
 /* The settings of one backend be (both sections have it). */
 static bool backend_conf_equal(const cfg_backend *be, const void *a, const void *b)
 {
@@ -1513,8 +932,9 @@ bool cfg_sink_equal(const cfg_sink *a, const cfg_sink *b)
 {
     if (a == NULL || b == NULL)
         return a == b;
-    return outbox_util_str_eq(a->name, b->name) && a->type == b->type && outbox_util_str_eq(a->url, b->url) &&
-           outbox_util_str_eq(a->password, b->password) && a->publish_window == b->publish_window &&
+    return outbox_util_str_eq(a->name, b->name) && a->type == b->type &&
+           outbox_util_str_eq(a->url, b->url) && outbox_util_str_eq(a->password, b->password) &&
+           a->publish_window == b->publish_window &&
            a->confirm_timeout_ms == b->confirm_timeout_ms &&
            a->connect_timeout_ms == b->connect_timeout_ms &&
            a->reconnect_max_ms == b->reconnect_max_ms &&
@@ -1527,21 +947,22 @@ bool cfg_outbox_equal(const cfg_outbox *a, const cfg_outbox *b)
     if (a == NULL || b == NULL)
         return a == b;
     return outbox_util_str_eq(a->name, b->name) && a->source == b->source &&
-           outbox_util_str_eq(a->conninfo, b->conninfo) && outbox_util_str_eq(a->password, b->password) &&
+           outbox_util_str_eq(a->conninfo, b->conninfo) &&
+           outbox_util_str_eq(a->password, b->password) &&
            outbox_util_str_eq(a->database, b->database) && outbox_util_str_eq(a->table, b->table) &&
            strcmp(a->schema_part, b->schema_part) == 0 &&
-           strcmp(a->table_part, b->table_part) == 0 &&
-           strcmp(a->dead_part, b->dead_part) == 0 && outbox_util_str_eq(a->sink_name, b->sink_name) &&
-           cfg_sink_equal(a->sink, b->sink) && a->batch_size == b->batch_size &&
-           a->poll_interval_ms == b->poll_interval_ms && a->lease_ms == b->lease_ms &&
-           a->max_attempts == b->max_attempts && a->retry_backoff_ms == b->retry_backoff_ms &&
+           strcmp(a->table_part, b->table_part) == 0 && strcmp(a->dead_part, b->dead_part) == 0 &&
+           outbox_util_str_eq(a->sink_name, b->sink_name) && cfg_sink_equal(a->sink, b->sink) &&
+           a->batch_size == b->batch_size && a->poll_interval_ms == b->poll_interval_ms &&
+           a->lease_ms == b->lease_ms && a->max_attempts == b->max_attempts &&
+           a->retry_backoff_ms == b->retry_backoff_ms &&
            a->retry_backoff_max_ms == b->retry_backoff_max_ms && a->on_sent == b->on_sent &&
            a->retention_ms == b->retention_ms && a->cleanup_batch == b->cleanup_batch &&
            a->cleanup_interval_ms == b->cleanup_interval_ms && a->mode == b->mode &&
            a->claim_delay_ms == b->claim_delay_ms &&
            a->health_interval_ms == b->health_interval_ms &&
-           a->horizon_warn_ms == b->horizon_warn_ms &&
-           a->ordering == b->ordering && a->query_timeout_ms == b->query_timeout_ms &&
+           a->horizon_warn_ms == b->horizon_warn_ms && a->ordering == b->ordering &&
+           a->query_timeout_ms == b->query_timeout_ms &&
            a->connect_timeout_ms == b->connect_timeout_ms &&
            a->reconnect_max_ms == b->reconnect_max_ms &&
            backend_conf_equal(a->source, a->backend_conf, b->backend_conf);

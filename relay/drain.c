@@ -235,7 +235,7 @@ static const char *sink_reason(const char *msg, const char *peer)
     return p != NULL && strncmp(p + n, ": ", 2) == 0 ? p + n + 2 : msg;
 }
 
-static void sink_on_state(void *ud, int state, const char *peer, const char *msg)
+static void sink_on_state(void *ud, enum sink_state state, const char *peer, const char *msg)
 {
     drain *d = ud;
     int was = d->sink_state;
@@ -285,7 +285,7 @@ static void sink_on_state(void *ud, int state, const char *peer, const char *msg
 /* Only the nack_reopen event exists. The channel is reopened each time; the log
    says so at WARN at most once a minute (a full reject-publish queue, which also
    nacks everything, may reopen it every nack_reopen), with the count in between. */
-static void sink_on_event(void *ud, int event, const char *msg)
+static void sink_on_event(void *ud, enum sink_event event, const char *msg)
 {
     drain *d = ud;
     double now = mono_now();
@@ -312,7 +312,7 @@ static void sink_on_event(void *ud, int event, const char *msg)
     }
 }
 
-static void sink_on_result(void *ud, void *msg_ud, int outcome, const char *reason)
+static void sink_on_result(void *ud, void *msg_ud, enum sink_outcome outcome, const char *reason)
 {
     drain *d = ud;
     led_entry *e = msg_ud;
@@ -408,7 +408,7 @@ static void conn_up(sconn *c)
     ev_timer_stop(c->d->loop, &c->hold_timer);
 }
 
-static void main_on_state(void *ud, int state, const char *msg)
+static void main_on_state(void *ud, enum src_state state, const char *msg)
 {
     sconn *c = ud;
     drain *d = c->d;
@@ -429,7 +429,7 @@ static void main_on_state(void *ud, int state, const char *msg)
     schedule_kick(d);
 }
 
-static void settler_on_state(void *ud, int state, const char *msg)
+static void settler_on_state(void *ud, enum src_state state, const char *msg)
 {
     sconn *c = ud;
     drain *d = c->d;

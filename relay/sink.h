@@ -47,11 +47,11 @@ typedef struct sink_cbs {
     /* peer: the broker this is about, for logs ("127.0.0.1:5672 vhost /"); msg says what
        happened and names the peer first ("broker <peer>: <reason>"). Both valid during
        the callback only. */
-    void (*on_state)(void *ud, int state, const char *peer, const char *msg);
-    /* enum sink_event; msg names the peer and the reason. May be NULL. */
-    void (*on_event)(void *ud, int event, const char *msg);
+    void (*on_state)(void *ud, enum sink_state state, const char *peer, const char *msg);
+    /* msg names the peer and the reason. May be NULL. */
+    void (*on_event)(void *ud, enum sink_event event, const char *msg);
     /* reason: valid during the callback; NULL for SINK_ACK */
-    void (*on_result)(void *ud, void *msg_ud, int outcome, const char *reason);
+    void (*on_result)(void *ud, void *msg_ud, enum sink_outcome outcome, const char *reason);
     /* Room again after publish returned SINK_EAGAIN (window/socket space freed). */
     void (*on_writable)(void *ud);
 } sink_cbs;

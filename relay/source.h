@@ -120,7 +120,7 @@ typedef struct src_cbs {
     /* Connection state changes. UP: connected, database name verified, schema
        present, LISTEN issued (PostgreSQL). DOWN: lost or failed; msg says why.
        After DOWN the source reconnects by itself with capped back-off. */
-    void (*on_state)(void *ud, int state, const char *msg);
+    void (*on_state)(void *ud, enum src_state state, const char *msg);
     /* A wake-up hint (NOTIFY); rows may be claimable. */
     void (*on_wake)(void *ud);
     /* Completion of the one outstanding request. */

@@ -1,8 +1,9 @@
 /*
  * amqpsink.c — the RabbitMQ sink (relay/sink.h) on rabbitmq-c 0.11 and libev:
  * the loop side. The connect itself runs off the loop (amqpconnect.c), the
- * exchange checks on their own channel (amqpxcheck.c); both share the sink's
- * state through amqpsink.h.
+ * exchange checks on their own channel (amqpxcheck.c), the socket's options and
+ * the sends that do not wait are amqpwire.c's; they share the sink's state
+ * through amqpsink.h.
  *
  * One connection, one channel in confirm mode. Publishes are pipelined over
  * publish_window; acks/nacks/returns/channel.close are read from the loop with
@@ -55,20 +56,14 @@
 #include <amqp.h>
 #include <errno.h>
 #include <ev.h>
-#include <linux/sockios.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/ioctl.h>
-#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "lib/outbox_util.h"
 
-#define AMQPSINK_SNDBUF      (4 * 1024 * 1024)
 #define AMQPSINK_BACKOFF_MIN 100           /* ms */
 #define AMQPSINK_DRAIN_MAX   4096          /* frames per readable event before yielding */
 #define AMQPSINK_DRAIN_BYTES (1024 * 1024) /* body bytes read per readable event before yielding */
@@ -306,52 +301,6 @@ void amqpsink_mark_broken(sink *s, const char *what, int rc)
     ev_timer_start(s->loop, &s->failt);
 }
 
-/* ------------------------------------------------------------ socket options */
-
-/* TCP_USER_TIMEOUT (= confirm_timeout) bounds how long the kernel keeps unacknowledged
- * data, zero-window probes included. While the broker blocks the connection it stops
- * reading from the socket on purpose, so a full pipeline legitimately sits in a zero
- * window: the bound is lifted then (on = false) and restored when unblocked. */
-static void set_user_timeout(sink *s, bool on)
-{
-    int fd = s->conn ? amqp_get_sockfd(s->conn) : -1;
-    unsigned ut = 0;
-
-    if (fd < 0 || s->cfg.confirm_timeout_ms <= 0)
-        return;
-    if (on)
-        ut = s->cfg.confirm_timeout_ms > 3600000 ? 3600000u : (unsigned)s->cfg.confirm_timeout_ms;
-    (void)setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &ut, sizeof ut);
-}
-
-static void set_sock_opts(sink *s)
-{
-    int fd = amqp_get_sockfd(s->conn);
-    int v = AMQPSINK_SNDBUF;
-    socklen_t sl = sizeof v;
-
-    s->sndcap = 64 * 1024;
-    if (fd < 0)
-        return;
-    /* Best effort: a smaller buffer only means more SINK_EAGAIN. */
-    (void)setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, sizeof v);
-    set_user_timeout(s, true);
-    v = 0;
-    if (getsockopt(fd, SOL_SOCKET, SO_SNDBUF, &v, &sl) == 0 && v > 0)
-        s->sndcap = (size_t)v / 2; /* the kernel doubles the value for bookkeeping */
-}
-
-bool amqpsink_sock_room(sink *s, size_t need)
-{
-    int fd, queued = 0;
-
-    if (s->conn == NULL || (fd = amqp_get_sockfd(s->conn)) < 0)
-        return true;
-    if (ioctl(fd, SIOCOUTQ, &queued) < 0 || queued <= 0)
-        return true; /* empty buffer: always allowed (TCP_USER_TIMEOUT bounds it) */
-    return (size_t)queued + need <= s->sndcap;
-}
-
 static OUTBOX_MUST_CHECK bool read_frames(sink *s);
 static void nack_check(sink *s);
 static bool pch_kick(sink *s);
@@ -431,7 +380,7 @@ static void jobw_cb(struct ev_loop *loop, ev_async *w, int revents)
     memset(&s->st, 0, sizeof s->st);
     amqpsink_xcheck_reset(s);
     s->ck_ch = amqpsink_xcheck_channel(s->conn);
-    set_sock_opts(s);
+    amqpsink_set_sock_opts(s);
     s->hb = amqp_get_heartbeat(s->conn);
     s->last_rx = ev_time();
     if (s->hb > 0 && s->hb / 4.0 < s->tick.repeat)
@@ -612,16 +561,13 @@ static void wretry_cb(struct ev_loop *loop, ev_timer *w, int revents)
 /* The next publishing channel number: they cycle below the check channel. */
 static amqp_channel_t next_channel(const sink *s)
 {
-    int max = amqp_get_channel_max(s->conn);
+    /* the check channel is the highest */
+    int max = s->ck_ch != 0 ? s->ck_ch - 1 : amqpsink_channel_max(s->conn);
 
-    if (max <= 0 || max > 65535)
-        max = 65535;
-    if (s->ck_ch != 0)
-        max = s->ck_ch - 1; /* the check channel is the highest */
     return (amqp_channel_t)(s->ch >= max ? 1 : s->ch + 1);
 }
 
-static OUTBOX_MUST_CHECK bool emit_event(sink *s, int ev, const char *msg)
+static OUTBOX_MUST_CHECK bool emit_event(sink *s, enum sink_event ev, const char *msg)
 {
     if (s->cbs.on_event != NULL) {
         s->cbs.on_event(s->cbs.ud, ev, msg);
@@ -691,29 +637,17 @@ static bool pch_kick(sink *s)
         if (s->conn == NULL || !amqpsink_sock_room(s, AMQPSINK_CHECK_BYTES))
             return true;
     }
+    s->pch_sent_at = ev_now(s->loop);
     if (s->pch == PCH_WANT_OPEN) {
-        amqp_channel_open_t m;
-
-        memset(&m, 0, sizeof m);
-        m.out_of_band = amqp_empty_bytes;
-        rc = amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_OPEN_METHOD, &m);
         s->pch = PCH_OPENING;
+        amqpsink_open_channel(s, s->ch, "channel.open");
     } else { /* PCH_WANT_SELECT */
         amqp_confirm_select_t m;
 
         memset(&m, 0, sizeof m); /* nowait = 0: confirm.select-ok answers */
-        rc = amqp_send_method(s->conn, s->ch, AMQP_CONFIRM_SELECT_METHOD, &m);
         s->pch = PCH_SELECTING;
+        amqpsink_send_nowait(s, s->ch, AMQP_CONFIRM_SELECT_METHOD, &m, "confirm.select");
     }
-    s->pch_sent_at = ev_now(s->loop);
-    if (rc != AMQP_STATUS_OK) {
-        amqpsink_mark_broken(s, s->pch == PCH_OPENING ? "channel.open" : "confirm.select", rc);
-        return true;
-    }
-    /* a send may read from the socket (heartbeat check): frames it queued
-     * would never wake the read watcher */
-    if (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn))
-        ev_feed_event(s->loop, &s->rio, EV_READ);
     return true;
 }
 
@@ -767,11 +701,9 @@ static OUTBOX_MUST_CHECK bool on_reopen_frame(sink *s, const amqp_frame_t *f)
         return true;
     case AMQP_CHANNEL_CLOSE_METHOD: {
         const amqp_channel_close_t *m = f->payload.method.decoded;
-        amqp_channel_close_ok_t ok;
         char why[700];
 
-        memset(&ok, 0, sizeof ok);
-        (void)amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
+        (void)amqpsink_close_ok(s, s->ch);
         snprintf(why, sizeof why,
                  "reopening the publishing channel: the broker closed channel "
                  "%u: %u %.*s",
@@ -841,7 +773,6 @@ static bool names_exchange(const ring_msg *e, const char *text)
 static OUTBOX_MUST_CHECK bool on_channel_close(sink *s, unsigned code, const char *text)
 {
     char msg[700];
-    amqp_channel_close_ok_t ok;
     uint64_t culprit = 0;
     unsigned long long size = 0;
     const char *sz;
@@ -852,8 +783,7 @@ static OUTBOX_MUST_CHECK bool on_channel_close(sink *s, unsigned code, const cha
     /* The broker discards the rest of a message being written: no more of its
      * frames after the close-ok (its result follows with the others). */
     s->st.active = false;
-    memset(&ok, 0, sizeof ok);
-    rc = amqp_send_method(s->conn, s->ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
+    rc = amqpsink_close_ok(s, s->ch);
     s->chan_ok = false;
     s->ret_stage = RET_NONE;
     if (rc != AMQP_STATUS_OK) {
@@ -930,7 +860,7 @@ static OUTBOX_MUST_CHECK bool handle_frame(sink *s, const amqp_frame_t *f)
             char why[400];
 
             s->blocked = true;
-            set_user_timeout(s, false);
+            amqpsink_set_user_timeout(s, false);
             snprintf(why, sizeof why, "%s: broker blocked publishing: %.*s", s->ident,
                      (int)m->reason.len, (const char *)m->reason.bytes);
             return emit_state(s, why);
@@ -939,7 +869,7 @@ static OUTBOX_MUST_CHECK bool handle_frame(sink *s, const amqp_frame_t *f)
             char why[400];
 
             s->blocked = false;
-            set_user_timeout(s, true);
+            amqpsink_set_user_timeout(s, true);
             s->unblocked_at = ev_now(s->loop);
             snprintf(why, sizeof why, "%s: broker unblocked publishing", s->ident);
             return emit_state(s, why);
@@ -1048,7 +978,7 @@ static OUTBOX_MUST_CHECK bool read_frames(sink *s)
     return true;
 }
 
-/* ------------------------------------------------------------ ops */
+/* ------------------------------------------------ ops: the sink's lifecycle */
 
 static void sink_free(sink *s)
 {
@@ -1183,6 +1113,8 @@ static size_t amqpsink_in_flight(const sink *s)
 {
     return s->inflight;
 }
+
+/* ------------------------ publish: the ring, frames written as the socket drains */
 
 static int too_long(const char *what, const char *v, char *err, size_t errlen)
 {
@@ -1349,10 +1281,7 @@ static int publish_stream(sink *s, const row *r, amqp_basic_properties_t *p, voi
     s->st.off = 0;
     s->st.progress_at = ev_now(s->loop);
     stream_pump(s);
-    /* a send may read from the socket (heartbeat check): frames it queued
-     * would never wake the read watcher */
-    if (s->conn != NULL && (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn)))
-        ev_feed_event(s->loop, &s->rio, EV_READ);
+    amqpsink_wake_reader(s);
     return SINK_QUEUED;
 }
 
@@ -1459,12 +1388,11 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
         return SINK_EAGAIN;
     }
     (void)ring_add(s, r, msg_ud);
-    /* basic_publish may read from the socket (heartbeat check): frames it
-     * queued would never wake the read watcher. */
-    if (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn))
-        ev_feed_event(s->loop, &s->rio, EV_READ);
+    amqpsink_wake_reader(s); /* basic_publish may read from the socket too */
     return SINK_QUEUED;
 }
+
+/* ------------------------------------------------------- ops: what metrics show */
 
 static size_t amqpsink_addresses(const cfg_sink *sc, const char **out, size_t max)
 {

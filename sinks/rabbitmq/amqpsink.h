@@ -1,9 +1,10 @@
 /*
- * amqpsink.h — the RabbitMQ sink's state on the event loop, shared by the two
+ * amqpsink.h — the RabbitMQ sink's state on the event loop, shared by the
  * files that run there: amqpsink.c (the connection, the publishing channel and
- * its reopen, the ring of messages in flight, frames, publish) and
- * amqpxcheck.c (the exchange checks: their cache and their channel). Nothing
- * here blocks; the work off the loop is amqpconnect.h's.
+ * its reopen, the ring of messages in flight, frames, publish), amqpxcheck.c
+ * (the exchange checks: their cache and their channel) and amqpwire.c (the
+ * socket's options and room, the sends that do not wait for their answer).
+ * Nothing here blocks; the work off the loop is amqpconnect.h's.
  */
 #ifndef SINKS_RABBITMQ_AMQPSINK_H
 #define SINKS_RABBITMQ_AMQPSINK_H
@@ -168,9 +169,6 @@ struct sink {
 
 /* amqpsink.c, for amqpxcheck.c */
 
-/* Whether the socket's send buffer has room for need more bytes (an empty one
- * always has: TCP_USER_TIMEOUT bounds it). */
-OUTBOX_MUST_CHECK bool amqpsink_sock_room(sink *s, size_t need);
 /* A send failed: the connection may be mid-frame. Fails it from the loop soon
  * (the caller may be publish(), which must not call back). */
 void amqpsink_mark_broken(sink *s, const char *what, int rc);
@@ -178,6 +176,34 @@ void amqpsink_mark_broken(sink *s, const char *what, int rc);
  * reconnect later (to the next address of a list). False when the sink was
  * destroyed from a callback: the caller returns at once without touching s. */
 bool amqpsink_conn_fail(sink *s, const char *why);
+
+/* amqpwire.c: the socket and the sends that do not wait */
+
+/* A new connection's socket options: a large send buffer (sndcap: what it holds) and
+ * TCP_USER_TIMEOUT = confirm_timeout. Best effort. */
+void amqpsink_set_sock_opts(sink *s);
+/* TCP_USER_TIMEOUT lifted (on false: while the broker blocks the connection it stops
+ * reading on purpose) or restored. */
+void amqpsink_set_user_timeout(sink *s, bool on);
+/* Whether the socket's send buffer has room for need more bytes (an empty one
+ * always has: TCP_USER_TIMEOUT bounds it). */
+OUTBOX_MUST_CHECK bool amqpsink_sock_room(sink *s, size_t need);
+/* The highest channel number the connection allows (its channel_max; 0, no limit,
+ * counts as 65535). */
+amqp_channel_t amqpsink_channel_max(amqp_connection_state_t conn);
+/* rabbitmq-c's send may read from the socket (its heartbeat check): frames it queued
+ * then would never wake the read watcher. Call after each send: feeds it when some wait. */
+void amqpsink_wake_reader(sink *s);
+/* Sends method id (m: its decoded struct) on channel ch without waiting for the
+ * answer, which comes through the frame handler (channel.open, confirm.select, a
+ * passive exchange.declare). A failed send marks the connection broken, what naming
+ * the step; never calls back. The caller checks for socket room first. */
+void amqpsink_send_nowait(sink *s, amqp_channel_t ch, amqp_method_number_t id, void *m,
+                          const char *what);
+/* channel.open of ch, sent as amqpsink_send_nowait does. */
+void amqpsink_open_channel(sink *s, amqp_channel_t ch, const char *what);
+/* Answers the broker's channel.close of ch: rabbitmq-c's status of the close-ok. */
+int amqpsink_close_ok(sink *s, amqp_channel_t ch);
 
 /* amqpxcheck.c: the exchange checks (see the top of amqpxcheck.c) */
 

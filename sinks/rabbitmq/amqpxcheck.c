@@ -145,11 +145,9 @@ static bool x_unchecked(const sink *s, const char *ex)
  * and a 404 only costs a channel) when the broker allows a single channel. */
 amqp_channel_t amqpsink_xcheck_channel(amqp_connection_state_t conn)
 {
-    int max = amqp_get_channel_max(conn);
+    amqp_channel_t max = amqpsink_channel_max(conn);
 
-    if (max <= 0 || max > 65535)
-        max = 65535;
-    return max < 2 ? 0 : (amqp_channel_t)max;
+    return max < 2 ? 0 : max;
 }
 
 /* Sends the check channel's next step, if it has one and the socket has room
@@ -158,20 +156,15 @@ amqp_channel_t amqpsink_xcheck_channel(amqp_connection_state_t conn)
  * the first waiting name. Never waits for the answer and never calls back. */
 void amqpsink_xcheck_kick(sink *s)
 {
-    int rc;
-
     if (s->conn == NULL || s->broken || s->ck_ch == 0 || s->xq_head == NULL ||
         s->ck_state == CK_OPENING || s->ck_state == CK_BUSY)
         return;
     if (!amqpsink_sock_room(s, AMQPSINK_CHECK_BYTES))
         return;
+    s->ck_sent_at = ev_now(s->loop);
     if (s->ck_state == CK_CLOSED) {
-        amqp_channel_open_t m;
-
-        memset(&m, 0, sizeof m);
-        m.out_of_band = amqp_empty_bytes;
-        rc = amqp_send_method(s->conn, s->ck_ch, AMQP_CHANNEL_OPEN_METHOD, &m);
         s->ck_state = CK_OPENING;
+        amqpsink_open_channel(s, s->ck_ch, "exchange check");
     } else {
         amqp_exchange_declare_t m;
         xent *x = s->xq_head;
@@ -188,18 +181,9 @@ void amqpsink_xcheck_kick(sink *s)
         m.type = amqp_empty_bytes;
         m.passive = 1; /* only asks; never creates or changes anything */
         m.arguments = amqp_empty_table;
-        rc = amqp_send_method(s->conn, s->ck_ch, AMQP_EXCHANGE_DECLARE_METHOD, &m);
         s->ck_state = CK_BUSY;
+        amqpsink_send_nowait(s, s->ck_ch, AMQP_EXCHANGE_DECLARE_METHOD, &m, "exchange check");
     }
-    s->ck_sent_at = ev_now(s->loop);
-    if (rc != AMQP_STATUS_OK) {
-        amqpsink_mark_broken(s, "exchange check", rc);
-        return;
-    }
-    /* a send may read from the socket (heartbeat check): frames it queued
-     * would never wake the read watcher */
-    if (amqp_frames_enqueued(s->conn) || amqp_data_in_buffer(s->conn))
-        ev_feed_event(s->loop, &s->rio, EV_READ);
 }
 
 /* A check (or the check channel's open) without an answer within
@@ -318,14 +302,12 @@ bool amqpsink_xcheck_frame(sink *s, const amqp_frame_t *f)
         return true;
     case AMQP_CHANNEL_CLOSE_METHOD: {
         const amqp_channel_close_t *m = f->payload.method.decoded;
-        amqp_channel_close_ok_t ok;
         char text[512], why[1100];
         int rc;
 
         snprintf(text, sizeof text, "%.*s", (int)m->reply_text.len,
                  (const char *)m->reply_text.bytes);
-        memset(&ok, 0, sizeof ok);
-        rc = amqp_send_method(s->conn, s->ck_ch, AMQP_CHANNEL_CLOSE_OK_METHOD, &ok);
+        rc = amqpsink_close_ok(s, s->ck_ch);
         if (rc != AMQP_STATUS_OK) {
             snprintf(why, sizeof why,
                      "exchange checking channel %u closed by the broker: %u %s; "

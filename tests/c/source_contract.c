@@ -187,7 +187,7 @@ static void begin_req(slot *s)
     s->req_t0 = mono_ms();
 }
 
-static void on_state(void *ud, int state, const char *msg)
+static void on_state(void *ud, enum src_state state, const char *msg)
 {
     const slot *s = ud;
     fputs(s->tag, stdout);
