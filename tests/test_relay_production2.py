@@ -479,3 +479,162 @@ def test_hundred_thousand_keys_in_one_backlog(services, pgdb, relay_bin, build, 
         assert hwm1 - hwm0 <= 4 * 1024, (
             f"peak RSS grew {(hwm1 - hwm0) / 1024:.1f} MiB over 100,000 keys "
             f"({hwm0 / 1024:.1f} -> {hwm1 / 1024:.1f} MiB): memory grows with the keys seen")
+
+
+# ---------------------------------------------------------------------------- retention
+AUDIT_SQL = """
+CREATE TABLE outbox.deleted_audit (id bigint, message_id uuid, sent_at timestamptz,
+                                   early boolean, at timestamptz DEFAULT clock_timestamp());
+CREATE FUNCTION outbox.audit_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+  INSERT INTO outbox.deleted_audit (id, message_id, sent_at, early)
+  VALUES (OLD.id, OLD.message_id, OLD.sent_at,
+          OLD.sent_at IS NULL OR OLD.sent_at >= now() - %(retention)s * interval '1 second');
+  RETURN OLD;
+END $$;
+CREATE TRIGGER audit_delete AFTER DELETE ON outbox.messages
+  FOR EACH ROW EXECUTE FUNCTION outbox.audit_delete();
+"""
+
+
+def _named_relay(c, i, **ob):
+    """Relay number i of Case c's outbox, with its own name, metrics port and log."""
+    from relay_util import Relay, free_port, write_config
+    port = free_port()
+    cfg = write_config(c.tmp / f"r{i}.ini", c.services, c.pgdb,
+                       relay={"name": f"{c.name}-{i}", "http_listen": f"127.0.0.1:{port}"},
+                       reconnect_max="1s", **ob)
+    return Relay(c.relay_bin, cfg, c.tmp / f"relay-{i}.log", http_port=port)
+
+
+def _audit(pgdb, retention_s):
+    with psycopg.connect(pgdb.dsn, autocommit=True) as dc:
+        dc.execute(AUDIT_SQL.replace("%(retention)s", str(float(retention_s))))
+
+
+def test_retention_at_scale_competing_with_kill9(services, pgdb, relay_bin, build, tmp_path):
+    """Retention at scale in competing mode: 60,000 rows marked an hour ago wait for
+    retention (2 s, cleanup every 1 s) while two competing relays drain 20,000 new rows; one
+    is killed -9 while the old rows are being deleted and a third starts. A row-level
+    trigger records every delete: no unsent row and no row marked less than `retention` ago
+    is ever deleted; every new row is delivered (order per key, duplicates within
+    2 x window); the old rows are all gone; and afterwards, while more rows are relayed, no
+    marked row is kept longer than retention + one cleanup interval (+ a statement's time)."""
+    from relay_util import insert_rows
+    old, n, keys, window = 60000, 20000, 100, 200
+    retention, interval = 2.0, 1.0
+    ob = dict(mode="competing", retention="2s", cleanup_interval="1s", cleanup_batch="5000",
+              sink={"publish_window": str(window)})
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "retcomp", **ob)
+    _audit(pgdb, retention)
+    with psycopg.connect(pgdb.dsn, autocommit=True) as dc:
+        dc.execute("ALTER TABLE outbox.messages DISABLE TRIGGER audit_delete")
+    insert_rows(pgdb, old, keys, start=10**7, routing_key=c.q, size=64, prefix="old")
+    with psycopg.connect(pgdb.dsn, autocommit=True) as dc:
+        dc.execute("UPDATE outbox.messages SET sent_at = now() - interval '1 hour'")
+        dc.execute("ALTER TABLE outbox.messages ENABLE TRIGGER audit_delete")
+        dc.execute("ANALYZE outbox.messages")
+    insert_rows(pgdb, n, keys, routing_key=c.q, size=128)
+
+    def old_left():
+        with psycopg.connect(pgdb.dsn, autocommit=True) as dc:
+            return dc.execute("SELECT count(*) FROM outbox.messages "
+                              "WHERE (headers->>'seq')::bigint >= 10000000").fetchone()[0]
+    t0 = time.monotonic()
+    relays = [_named_relay(c, 1, **ob), _named_relay(c, 2, **ob)]
+    ages = []
+    try:
+        wait_for(lambda: old_left() < old * 0.9, 60, interval=0.1,
+                 desc="retention deleting the old rows")
+        at_kill = old_left()
+        relays[0].kill9()
+        relays.append(_named_relay(c, 3, **ob))
+        wait_for(lambda: old_left() == 0, 90, interval=0.5, desc="every old row deleted")
+        cleaned = time.monotonic() - t0
+        with psycopg.connect(pgdb.dsn, autocommit=True) as dc:
+            wait_for(lambda: dc.execute("SELECT count(*) FROM outbox.messages "
+                                        "WHERE sent_at IS NULL").fetchone()[0] == 0,
+                     90, interval=0.2, desc="every new row sent")
+        # steady state: more rows, and the age of the oldest marked row sampled meanwhile
+        insert_rows(pgdb, 5000, keys, start=n, routing_key=c.q, size=128)
+        t_end = time.monotonic() + 3 * (retention + interval)
+        with psycopg.connect(pgdb.dsn, autocommit=True) as dc:
+            while time.monotonic() < t_end:
+                a = dc.execute("SELECT extract(epoch FROM now() - min(sent_at)) "
+                               "FROM outbox.messages WHERE sent_at IS NOT NULL").fetchone()[0]
+                if a is not None:
+                    ages.append(float(a))
+                time.sleep(0.2)
+            unsent = dc.execute("SELECT count(*) FROM outbox.messages WHERE sent_at IS NULL"
+                                ).fetchone()[0]
+            early = dc.execute("SELECT count(*), count(*) FILTER (WHERE sent_at IS NULL) "
+                               "FROM outbox.deleted_audit WHERE early").fetchone()
+            deleted = dc.execute("SELECT count(*) FROM outbox.deleted_audit").fetchone()[0]
+    finally:
+        for r in relays:
+            r.stop_clean()
+    from relay_util import consume, amqp_channel
+    conn, ch = amqp_channel(services)
+    try:   # the rows are gone (retention): the deliveries cannot be compared with them
+        got = consume(ch, c.q, n + 5000, timeout=60, idle=0.5)
+    finally:
+        conn.close()
+    dups, _ = delivery_report(got, n + 5000, keys)
+    worst = max(ages, default=0.0)
+    print(f"retention 2 s / cleanup 1 s over {old} old marked rows, 3 competing relays (one "
+          f"killed -9 with {at_kill} old rows left): old rows gone {cleaned:.1f} s after the "
+          f"start; {deleted} rows deleted, {early[0]} too "
+          f"early ({early[1]} unsent); oldest marked row at most {worst:.2f} s old in "
+          f"{len(ages)} samples afterwards; {dups} duplicates")
+    assert unsent == 0
+    assert early == (0, 0), f"rows deleted before retention: {early[0]} ({early[1]} unsent)"
+    assert old * 0.1 <= at_kill, "the kill should land while the old rows were being deleted"
+    assert ages, "no marked row was sampled"
+    assert worst <= retention + interval + 1.5, (
+        f"a marked row was kept {worst:.2f} s: longer than retention {retention} s + the "
+        f"{interval} s interval (+1.5 s for the statement on a loaded machine)")
+    assert dups <= 2 * window, f"{dups} duplicates > 2 x window {window} (one relay killed)"
+
+
+def test_on_sent_delete_with_kill9(services, pgdb, relay_bin, build, tmp_path):
+    """on_sent = delete: a relay is killed -9 mid-drain, a second one finishes. A row-level
+    trigger records every delete: each deleted row was delivered (its message_id is in the
+    queue) and every row was delivered and deleted; duplicates within 2 x window."""
+    n, keys, window = 20000, 100, 200
+    ob = dict(on_sent="delete", sink={"publish_window": str(window)})
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "delkill", **ob)
+    _audit(pgdb, 0)
+    c.produce(n, keys, size=128, batch=1000)
+
+    def left():
+        with psycopg.connect(pgdb.dsn, autocommit=True) as dc:
+            return dc.execute("SELECT count(*) FROM outbox.messages").fetchone()[0]
+    r1 = _named_relay(c, 1, **ob)
+    r2 = None
+    try:
+        wait_for(lambda: left() < n * 0.7, 60, interval=0.05, desc="a third of the rows deleted")
+        r1.kill9()
+        at_kill = left()
+        r2 = _named_relay(c, 2, **ob)
+        wait_for(lambda: left() == 0, 90, interval=0.2, desc="every row sent and deleted")
+        with psycopg.connect(pgdb.dsn, autocommit=True) as dc:
+            audited = {str(m) for (m,) in dc.execute(
+                "SELECT message_id FROM outbox.deleted_audit")}
+    finally:
+        if r2 is not None:
+            r2.stop_clean()
+    from relay_util import consume, amqp_channel
+    conn, ch = amqp_channel(services)
+    try:
+        got = consume(ch, c.q, n, timeout=60, idle=0.5)
+    finally:
+        conn.close()
+    dups, _ = delivery_report(got, n, keys)
+    delivered = {p.message_id for p, _, _ in got}
+    print(f"on_sent = delete, killed -9 with {at_kill} rows left: {len(audited)} rows deleted, "
+          f"{len(got)} deliveries, {dups} duplicates")
+    assert n * 0.05 < at_kill, "the kill should land mid-drain"
+    assert len(audited) == n, f"{len(audited)} rows deleted of {n}"
+    assert not audited - delivered, (f"{len(audited - delivered)} rows deleted without being "
+                                     f"delivered: {sorted(audited - delivered)[:5]}")
+    assert dups <= 2 * window, f"{dups} duplicates > 2 x window {window} (one relay killed)"
