@@ -8,11 +8,14 @@ threads at once. Each call returns the code lib/outbox.h documents for it, never
 never writes a row: every call expected to fail writes routing key "misuse", and none is
 in the table afterwards (the threads' 400 committed rows are all there).
 
-Runs through libpq and through ODBC (psqlODBC with Protocol=7.4-0, which leaves a failed
-transaction aborted the way libpq does)."""
+Runs through libpq, through ODBC on PostgreSQL (psqlODBC with Protocol=7.4-0, which leaves a
+failed transaction aborted the way libpq does) and through ODBC on the T-SQL engine."""
+import os
+
 import pytest
 
 from conftest import run_prog
+from test_lib_odbc import mssql  # noqa: F401 - the T-SQL fixture (a table of its own)
 from test_lib_pg import apply_ddl
 
 OK, EINVAL, ENOTXN, EDBNAME, EDB = 0, -1, -2, -3, -5
@@ -53,6 +56,9 @@ PER_BACKEND = {
         "disconnected": (ENOTXN, "not open"),
     },
 }
+# T-SQL: a failed statement (SELECT 1/0, XACT_ABORT off) leaves the transaction open and
+# usable, so the send after it succeeds (and is rolled back with the transaction)
+PER_BACKEND["tsql"] = dict(PER_BACKEND["odbc"], after_failed_statement=(OK, ""))
 
 
 @pytest.fixture
@@ -74,16 +80,14 @@ def _calls(stdout):
     return calls, threads
 
 
-@pytest.mark.parametrize("backend", ["pg", "odbc"])
-def test_misuse_returns_the_documented_code_and_writes_nothing(two_dbs, build, backend):
-    db, other = two_dbs
-    if backend == "pg":
-        cs, other_cs = db.dsn, other.dsn
-    else:
-        cs, other_cs = db.odbc + "Protocol=7.4-0;", other.odbc + "Protocol=7.4-0;"
+def _run(build, backend, cs, qdb, other_cs, table=None):
     prog = build / "tests" / "lib_misuse"
     assert prog.exists(), f"{prog} is not built (make test-programs)"
-    p = run_prog([prog, backend, cs, db.name, other_cs], timeout=120)
+    env = dict(os.environ)
+    if table:
+        env["OUTBOX_TEST_TABLE"] = table
+    p = run_prog([prog, "pg" if backend == "pg" else "odbc", cs, qdb, other_cs], timeout=120,
+                 env=env)
     assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout}\n{p.stderr}"
     calls, threads = _calls(p.stdout)
     want = dict(COMMON, **PER_BACKEND[backend])
@@ -97,6 +101,36 @@ def test_misuse_returns_the_documented_code_and_writes_nothing(two_dbs, build, b
             wrong.append((case, f"rc {rc} (want {code}), inserted {inserted}, sqlstate "
                                 f"{sqlstate}: {msg}"))
     extra = sorted(set(calls) - set(want))
+    return calls, threads, wrong, extra
+
+
+def test_misuse_on_tsql_returns_the_documented_code_and_writes_nothing(mssql, build):
+    """The same calls through FreeTDS's ODBC driver on the T-SQL engine (Babelfish, or SQL
+    Server with OUTBOX_TEST_MSSQL); the other database is master."""
+    other_cs = mssql.conn.rstrip(";") + ";Database=master"
+    calls, threads, wrong, extra = _run(build, "tsql", mssql.conn, mssql.db, other_cs,
+                                        table=mssql.table)
+    rows = {rk: int(mssql.value(f"SELECT COUNT(*) FROM {mssql.qt} WHERE routing_key = "
+                                f"'{rk}'")) for rk in ("threads", "misuse")}
+    rows["total"] = int(mssql.value(f"SELECT COUNT(*) FROM {mssql.qt}"))
+    print(f"tsql ({mssql.engine}): {len(calls)} misuse calls, {len(wrong)} not as documented; "
+          f"threads {threads}; rows {rows}")
+    assert not wrong, "calls not returning the documented code:\n" + "\n".join(
+        f"  {c}: {w}" for c, w in wrong)
+    assert not extra, f"cases without an expectation: {extra}"
+    assert threads == {"threads": 8, "ok": 400, "failed": 0}, threads
+    assert rows == {"threads": 400, "misuse": 0, "total": 400}, \
+        f"rows written by misuse calls: {rows}"
+
+
+@pytest.mark.parametrize("backend", ["pg", "odbc"])
+def test_misuse_returns_the_documented_code_and_writes_nothing(two_dbs, build, backend):
+    db, other = two_dbs
+    if backend == "pg":
+        cs, other_cs = db.dsn, other.dsn
+    else:
+        cs, other_cs = db.odbc + "Protocol=7.4-0;", other.odbc + "Protocol=7.4-0;"
+    calls, threads, wrong, extra = _run(build, backend, cs, db.name, other_cs)
     with db.connect() as c:
         rows = dict(c.execute("SELECT routing_key, count(*) FROM outbox.messages GROUP BY 1"
                               ).fetchall())

@@ -5,7 +5,8 @@
  *   lib_misuse pg   CONNINFO QUEUE_DB OTHER_CONNINFO
  *   lib_misuse odbc CONNSTR  QUEUE_DB OTHER_CONNSTR
  *
- * OTHER_* reaches a database other than QUEUE_DB. Every case prints one line
+ * OTHER_* reaches a database other than QUEUE_DB; the queue's table comes from
+ * env OUTBOX_TEST_TABLE (default outbox.messages). Every case prints one line
  * "case=<name> rc=<code> sqlstate=<s> inserted=<n> message=<text>" per library
  * call; pytest compares each code with the documented one and counts the rows
  * afterwards. Every message written by a call expected to fail carries routing
@@ -191,8 +192,9 @@ int main(int argc, char **argv)
     const char *cs = argv[2], *other_cs = argv[4];
     outbox_error e;
     outbox_queue *q = NULL, *small = NULL;
-    outbox_queue_options so = { .database = queue_db, .table = NULL, .max_payload = 16 };
-    if (outbox_queue_new(&q, queue_db, NULL, &e) != OUTBOX_OK ||
+    const char *table = getenv("OUTBOX_TEST_TABLE");   /* NULL: outbox.messages */
+    outbox_queue_options so = { .database = queue_db, .table = table, .max_payload = 16 };
+    if (outbox_queue_new(&q, queue_db, table, &e) != OUTBOX_OK ||
         outbox_queue_new_opts(&small, &so, &e) != OUTBOX_OK) {
         fprintf(stderr, "queue: %s\n", e.message);
         return 2;
