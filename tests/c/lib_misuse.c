@@ -199,16 +199,17 @@ int main(int argc, char **argv)
         fprintf(stderr, "queue: %s\n", e.message);
         return 2;
     }
+    int status = 2;
     conn c;
     if (conn_open(&c, cs) != 0)
-        return 2;
+        goto out;
     outbox_message m = msg("misuse");
     size_t ins = 0;
     int rc;
 
     /* NULL arguments, inside an open transaction */
     if (begin(&c) != 0)
-        return 2;
+        goto out;
     report("null_conn", send1(NULL, q, &m, &e), &e, 0);
     report("null_queue", send1(&c, NULL, &m, &e), &e, 0);
     report("null_message", send1(&c, q, NULL, &e), &e, 0);
@@ -263,7 +264,7 @@ int main(int argc, char **argv)
     report("usable_after_einval", send1(&c, q, &m, &e), &e, 0);
     report("null_err_valid", send1(&c, q, &m, NULL), NULL, 0);
     if (end(&c, 0) != 0)
-        return 2;
+        goto out;
 
     /* no transaction open (autocommit) */
     report("autocommit", send1(&c, q, &m, &e), &e, 0);
@@ -273,17 +274,19 @@ int main(int argc, char **argv)
 
     /* the transaction failed (PostgreSQL: aborted until rolled back) */
     if (begin(&c) != 0)
-        return 2;
+        goto out;
     (void)exec_sql(&c, "SELECT 1/0");
     report("after_failed_statement", send1(&c, q, &m, &e), &e, 0);
     if (end(&c, 0) != 0)
-        return 2;
+        goto out;
 
     /* the connection is to another database than the queue's */
     {
         conn o;
-        if (conn_open(&o, other_cs) != 0 || begin(&o) != 0)
-            return 2;
+        if (conn_open(&o, other_cs) != 0 || begin(&o) != 0) {
+            conn_close(&o);
+            goto out;
+        }
         report("wrong_database", send1(&o, q, &m, &e), &e, 0);
         (void)end(&o, 0);
         conn_close(&o);
@@ -292,27 +295,27 @@ int main(int argc, char **argv)
     if (!odbc) {
         /* libpq pipeline mode */
         if (begin(&c) != 0 || !PQenterPipelineMode(c.pg))
-            return 2;
+            goto out;
         report("pipeline_mode", send1(&c, q, &m, &e), &e, 0);
         if (!PQexitPipelineMode(c.pg))
-            return 2;
+            goto out;
         if (end(&c, 0) != 0)
-            return 2;
+            goto out;
         /* a connection that never came up */
         conn b = { .pg = PQconnectdb("host=127.0.0.1 port=1 connect_timeout=5") };
         report("bad_connection", send1(&b, q, &m, &e), &e, 0);
         conn_close(&b);
         /* the session ends (terminated by the server) inside the caller's transaction */
         if (begin(&c) != 0)
-            return 2;
+            goto out;
         conn k;
         char sql[96];
-        if (conn_open(&k, cs) != 0)
-            return 2;
+        int killed = conn_open(&k, cs) == 0;
         snprintf(sql, sizeof sql, "SELECT pg_terminate_backend(%d)", PQbackendPID(c.pg));
-        if (exec_sql(&k, sql) != 0)
-            return 2;
+        killed = killed && exec_sql(&k, sql) == 0;
         conn_close(&k);
+        if (!killed)
+            goto out;
         report("connection_lost", send1(&c, q, &m, &e), &e, 0);
         report("connection_lost_again", send1(&c, q, &m, &e), &e, 0);
     } else {
@@ -321,16 +324,22 @@ int main(int argc, char **argv)
         if (!SQL_SUCCEEDED(SQLAllocHandle(SQL_HANDLE_ENV, SQL_NULL_HANDLE, &d.env)) ||
             !SQL_SUCCEEDED(SQLSetEnvAttr(d.env, SQL_ATTR_ODBC_VERSION,
                                          (SQLPOINTER)SQL_OV_ODBC3, 0)) ||
-            !SQL_SUCCEEDED(SQLAllocHandle(SQL_HANDLE_DBC, d.env, &d.dbc)))
-            return 2;
+            !SQL_SUCCEEDED(SQLAllocHandle(SQL_HANDLE_DBC, d.env, &d.dbc))) {
+            conn_close(&d);
+            goto out;
+        }
         report("never_connected", send1(&d, q, &m, &e), &e, 0);
         conn_close(&d);
         conn x;
-        if (conn_open(&x, cs) != 0 || begin(&x) != 0)
-            return 2;
+        if (conn_open(&x, cs) != 0 || begin(&x) != 0) {
+            conn_close(&x);
+            goto out;
+        }
         (void)SQLEndTran(SQL_HANDLE_DBC, x.dbc, SQL_ROLLBACK);
-        if (!SQL_SUCCEEDED(SQLDisconnect(x.dbc)))
-            return 2;
+        if (!SQL_SUCCEEDED(SQLDisconnect(x.dbc))) {
+            conn_close(&x);
+            goto out;
+        }
         report("disconnected", send1(&x, q, &m, &e), &e, 0);
         conn_close(&x);
     }
@@ -352,7 +361,12 @@ int main(int argc, char **argv)
         failed += w[i].failed;
     }
     printf("threads=%d ok=%d failed=%d\n", started, ok, failed);
+    status = started == THREADS ? 0 : 2;
+out:
+    conn_close(&c);   /* closed already when every case ran: a no-op then */
     outbox_queue_free(q);
     outbox_queue_free(small);
-    return started == THREADS ? 0 : 2;
+    if (status != 0)
+        fprintf(stderr, "setup failed\n");
+    return status;
 }
