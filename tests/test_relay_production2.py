@@ -419,15 +419,15 @@ def _consume_all(services, queue, count, timeout):
 
 
 def test_hundred_thousand_keys_in_one_backlog(services, pgdb, relay_bin, build, tmp_path):
-    """One backlog of 120,000 rows over 100,000 distinct partition keys (every key has a
-    first row, 20,000 of them a second one 100,000 ids later): the ledger's key map and the
+    """One backlog of 110,000 rows over 100,000 distinct partition keys (every key has a
+    first row, 10,000 of them a second one 100,000 ids later): the ledger's key map and the
     per-key indexes at scale. The drain completes, the first delivery of every key's rows keeps
     id order, nothing is lost, nothing duplicated, every delivery is its row (body and
     properties); the relay's peak RSS grows by at most a few MiB over its peak after a warm-up
     drain of 10,000 rows over 1,000 keys: memory follows the rows in flight, not the number of
     keys seen. The rate and the memory are printed."""
     from relay_util import insert_rows, memory_unmeasurable, proc_status_kb
-    keys, n, warm = 100000, 120000, 10000
+    keys, n, warm = 100000, 110000, 10000
     c = Case(services, pgdb, relay_bin, build, tmp_path, "keys100k", declare_queue=False,
              conninfo=pgdb.dsn + " options='-c synchronous_commit=off'")
     from relay_util import amqp_channel
@@ -513,17 +513,17 @@ def _audit(pgdb, retention_s):
 
 
 def test_retention_at_scale_competing_with_kill9(services, pgdb, relay_bin, build, tmp_path):
-    """Retention at scale in competing mode: 60,000 rows marked an hour ago wait for
-    retention (2 s, cleanup every 1 s) while two competing relays drain 20,000 new rows; one
+    """Retention at scale in competing mode: 30,000 rows marked an hour ago wait for
+    retention (2 s, cleanup every 1 s) while two competing relays drain 10,000 new rows; one
     is killed -9 while the old rows are being deleted and a third starts. A row-level
     trigger records every delete: no unsent row and no row marked less than `retention` ago
     is ever deleted; every new row is delivered (order per key, duplicates within
     2 x window); the old rows are all gone; and afterwards, while more rows are relayed, no
     marked row is kept longer than retention + one cleanup interval (+ a statement's time)."""
     from relay_util import insert_rows
-    old, n, keys, window = 60000, 20000, 100, 200
+    old, n, keys, window, more = 30000, 10000, 100, 200, 2000
     retention, interval = 2.0, 1.0
-    ob = dict(mode="competing", retention="2s", cleanup_interval="1s", cleanup_batch="5000",
+    ob = dict(mode="competing", retention="2s", cleanup_interval="1s", cleanup_batch="2000",
               sink={"publish_window": str(window)})
     c = Case(services, pgdb, relay_bin, build, tmp_path, "retcomp", **ob)
     _audit(pgdb, retention)
@@ -556,8 +556,8 @@ def test_retention_at_scale_competing_with_kill9(services, pgdb, relay_bin, buil
                                         "WHERE sent_at IS NULL").fetchone()[0] == 0,
                      90, interval=0.2, desc="every new row sent")
         # steady state: more rows, and the age of the oldest marked row sampled meanwhile
-        insert_rows(pgdb, 5000, keys, start=n, routing_key=c.q, size=128)
-        t_end = time.monotonic() + 3 * (retention + interval)
+        insert_rows(pgdb, more, keys, start=n, routing_key=c.q, size=128)
+        t_end = time.monotonic() + 2 * (retention + interval)
         with psycopg.connect(pgdb.dsn, autocommit=True) as dc:
             while time.monotonic() < t_end:
                 a = dc.execute("SELECT extract(epoch FROM now() - min(sent_at)) "
@@ -576,10 +576,10 @@ def test_retention_at_scale_competing_with_kill9(services, pgdb, relay_bin, buil
     from relay_util import consume, amqp_channel
     conn, ch = amqp_channel(services)
     try:   # the rows are gone (retention): the deliveries cannot be compared with them
-        got = consume(ch, c.q, n + 5000, timeout=60, idle=0.5)
+        got = consume(ch, c.q, n + more, timeout=60, idle=0.5)
     finally:
         conn.close()
-    dups, _ = delivery_report(got, n + 5000, keys)
+    dups, _ = delivery_report(got, n + more, keys)
     worst = max(ages, default=0.0)
     print(f"retention 2 s / cleanup 1 s over {old} old marked rows, 3 competing relays (one "
           f"killed -9 with {at_kill} old rows left): old rows gone {cleaned:.1f} s after the "
