@@ -15,7 +15,7 @@ import os
 import pytest
 
 from conftest import run_prog
-from test_lib_odbc import mssql  # noqa: F401 - the T-SQL fixture (a table of its own)
+from test_lib_odbc import mssql  # noqa: F401,F811 - the T-SQL fixture (a table of its own)
 from test_lib_pg import apply_ddl
 
 OK, EINVAL, ENOTXN, EDBNAME, EDB = 0, -1, -2, -3, -5
@@ -104,7 +104,7 @@ def _run(build, backend, cs, qdb, other_cs, table=None):
     return calls, threads, wrong, extra
 
 
-def test_misuse_on_tsql_returns_the_documented_code_and_writes_nothing(mssql, build):
+def test_misuse_on_tsql_returns_the_documented_code_and_writes_nothing(mssql, build):  # noqa: F811
     """The same calls through FreeTDS's ODBC driver on the T-SQL engine (Babelfish, or SQL
     Server with OUTBOX_TEST_MSSQL); the other database is master."""
     other_cs = mssql.conn.rstrip(";") + ";Database=master"

@@ -175,7 +175,6 @@ def test_reload_to_an_unreachable_server(services, pgdb, relay_bin, build, tmp_p
         wait_for(lambda: [m for m in warn_lines(r.text(), "outbox=main") if str(port) in m],
                  30, interval=0.1, desc=f"a WARN/ERROR naming the unreachable {target}")
         time.sleep(1.0)
-        at = relayed(r)
         sent0 = sent_count(pgdb)
         cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
         time.sleep(6.0)
@@ -222,7 +221,6 @@ def test_log_file_reopen_failing_keeps_relaying(services, pgdb, relay_bin, build
     stderr (where the service manager looks when the log file is gone) which file it cannot
     reopen and why, at ERROR, and keeps writing to the old file; once the directory is
     writable again the next SIGHUP reopens it, and nothing more goes to stderr."""
-    from relay_util import free_port, write_config
     keys, step = 10, 1000
     logdir = tmp_path / "logs"
     logdir.mkdir()
@@ -373,7 +371,7 @@ def test_database_disk_full_during_marks(services, pgdb, relay_bin, build, tmp_p
             os.unlink(filler)
         try:
             got = c.collect()
-            db.execute(f"ALTER TABLE outbox.messages SET TABLESPACE pg_default")
+            db.execute("ALTER TABLE outbox.messages SET TABLESPACE pg_default")
             db.execute(f"ALTER INDEX ALL IN TABLESPACE {ts} SET TABLESPACE pg_default")
             db.close()
             admin.execute(f"DROP TABLESPACE {ts}")
