@@ -143,7 +143,7 @@ static int od_fail(const od_call *cl, SQLSMALLINT type, SQLHANDLE h, const char 
     SQLCHAR text[600], first_text[600] = "";
     SQLINTEGER native = 0, first_native = 0;
     SQLSMALLINT len;
-    int noschema = 0, notxn = 0;
+    int noschema = 0, notxn = 0, notopen = 0;
     for (SQLSMALLINT i = 1; i <= 20; i++) {
         SQLRETURN r = SQLGetDiagRec(type, h, i, state, &native, text, sizeof text, &len);
         if (!SQL_SUCCEEDED(r))
@@ -163,10 +163,16 @@ static int od_fail(const od_call *cl, SQLSMALLINT type, SQLHANDLE h, const char 
             noschema = 1;
         if (strcmp(s, "25P02") == 0 || (cl->mssql && (native == 51000 || native == 3930)))
             notxn = 1;
+        if (strcmp(s, "08003") == 0)   /* never connected, or disconnected */
+            notopen = 1;
     }
     const char *st = (const char *)first_state;
     const char *tx = first_text[0] ? (const char *)first_text : "no diagnostic record";
     const char *table = cl->mssql ? cl->q->ms_table : cl->q->pg_table;
+    if (notopen)
+        return outbox_i_err(cl->err, OUTBOX_ENOTXN, st,
+                            "not inside an open transaction: the connection is not open (%s); "
+                            "nothing written", tx);
     if (notxn)
         return outbox_i_err(cl->err, OUTBOX_ENOTXN, st,
                             "the transaction is aborted or doomed: roll it back (server: %s)",

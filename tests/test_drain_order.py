@@ -246,7 +246,6 @@ def test_poison_rows_never_overtaken(services, pgdb, relay_bin, tmp_path, broker
         returned = r.metric("outbox_relay_returned_total")
         counted_overtaken = r.metric("outbox_relay_overtaken_total")   # None: no such metric
         text = r.text()
-        window = s.window
     finally:
         consumer.stop(idle=0)
         stop_clean(r)
