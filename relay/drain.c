@@ -927,6 +927,7 @@ static bool main_request(drain *d, enum src_req req)
             .max_rows = rows,
             .max_bytes = claims_bytes(d) ? bytes : 0,
             .first_whole = whole,
+            .max_payload = d->ob->sink->max_message_size,
             .lease_ms = d->resigned ? 0 : d->ob->lease_ms,
             .lease_token = new_token(d),
             .owner = d->owner,

@@ -75,6 +75,7 @@ row *row_new(const row_fields *f)
     r->correlation_id = put_field(&cur, &f->correlation_id, 0);
     r->headers_json = put_field(&cur, &f->headers_json, 0);
     r->payload_len = f->payload.p ? f->payload.len : 0;
+    r->payload_withheld = f->payload.p ? 0 : f->payload_withheld;
     r->payload = (const unsigned char *)put_field(&cur, &f->payload, 1);
     return r;   /* the caller owns the row */
 }

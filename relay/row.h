@@ -29,6 +29,9 @@ typedef struct row {
     const char    *headers_json;   /* NULL when none; a JSON object as stored */
     const unsigned char *payload;  /* payload_len bytes (may contain NULs) */
     size_t         payload_len;
+    size_t         payload_withheld; /* > 0: the payload, this many bytes, was larger than
+                                        the claim's max_payload and left in the database
+                                        (payload is then "", payload_len 0) */
 } row;
 
 /* Field values for row_new(); each string is (ptr, len), ptr NULL = SQL NULL. */
@@ -36,6 +39,7 @@ typedef struct row_field { const char *p; size_t len; } row_field;
 typedef struct row_fields {
     int64_t   id, lease_token, created_at_us, age_us;
     int       attempts;
+    size_t    payload_withheld;   /* see row.payload_withheld; payload NULL then */
     row_field message_id, exchange, routing_key, partition_key, message_type,
               content_type, correlation_id, headers_json, payload;
 } row_fields;

@@ -275,3 +275,43 @@ def test_byte_budget_holds_through_the_odbc_source(services, pgdb, relay_bin, tm
           f"({len(held)} samples)")
     assert max(held) <= budget, f"{max(held) / MIB:.2f} MiB held"
     assert max(held) >= size, "the sampler never saw a row held"
+
+
+def test_oversized_row_dead_lettered_without_loading_it(services, pgdb, relay_bin, tmp_path):
+    """A 150 MiB row over max_message_size (1M), written by plain SQL between small rows, is
+    dead-lettered with its size in the reason without the relay ever reading its payload: the
+    claim hands over its size only. The relay's peak RSS (VmHWM) stays within 16 MiB of what it
+    was before the row (loading it would cost its size two or three times: libpq's input
+    buffer, the result, the row), and the small rows after it arrive in order."""
+    why = memory_unmeasurable(relay_bin)
+    if why:
+        pytest.skip(f"memory is not measurable in this build: {why}")
+    big = 150 * MIB
+    q = f"qhuge-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    r = _relay(services, pgdb, relay_bin, tmp_path, "huge",
+               relay={"max_bytes_in_memory": "1M"}, sink={"max_message_size": "1M"})
+    try:
+        r.wait_log(r"became the active relay", timeout=30)
+        insert_rows(pgdb, 5, 1, routing_key=q, size=1000)
+        consume(ch, q, 5, timeout=60, idle=0.2)
+        base = proc_status_kb(r.proc.pid, "VmHWM")
+        insert_rows(pgdb, 11, 1, start=5, routing_key=q, size=1000, bad=[5], bad_size=big)
+        got = consume(ch, q, 10, timeout=120, idle=0.5)
+        wait_for(lambda: psql_rows(pgdb, "select count(*) from outbox.messages_dead")[0][0] == 1,
+                 60, desc="the oversized row in the dead-letter table")
+        hwm = proc_status_kb(r.proc.pid, "VmHWM")
+    finally:
+        conn.close()
+        _stop(r)
+    seqs = [int(p.headers["seq"]) for p, _, _ in got]
+    assert seqs == list(range(6, 16)), seqs
+    (seq, reason, size), = psql_rows(
+        pgdb, "select headers->>'seq', reason, octet_length(payload) from outbox.messages_dead")
+    assert seq == "5" and size == big
+    assert f"{big} bytes" in reason and "max_message_size 1048576" in reason, reason
+    print(f"VmHWM {base / 1024:.1f} MiB before the {big >> 20} MiB row, {hwm / 1024:.1f} MiB "
+          f"after")
+    assert hwm <= base + 16 * 1024, (f"peak RSS grew by {(hwm - base) / 1024:.1f} MiB while "
+                                     f"dead-lettering a row it need not read")

@@ -1365,6 +1365,18 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
     int rc;
 
     /* Permanent problems first: the row can never be published. */
+    if (r->payload_withheld > 0) {
+        /* the claim left a payload over max_message_size in the database */
+        if (r->payload_withheld > s->cfg.max_message_size) {
+            snprintf(err, errlen, "payload is %zu bytes, larger than max_message_size %zu",
+                     r->payload_withheld, s->cfg.max_message_size);
+            return SINK_EPERM;
+        }
+        /* claimed under a smaller max_message_size (before a reload): claimed again */
+        snprintf(err, errlen, "payload of %zu bytes was left in the database by a claim "
+                 "under a smaller max_message_size", r->payload_withheld);
+        return SINK_EREFUSED;
+    }
     if (r->payload_len > s->cfg.max_message_size) {
         snprintf(err, errlen, "payload is %zu bytes, larger than max_message_size %zu",
                  r->payload_len, s->cfg.max_message_size);

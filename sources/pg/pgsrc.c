@@ -475,7 +475,7 @@ static int row_cmp(const void *a, const void *b)
 static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, size_t errlen)
 {
     int n = PQntuples(r);
-    if (PQnfields(r) != 13) {
+    if (PQnfields(r) != 14) {
         snprintf(err, errlen, "claim: unexpected result shape (%d columns)", PQnfields(r));
         return -1;
     }
@@ -501,7 +501,8 @@ static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, 
             PQgetisnull(r, i, 1) || PQgetlength(r, i, 1) != 16 ||
             PQgetisnull(r, i, 10) || PQgetlength(r, i, 10) != 4 ||
             PQgetisnull(r, i, 11) || PQgetlength(r, i, 11) != 8 ||
-            PQgetisnull(r, i, 9)) {
+            (PQgetisnull(r, i, 13) ? PQgetisnull(r, i, 9)
+                                   : !PQgetisnull(r, i, 9) || PQgetlength(r, i, 13) != 8)) {
             snprintf(err, errlen, "claim: unexpected column encoding in row %zu",
                      s->n_crows);
             return -1;
@@ -523,6 +524,10 @@ static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, 
         f.correlation_id = bfield(r, i, 7);
         f.headers_json = bfield(r, i, 8);
         f.payload = bfield(r, i, 9);
+        if (!PQgetisnull(r, i, 13)) {    /* left in the database: its size only */
+            int64_t withheld = be64(PQgetvalue(r, i, 13));
+            f.payload_withheld = withheld > 0 ? (size_t)withheld : 1;
+        }
         f.attempts = be32(PQgetvalue(r, i, 10));
         f.created_at_us = be64(PQgetvalue(r, i, 11));
         f.age_us = PQgetisnull(r, i, 12) ? -1 : be64(PQgetvalue(r, i, 12));
@@ -1179,18 +1184,19 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     int rc = req_begin(s, SRC_REQ_CLAIM);
     if (rc)
         return rc < 0 ? -1 : 0;
-    char lim[24], tok[24], lease[24], ep[24], bytes[24];
+    char lim[24], tok[24], lease[24], ep[24], bytes[24], maxpay[24];
     snprintf(lim, sizeof lim, "%zu", a->max_rows);
     /* the byte limit as a bigint: "0" (none) when it does not fit */
     snprintf(bytes, sizeof bytes, "%zu", a->max_bytes > INT64_MAX ? 0 : a->max_bytes);
+    snprintf(maxpay, sizeof maxpay, "%zu", a->max_payload > INT64_MAX ? 0 : a->max_payload);
     snprintf(tok, sizeof tok, "%" PRId64, a->lease_token);
     snprintf(lease, sizeof lease, "%" PRId64, a->lease_ms);
     snprintf(ep, sizeof ep, "%" PRId64, a->competing ? 0 : a->epoch);
-    const char *vals[7] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
-                           a->first_whole ? "true" : "false"};
+    const char *vals[8] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
+                           a->first_whole ? "true" : "false", maxpay};
     s->claim_token = a->lease_token;
     /* binary results: payload as is */
-    return req_send(s, a->competing ? s->sql_claim_competing : s->sql_claim, 7, vals, 1);
+    return req_send(s, a->competing ? s->sql_claim_competing : s->sql_claim, 8, vals, 1);
 }
 
 static int pgsrc_settle(source *s, const src_outcome *v, size_t n)

@@ -82,8 +82,8 @@ static void t_statements(void **state)
     check_stmt(sql_pg_lead(&n), 3);
     check_stmt(sql_pg_claim(&n, false), 5);
     check_stmt(sql_pg_claim(&n, true), 5);
-    check_stmt(sql_pg_claim_bytes(&n, false), 7);
-    check_stmt(sql_pg_claim_bytes(&n, true), 7);
+    check_stmt(sql_pg_claim_bytes(&n, false), 8);
+    check_stmt(sql_pg_claim_bytes(&n, true), 8);
     for (int on_sent = 0; on_sent < 2; on_sent++) {
         check_stmt(sql_pg_settle_sent(&n, on_sent), 2);
         check_stmt(sql_pg_settle(&n, on_sent), 5);
