@@ -1373,8 +1373,10 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
             return SINK_EPERM;
         }
         /* claimed under a smaller max_message_size (before a reload): claimed again */
-        snprintf(err, errlen, "payload of %zu bytes was left in the database by a claim "
-                 "under a smaller max_message_size", r->payload_withheld);
+        snprintf(err, errlen,
+                 "payload of %zu bytes was left in the database by a claim "
+                 "under a smaller max_message_size",
+                 r->payload_withheld);
         return SINK_EREFUSED;
     }
     if (r->payload_len > s->cfg.max_message_size) {
