@@ -715,6 +715,8 @@ static void src_on_done(void *ud, const src_result *res)
         break;
     case SRC_REQ_CLAIM:
         on_claimed(d, res);
+        sync_metrics(d);                          /* what it holds now, then: */
+        rbudget_claim_done(d->budget, &d->rb);    /* a whole turn may end */
         break;
     case SRC_REQ_SETTLE:
         on_settled(d, res);
@@ -938,9 +940,10 @@ static bool main_request(drain *d, enum src_req req)
         d->claim_bytes = bytes;
         ledger_claim_started(d->led);
         rc = d->sops->claim(c->src, &a);
-        if (rc != 0)
+        if (rc != 0) {
             ledger_claim_failed(d->led);
-        else
+            rbudget_claim_done(d->budget, &d->rb);
+        } else
             rbudget_hold(d->budget, &d->rb, rows_held(d), bytes_held(d));   /* asked for */
         break;
     }
@@ -1106,9 +1109,13 @@ static void stats_cb(struct ev_loop *loop, ev_timer *w, int revents)
 
 /* ---------- public ---------- */
 
+/* Room, or the whole turn, is free again: claim (a claim refused the turn may have
+   come back empty, its first row too large for what was left). */
 static void budget_wake(void *ud)
 {
-    schedule_kick(ud);
+    drain *d = ud;
+    d->want_claim = true;
+    schedule_kick(d);
 }
 
 drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudget *budget,
