@@ -357,3 +357,53 @@ def test_one_row_past_the_byte_budget_across_outboxes(services, relay_bin, tmp_p
     assert relayed == 4 * n
     assert max(tot) >= size, "the sampler never saw a row held"
     assert max(tot) <= budget + size, f"{max(tot) / MIB:.2f} MiB held together"
+
+
+def test_expired_rows_of_a_down_broker_free_the_byte_budget(services, relay_bin, tmp_path):
+    """Outbox a publishes through a broker connection that goes down while it holds a 10 MiB
+    row (more than max_bytes_in_memory = 8M: it came alone); outbox b of the same process
+    publishes to a healthy broker. Once a's row is past its lease deadline (lease 3s) it is
+    given back although a's broker is still down, and its bytes return to the budget: b,
+    whose rows arrive after the outage began, drains them within a few seconds instead of
+    waiting for a's broker to come back."""
+    from sink_driver import Proxy
+    q = f"qdown-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    proxy = Proxy(services.amqp_port)
+    with contextlib.ExitStack() as stack:
+        stack.callback(proxy.close)
+        stack.callback(conn.close)
+        db = stack.enter_context(contextlib.contextmanager(scratch_database)(services))
+        ob = {"source": "postgres", "conninfo": db.dsn, "database": db.name,
+              "batch_size": "100", "poll_interval": "200ms", "lease": "3s"}
+        outboxes = {"a": dict(ob, table="outbox.ma", sink="x"),
+                    "b": dict(ob, table="outbox.mb", sink="main")}
+        sinks = {"x": {"url": proxy.url(), "publish_window": "100", "heartbeat": "30s"}}
+        r = _relay(services, db, relay_bin, tmp_path, "down", outboxes=outboxes, sinks=sinks,
+                   relay={"max_bytes_in_memory": "8M"})
+        stack.callback(lambda: r.proc.poll() is None and r.stop())
+        r.wait_log(r"outbox=a.*became the active relay", timeout=30)
+        r.wait_log(r"outbox=b.*became the active relay", timeout=30)
+        wait_for(lambda: r.metric("outbox_relay_sink_up", "a") == 1, 30, desc="a's broker up")
+        proxy.hold()                      # a's publish goes out, its confirm never comes
+        insert_rows(db, 1, 0, routing_key=q, size=10 * MIB, prefix="a", table="outbox.ma")
+        wait_for(lambda: r.metric("outbox_relay_held_bytes", "a") >= 10 * MIB, 30,
+                 desc="a holding its big row")
+        proxy.refuse = True               # a's broker is down from now on
+        proxy.cut()
+        wait_for(lambda: r.metric("outbox_relay_sink_up", "a") == 0, 30, desc="a's broker down")
+        t0 = time.monotonic()
+        insert_rows(db, 10, 2, routing_key=q, size=MIB, prefix="b", table="outbox.mb")
+        got = consume(ch, q, 10, timeout=30, idle=0.5)
+        took = time.monotonic() - t0
+        assert len(got) == 10, (f"b delivered {len(got)} of 10 rows in {took:.0f}s: a still "
+                                f"holds {r.metric('outbox_relay_held_bytes', 'a')} bytes")
+        wait_for(lambda: r.metric("outbox_relay_held_bytes", "a") == 0, 10,
+                 desc="a's expired row given back")
+        assert r.metric("outbox_relay_buffered", "a") == 0
+        expired = r.metric("outbox_relay_expired_total", "a")
+        _stop(r)
+    print(f"b drained 10 rows of 1 MiB in {took:.1f}s while a's broker was down")
+    assert sorted(int(p.headers["seq"]) for p, _, _ in got) == list(range(10))
+    assert expired >= 1
