@@ -1289,6 +1289,22 @@ static void stream_pump(sink *s)
     }
 }
 
+/* Whether the message's properties (its header frame) fit one frame. Checked before a
+ * publish sends anything: rabbitmq-c sends the method frame first and only then fails
+ * to encode a header that does not fit, and the broker closes the connection on the
+ * half-sent publish that leaves (505 UNEXPECTED_FRAME). Encoded into a scratch buffer
+ * of the loop thread, where every publish runs. */
+static bool props_fit(const sink *s, const amqp_basic_properties_t *p)
+{
+    static unsigned char scratch[AMQPSINK_FRAME_MAX];
+    size_t fb = frame_body_max(s);
+    size_t room = fb < sizeof scratch ? fb : sizeof scratch;
+
+    /* the header frame's payload: class, weight and body size (12 bytes), then these */
+    return amqp_encode_properties(AMQP_BASIC_CLASS, (amqp_basic_properties_t *)(uintptr_t)p,
+                                  (amqp_bytes_t){ .len = room - 12, .bytes = scratch }) >= 0;
+}
+
 /* Publishes a message larger than AMQPSINK_STREAM_MIN: its method and header
  * frames now, its body as the socket drains (stream_pump). head: the socket
  * room the method and header frames may take. */
@@ -1300,24 +1316,15 @@ static int publish_stream(sink *s, const row *r, amqp_basic_properties_t *p, voi
     amqp_basic_publish_t m;
     amqp_frame_t f;
     ring_msg *e;
-    void *buf;
     int rc;
 
     if (!amqpsink_sock_room(s, head + frame_room(s, first))) {
         wait_room(s, head + frame_room(s, first));
         return SINK_EAGAIN;
     }
-    /* The header frame must fit one frame: encoded once before anything is
-     * sent, so that a refusal leaves the channel as it was. */
-    buf = malloc(fb);
-    if (buf == NULL) {
-        snprintf(err, errlen, "out of memory");
-        return SINK_EAGAIN; /* nothing sent; tried again later */
-    }
-    rc = amqp_encode_properties(AMQP_BASIC_CLASS, p,
-                                (amqp_bytes_t){ .len = fb - 12, .bytes = buf });
-    free(buf);
-    if (rc < 0) {
+    /* The header frame must fit one frame: checked before anything is sent, so that
+     * a refusal leaves the channel as it was. */
+    if (!props_fit(s, p)) {
         snprintf(err, errlen, "message properties too large for one frame");
         return SINK_EPERM;
     }
@@ -1456,6 +1463,14 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
         free(hmem);
         return rc;
     }
+    /* Only headers can make the properties larger than a frame (the other fields are
+     * short strings, checked above): a row with headers is checked before any frame of
+     * it is sent. */
+    if (r->headers_json != NULL && !props_fit(s, &p)) {
+        free(hmem);
+        snprintf(err, errlen, "message properties too large for one frame");
+        return SINK_EPERM;
+    }
     body.len = r->payload_len;
     body.bytes = (void *)(uintptr_t)r->payload;
     rc = amqp_basic_publish(s->conn, s->ch, amqpsink_bytes(r->exchange),
@@ -1463,12 +1478,8 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
                             &p, body);
     free(hmem);
     if (rc != AMQP_STATUS_OK) {
-        if (rc == AMQP_STATUS_TABLE_TOO_BIG) {
-            snprintf(err, errlen, "message properties too large for one frame");
-            /* the encoder failed before anything was sent: nothing to clean up */
-            return SINK_EPERM;
-        }
-        /* The connection is broken (maybe mid-message): fail it from the loop. */
+        /* The connection is broken (maybe mid-message, a method frame sent without
+         * its header): fail it from the loop. */
         amqpsink_mark_broken(s, "publish", rc);
         return SINK_EAGAIN;
     }
