@@ -1256,10 +1256,16 @@ static void stream_pump(sink *s)
             return;
         }
         if (!amqpsink_sock_room(s, frame_room(s, n))) {
-            /* wait until a useful piece fits, not a single frame */
-            size_t left = m->len - m->off;
+            /* wait until a useful piece fits, not a single frame: up to half of what
+             * the socket takes (its send buffer may be smaller than the piece, as under
+             * the stock net.core.wmem_max of 208 KiB: waiting for more room than it has
+             * would wait for an empty queue), never less than the frame */
+            size_t left = m->len - m->off, one = frame_room(s, n);
+            size_t want = frame_room(s, left < AMQPSINK_STREAM_MIN ? left : AMQPSINK_STREAM_MIN);
 
-            s->want_bytes = frame_room(s, left < AMQPSINK_STREAM_MIN ? left : AMQPSINK_STREAM_MIN);
+            if (want > s->sndcap / 2)
+                want = s->sndcap / 2;
+            s->want_bytes = want > one ? want : one;
             if (!ev_is_active(&s->wretry))
                 ev_io_start(s->loop, &s->wio);
             return;
