@@ -407,3 +407,40 @@ def test_expired_rows_of_a_down_broker_free_the_byte_budget(services, relay_bin,
     print(f"b drained 10 rows of 1 MiB in {took:.1f}s while a's broker was down")
     assert sorted(int(p.headers["seq"]) for p, _, _ in got) == list(range(10))
     assert expired >= 1
+
+
+def test_rss_returns_after_a_large_row(services, pgdb, relay_bin, tmp_path):
+    """libpq reads a whole row into its input buffer, which grows to the largest row a session
+    ever read and never shrinks while the session lives: after a 64 MiB row the relay replaces
+    the session that claimed it (quietly: no 'database unavailable'), and its resident memory
+    returns to within 16 MiB of what it was before the row once the row is delivered, while the
+    100 small rows after it arrive in order."""
+    why = memory_unmeasurable(relay_bin)
+    if why:
+        pytest.skip(f"memory is not measurable in this build: {why}")
+    q = f"qrss-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    ch.queue_declare(queue=q, durable=False, arguments={"x-max-length": 5})
+    conn.close()
+    r = _relay(services, pgdb, relay_bin, tmp_path, "rssback",
+               relay={"max_bytes_in_memory": "16M"}, sink={"max_message_size": "128M"})
+    try:
+        r.wait_log(r"became the active relay", timeout=30)
+        insert_rows(pgdb, 20, 2, routing_key=q, size=1000)
+        wait_for(lambda: _sent(pgdb) == 20, 60, interval=0.1, desc="the first rows marked")
+        before = proc_status_kb(r.proc.pid, "VmRSS")
+        insert_rows(pgdb, 1, 2, start=20, routing_key=q, size=64 * MIB)
+        insert_rows(pgdb, 100, 2, start=21, routing_key=q, size=1000)
+        wait_for(lambda: _sent(pgdb) == 121, 120, interval=0.2, desc="every row marked")
+        peak = proc_status_kb(r.proc.pid, "VmHWM")
+        try:
+            wait_for(lambda: proc_status_kb(r.proc.pid, "VmRSS") <= before + 16 * 1024, 15,
+                     interval=0.2, desc="resident memory back near where it was")
+        finally:
+            after = proc_status_kb(r.proc.pid, "VmRSS")
+            print(f"VmRSS {before / 1024:.1f} MiB before the 64 MiB row, peak {peak / 1024:.1f}"
+                  f" MiB, {after / 1024:.1f} MiB after")
+        assert peak >= before + 64 * 1024, "the row was never held: was it delivered?"
+        assert "database unavailable" not in (tmp_path / "rssback.log").read_text()
+    finally:
+        _stop(r)
