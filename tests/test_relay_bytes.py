@@ -237,8 +237,16 @@ def test_byte_budget_shared_by_two_outboxes(services, relay_bin, tmp_path):
     print(f"bytes in memory max {max(tot) / MIB:.2f} MiB of {budget / MIB:.0f}; per outbox max "
           + ", ".join(f"{o} {max(v) / MIB:.2f} MiB" for o, v in held.items()))
     assert max(tot) <= budget + size, f"{max(tot) / MIB:.2f} MiB held together"
+    # shared, not taken by one: each outbox's rows reach the queue before the other's last
+    # one (sampling both at the same moment misses the overlap on a loaded machine)
+    order = [body.split(b"|")[0].decode() for _, body, _ in got]
+    first = {o: order.index(o) for o in outboxes}
+    last = {o: len(order) - 1 - order[::-1].index(o) for o in outboxes}
     both = [1 for _, a, b in snaps if a > 0 and b > 0]
-    assert both, "the two outboxes never held rows at the same time"
+    print(f"first/last delivery a {first['a']}/{last['a']}, b {first['b']}/{last['b']}; "
+          f"{len(both)} of {len(snaps)} samples with both holding rows")
+    assert first["a"] < last["b"] and first["b"] < last["a"], \
+        "one outbox drained completely before the other began"
     for o, v in held.items():
         assert max(v) > 0, f"outbox {o} never held a row"
 
