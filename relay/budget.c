@@ -40,6 +40,32 @@ static void wake_waiting(rbudget *b)
             m->wake(m->ud);    /* schedules its drain's next look: never re-enters */
 }
 
+/* The whole turn is free again: wake those refused it. */
+static void whole_free(rbudget *b)
+{
+    b->whole = NULL;
+    for (rb_member *m = b->head; m != NULL; m = m->next) {
+        if (!m->whole_wait)
+            continue;
+        m->whole_wait = false;
+        if (m->wake != NULL)
+            m->wake(m->ud);
+    }
+}
+
+/* m's turn ends once its claim was answered and the process is within the limit, or
+   once m holds nothing (also a claim never sent) */
+static void whole_check(rbudget *b, rb_member *m)
+{
+    if (b->whole != m)
+        return;
+    if (m->held_bytes == 0 ||
+        (!m->whole_claiming && (b->limit_bytes == 0 || b->used_bytes <= b->limit_bytes))) {
+        m->whole_claiming = false;
+        whole_free(b);
+    }
+}
+
 void rbudget_init(rbudget *b, size_t limit)
 {
     *b = (rbudget){ .limit = limit };
@@ -69,6 +95,9 @@ void rbudget_leave(rbudget *b, rb_member *m)
 {
     bool released = m->held > 0 || m->held_bytes > 0;
     set_member(b, m, 0, 0, false);
+    m->whole_wait = m->whole_claiming = false;
+    if (b->whole == m)
+        whole_free(b);
     if (m->prev != NULL)
         m->prev->next = m->next;
     else
@@ -131,8 +160,17 @@ void rbudget_hold(rbudget *b, rb_member *m, size_t n, size_t bytes)
     bool released = n < m->held || bytes < m->held_bytes;
     bool grew = n > m->held || bytes > m->held_bytes;
     set_member(b, m, n, bytes, grew ? false : m->waiting);
+    whole_check(b, m);
+    if (b->whole != NULL && b->whole != m)
+        whole_check(b, b->whole);     /* the process may be back within the limit */
     if (released)
         wake_waiting(b);
+}
+
+void rbudget_claim_done(rbudget *b, rb_member *m)
+{
+    m->whole_claiming = false;
+    whole_check(b, m);
 }
 
 size_t rbudget_share_bytes(const rbudget *b, const rb_member *m)
@@ -153,8 +191,18 @@ size_t rbudget_claim_bytes(rbudget *b, rb_member *m, size_t held, bool *first_wh
     size_t share = rbudget_share_bytes(b, m);
     size_t avail = rbudget_avail_bytes(b, m);
     size_t chunk = share / 2 > 0 ? share / 2 : 1;
-    if (held == 0 && avail > 0)
-        return avail < chunk ? avail : chunk;   /* its first row comes whatever its size */
+    if (held == 0 && avail > 0) {
+        if (b->whole == NULL || b->whole == m) {
+            b->whole = m;                       /* its first row comes whatever its size */
+            m->whole_claiming = true;
+            m->whole_wait = false;
+        } else {
+            *first_whole = false;               /* another's turn: within what is left */
+            m->whole_wait = true;
+        }
+        return avail < chunk ? avail : chunk;
+    }
+    *first_whole = false;
     if (held > 0 && avail >= chunk)
         return chunk;
     /* holding rows with less than half a share free (claim again once a good part of

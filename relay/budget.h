@@ -14,7 +14,11 @@
  * for no more bytes than the drain may take (rbudget_claim_bytes), and reports
  * the bytes asked for while it runs. Its first row comes whatever its size when
  * the drain holds nothing (a row larger than the whole budget goes through,
- * alone), so the bytes held may pass the limit by that one row.
+ * alone), so the bytes held may pass the limit by that one row — one such claim
+ * in the whole process at a time (the "whole" turn): a drain that holds nothing
+ * while another has the turn claims within what is left, and is woken when the
+ * turn is free again. The turn is given back once the claim's answer has come and
+ * the process holds no more than the limit, or the drain holds nothing.
  *
  * Fair shares: a drain may hold at most limit / (the drains that hold rows or
  * wait for room), in rows and in bytes. One busy outbox among idle ones gets all of it; fifty busy
@@ -33,6 +37,8 @@ typedef struct rb_member {
     size_t held;          /* rows held, or asked for by a running claim */
     size_t held_bytes;    /* their bytes, or the bytes a running claim asked for */
     bool   waiting;       /* refused room: woken when rows are released */
+    bool   whole_wait;    /* refused the whole turn: woken when it is free */
+    bool   whole_claiming;    /* has the turn, its claim not answered yet */
     void (*wake)(void *ud);
     void  *ud;
 } rb_member;
@@ -44,6 +50,8 @@ typedef struct rbudget {
     size_t     used_bytes;    /* the members' held bytes */
     size_t     n_busy;    /* members holding rows or waiting */
     size_t     n_waiting;
+    rb_member *whole;     /* the member whose claim's first row may come whatever its
+                             size (one at a time), NULL: none */
     rb_member *head;
 } rbudget;
 
@@ -82,7 +90,13 @@ size_t rbudget_claim_size(rbudget *b, rb_member *m, size_t used, size_t own, siz
    fair share at a time (the other half publishes while the claim runs), within what
    is left. 0: not now, and m waits for a wake-up (rbudget_wait). SIZE_MAX: no byte
    limit. *first_whole says whether the claim's first row may come whatever its size:
-   only when m holds nothing, so a row larger than the budget goes through alone. */
+   only when m holds nothing, so a row larger than the budget goes through alone, and
+   only for one member of the process at a time (m takes the turn; refused, m is woken
+   when it is free). */
 size_t rbudget_claim_bytes(rbudget *b, rb_member *m, size_t held, bool *first_whole);
+/* m's claim was answered (rows or a failure) and m has reported what it holds
+   (rbudget_hold): a turn it had ends unless the process holds more than the limit,
+   then once it does not, or once m holds nothing. */
+void   rbudget_claim_done(rbudget *b, rb_member *m);
 
 #endif

@@ -117,6 +117,8 @@ struct drain {
     ev_timer  stats_timer;
     ev_timer  health_timer;      /* every health_interval: the table's health */
     ev_timer  coalesce_timer;    /* a woken claim waits for it (claim_delay after a short one) */
+    ev_timer  expire_timer;      /* nothing can be published: fires at the first buffered
+                                    row's deadline, to give it back and free its bytes */
     ev_idle   kick_idle;         /* runs kick() once the current callback chain is done */
 
     ob_metrics m;
@@ -270,7 +272,7 @@ static void sink_on_state(void *ud, enum sink_state state, const char *peer, con
                d->ob->name, d->ob->sink_name, msg ? msg : "resource alarm");
     } else {
         /* Buffered rows stay held (their leases run on; rows past their deadline are
-           given back at the next pump). Unconfirmed ones come back as SINK_LOST and
+           given back then: expire_idle). Unconfirmed ones come back as SINK_LOST and
            are published again, in id order per key, once the sink is up. */
         log_fail(&d->sink_log, LOG_WARN,
                  &(log_fields){ .event = "broker_unavailable", .outbox = d->ob->name,
@@ -336,14 +338,32 @@ static void sink_on_writable(void *ud)
     schedule_kick(d);
 }
 
+/* Nothing can be published now (the sink is down or blocked, the leadership lapsed):
+   buffered rows past their deadline are given back all the same, so that their rows and
+   bytes go back to the process's budget for the other outboxes; the timer fires at the
+   next deadline. */
+static void expire_idle(drain *d)
+{
+    ledger_expire(d->led, mono_now());
+    ev_timer_stop(d->loop, &d->expire_timer);
+    double first = ledger_first_deadline(d->led);
+    if (first > 0 && !d->stopping) {
+        double in = first - mono_now();
+        ev_timer_set(&d->expire_timer, (in > 0 ? in : 0) + 0.001, 0.);
+        ev_timer_start(d->loop, &d->expire_timer);
+    }
+}
+
 /* Publishes what the ledger allows while the sink accepts it. */
 static void pump(drain *d)
 {
     if (d->sink_state != SINK_UP || d->stopping ||
         (d->ob->mode == CFG_MODE_LEADER && !lead_valid(d))) {
+        expire_idle(d);
         sync_metrics(d);
         return;
     }
+    ev_timer_stop(d->loop, &d->expire_timer);    /* ledger_next gives them back */
     double now = mono_now();
     size_t window = (size_t)d->ob->sink->publish_window;
     led_entry *e;
@@ -756,6 +776,8 @@ static void src_on_done(void *ud, const src_result *res)
         break;
     case SRC_REQ_CLAIM:
         on_claimed(d, res);
+        sync_metrics(d);                          /* what it holds now, then: */
+        rbudget_claim_done(d->budget, &d->rb);    /* a whole turn may end */
         break;
     case SRC_REQ_SETTLE:
         on_settled(d, res);
@@ -973,6 +995,7 @@ static bool main_request(drain *d, enum src_req req)
             .max_rows = rows,
             .max_bytes = claims_bytes(d) ? bytes : 0,
             .first_whole = whole,
+            .max_payload = d->ob->sink->max_message_size,
             .lease_ms = d->resigned ? 0 : d->ob->lease_ms,
             .lease_token = new_token(d),
             .owner = d->owner,
@@ -983,9 +1006,10 @@ static bool main_request(drain *d, enum src_req req)
         d->claim_bytes = bytes;
         ledger_claim_started(d->led);
         rc = d->sops->claim(c->src, &a);
-        if (rc != 0)
+        if (rc != 0) {
             ledger_claim_failed(d->led);
-        else
+            rbudget_claim_done(d->budget, &d->rb);
+        } else
             rbudget_hold(d->budget, &d->rb, rows_held(d), bytes_held(d));   /* asked for */
         break;
     }
@@ -1088,6 +1112,13 @@ static void coalesce_cb(struct ev_loop *loop, ev_timer *w, int revents)
     schedule_kick(w->data);
 }
 
+static void expire_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)loop; (void)revents;
+    pump(w->data);                /* gives back what expired, or publishes again */
+    schedule_kick(w->data);       /* settles the rows given back */
+}
+
 static void hold_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
     (void)loop; (void)revents;
@@ -1151,9 +1182,13 @@ static void stats_cb(struct ev_loop *loop, ev_timer *w, int revents)
 
 /* ---------- public ---------- */
 
+/* Room, or the whole turn, is free again: claim (a claim refused the turn may have
+   come back empty, its first row too large for what was left). */
 static void budget_wake(void *ud)
 {
-    schedule_kick(ud);
+    drain *d = ud;
+    d->want_claim = true;
+    schedule_kick(d);
 }
 
 drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudget *budget,
@@ -1259,6 +1294,8 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
     d->health_timer.data = d;
     ev_timer_init(&d->coalesce_timer, coalesce_cb, 0.001, 0.);   /* claims and settles */
     d->coalesce_timer.data = d;
+    ev_timer_init(&d->expire_timer, expire_cb, 1., 0.);
+    d->expire_timer.data = d;
     ev_idle_init(&d->kick_idle, kick_idle_cb);
     d->kick_idle.data = d;
     rbudget_join(budget, &d->rb, budget_wake, d);
@@ -1307,6 +1344,7 @@ void drain_stop(drain *d, void (*on_stopped)(void *ud), void *ud)
     ev_timer_stop(d->loop, &d->stats_timer);
     ev_timer_stop(d->loop, &d->health_timer);
     ev_timer_stop(d->loop, &d->coalesce_timer);
+    ev_timer_stop(d->loop, &d->expire_timer);
     schedule_kick(d);
 }
 
@@ -1321,6 +1359,7 @@ void drain_free(drain *d)
     ev_timer_stop(d->loop, &d->cleanup_retry);
     ev_timer_stop(d->loop, &d->stats_timer);
     ev_timer_stop(d->loop, &d->coalesce_timer);
+    ev_timer_stop(d->loop, &d->expire_timer);
     ev_timer_stop(d->loop, &d->health_timer);
     ev_timer_stop(d->loop, &d->main.hold_timer);
     ev_timer_stop(d->loop, &d->settler.hold_timer);

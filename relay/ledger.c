@@ -747,6 +747,16 @@ void ledger_claim_failed(ledger *l)
     claim_over(l);
 }
 
+static void log_expired(ledger *l, size_t expired)
+{
+    if (expired == 0)
+        return;
+    l->st.expired += expired;
+    log_ev(LOG_INFO, &(log_fields){ .event = "lease_expired", .outbox = l->cfg.outbox },
+           "outbox=%s: %zu buffered rows given back unpublished: their lease "
+           "ran out before the broker took them", l->cfg.outbox, expired);
+}
+
 led_entry *ledger_next(ledger *l, double now)
 {
     size_t expired = 0;
@@ -759,13 +769,38 @@ led_entry *ledger_next(ledger *l, double now)
         expired++;
         decide(l, e, SRC_UNCLAIM, 0, NULL);
     }
-    if (expired > 0) {
-        l->st.expired += expired;
-        log_ev(LOG_INFO, &(log_fields){ .event = "lease_expired", .outbox = l->cfg.outbox },
-               "outbox=%s: %zu buffered rows given back unpublished: their lease "
-               "ran out before the broker took them", l->cfg.outbox, expired);
-    }
+    log_expired(l, expired);
     return l->heap_n > 0 ? l->heap[0] : NULL;
+}
+
+size_t ledger_expire(ledger *l, double now)
+{
+    size_t before = ledger_n_buffered(l);
+    l->now = now;
+    for (int g = GL_BUFFERED; g <= GL_PARKED; g++) {
+        led_entry *e = l->gl[g].head;
+        while (e != NULL) {
+            if (e->deadline > now) {
+                e = e->ln[1].next;
+                continue;
+            }
+            decide(l, e, SRC_UNCLAIM, 0, NULL);
+            e = l->gl[g].head;     /* giving a row back may give back others of its key */
+        }
+    }
+    size_t expired = before - ledger_n_buffered(l);    /* those cascaded included */
+    log_expired(l, expired);
+    return expired;
+}
+
+double ledger_first_deadline(const ledger *l)
+{
+    double first = 0;
+    for (int g = GL_BUFFERED; g <= GL_PARKED; g++)
+        for (const led_entry *e = l->gl[g].head; e != NULL; e = e->ln[1].next)
+            if (first == 0 || e->deadline < first)
+                first = e->deadline;
+    return first;
 }
 
 const row *ledger_row(const led_entry *e)

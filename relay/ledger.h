@@ -89,6 +89,12 @@ void    ledger_claim_failed(ledger *l);
  * whose deadline has passed are given back on the way. The entry stays next
  * until one of published / wait / refused is called for it. */
 led_entry  *ledger_next(ledger *l, double now);
+/* Gives back (UNCLAIM) every buffered row, parked ones included, whose deadline has
+ * passed, whether or not anything can be published now (the sink down, leadership
+ * lapsed): their bytes and rows are released. Returns how many were given back. */
+size_t      ledger_expire(ledger *l, double now);
+/* The earliest deadline of the buffered rows (monotonic), 0 when none is buffered. */
+double      ledger_first_deadline(const ledger *l);
 const row  *ledger_row(const led_entry *e);
 int64_t     ledger_id(const led_entry *e);
 double      ledger_published_at(const led_entry *e);

@@ -77,6 +77,7 @@ row *row_new(const row_fields *f)
     r->correlation_id = put_field(&cur, &f->correlation_id, 0);
     r->headers_json = put_field(&cur, &f->headers_json, 0);
     r->payload_len = f->payload.p ? f->payload.len : 0;
+    r->payload_withheld = f->payload.p ? 0 : f->payload_withheld;
     r->owner = NULL;
     r->release = NULL;
     if (f->payload_release) {

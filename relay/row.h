@@ -34,6 +34,9 @@ typedef struct row {
                                       length of headers_json; set once by row_new */
     void          *owner;          /* what payload points into, when not copied (or NULL) */
     void         (*release)(void *owner);   /* frees owner with the row */
+    size_t         payload_withheld; /* > 0: the payload, this many bytes, was larger than
+                                        the claim's max_payload and left in the database
+                                        (payload is then "", payload_len 0) */
 } row;
 
 /* Field values for row_new(); each string is (ptr, len), ptr NULL = SQL NULL. */
@@ -41,6 +44,7 @@ typedef struct row_field { const char *p; size_t len; } row_field;
 typedef struct row_fields {
     int64_t   id, lease_token, created_at_us, age_us;
     int       attempts;
+    size_t    payload_withheld;   /* see row.payload_withheld; payload NULL then */
     row_field message_id, exchange, routing_key, partition_key, message_type,
               content_type, correlation_id, headers_json, payload;
     /* NULL: the payload is copied like the other fields. Else the payload is not copied:

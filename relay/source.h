@@ -136,6 +136,11 @@ typedef struct src_claim_args {
        Honoured only by a source whose claims_bytes says so. */
     size_t      max_bytes;
     bool        first_whole;
+    /* A row whose payload is larger than this (the sink's max_message_size: it could
+       never be published) comes without it: payload_withheld says its size, and it
+       counts for its headers only within max_bytes. 0: every payload comes. Honoured
+       by a source whose claims_bytes says so. */
+    size_t      max_payload;
     int64_t     lease_ms;
     int64_t     lease_token;  /* the core's random token for this claim */
     const char *owner;        /* this relay instance, stored in lease_owner */

@@ -199,6 +199,15 @@ char *sql_pg_lead(const sql_pg_names *n)
     "(coalesce(octet_length(" M ".payload), 0)::bigint + "                                 \
     "coalesce(octet_length(" M ".headers::text), 0))"
 
+/* A payload larger than $8 bytes ($8 = 0: none is), which the sink could never publish:
+   the claim leaves it in the database and returns its size instead (the last column), so
+   the relay dead-letters the row without reading it. Such a row counts for its headers
+   only in the byte limit. */
+#define SQL_PG_WITHHELD(M) "($8::bigint > 0 AND octet_length(" M ".payload) > $8::bigint)"
+#define SQL_PG_CLAIMED_BYTES(M)                                                            \
+    "(CASE WHEN " SQL_PG_WITHHELD(M) " THEN coalesce(octet_length(" M ".headers::text), 0) " \
+    "ELSE " SQL_PG_ROW_BYTES(M) " END)"
+
 /* The byte limit of sql_pg_claim_bytes over the candidates C (id, sz), as a CTE `b`:
    a prefix in id order whose running sum stays within $6 ($6 = 0: no limit), and the
    first row whatever its size when $7. A prefix, never rows after one left out: a
@@ -211,13 +220,21 @@ char *sql_pg_lead(const sql_pg_names *n)
 
 static char *claim(const sql_pg_names *n, bool competing, bool sized)
 {
-    static const char ret[] =
+    static const char ret_plain[] =
         "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
         "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
         "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
-        "(extract(epoch from now() - m.created_at) * 1000000)::bigint";
+        "(extract(epoch from now() - m.created_at) * 1000000)::bigint, NULL::bigint";
+    static const char ret_sized[] =
+        "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
+        "m.message_type, m.content_type, m.correlation_id, m.headers::text, "
+        "CASE WHEN " SQL_PG_WITHHELD("m") " THEN NULL ELSE m.payload END, "
+        "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
+        "(extract(epoch from now() - m.created_at) * 1000000)::bigint, "
+        "CASE WHEN " SQL_PG_WITHHELD("m") " THEN octet_length(m.payload)::bigint END";
+    const char *ret = sized ? ret_sized : ret_plain;
     /* sized: the candidates carry their size, the rows leased are the prefix b */
-    const char *sz = sized ? ", " SQL_PG_ROW_BYTES("m") " AS sz" : "";
+    const char *sz = sized ? ", " SQL_PG_CLAIMED_BYTES("m") " AS sz" : "";
     const char *bytes = sized ? ", " SQL_PG_BYTE_PREFIX("c") : " ";
     const char *from = sized ? "b" : "c";
     if (!competing)

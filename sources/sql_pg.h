@@ -40,12 +40,15 @@ char *sql_pg_lead(const sql_pg_names *n);
 /* Claim: $1 limit, $2 owner, $3 token, $4 lease ms, $5 epoch (leader mode; 0: unfenced).
    -> id, message_id, exchange, routing_key, partition_key, message_type, content_type,
       correlation_id, headers (text), payload, attempts, created_at (µs since the epoch),
-      age (µs). */
+      age (µs), and NULL (the size of a payload left out: see sql_pg_claim_bytes). */
 char *sql_pg_claim(const sql_pg_names *n, bool competing);
 /* The claim within a byte limit: as sql_pg_claim, and $6 max bytes (0: no limit), $7
    first row whatever its size (boolean): the rows leased are the prefix, in id order,
    whose payload + headers text bytes (src_row_bytes) sum to at most $6, or that first
-   row alone (src_claim_args.max_bytes, first_whole). Same result columns. */
+   row alone (src_claim_args.max_bytes, first_whole); $8 the largest payload returned
+   (0: no limit): a larger one is left in the database, its column NULL and the last
+   column its size (else NULL), and the row counts for its headers only within $6
+   (src_claim_args.max_payload). Same result columns. */
 char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing);
 /* Settle of outcomes that are all SENT: $1 ids, $2 tokens (arrays). -> rows applied. */
 char *sql_pg_settle_sent(const sql_pg_names *n, int on_sent);

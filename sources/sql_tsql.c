@@ -48,6 +48,12 @@
     const sql_tsql_stmt var = { #var, text, params, NP(params) }
 #define STMT0(var, text) const sql_tsql_stmt var = { #var, text, NULL, 0 }
 
+/* A payload larger than @max_payload bytes (0: none is), which the sink could never
+   publish: the claim leaves it in the database and returns its size instead (the last
+   column), so the relay dead-letters the row without reading it (the server keeps its
+   copy in @c; none crosses the wire). */
+#define WITHHELD(M) "(@max_payload > 0 AND DATALENGTH(" M ".payload) > @max_payload)"
+
 /* The leased rows' columns, from a table variable @c (converted here, not in OUTPUT). */
 #define CLAIMED_TABLE \
     "DECLARE @c TABLE (id bigint NOT NULL PRIMARY KEY, message_id uniqueidentifier NOT NULL, " \
@@ -63,9 +69,12 @@
     "inserted.created_at INTO @c "
 #define CLAIMED_SELECT \
     "SELECT id, LOWER(CONVERT(nvarchar(36), message_id)), exchange, routing_key, " \
-    "partition_key, message_type, content_type, correlation_id, headers, payload, attempts, " \
+    "partition_key, message_type, content_type, correlation_id, headers, " \
+    "CASE WHEN " WITHHELD("c") " THEN NULL ELSE c.payload END, attempts, " \
     "DATEDIFF_BIG(microsecond, CONVERT(datetime2, '1970-01-01'), created_at), " \
-    "DATEDIFF_BIG(microsecond, created_at, SYSUTCDATETIME()) FROM @c ORDER BY id"
+    "DATEDIFF_BIG(microsecond, created_at, SYSUTCDATETIME()), " \
+    "CASE WHEN " WITHHELD("c") " THEN CAST(DATALENGTH(c.payload) AS bigint) END " \
+    "FROM @c c ORDER BY id"
 /* A leased row's size for a claim's byte limit, an upper bound of what the relay counts
    of it once read (its payload plus its headers as UTF-8 text) that is exact when the
    headers are ASCII, as JSON headers usually are. The headers are nvarchar (UTF-16 on
@@ -81,6 +90,10 @@
     "LIKE N'%[^' + NCHAR(1) + N'-' + NCHAR(127) + N']%' " \
     "THEN (CAST(DATALENGTH(" M ".headers) AS bigint) * 3 + 1) / 2 " \
     "ELSE CAST(LEN(" M ".headers + N'.') AS bigint) - 1 END)"
+/* What the byte limit counts of a row: its size, less a payload it leaves out */
+#define CLAIMED_BYTES(M) \
+    "(" ROW_BYTES(M) " - CASE WHEN " WITHHELD(M) " " \
+    "THEN CAST(DATALENGTH(" M ".payload) AS bigint) ELSE CAST(0 AS bigint) END)"
 /* Of candidates z (id, run: the running sum of their sizes in id order, rn: their
    rank), those within the byte limit: a prefix whose sum stays within @max_bytes
    (0: no limit), and the first whatever its size when @first_whole. */
@@ -139,7 +152,7 @@ STMT(sql_tsql_lead, lead_text, lead_p);
 static const char claim_text[] =
     "SET NOCOUNT ON; "
     "DECLARE @limit int = ?, @epoch bigint = ?, @owner nvarchar(255) = ?, @token bigint = ?, "
-    "@lease_ms int = ?, @max_bytes bigint = ?, @first_whole int = ?; "
+    "@lease_ms int = ?, @max_bytes bigint = ?, @first_whole int = ?, @max_payload bigint = ?; "
     CLAIMED_TABLE
     "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
     "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
@@ -149,7 +162,7 @@ static const char claim_text[] =
     CLAIMED_OUTPUT
     "WHERE sent_at IS NULL AND (lease_until IS NULL OR lease_until < SYSUTCDATETIME()) "
     "AND id IN (SELECT z.id FROM (SELECT t.id, " RUN_OVER("t") " FROM (SELECT TOP (@limit) "
-    "m.id, " ROW_BYTES("m") " AS sz FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
+    "m.id, " CLAIMED_BYTES("m") " AS sz FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
     "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
     "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
     "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p WITH (NOLOCK) "
@@ -158,14 +171,15 @@ static const char claim_text[] =
     CLAIMED_SELECT;
 static const sql_tsql_param claim_p[] = { P_INT("limit"), P_BIGINT("epoch"), P_NAME("owner"),
                                           P_BIGINT("token"), P_INT("lease_ms"),
-                                          P_BIGINT("max_bytes"), P_INT("first_whole") };
+                                          P_BIGINT("max_bytes"), P_INT("first_whole"),
+                                          P_BIGINT("max_payload") };
 STMT(sql_tsql_claim, claim_text, claim_p);
 
 /* Competing-mode claim (see sql_pg_claim), within the byte limit as the claim above. */
 static const char claim_competing_text[] =
     "SET NOCOUNT ON; "
     "DECLARE @owner nvarchar(255) = ?, @lease_ms int = ?, @limit int = ?, @token bigint = ?, "
-    "@max_bytes bigint = ?, @first_whole int = ?; "
+    "@max_bytes bigint = ?, @first_whole int = ?, @max_payload bigint = ?; "
     /* membership (see sources/sql_pg.h): renew ours, else reuse an expired member
        row, else insert one; a lease of 0 withdraws it. By primary key only (the
        name LIKE a constant prefix is a seek). */
@@ -186,7 +200,7 @@ static const char claim_competing_text[] =
     "AND expires_at > SYSUTCDATETIME(); "
     "DECLARE @c0 TABLE (id bigint PRIMARY KEY, partition_key nvarchar(255), sz bigint NOT NULL); "
     "INSERT INTO @c0 (id, partition_key, sz) SELECT TOP (@limit) m.id, m.partition_key, "
-    ROW_BYTES("m") " "
+    CLAIMED_BYTES("m") " "
     "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
     "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
     "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
@@ -219,7 +233,8 @@ static const char claim_competing_text[] =
 static const sql_tsql_param claim_competing_p[] = { P_NAME("owner"), P_INT("lease_ms"),
                                                     P_INT("limit"), P_BIGINT("token"),
                                                     P_BIGINT("max_bytes"),
-                                                    P_INT("first_whole") };
+                                                    P_INT("first_whole"),
+                                                    P_BIGINT("max_payload") };
 STMT(sql_tsql_claim_competing, claim_competing_text, claim_competing_p);
 
 /* Settle: head + (mark | delete) + tail, for at most SQL_TSQL_MAX_ROWS outcomes (the

@@ -534,6 +534,22 @@ def test_permanent_failures_are_eperm(services, build, names):
     assert queue_depth(services, names.q) == 2
 
 
+def test_headers_larger_than_a_frame_refused_before_anything_is_sent(services, build, names):
+    """A small message whose headers do not fit one frame (40,000 bytes of header text on a
+    100-byte payload) is refused (EPERM) before any of its frames is sent: the broker never
+    sees half a publish, so the connection stays up and the 50 messages after it are all
+    confirmed, none lost or published twice."""
+    groups = [f"{names.ex},{names.rk},1,size=100,bighdr=40000", f"{names.ex},{names.rk},50"]
+    r = drive(services, build, "--tag", names.tag, *groups)
+    assert r.rc == 0, r
+    (outcome, reason), = r.results[0]
+    assert outcome == "EPERM" and "too large for one frame" in reason, r
+    for i in range(1, 51):
+        assert r.results[i] == [("ACK", "")], (i, r.results[i])
+    assert [s for s, _ in r.states] == ["UP"], r.states
+    assert queue_depth(services, names.q) == 50
+
+
 # ---------------------------------------------------------------- failures
 @pytest.fixture
 def proxy(services):

@@ -1369,6 +1369,34 @@ def test_claim_stops_at_its_byte_limit(src, drivers, competing):
     assert all(state[i]["token"] is not None for i in ids), "every row claimed once, leased"
 
 
+@pytest.mark.parametrize("competing", [False, True], ids=["leader", "competing"])
+def test_claim_leaves_payloads_over_max_payload(src, drivers, competing):
+    """A payload larger than the claim's max_payload (the sink's max_message_size) stays in
+    the database: the row is leased and comes with its size only ("withheld"), without its
+    payload, and counts for its headers only within the byte limit. Rows at the limit come
+    whole; max_payload 0 withholds nothing."""
+    d = byte_limit_started(src, drivers)
+    sizes = [100, 3 << 20, 1000, 100]
+    ids = src.insert(len(sizes), partition_key=lambda i: "k",
+                     payload=lambda i: bytes([i + 1]) * sizes[i])
+    cmd = f"claim 10 600000 1 relay-a" + (" 0 competing" if competing else "")
+    st, rows = d.request(cmd + " bytes=1200 whole maxpay=1000")
+    assert st["ok"] == 0, st
+    assert ids_of(rows) == ids, "the 3 MiB row counts for nothing: all four fit 1200 bytes"
+    assert [r.get("withheld") for r in rows] == [None, 3 << 20, None, None]
+    assert rows[1]["payload_hex"] == "" and rows[1]["message_id"], rows[1]
+    for i in (0, 2, 3):
+        assert bytes.fromhex(rows[i]["payload_hex"]) == bytes([i + 1]) * sizes[i]
+    state = src.rows()
+    assert all(state[i]["token"] is not None for i in ids), "every row leased"
+    more = src.insert(1, payload=lambda i: b"z" * 2000)
+    st, rows = d.request(f"claim 10 600000 2 relay-a" + (" 0 competing" if competing else "")
+                         + " bytes=0 maxpay=0")
+    assert st["ok"] == 0, st
+    assert ids_of(rows) == more and "withheld" not in rows[0]
+    assert bytes.fromhex(rows[0]["payload_hex"]) == b"z" * 2000
+
+
 def test_claim_counts_non_ascii_headers_within_the_limit(src, drivers):
     """Headers count as the UTF-8 text the relay receives. SQL Server keeps them as UTF-16
     (nvarchar): its claim counts ASCII text exactly and other text by an upper bound (3/2

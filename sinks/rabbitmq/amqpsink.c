@@ -1188,10 +1188,16 @@ static void stream_pump(sink *s)
             return;
         }
         if (!amqpsink_sock_room(s, frame_room(s, n))) {
-            /* wait until a useful piece fits, not a single frame */
-            size_t left = m->len - m->off;
+            /* wait until a useful piece fits, not a single frame: up to half of what
+             * the socket takes (its send buffer may be smaller than the piece, as under
+             * the stock net.core.wmem_max of 208 KiB: waiting for more room than it has
+             * would wait for an empty queue), never less than the frame */
+            size_t left = m->len - m->off, one = frame_room(s, n);
+            size_t want = frame_room(s, left < AMQPSINK_STREAM_MIN ? left : AMQPSINK_STREAM_MIN);
 
-            s->want_bytes = frame_room(s, left < AMQPSINK_STREAM_MIN ? left : AMQPSINK_STREAM_MIN);
+            if (want > s->sndcap / 2)
+                want = s->sndcap / 2;
+            s->want_bytes = want > one ? want : one;
             if (!ev_is_active(&s->wretry))
                 ev_io_start(s->loop, &s->wio);
             return;
@@ -1221,6 +1227,22 @@ static void stream_pump(sink *s)
     }
 }
 
+/* Whether the message's properties (its header frame) fit one frame. Checked before a
+ * publish sends anything: rabbitmq-c sends the method frame first and only then fails
+ * to encode a header that does not fit, and the broker closes the connection on the
+ * half-sent publish that leaves (505 UNEXPECTED_FRAME). Encoded into a scratch buffer
+ * of the loop thread, where every publish runs. */
+static bool props_fit(const sink *s, const amqp_basic_properties_t *p)
+{
+    static unsigned char scratch[AMQPSINK_FRAME_MAX];
+    size_t fb = frame_body_max(s);
+    size_t room = fb < sizeof scratch ? fb : sizeof scratch;
+
+    /* the header frame's payload: class, weight and body size (12 bytes), then these */
+    return amqp_encode_properties(AMQP_BASIC_CLASS, (amqp_basic_properties_t *)(uintptr_t)p,
+                                  (amqp_bytes_t){ .len = room - 12, .bytes = scratch }) >= 0;
+}
+
 /* Publishes a message larger than AMQPSINK_STREAM_MIN: its method and header
  * frames now, its body as the socket drains (stream_pump). head: the socket
  * room the method and header frames may take. */
@@ -1232,24 +1254,15 @@ static int publish_stream(sink *s, const row *r, amqp_basic_properties_t *p, voi
     amqp_basic_publish_t m;
     amqp_frame_t f;
     ring_msg *e;
-    void *buf;
     int rc;
 
     if (!amqpsink_sock_room(s, head + frame_room(s, first))) {
         wait_room(s, head + frame_room(s, first));
         return SINK_EAGAIN;
     }
-    /* The header frame must fit one frame: encoded once before anything is
-     * sent, so that a refusal leaves the channel as it was. */
-    buf = malloc(fb);
-    if (buf == NULL) {
-        snprintf(err, errlen, "out of memory");
-        return SINK_EAGAIN; /* nothing sent; tried again later */
-    }
-    rc = amqp_encode_properties(AMQP_BASIC_CLASS, p,
-                                (amqp_bytes_t){ .len = fb - 12, .bytes = buf });
-    free(buf);
-    if (rc < 0) {
+    /* The header frame must fit one frame: checked before anything is sent, so that
+     * a refusal leaves the channel as it was. */
+    if (!props_fit(s, p)) {
         snprintf(err, errlen, "message properties too large for one frame");
         return SINK_EPERM;
     }
@@ -1294,6 +1307,20 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
     int rc;
 
     /* Permanent problems first: the row can never be published. */
+    if (r->payload_withheld > 0) {
+        /* the claim left a payload over max_message_size in the database */
+        if (r->payload_withheld > s->cfg.max_message_size) {
+            snprintf(err, errlen, "payload is %zu bytes, larger than max_message_size %zu",
+                     r->payload_withheld, s->cfg.max_message_size);
+            return SINK_EPERM;
+        }
+        /* claimed under a smaller max_message_size (before a reload): claimed again */
+        snprintf(err, errlen,
+                 "payload of %zu bytes was left in the database by a claim "
+                 "under a smaller max_message_size",
+                 r->payload_withheld);
+        return SINK_EREFUSED;
+    }
     if (r->payload_len > s->cfg.max_message_size) {
         snprintf(err, errlen, "payload is %zu bytes, larger than max_message_size %zu",
                  r->payload_len, s->cfg.max_message_size);
@@ -1371,6 +1398,14 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
         free(hmem);
         return rc;
     }
+    /* Only headers can make the properties larger than a frame (the other fields are
+     * short strings, checked above): a row with headers is checked before any frame of
+     * it is sent. */
+    if (r->headers_json != NULL && !props_fit(s, &p)) {
+        free(hmem);
+        snprintf(err, errlen, "message properties too large for one frame");
+        return SINK_EPERM;
+    }
     body.len = r->payload_len;
     body.bytes = (void *)(uintptr_t)r->payload;
     rc = amqp_basic_publish(s->conn, s->ch, amqpsink_bytes(r->exchange),
@@ -1378,12 +1413,8 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
                             &p, body);
     free(hmem);
     if (rc != AMQP_STATUS_OK) {
-        if (rc == AMQP_STATUS_TABLE_TOO_BIG) {
-            snprintf(err, errlen, "message properties too large for one frame");
-            /* the encoder failed before anything was sent: nothing to clean up */
-            return SINK_EPERM;
-        }
-        /* The connection is broken (maybe mid-message): fail it from the loop. */
+        /* The connection is broken (maybe mid-message, a method frame sent without
+         * its header): fail it from the loop. */
         amqpsink_mark_broken(s, "publish", rc);
         return SINK_EAGAIN;
     }

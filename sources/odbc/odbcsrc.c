@@ -37,6 +37,7 @@ typedef struct odbc_req {
     bool    competing;     /* CLAIM */
     size_t  max_bytes;     /* CLAIM: 0 none */
     bool    first_whole;   /* CLAIM */
+    size_t  max_payload;   /* CLAIM: 0 none */
     src_outcome *outcomes; /* SETTLE: a copy (reasons owned) */
     size_t  n_outcomes;
     int64_t retention_ms;  /* CLEANUP */
@@ -190,7 +191,8 @@ static odbc_event *execute_once(wstate *w, const odbc_req *r)
         break;
     }
     case SRC_REQ_CLAIM:
-        rc = odbcsrc_db_claim(db, r->max_rows, r->max_bytes, r->first_whole, r->lease_ms,
+        rc = odbcsrc_db_claim(db, r->max_rows, r->max_bytes, r->first_whole, r->max_payload,
+                              r->lease_ms,
                               r->token, r->owner, r->epoch, r->competing, &e->res.rows,
                               &e->res.n_rows);
         break;
@@ -541,6 +543,7 @@ static int odbcsrc_claim(source *s, const src_claim_args *a)
     r.competing = a->competing;
     r.max_bytes = a->max_bytes;
     r.first_whole = a->first_whole;
+    r.max_payload = a->max_payload;
     r.owner = strdup(a->owner ? a->owner : "");
     if (!r.owner)
         return -1;

@@ -501,7 +501,7 @@ static row_field fld(const outbox_util_buf *b, bool isnull)
 }
 
 int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool first_whole,
-                     int64_t lease_ms, int64_t token, const char *owner, int64_t epoch,
+                     size_t max_payload, int64_t lease_ms, int64_t token, const char *owner, int64_t epoch,
                      bool competing, row ***rows_out, size_t *n_out)
 {
     enum { NTXT = 8 };
@@ -520,20 +520,23 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool fir
     const char *me = owner ? owner : "";
     /* the byte limit (0: none); beyond bigint it is no limit either */
     const int64_t bytes = max_bytes > (size_t)INT64_MAX ? 0 : (int64_t)max_bytes;
+    /* a payload larger than this stays in the database (0: none does) */
+    const int64_t maxpay = max_payload > (size_t)INT64_MAX ? 0 : (int64_t)max_payload;
     if (is_tsql(db)) {
         const sql_tsql_stmt *st = competing ? &sql_tsql_claim_competing : &sql_tsql_claim;
         const int64_t limit = (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows);
         /* competing: no leadership fence, hence no epoch (last) */
         const ost_val v[] = { TV_I("limit", limit), TV_S("owner", me), TV_I("token", token),
                               TV_I("lease_ms", lease_ms), TV_I("max_bytes", bytes),
-                              TV_I("first_whole", first_whole ? 1 : 0), TV_I("epoch", epoch) };
+                              TV_I("first_whole", first_whole ? 1 : 0),
+                              TV_I("max_payload", maxpay), TV_I("epoch", epoch) };
         const size_t nv = sizeof v / sizeof v[0];
         sql = ost_tsql(db, st, v, competing ? nv - 1 : nv, &ps);
     } else {
-        const pgv v[7] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
+        const pgv v[8] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
                            PV_I(competing ? 0 : epoch), PV_I(bytes),
-                           PV_S(first_whole ? "true" : "false") };
-        sql = ost_pg_stmt(db, sql_pg_claim_bytes(&db->conf->pgn, competing), v, 7, &ps);
+                           PV_S(first_whole ? "true" : "false"), PV_I(maxpay) };
+        sql = ost_pg_stmt(db, sql_pg_claim_bytes(&db->conf->pgn, competing), v, 8, &ps);
     }
     if (!sql)
         goto done;
@@ -549,8 +552,8 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool fir
         if (f == 0)
             break;
         row_fields rf;
-        int64_t attempts = 0;
-        bool age_null = false;
+        int64_t attempts = 0, withheld = 0;
+        bool age_null = false, whole = false;
         memset(&rf, 0, sizeof rf);
         if (ost_get_i64(db, h, 1, &rf.id, NULL) < 0)
             goto done;
@@ -560,7 +563,8 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool fir
         if (ost_get_bin(db, h, 10, &pay, &pnull) < 0 ||
             ost_get_i64(db, h, 11, &attempts, NULL) < 0 ||
             ost_get_i64(db, h, 12, &rf.created_at_us, NULL) < 0 ||
-            ost_get_i64(db, h, 13, &rf.age_us, &age_null) < 0)
+            ost_get_i64(db, h, 13, &rf.age_us, &age_null) < 0 ||
+            ost_get_i64(db, h, 14, &withheld, &whole) < 0)
             goto done;
         if (age_null)
             rf.age_us = -1;
@@ -576,6 +580,11 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool fir
         rf.headers_json = fld(&txt[7], tnull[7]);
         rf.payload.p = pay.p ? pay.p : "";
         rf.payload.len = pnull ? 0 : pay.len;
+        if (!whole) {    /* NULL when sent whole; else left in the database, its size only */
+            rf.payload.p = NULL;
+            rf.payload.len = 0;
+            rf.payload_withheld = withheld > 0 ? (size_t)withheld : 1;
+        }
         if (n == cap) {
             size_t nc = cap ? cap * 2 : 16;
             row **nr = realloc(rows, nc * sizeof *nr);

@@ -87,7 +87,7 @@ int  odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t l
  * max_bytes > 0: the prefix in id order whose payload + headers bytes stay within it,
  * and the first row whatever its size when first_whole (src_claim_args). */
 int  odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool first_whole,
-                      int64_t lease_ms, int64_t token, const char *owner, int64_t epoch,
+                      size_t max_payload, int64_t lease_ms, int64_t token, const char *owner, int64_t epoch,
                       bool competing, row ***rows, size_t *n_rows);
 /* Settles the outcomes v[0..n) in one statement; *applied the rows it changed. */
 int  odbcsrc_db_settle(odbcsrc_db *db, const src_outcome *v, size_t n, size_t *applied);
@@ -101,7 +101,8 @@ int  odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t
 
 /* ------------------------------------------------ statement mechanics (odbcsrc_stmt.c) */
 
-#define MAX_PARAMS 12  /* the most any statement binds: the competing claim on PostgreSQL (9) */
+#define MAX_PARAMS 24  /* the most any statement binds: the competing claim on PostgreSQL (18
+                          markers: psqlODBC binds each $n where it occurs) */
 #define P_SHORT 255    /* nvarchar(255): names, owners */
 #define P_MAX   0      /* nvarchar(max) (column size 0: SQL_SS_LENGTH_UNLIMITED) */
 

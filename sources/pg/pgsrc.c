@@ -36,6 +36,10 @@
 #include "sources/pg/pgsrc_int.h"
 
 #define BACKOFF_MIN_MS 100
+/* A claimed row larger than this grows libpq's input buffer (the whole DataRow must fit
+   in it, and it never shrinks until PQfinish) past what the byte budget counts: the
+   session is replaced, quietly, before its next request (see recycle). */
+#define RECYCLE_ROW_BYTES ((size_t)8 << 20)
 
 enum phase { PH_IDLE = 0, PH_BACKOFF, PH_CONNECTING, PH_SETUP, PH_UP };
 enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_PREPARE, Q_REQ };
@@ -96,6 +100,15 @@ struct source {
     char      h_kind[24], h_name[128], h_state[64], h_xmin[24];  /* the last health answer's */
     bool      pooled;         /* a pooler answers for the server (see Q_SET_TIMEOUT) */
     int       server_pid;     /* pg_backend_pid() seen at setup */
+
+    /* A row over RECYCLE_ROW_BYTES was read: the next request opens a new session
+       first (recycling), parked meanwhile with copies of its values. The core sees
+       no DOWN/UP for it; a failure to reconnect is reported as any other. */
+    bool      recycle_due;
+    bool      recycling;
+    const char *park_sql;     /* the parked request's statement (one of ours), NULL none */
+    int       park_n, park_fmt;
+    char     *park_vals[8];
 
     int       cb_depth;
     bool      destroyed;
@@ -213,9 +226,21 @@ static void deadline_set(source *s, int64_t ms)
     ev_timer_start(s->loop, &s->deadline);
 }
 
+static void park_clear(source *s)
+{
+    for (int i = 0; i < s->park_n; i++) {
+        free(s->park_vals[i]);
+        s->park_vals[i] = NULL;
+    }
+    s->park_n = 0;
+    s->park_sql = NULL;
+}
+
 /* Closes the connection and forgets everything tied to the session. */
 static void conn_close(source *s)
 {
+    park_clear(s);
+    s->recycling = false;
     io_off(s);
     ev_timer_stop(s->loop, &s->deadline);
     if (s->qres) {
@@ -488,7 +513,7 @@ static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, 
                         PGresult **own)
 {
     int n = PQntuples(r);
-    if (PQnfields(r) != 13) {
+    if (PQnfields(r) != 14) {
         snprintf(err, errlen, "claim: unexpected result shape (%d columns)", PQnfields(r));
         return -1;
     }
@@ -514,7 +539,8 @@ static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, 
             PQgetisnull(r, i, 1) || PQgetlength(r, i, 1) != 16 ||
             PQgetisnull(r, i, 10) || PQgetlength(r, i, 10) != 4 ||
             PQgetisnull(r, i, 11) || PQgetlength(r, i, 11) != 8 ||
-            PQgetisnull(r, i, 9)) {
+            (PQgetisnull(r, i, 13) ? PQgetisnull(r, i, 9)
+                                   : !PQgetisnull(r, i, 9) || PQgetlength(r, i, 13) != 8)) {
             snprintf(err, errlen, "claim: unexpected column encoding in row %zu",
                      s->n_crows);
             return -1;
@@ -536,6 +562,12 @@ static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, 
         f.correlation_id = bfield(r, i, 7);
         f.headers_json = bfield(r, i, 8);
         f.payload = bfield(r, i, 9);
+        if (f.payload.len + f.headers_json.len > RECYCLE_ROW_BYTES)
+            s->recycle_due = true;     /* libpq's input buffer grew to hold it */
+        if (!PQgetisnull(r, i, 13)) {    /* left in the database: its size only */
+            int64_t withheld = be64(PQgetvalue(r, i, 13));
+            f.payload_withheld = withheld > 0 ? (size_t)withheld : 1;
+        }
         if (own != NULL && *own == r && n == 1 && f.payload.len >= PGSRC_KEEP_RESULT_MIN) {
             f.payload_owner = *own;          /* row_new takes it when it succeeds */
             f.payload_release = result_release;
@@ -749,11 +781,28 @@ static void warn_no_listen(source *s)
            (double)cfg_poll_interval_ms(&s->cfg, false) / 1000.0);
 }
 
+static int req_query(source *s, const char *sql, int n, const char *const *vals, int fmt);
+
 static void set_up(source *s)
 {
     s->phase = PH_UP;
     s->backoff_ms = BACKOFF_MIN_MS;
     s->notice[0] = '\0';
+    if (s->recycling) {
+        /* the session was replaced to free libpq's buffer: the core never saw it go;
+           send the request parked meanwhile */
+        const char *vals[8];
+        const char *sql = s->park_sql;
+        int n = s->park_n, fmt = s->park_fmt;
+        s->recycling = false;
+        for (int i = 0; i < n; i++)
+            vals[i] = s->park_vals[i];
+        int rc = sql != NULL ? req_query(s, sql, n, vals, fmt) : 0;
+        park_clear(s);          /* req_query copied what it keeps */
+        if (rc < 0)
+            conn_lost(s, "connection lost");
+        return;
+    }
     cb_state(s, SRC_UP, NULL);
 }
 
@@ -1171,8 +1220,42 @@ static void prep_done(source *s, PGresult *r)
     }
 }
 
+/* Replaces the session before sending a request when a large row was read on it (libpq
+   keeps an input buffer the size of the largest row for the session's life): the
+   request waits, with copies of its values, until the new session is set up (set_up).
+   0, or -1 when the values cannot be copied (then sent on the old session). */
+static int recycle(source *s, const char *sql, int n, const char *const *vals, int fmt)
+{
+    char *copy[8] = { NULL };
+    if (n > 8)
+        return -1;
+    for (int i = 0; i < n; i++)
+        if (vals[i] != NULL && (copy[i] = dupstr(vals[i])) == NULL) {
+            for (int k = 0; k < i; k++)
+                free(copy[k]);
+            return -1;
+        }
+    s->recycle_due = false;
+    conn_close(s);
+    for (int i = 0; i < n; i++)
+        s->park_vals[i] = copy[i];
+    s->park_n = n;
+    s->park_fmt = fmt;
+    s->park_sql = sql;
+    s->recycling = true;
+    /* connected from the loop (retry_cb), never inside the core's call: a connect that
+       fails at once fails the parked request and reports DOWN, as any other */
+    s->phase = PH_BACKOFF;
+    ev_timer_stop(s->loop, &s->retry);
+    ev_timer_set(&s->retry, 0., 0.);
+    ev_timer_start(s->loop, &s->retry);
+    return 0;
+}
+
 static int req_send(source *s, const char *sql, int n, const char *const *vals, int fmt)
 {
+    if (s->recycle_due && recycle(s, sql, n, vals, fmt) == 0)
+        return 0;
     if (req_query(s, sql, n, vals, fmt) < 0) {
         char one[256];
         pgsrc_oneline(PQerrorMessage(s->conn), one, sizeof one);
@@ -1200,18 +1283,19 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     int rc = req_begin(s, SRC_REQ_CLAIM);
     if (rc)
         return rc < 0 ? -1 : 0;
-    char lim[24], tok[24], lease[24], ep[24], bytes[24];
+    char lim[24], tok[24], lease[24], ep[24], bytes[24], maxpay[24];
     snprintf(lim, sizeof lim, "%zu", a->max_rows);
     /* the byte limit as a bigint: "0" (none) when it does not fit */
     snprintf(bytes, sizeof bytes, "%zu", a->max_bytes > INT64_MAX ? 0 : a->max_bytes);
+    snprintf(maxpay, sizeof maxpay, "%zu", a->max_payload > INT64_MAX ? 0 : a->max_payload);
     snprintf(tok, sizeof tok, "%" PRId64, a->lease_token);
     snprintf(lease, sizeof lease, "%" PRId64, a->lease_ms);
     snprintf(ep, sizeof ep, "%" PRId64, a->competing ? 0 : a->epoch);
-    const char *vals[7] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
-                           a->first_whole ? "true" : "false"};
+    const char *vals[8] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
+                           a->first_whole ? "true" : "false", maxpay};
     s->claim_token = a->lease_token;
     /* binary results: payload as is */
-    return req_send(s, a->competing ? s->sql_claim_competing : s->sql_claim, 7, vals, 1);
+    return req_send(s, a->competing ? s->sql_claim_competing : s->sql_claim, 8, vals, 1);
 }
 
 static int pgsrc_settle(source *s, const src_outcome *v, size_t n)

@@ -287,6 +287,44 @@ static void test_deadline_gives_back(void **state)
     ledger_free(l);
 }
 
+/* Nothing can be published (the sink is down): ledger_expire gives back every buffered row
+   past its deadline all the same, parked ones and rows queued behind an in-flight row of
+   their key included, releases their bytes, and leaves the rows of a later claim. */
+static void test_expire_without_publishing(void **state)
+{
+    (void)state;
+    ledger *l = mk(true, 3);                      /* strict: 2 waits behind 1 */
+    row *rows[4] = { mkrow(1, 1, "k", 0, 0), mkrow(2, 1, "k", 0, 0), mkrow(3, 1, NULL, 1, 0),
+                     mkrow(4, 1, "j", 0, 0) };
+    claim(l, rows, 4, 10);
+    led_entry *e = ledger_next(l, 1);
+    assert_int_equal(ledger_id(e), 1);
+    ledger_published(l, e, 1);                    /* 1 in flight, 2 behind it */
+    e = ledger_next(l, 1);
+    assert_int_equal(ledger_id(e), 3);
+    ledger_wait(l, e);                            /* 3 parked (its destination checked) */
+    check(l);
+    row *later[1] = { mkrow(5, 2, NULL, 0, 0) };
+    claim(l, later, 1, 20);
+    assert_true(ledger_first_deadline(l) == 10);
+    size_t before = ledger_bytes(l);
+    assert_int_equal(ledger_expire(l, 9), 0);
+    assert_int_equal(ledger_expire(l, 10.5), 3);  /* 2, 3 and 4; 1 is in flight */
+    check(l);
+    assert_int_equal(ledger_n_buffered(l), 1);
+    assert_int_equal(ledger_n_inflight(l), 1);
+    assert_int_equal(ledger_bytes(l), before - 3 * src_row_bytes(later[0]));
+    assert_true(ledger_first_deadline(l) == 20);
+    assert_int_equal(ledger_get_stats(l)->expired, 3);
+    src_outcome copy[8];
+    assert_int_equal(settle_all(l, copy, 8), 3);
+    for (int i = 0; i < 3; i++)
+        assert_int_equal(copy[i].kind, SRC_UNCLAIM);
+    assert_int_equal(ledger_expire(l, 30), 1);
+    assert_true(ledger_first_deadline(l) == 0);
+    ledger_free(l);
+}
+
 /* Memory follows rows in flight: a long run leaves no keys, ids or table growth behind. */
 static int released;
 static void *released_owner;
@@ -891,6 +929,7 @@ int main(void)
         cmocka_unit_test(test_channel_close_republishes_in_order),
         cmocka_unit_test(test_readopted_rows),
         cmocka_unit_test(test_deadline_gives_back),
+        cmocka_unit_test(test_expire_without_publishing),
         cmocka_unit_test(test_memory_follows_work_in_flight),
         cmocka_unit_test(test_randomized),
     };

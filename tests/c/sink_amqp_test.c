@@ -8,7 +8,8 @@
  * GROUP = EXCHANGE,ROUTING_KEY,COUNT[,FLAG...]; messages are numbered from 0 in
  * group order. FLAGs: size=N (payload bytes, default 64), big (payload one byte
  * over --max-size), hdr=K (headers_json = bad_headers[K]), nohdr (NULL headers,
- * NULL correlation/type/content-type).
+ * NULL correlation/type/content-type), bighdr=N (headers_json {"big": "xx..."} with N
+ * x's: headers larger than a frame on a small message).
  * Options: --window N, --max-size N, --confirm-timeout MS, --heartbeat MS,
  *   --tag HEX8 (message-id prefix), --rate N (messages/s, 0 = unlimited),
  *   --timeout S (give up: exit 2), --no-retry (LOST is final), --ticks (print
@@ -561,6 +562,7 @@ int main(int argc, char **argv)
             char  *g = strdup(argv[ai]), *sv = NULL, *ex, *rk, *cnt, *fl;
             size_t size = 64;
             int    big = 0, hdr = -1, nohdr = 0, count;
+            size_t bighdr = 0;
 
             if (g == NULL) goto out;
             ex = strtok_r(g, ",", &sv);
@@ -573,6 +575,7 @@ int main(int argc, char **argv)
                 else if (strcmp(fl, "big") == 0) big = 1;
                 else if (strncmp(fl, "hdr=", 4) == 0) hdr = atoi(fl + 4);
                 else if (strcmp(fl, "nohdr") == 0) nohdr = 1;
+                else if (strncmp(fl, "bighdr=", 7) == 0) bighdr = strtoull(fl + 7, NULL, 10);
             }
             if (big)
                 size = c.max_message_size + 1;
@@ -584,7 +587,20 @@ int main(int argc, char **argv)
                     snprintf(m->hdr, sizeof m->hdr, "%s", bad_headers[hdr]);
                 else
                     snprintf(m->hdr, sizeof m->hdr, GOOD_HEADERS_FMT, i);
-                m->r = make_row(i, tag, ex, rk, size, m->hdr, nohdr);
+                if (bighdr > 0) {      /* row_new copies it */
+                    char *h = malloc(bighdr + 16);
+                    if (h == NULL) {
+                        free(g);
+                        goto out;
+                    }
+                    memcpy(h, "{\"big\": \"", 9);
+                    memset(h + 9, 'x', bighdr);
+                    memcpy(h + 9 + bighdr, "\"}", 3);
+                    m->r = make_row(i, tag, ex, rk, size, h, nohdr);
+                    free(h);
+                } else {
+                    m->r = make_row(i, tag, ex, rk, size, m->hdr, nohdr);
+                }
                 if (m->r == NULL) {
                     fprintf(stderr, "row_new failed\n");
                     free(g);

@@ -19,9 +19,11 @@
  * "2 " too (dead-list rows excepted):
  *   start | stop (destroy the source; prints STOPPED ms=N)
  *   lead OWNER [EPOCH [LEASE_MS]]
- *   claim MAX LEASE_MS TOKEN OWNER [EPOCH [competing]] [bytes=N [whole]]
+ *   claim MAX LEASE_MS TOKEN OWNER [EPOCH [competing]] [bytes=N [whole]] [maxpay=N]
  *               bytes=N: the claim's byte limit (src_claim_args.max_bytes), whole:
- *               its first row whatever its size (first_whole)
+ *               its first row whatever its size (first_whole); maxpay=N: payloads
+ *               larger than N bytes stay in the database (max_payload; the row prints
+ *               "withheld":SIZE)
  *   caps        prints CAPS claims_bytes=0|1 (the source honours a byte limit)
  *   drain BATCH LEASE_MS TOKEN OWNER    claim until a claim returns nothing
  *   settle ID:TOKEN:KIND:BACKOFF_MS[:REASON_HEX] ...  (KIND S sent, R retry,
@@ -221,6 +223,8 @@ static void print_row(const slot *s, const row *w)
     json_opt("content_type", w->content_type);
     json_opt("correlation_id", w->correlation_id);
     json_opt("headers", w->headers_json);
+    if (w->payload_withheld > 0)
+        printf(",\"withheld\":%zu", w->payload_withheld);
     fputs(",\"payload_hex\":\"", stdout);
     for (size_t k = 0; k < w->payload_len; k++)
         printf("%02x", w->payload[k]);
@@ -706,7 +710,12 @@ static void source_command(slot *s, char *line, char *arg)
         src_claim_args c = { 0 };
         char owner[256], mode[16] = "";
         long long mx, lease, token, ep = 0;
-        char *opt = strstr(arg, "bytes=");
+        char *opt = strstr(arg, "maxpay=");
+        if (opt != NULL) {      /* the very last */
+            c.max_payload = (size_t)strtoull(opt + 7, NULL, 10);
+            *opt = '\0';
+        }
+        opt = strstr(arg, "bytes=");
         if (opt != NULL) {      /* the byte options come last */
             c.max_bytes = (size_t)strtoull(opt + 6, NULL, 10);
             c.first_whole = strstr(opt, " whole") != NULL;
