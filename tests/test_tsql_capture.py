@@ -618,6 +618,10 @@ def test_relay_statements_keep_the_locking_rules(cap):
         if label in RELAY_CLAIMS:
             found += tc.probe_problems(sql, QT)
         problems += [f"{label}, {where}: {m}" for m in found]
+    for label, rec in cap.execs():
+        if label not in cap.producer:
+            problems += [f"{label}, statement {rec['seq']}: {m}" for m in
+                         tc.fence_txn_problems(rec["sql"], rec["autocommit"] == 1, QL)]
     assert not problems, "\n".join(problems)
     fenced = [r["sql"] for _, r in cap.execs("relay: claim (leader, fenced by epoch)")
               if "N'leader'" in r["sql"]]
@@ -659,7 +663,7 @@ def test_a_deadlock_victim_is_retried_and_reported_once(build, tmp_path):
     transaction back) is run again: a claim failing once succeeds on its second attempt; a
     settle failing every time is tried three times and reported once, as a failed request
     (nothing is dead-lettered: the settle's outcomes are not changed). Neither rolls back a
-    transaction the server no longer holds (@@TRANCOUNT is read first)."""
+    transaction the server no longer holds (the rollback is conditional on @@TRANCOUNT)."""
     build_driver(tmp_path)
     log = tmp_path / "statements.jsonl"
     saved = dict(os.environ)
@@ -691,8 +695,12 @@ def test_a_deadlock_victim_is_retried_and_reported_once(build, tmp_path):
         recs = [json.loads(x) for x in log.read_text().splitlines()]
         settles = [r for r in recs if r["ev"] == "exec" and "@outcomes" in r["sql"]]
         assert len(settles) == 3, len(settles)
-        assert not any("ROLLBACK" in r["sql"].upper() for r in recs if r["ev"] == "exec")
-        assert sum(1 for r in recs if r["ev"] == "exec" and "@@TRANCOUNT" in r["sql"]) == 3
+        # the relay's session runs with autocommit on: the client never ends a transaction
+        # itself, and after each failure one statement rolls back only a transaction the
+        # server still holds
+        assert not [r for r in recs if r["ev"] == "endtran"]
+        rollbacks = [r["sql"] for r in recs if r["ev"] == "exec" and "ROLLBACK" in r["sql"].upper()]
+        assert rollbacks == ["IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION"] * 3, rollbacks
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -717,6 +725,23 @@ OLD = {
         "[outbox].[messages_lease] f WHERE f.name = N'leader' AND f.owner = @P3 AND f.epoch = "
         "@P4 AND f.expires_at > SYSUTCDATETIME())) ORDER BY m.id) UPDATE c SET lease_owner = "
         "@P5", "fence"),
+    # (the fenced claim as it ran until the relay's sessions ran with autocommit on: under
+    # implicit transactions, the fence an IF of its own; autocommit off is the "~" prefix)
+    "leader fence held to the client's commit": (
+        "~IF @epoch = 0 OR EXISTS (SELECT 1 FROM [outbox].[messages_lease] f WITH (UPDLOCK, "
+        "HOLDLOCK, ROWLOCK) WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
+        "AND f.expires_at > SYSUTCDATETIME()) UPDATE [outbox].[messages] WITH (ROWLOCK) SET "
+        "lease_owner = @owner OUTPUT inserted.id INTO @c (id) WHERE id IN (SELECT TOP (@limit) "
+        "m.id FROM [outbox].[messages] m WITH (ROWLOCK, READPAST, UPDLOCK) ORDER BY m.id); "
+        "SELECT id FROM @c ORDER BY id", "fence txn"),
+    # (the same statement under autocommit: the IF releases the row before the UPDATE)
+    "leader fence checked apart from the write": (
+        "IF @epoch = 0 OR EXISTS (SELECT 1 FROM [outbox].[messages_lease] f WITH (UPDLOCK, "
+        "HOLDLOCK, ROWLOCK) WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
+        "AND f.expires_at > SYSUTCDATETIME()) UPDATE [outbox].[messages] WITH (ROWLOCK) SET "
+        "lease_owner = @owner OUTPUT inserted.id INTO @c (id) WHERE id IN (SELECT TOP (@limit) "
+        "m.id FROM [outbox].[messages] m WITH (ROWLOCK, READPAST, UPDLOCK) ORDER BY m.id); "
+        "SELECT id FROM @c ORDER BY id", "fence txn"),
     "OUTPUT without INTO": (
         "UPDATE c SET lease_owner = @P5, lease_token = @P6 OUTPUT inserted.id, "
         "LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange", "output"),
@@ -737,6 +762,8 @@ def test_relay_rules_fail_on_the_old_statements(case):
     found = {"lease": lambda: tc.lease_table_problems(sql, QL),
              "probe": lambda: tc.probe_problems(sql, QT),
              "fence": lambda: tc.fence_problems(sql, QL),
+             "fence txn": lambda: tc.fence_txn_problems(sql.lstrip("~"),
+                                                        not sql.startswith("~"), QL),
              "output": lambda: tc.output_problems(sql),
              "escalation": lambda: tc.escalation_problems(sql, [QT, QD])}[rule]()
     assert found, f"the {rule} rule passes the old statement"

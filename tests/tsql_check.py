@@ -536,6 +536,39 @@ def fence_problems(sql, ql):
     return out
 
 
+def fence_txn_problems(sql, autocommit, ql):
+    """A batch that reads the leader row to hold it (HOLDLOCK) ends its transaction inside
+    the batch: the session runs with autocommit on (under implicit transactions the row
+    stays locked until the client's COMMIT, a round trip later, and a relay frozen in
+    between blocks every takeover for as long as it is frozen), every BEGIN TRANSACTION has
+    its COMMIT in the same batch, and without one the fence is part of the statement that
+    writes (an IF that checks it is a statement of its own under autocommit: the row is
+    released before the write)."""
+    n = _norm(sql)
+    q = re.escape(ql.upper())
+    held = [m for m in re.finditer(r"FROM " + q + r" (\w+)(?: WITH \(([^)]*)\))? WHERE "
+                                   r"\1\.NAME = N'LEADER'", n)
+            if "HOLDLOCK" in (m.group(2) or "")]
+    if not held:
+        return []
+    out = []
+    if not autocommit:
+        out.append("the leader row is held under implicit transactions (autocommit off): it "
+                   "stays locked until the client's COMMIT, and a relay frozen before it "
+                   "blocks every takeover")
+    begins = len(re.findall(r"\bBEGIN TRAN(?:SACTION)?\b", n))
+    commits = len(re.findall(r"\bCOMMIT(?: TRAN(?:SACTION)?)?\b", n))
+    if begins != commits:
+        out.append(f"{begins} BEGIN TRANSACTION and {commits} COMMIT in the batch: a "
+                   "transaction holding the leader row outlives the batch")
+    if begins == 0 and re.search(r"\bIF\b(?:(?!;).)*?FROM " + q + r" \w+ WITH \([^)]*HOLDLOCK",
+                                 n):
+        out.append("the leader fence is checked by an IF before the write, outside any "
+                   "transaction of the batch: under autocommit the row is released before "
+                   "the write")
+    return out
+
+
 def output_problems(sql):
     """OUTPUT always INTO a table variable (without INTO the statement fails on a table
     with any trigger, Msg 334), and nothing converted inside it."""

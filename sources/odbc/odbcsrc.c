@@ -266,8 +266,8 @@ static void *worker_main(void *arg)
     while (!s->stop) {
         if (!w.db.connected) {
             pthread_mutex_unlock(&s->mu);
-            int rc = odbcsrc_db_open(&w.db, &s->conf, false);
-            if (rc == 0 && odbcsrc_db_verify(&w.db, true) < 0) {
+            int rc = odbcsrc_db_open(&w.db, &s->conf, ODBCSRC_TXN_RELAY);
+            if (rc == 0 && (odbcsrc_db_verify(&w.db, true) < 0 || odbcsrc_db_warm(&w.db) < 0)) {
                 rc = -1;
                 odbcsrc_db_close(&w.db);
             }
@@ -598,7 +598,7 @@ static int admin_open(const cfg_outbox *oc, odbcsrc_conf *conf, odbcsrc_db *db,
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    if (odbcsrc_db_open(db, conf, autocommit) < 0) {
+    if (odbcsrc_db_open(db, conf, autocommit ? ODBCSRC_TXN_AUTO : ODBCSRC_TXN_CLIENT) < 0) {
         snprintf(err, errlen, "%s", db->err);
         odbcsrc_conf_clear(conf);
         return -1;

@@ -167,7 +167,7 @@ int ost_run(odbcsrc_db *db, const char *what, const char *sql, params *ps, SQLHS
         ost_diag(db, SQL_HANDLE_DBC, db->dbc, what);
         return -1;
     }
-    int64_t qs = (db->conf->query_timeout_ms + 999) / 1000;
+    int64_t qs = ((db->timeout_ms > 0 ? db->timeout_ms : db->conf->query_timeout_ms) + 999) / 1000;
     if (qs < 1)
         qs = 1;
     rc = SQLSetStmtAttr(h, SQL_ATTR_QUERY_TIMEOUT, (SQLPOINTER)(uintptr_t)qs, 0);
