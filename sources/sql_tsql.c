@@ -149,30 +149,44 @@ static const sql_tsql_param lead_p[] = { P_NAME("owner"), P_INT("lease"), P_BIGI
 STMT(sql_tsql_lead, lead_text, lead_p);
 
 /* Claim (leader or unfenced): @epoch 0 is unfenced, else the leader row must be ours
-   and is held to the commit. The fence is part of the UPDATE's condition, so the
-   statement is atomic on its own; it still runs in an explicit transaction of the batch
-   (Babelfish fails a self-committing UPDATE with OUTPUT INTO that fires a trigger). At
-   most @limit rows, the prefix of them in id order within the byte limit (WITHIN_BYTES). */
+   and is held to the batch's commit (a takeover's lead waits for the claim in flight). At
+   most @limit rows, the prefix of them in id order within the byte limit (WITHIN_BYTES).
+   A key waits behind its first failed pending row: those rows' first id per key is
+   computed once per claim (@f, from the small filtered failing_idx) and joined by key;
+   looked up per candidate row instead, every candidate cost a probe of its key's rows.
+   The candidates go through a table variable (@c0), read WITH (UPDLOCK) and so held to
+   the UPDATE; one level of derived tables per step keeps the batch quick to compile on
+   Babelfish, where a batch is compiled once per session and the nested form took seconds. */
 static const char claim_text[] =
     "SET NOCOUNT ON; "
     "DECLARE @limit int = ?, @epoch bigint = ?, @owner nvarchar(255) = ?, @token bigint = ?, "
     "@lease_ms int = ?, @max_bytes bigint = ?, @first_whole int = ?; "
+    "DECLARE @f TABLE (partition_key nvarchar(255) NOT NULL PRIMARY KEY, "
+    "first_failed bigint NOT NULL); "
+    "DECLARE @c0 TABLE (id bigint NOT NULL PRIMARY KEY, sz bigint NOT NULL); "
     CLAIMED_TABLE
     TXN_BEGIN
+    "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
+    "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
+    "AND f.expires_at > SYSUTCDATETIME()) "
+    "BEGIN "
+    "INSERT INTO @f (partition_key, first_failed) SELECT p.partition_key, MIN(p.id) "
+    "FROM {T} p WITH (NOLOCK) WHERE p.sent_at IS NULL AND p.attempts > 0 "
+    "AND p.partition_key IS NOT NULL GROUP BY p.partition_key; "
+    "INSERT INTO @c0 (id, sz) SELECT TOP (@limit) m.id, " ROW_BYTES("m") " "
+    "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
+    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
+    "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
+    "AND NOT EXISTS (SELECT 1 FROM @f k WHERE k.partition_key = m.partition_key "
+    "AND k.first_failed < m.id) ORDER BY m.id; "
+    "DELETE FROM @c0 WHERE id NOT IN (SELECT z.id FROM (SELECT c.id, " RUN_OVER("c") " "
+    "FROM @c0 c) z WHERE " WITHIN_BYTES("z") "); "
     "UPDATE {T} WITH (ROWLOCK) SET lease_owner = @owner, lease_token = @token, "
     "lease_until = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()) "
     CLAIMED_OUTPUT
-    "WHERE (@epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
-    "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
-    "AND f.expires_at > SYSUTCDATETIME())) "
-    "AND sent_at IS NULL AND (lease_until IS NULL OR lease_until < SYSUTCDATETIME()) "
-    "AND id IN (SELECT z.id FROM (SELECT t.id, " RUN_OVER("t") " FROM (SELECT TOP (@limit) "
-    "m.id, " ROW_BYTES("m") " AS sz FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
-    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
-    "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
-    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p WITH (NOLOCK) "
-    "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
-    "AND p.id < m.id)) ORDER BY m.id) t) z WHERE " WITHIN_BYTES("z") "); "
+    "WHERE sent_at IS NULL AND (lease_until IS NULL OR lease_until < SYSUTCDATETIME()) "
+    "AND id IN (SELECT id FROM @c0); "
+    "END "
     TXN_COMMIT
     CLAIMED_SELECT;
 static const sql_tsql_param claim_p[] = { P_INT("limit"), P_BIGINT("epoch"), P_NAME("owner"),

@@ -616,7 +616,7 @@ def test_relay_statements_keep_the_locking_rules(cap):
         found = tc.lease_table_problems(sql, QL) + tc.fence_problems(sql, QL) + \
             tc.output_problems(sql) + tc.escalation_problems(sql, [QT, QD])
         if label in RELAY_CLAIMS:
-            found += tc.probe_problems(sql, QT)
+            found += tc.probe_problems(sql, QT) + tc.first_failed_problems(sql, QT)
         problems += [f"{label}, {where}: {m}" for m in found]
     for label, rec in cap.execs():
         if label not in cap.producer:
@@ -742,6 +742,12 @@ OLD = {
         "lease_owner = @owner OUTPUT inserted.id INTO @c (id) WHERE id IN (SELECT TOP (@limit) "
         "m.id FROM [outbox].[messages] m WITH (ROWLOCK, READPAST, UPDLOCK) ORDER BY m.id); "
         "SELECT id FROM @c ORDER BY id", "fence txn"),
+    # (the leader claim until the first failed row per key was computed once per claim)
+    "first failed row per candidate": (
+        "SELECT TOP (@limit) m.id FROM [outbox].[messages] m WITH (ROWLOCK, READPAST, UPDLOCK) "
+        "WHERE m.sent_at IS NULL AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM "
+        "[outbox].[messages] p WITH (NOLOCK) WHERE p.partition_key = m.partition_key AND "
+        "p.sent_at IS NULL AND p.attempts > 0 AND p.id < m.id)) ORDER BY m.id", "first failed"),
     "OUTPUT without INTO": (
         "UPDATE c SET lease_owner = @P5, lease_token = @P6 OUTPUT inserted.id, "
         "LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange", "output"),
@@ -765,6 +771,7 @@ def test_relay_rules_fail_on_the_old_statements(case):
              "fence txn": lambda: tc.fence_txn_problems(sql.lstrip("~"),
                                                         not sql.startswith("~"), QL),
              "output": lambda: tc.output_problems(sql),
+             "first failed": lambda: tc.first_failed_problems(sql, QT),
              "escalation": lambda: tc.escalation_problems(sql, [QT, QD])}[rule]()
     assert found, f"the {rule} rule passes the old statement"
     print("\n".join(found))

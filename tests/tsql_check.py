@@ -519,6 +519,20 @@ def probe_problems(sql, qt):
     return out
 
 
+def first_failed_problems(sql, qt):
+    """The leader claim holds a key's rows behind its first failed pending row: that row's id
+    per key is computed once per claim (an aggregate over the failed rows, joined by key),
+    not looked up once per candidate row (a correlated NOT EXISTS over the outbox with
+    attempts > 0 and id below the candidate's: every candidate probes its key's rows)."""
+    n = _norm(sql)
+    q = re.escape(qt.upper())
+    if re.search(r"NOT EXISTS \(SELECT 1 FROM " + q + r" (\w+)(?: WITH \([^)]*\))? WHERE "
+                 r"[^;]*?\b\1\.ATTEMPTS > 0 AND \1\.ID < \w+\.ID\)", n):
+        return ["each key's first failed row is looked up once per candidate row: compute it "
+                "once per key (MIN(id) of the failed rows, grouped by key) and join"]
+    return []
+
+
 def fence_problems(sql, ql):
     """A statement fenced by the leadership epoch holds the leader row it read to its
     commit (HOLDLOCK / REPEATABLEREAD / SERIALIZABLE): otherwise a takeover can reset the
