@@ -846,30 +846,36 @@ done:
  * waits behind it on the same session, and a 1 s query timeout was never met on a new
  * session. Each is run once here, before the session counts as up, in a form that
  * touches no row (no rows to claim, no membership, no outcomes), under a timeout of its
- * own. SQL Server compiles in milliseconds and keeps plans across sessions: nothing is
- * run there. */
+ * own. It never waits for a lock (LOCK_TIMEOUT 1 ms: a table locked by someone else must
+ * not hold the connect back); one that fails is only not warmed. SQL Server compiles in
+ * milliseconds and keeps plans across sessions: nothing is run there. */
 #define WARM_TIMEOUT_MS 60000
 
 int odbcsrc_db_warm(odbcsrc_db *db)
 {
     if (!is_tsql(db) || !db->babelfish || !db->autocommit)
         return 0;
-    row **rows = NULL;
-    size_t n = 0;
     int64_t cnt = 0;
-    int rc = 0;
+    int rc = exec_plain(db, "warm-up: lock timeout", "SET LOCK_TIMEOUT 1");
     db->timeout_ms = db->conf->query_timeout_ms > WARM_TIMEOUT_MS ? db->conf->query_timeout_ms
                                                                   : WARM_TIMEOUT_MS;
-    for (int competing = 0; rc == 0 && competing < 2; competing++) {
-        rc = odbcsrc_db_claim(db, 0, 0, false, 0, 0, "", 0, competing, &rows, &n);
+    for (int step = 0; rc == 0 && step < 3; step++) {
+        row **rows = NULL;
+        size_t n = 0;
+        int r = step < 2 ? odbcsrc_db_claim(db, 0, 0, false, 0, 0, "", 0, step == 1, &rows, &n)
+                         : settle_tsql(db, NULL, 0, &cnt);
         for (size_t i = 0; i < n; i++)
             row_free(rows[i]);
         free(rows);
-        rows = NULL;
+        if (r < 0 && (db->lost || rollback(db) < 0))
+            rc = -1;
     }
-    if (rc == 0)
-        rc = settle_tsql(db, NULL, 0, &cnt);
     db->timeout_ms = 0;
+    if (rc == 0)
+        rc = exec_plain(db, "warm-up: lock timeout", "SET LOCK_TIMEOUT -1");
+    db->lock_timeout_ms = 0;   /* the next lead sets its own */
+    if (rc == 0)
+        db->err[0] = '\0';
     return rc;
 }
 
