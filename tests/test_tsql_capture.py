@@ -48,8 +48,8 @@ import uuid
 import pytest
 
 import tsql_check as tc
-from conftest import ROOT, run_prog
-from source_driver import Driver
+from conftest import ROOT, run_prog, wait_for
+from source_driver import SLOW, Driver
 
 REC_SRC = ROOT / "tests" / "odbcrec" / "recdrv.c"
 CONN = "Driver={OutboxRecorder};Database=app;"
@@ -695,12 +695,30 @@ def test_a_deadlock_victim_is_retried_and_reported_once(build, tmp_path):
         recs = [json.loads(x) for x in log.read_text().splitlines()]
         settles = [r for r in recs if r["ev"] == "exec" and "@outcomes" in r["sql"]]
         assert len(settles) == 3, len(settles)
+        # backed off between attempts (jittered from 200 ms, doubling): no spinning
+        gaps = [b["ms"] - a["ms"] for a, b in zip(settles, settles[1:])]
+        assert gaps[0] >= 95 and gaps[1] >= 195, gaps
         # the relay's session runs with autocommit on: the client never ends a transaction
         # itself, and after each failure one statement rolls back only a transaction the
         # server still holds
         assert not [r for r in recs if r["ev"] == "endtran"]
         rollbacks = [r["sql"] for r in recs if r["ev"] == "exec" and "ROLLBACK" in r["sql"].upper()]
         assert rollbacks == ["IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION"] * 3, rollbacks
+        # a source destroyed while it backs off stops at once, without another attempt
+        os.environ.update(OUTBOX_REC_FAIL="@lease_ms int = ?", OUTBOX_REC_FAIL_NTH="1+")
+        d = Driver(build / "tests" / "source_contract", "odbc", CONN, "app", table=TABLE)
+        try:
+            d.start_up()
+            log.write_text("")
+            d.submit("claim 10 30000 7 relay-a")
+            wait_for(lambda: "@lease_ms int = ?" in log.read_text(), timeout=10,
+                     desc="the first claim attempt")
+            ms = d.stop()
+            n = sum(1 for x in log.read_text().splitlines() if "@lease_ms int = ?" in x)
+        finally:
+            d.close()
+        print(f"destroy during the deadlock back-off took {ms} ms after {n} attempt(s)")
+        assert n <= 2 and ms < 150 * SLOW, (n, ms)
     finally:
         os.environ.clear()
         os.environ.update(saved)
