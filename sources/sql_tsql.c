@@ -21,6 +21,15 @@
  *     HOLDLOCK) and so holds it to its commit: a takeover (whose lead reads the row
  *     the same way) waits for a claim in flight instead of resetting the leases
  *     around it;
+ *   - no transaction waits on the client: the relay's sessions run with autocommit on
+ *     and every request is one batch that is its own transaction: BEGIN TRANSACTION ...
+ *     COMMIT TRANSACTION inside the batch, before the result set, which reads only
+ *     variables and table variables. A relay frozen (SIGSTOP, a paused
+ *     container) after sending a request holds no lock once the server has run it; with
+ *     implicit transactions the leader row stayed locked until the client's COMMIT, and a
+ *     takeover waited for as long as the freeze lasted. The session runs with XACT_ABORT
+ *     ON: an error rolls the batch's transaction back (the source still ends any
+ *     transaction an error left open, see odbcsrc_db.c);
  *   - statistics, the lease reset of a takeover and retention read WITH (READPAST,
  *     READCOMMITTEDLOCK): rows a producer has not committed carry no lease and are
  *     never sent, so skipping them is exact (or, for statistics, good enough);
@@ -103,6 +112,10 @@
     "SUM(" C ".sz) OVER (ORDER BY " C ".id ROWS UNBOUNDED PRECEDING) AS run, " \
     "ROW_NUMBER() OVER (ORDER BY " C ".id) AS rn"
 
+/* A batch's own transaction (the session runs with autocommit on): see the top. */
+#define TXN_BEGIN "BEGIN TRANSACTION; "
+#define TXN_COMMIT "COMMIT TRANSACTION; "
+
 #define S_(x) #x
 #define S(x) S_(x)
 #define MAX_ROWS S(SQL_TSQL_MAX_ROWS)
@@ -114,6 +127,7 @@ static const char lead_text[] =
     "DECLARE @owner nvarchar(255) = ?, @lease int = ?, @mine bigint = ?; "
     "DECLARE @now datetime2 = SYSUTCDATETIME(), @cur_owner nvarchar(255), @cur_epoch bigint, "
     "@got bigint = 0, @reset int = 0, @k int = " MAX_ROWS "; "
+    TXN_BEGIN
     "SELECT @cur_owner = owner, @cur_epoch = epoch FROM {L} WITH (UPDLOCK, HOLDLOCK) "
     "WHERE name = N'leader'; "
     "IF @cur_owner IS NULL "
@@ -142,32 +156,51 @@ static const char lead_text[] =
     "SET @reset = @reset + @k; "
     "END "
     "END "
+    TXN_COMMIT
     "SELECT @got, COALESCE(@cur_owner, N''), COALESCE(@cur_epoch, 0), @reset";
 static const sql_tsql_param lead_p[] = { P_NAME("owner"), P_INT("lease"), P_BIGINT("mine") };
 STMT(sql_tsql_lead, lead_text, lead_p);
 
 /* Claim (leader or unfenced): @epoch 0 is unfenced, else the leader row must be ours
-   and is held to the commit. At most @limit rows, the prefix of them in id order within
-   the byte limit (WITHIN_BYTES). */
+   and is held to the batch's commit (a takeover's lead waits for the claim in flight). At
+   most @limit rows, the prefix of them in id order within the byte limit (WITHIN_BYTES).
+   A key waits behind its first failed pending row: those rows' first id per key is
+   computed once per claim (@f, from the small filtered failing_idx) and joined by key;
+   looked up per candidate row instead, every candidate cost a probe of its key's rows.
+   The candidates go through a table variable (@c0), read WITH (UPDLOCK) and so held to
+   the UPDATE; one level of derived tables per step keeps the batch quick to compile on
+   Babelfish, where a batch is compiled once per session and the nested form took seconds. */
 static const char claim_text[] =
     "SET NOCOUNT ON; "
     "DECLARE @limit int = ?, @epoch bigint = ?, @owner nvarchar(255) = ?, @token bigint = ?, "
     "@lease_ms int = ?, @max_bytes bigint = ?, @first_whole int = ?, @max_payload bigint = ?; "
+    "DECLARE @f TABLE (partition_key nvarchar(255) NOT NULL PRIMARY KEY, "
+    "first_failed bigint NOT NULL); "
+    "DECLARE @c0 TABLE (id bigint NOT NULL PRIMARY KEY, sz bigint NOT NULL); "
     CLAIMED_TABLE
+    TXN_BEGIN
     "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
     "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
     "AND f.expires_at > SYSUTCDATETIME()) "
+    "BEGIN "
+    "INSERT INTO @f (partition_key, first_failed) SELECT p.partition_key, MIN(p.id) "
+    "FROM {T} p WITH (NOLOCK) WHERE p.sent_at IS NULL AND p.attempts > 0 "
+    "AND p.partition_key IS NOT NULL GROUP BY p.partition_key; "
+    "INSERT INTO @c0 (id, sz) SELECT TOP (@limit) m.id, " CLAIMED_BYTES("m") " "
+    "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
+    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
+    "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
+    "AND NOT EXISTS (SELECT 1 FROM @f k WHERE k.partition_key = m.partition_key "
+    "AND k.first_failed < m.id) ORDER BY m.id; "
+    "DELETE FROM @c0 WHERE id NOT IN (SELECT z.id FROM (SELECT c.id, " RUN_OVER("c") " "
+    "FROM @c0 c) z WHERE " WITHIN_BYTES("z") "); "
     "UPDATE {T} WITH (ROWLOCK) SET lease_owner = @owner, lease_token = @token, "
     "lease_until = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()) "
     CLAIMED_OUTPUT
     "WHERE sent_at IS NULL AND (lease_until IS NULL OR lease_until < SYSUTCDATETIME()) "
-    "AND id IN (SELECT z.id FROM (SELECT t.id, " RUN_OVER("t") " FROM (SELECT TOP (@limit) "
-    "m.id, " CLAIMED_BYTES("m") " AS sz FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
-    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
-    "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
-    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM {T} p WITH (NOLOCK) "
-    "WHERE p.partition_key = m.partition_key AND p.sent_at IS NULL AND p.attempts > 0 "
-    "AND p.id < m.id)) ORDER BY m.id) t) z WHERE " WITHIN_BYTES("z") "); "
+    "AND id IN (SELECT id FROM @c0); "
+    "END "
+    TXN_COMMIT
     CLAIMED_SELECT;
 static const sql_tsql_param claim_p[] = { P_INT("limit"), P_BIGINT("epoch"), P_NAME("owner"),
                                           P_BIGINT("token"), P_INT("lease_ms"),
@@ -182,7 +215,8 @@ static const char claim_competing_text[] =
     "@max_bytes bigint = ?, @first_whole int = ?, @max_payload bigint = ?; "
     /* membership (see sources/sql_pg.h): renew ours, else reuse an expired member
        row, else insert one; a lease of 0 withdraws it. By primary key only (the
-       name LIKE a constant prefix is a seek). */
+       name LIKE a constant prefix is a seek). Each statement commits on its own, before
+       the claim's transaction: no member row stays locked while the claim runs. */
     "DECLARE @me nvarchar(255) = N'member:' + @owner; "
     "DECLARE @until datetime2 = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()); "
     "UPDATE {L} SET expires_at = @until WHERE name = @me; "
@@ -199,6 +233,9 @@ static const char claim_competing_text[] =
     "FROM {L} WITH (NOLOCK) WHERE name LIKE N'member:%' AND owner <> @owner "
     "AND expires_at > SYSUTCDATETIME(); "
     "DECLARE @c0 TABLE (id bigint PRIMARY KEY, partition_key nvarchar(255), sz bigint NOT NULL); "
+    CLAIMED_TABLE
+    /* the candidates stay held (UPDLOCK) from their read to the UPDATE */
+    TXN_BEGIN
     "INSERT INTO @c0 (id, partition_key, sz) SELECT TOP (@limit) m.id, m.partition_key, "
     CLAIMED_BYTES("m") " "
     "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
@@ -223,12 +260,12 @@ static const char claim_competing_text[] =
     /* then the byte limit, over what is left: a prefix in id order */
     "DELETE FROM @c0 WHERE id NOT IN (SELECT z.id FROM (SELECT c.id, " RUN_OVER("c") " "
     "FROM @c0 c) z WHERE " WITHIN_BYTES("z") "); "
-    CLAIMED_TABLE
     "UPDATE {T} WITH (ROWLOCK) SET lease_owner = @owner, lease_token = @token, "
     "lease_until = @until "
     CLAIMED_OUTPUT
     "WHERE sent_at IS NULL AND (lease_until IS NULL OR lease_until < SYSUTCDATETIME()) "
     "AND id IN (SELECT id FROM @c0); "
+    TXN_COMMIT
     CLAIMED_SELECT;
 static const sql_tsql_param claim_competing_p[] = { P_NAME("owner"), P_INT("lease_ms"),
                                                     P_INT("limit"), P_BIGINT("token"),
@@ -237,8 +274,9 @@ static const sql_tsql_param claim_competing_p[] = { P_NAME("owner"), P_INT("leas
                                                     P_BIGINT("max_payload") };
 STMT(sql_tsql_claim_competing, claim_competing_text, claim_competing_p);
 
-/* Settle: head + (mark | delete) + tail, for at most SQL_TSQL_MAX_ROWS outcomes (the
-   source splits larger settles within one transaction). Parameter: the outcomes as
+/* Settle: head + (mark | delete) + tail, for at most SQL_TSQL_MAX_ROWS outcomes, in the
+   batch's own transaction (the source splits larger settles, nested in one transaction
+   it opens itself: see odbcsrc_db_settle). Parameter: the outcomes as
    JSON (odbcsrc_outcomes_json). Result: rows applied. */
 static const char settle_head_text[] =
     "SET NOCOUNT ON; SET XACT_ABORT ON; "
@@ -251,7 +289,8 @@ static const char settle_head_text[] =
     "CAST(JSON_VALUE(j.value, '$.token') AS bigint), CAST(JSON_VALUE(j.value, '$.kind') AS int), "
     "CAST(JSON_VALUE(j.value, '$.backoff_ms') AS bigint), JSON_VALUE(j.value, '$.reason') "
     "FROM OPENJSON(@outcomes) AS j; "
-    "DECLARE @n bigint = 0; ";
+    "DECLARE @n bigint = 0; "
+    TXN_BEGIN;
 static const sql_tsql_param settle_head_p[] = { P_TEXT("outcomes") };
 STMT(sql_tsql_settle_head, settle_head_text, settle_head_p);
 
@@ -296,6 +335,7 @@ STMT0(sql_tsql_settle_tail,
     "SELECT d.id, d.message_id, d.exchange, d.routing_key, d.partition_key, d.message_type, "
     "d.content_type, d.correlation_id, d.headers, d.payload, d.created_at, d.attempts + 1, "
     "COALESCE(o.reason, N'dead-lettered') FROM @d d JOIN @o o ON o.id = d.id; "
+    TXN_COMMIT
     "SELECT @n");
 
 /* Retention: at most @limit rows (the configuration keeps it within
@@ -305,6 +345,7 @@ static const char cleanup_text[] =
     "DECLARE @limit int = ?, @keep_ms int = ?, @keep_s int = ?, @epoch bigint = ?, "
     "@owner nvarchar(255) = ?; "
     "DECLARE @deleted bigint = 0; "
+    TXN_BEGIN
     "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
     "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
     "AND f.expires_at > SYSUTCDATETIME()) "
@@ -314,6 +355,7 @@ static const char cleanup_text[] =
     "DATEADD(millisecond, -@keep_ms, DATEADD(second, -@keep_s, SYSUTCDATETIME())); "
     "SET @deleted = @@ROWCOUNT; "
     "END "
+    TXN_COMMIT
     "SELECT @deleted";
 static const sql_tsql_param cleanup_p[] = { P_INT("limit"), P_INT("keep_ms"), P_INT("keep_s"),
                                             P_BIGINT("epoch"), P_NAME("owner") };

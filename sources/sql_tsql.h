@@ -68,7 +68,14 @@ extern const sql_tsql_stmt *const sql_tsql_all[];
 #define SQL_TSQL_SESSION_TAIL \
     ";\nSET XACT_ABORT ON;\nSET TRANSACTION ISOLATION LEVEL READ COMMITTED;" \
     "\nSET DEADLOCK_PRIORITY LOW;"
+/* Ends a transaction an error left open, and only then (never a ROLLBACK outside one). */
+#define SQL_TSQL_ROLLBACK_OPEN "IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION"
 /* SQL Server's native error number of a deadlock victim. */
 #define SQL_TSQL_DEADLOCK 1205
+/* A lock wait over the session's LOCK_TIMEOUT: SQL Server's error number, and Babelfish
+   for PostgreSQL's. The statement (with XACT_ABORT ON, its transaction) ends; the session
+   stays usable. */
+#define SQL_TSQL_LOCK_TIMEOUT 1222
+#define SQL_TSQL_LOCK_TIMEOUT_BBF 33557097
 
 #endif

@@ -414,11 +414,6 @@ def test_sqlserver_two_competing_relays(services, tsql, relay_bin, build, tmp_pa
 
 
 # ---------------------------------------------------------------------------- 4. leader takeover
-@pytest.mark.xfail(reason="open defect: a leader frozen between a claim and the claim's commit "
-                   "keeps its transaction open, and the standby's lead waits on it for as long "
-                   "as the freeze lasts (Babelfish: the claimed rows' locks; SQL Server: the "
-                   "leader row held WITH (UPDLOCK, HOLDLOCK)); committing inside the claim's "
-                   "batch fails on Babelfish", strict=False)
 def test_sqlserver_leader_takeover(services, tsql, relay_bin, build, tmp_path):
     """Two relays in leader mode: one drains, the other stands by. The leader is frozen
     (SIGSTOP) mid-drain past its lease: the standby takes over within lease + 2 x poll + 1 s

@@ -48,8 +48,8 @@ import uuid
 import pytest
 
 import tsql_check as tc
-from conftest import ROOT, run_prog
-from source_driver import Driver
+from conftest import ROOT, run_prog, wait_for
+from source_driver import SLOW, Driver
 
 REC_SRC = ROOT / "tests" / "odbcrec" / "recdrv.c"
 CONN = "Driver={OutboxRecorder};Database=app;"
@@ -616,8 +616,12 @@ def test_relay_statements_keep_the_locking_rules(cap):
         found = tc.lease_table_problems(sql, QL) + tc.fence_problems(sql, QL) + \
             tc.output_problems(sql) + tc.escalation_problems(sql, [QT, QD])
         if label in RELAY_CLAIMS:
-            found += tc.probe_problems(sql, QT)
+            found += tc.probe_problems(sql, QT) + tc.first_failed_problems(sql, QT)
         problems += [f"{label}, {where}: {m}" for m in found]
+    for label, rec in cap.execs():
+        if label not in cap.producer:
+            problems += [f"{label}, statement {rec['seq']}: {m}" for m in
+                         tc.fence_txn_problems(rec["sql"], rec["autocommit"] == 1, QL)]
     assert not problems, "\n".join(problems)
     fenced = [r["sql"] for _, r in cap.execs("relay: claim (leader, fenced by epoch)")
               if "N'leader'" in r["sql"]]
@@ -659,7 +663,7 @@ def test_a_deadlock_victim_is_retried_and_reported_once(build, tmp_path):
     transaction back) is run again: a claim failing once succeeds on its second attempt; a
     settle failing every time is tried three times and reported once, as a failed request
     (nothing is dead-lettered: the settle's outcomes are not changed). Neither rolls back a
-    transaction the server no longer holds (@@TRANCOUNT is read first)."""
+    transaction the server no longer holds (the rollback is conditional on @@TRANCOUNT)."""
     build_driver(tmp_path)
     log = tmp_path / "statements.jsonl"
     saved = dict(os.environ)
@@ -691,8 +695,30 @@ def test_a_deadlock_victim_is_retried_and_reported_once(build, tmp_path):
         recs = [json.loads(x) for x in log.read_text().splitlines()]
         settles = [r for r in recs if r["ev"] == "exec" and "@outcomes" in r["sql"]]
         assert len(settles) == 3, len(settles)
-        assert not any("ROLLBACK" in r["sql"].upper() for r in recs if r["ev"] == "exec")
-        assert sum(1 for r in recs if r["ev"] == "exec" and "@@TRANCOUNT" in r["sql"]) == 3
+        # backed off between attempts (jittered from 200 ms, doubling): no spinning
+        gaps = [b["ms"] - a["ms"] for a, b in zip(settles, settles[1:])]
+        assert gaps[0] >= 95 and gaps[1] >= 195, gaps
+        # the relay's session runs with autocommit on: the client never ends a transaction
+        # itself, and after each failure one statement rolls back only a transaction the
+        # server still holds
+        assert not [r for r in recs if r["ev"] == "endtran"]
+        rollbacks = [r["sql"] for r in recs if r["ev"] == "exec" and "ROLLBACK" in r["sql"].upper()]
+        assert rollbacks == ["IF @@TRANCOUNT > 0 ROLLBACK TRANSACTION"] * 3, rollbacks
+        # a source destroyed while it backs off stops at once, without another attempt
+        os.environ.update(OUTBOX_REC_FAIL="@lease_ms int = ?", OUTBOX_REC_FAIL_NTH="1+")
+        d = Driver(build / "tests" / "source_contract", "odbc", CONN, "app", table=TABLE)
+        try:
+            d.start_up()
+            log.write_text("")
+            d.submit("claim 10 30000 7 relay-a")
+            wait_for(lambda: "@lease_ms int = ?" in log.read_text(), timeout=10,
+                     desc="the first claim attempt")
+            ms = d.stop()
+            n = sum(1 for x in log.read_text().splitlines() if "@lease_ms int = ?" in x)
+        finally:
+            d.close()
+        print(f"destroy during the deadlock back-off took {ms} ms after {n} attempt(s)")
+        assert n <= 2 and ms < 150 * SLOW, (n, ms)
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -717,6 +743,29 @@ OLD = {
         "[outbox].[messages_lease] f WHERE f.name = N'leader' AND f.owner = @P3 AND f.epoch = "
         "@P4 AND f.expires_at > SYSUTCDATETIME())) ORDER BY m.id) UPDATE c SET lease_owner = "
         "@P5", "fence"),
+    # (the fenced claim as it ran until the relay's sessions ran with autocommit on: under
+    # implicit transactions, the fence an IF of its own; autocommit off is the "~" prefix)
+    "leader fence held to the client's commit": (
+        "~IF @epoch = 0 OR EXISTS (SELECT 1 FROM [outbox].[messages_lease] f WITH (UPDLOCK, "
+        "HOLDLOCK, ROWLOCK) WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
+        "AND f.expires_at > SYSUTCDATETIME()) UPDATE [outbox].[messages] WITH (ROWLOCK) SET "
+        "lease_owner = @owner OUTPUT inserted.id INTO @c (id) WHERE id IN (SELECT TOP (@limit) "
+        "m.id FROM [outbox].[messages] m WITH (ROWLOCK, READPAST, UPDLOCK) ORDER BY m.id); "
+        "SELECT id FROM @c ORDER BY id", "fence txn"),
+    # (the same statement under autocommit: the IF releases the row before the UPDATE)
+    "leader fence checked apart from the write": (
+        "IF @epoch = 0 OR EXISTS (SELECT 1 FROM [outbox].[messages_lease] f WITH (UPDLOCK, "
+        "HOLDLOCK, ROWLOCK) WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
+        "AND f.expires_at > SYSUTCDATETIME()) UPDATE [outbox].[messages] WITH (ROWLOCK) SET "
+        "lease_owner = @owner OUTPUT inserted.id INTO @c (id) WHERE id IN (SELECT TOP (@limit) "
+        "m.id FROM [outbox].[messages] m WITH (ROWLOCK, READPAST, UPDLOCK) ORDER BY m.id); "
+        "SELECT id FROM @c ORDER BY id", "fence txn"),
+    # (the leader claim until the first failed row per key was computed once per claim)
+    "first failed row per candidate": (
+        "SELECT TOP (@limit) m.id FROM [outbox].[messages] m WITH (ROWLOCK, READPAST, UPDLOCK) "
+        "WHERE m.sent_at IS NULL AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM "
+        "[outbox].[messages] p WITH (NOLOCK) WHERE p.partition_key = m.partition_key AND "
+        "p.sent_at IS NULL AND p.attempts > 0 AND p.id < m.id)) ORDER BY m.id", "first failed"),
     "OUTPUT without INTO": (
         "UPDATE c SET lease_owner = @P5, lease_token = @P6 OUTPUT inserted.id, "
         "LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange", "output"),
@@ -737,7 +786,10 @@ def test_relay_rules_fail_on_the_old_statements(case):
     found = {"lease": lambda: tc.lease_table_problems(sql, QL),
              "probe": lambda: tc.probe_problems(sql, QT),
              "fence": lambda: tc.fence_problems(sql, QL),
+             "fence txn": lambda: tc.fence_txn_problems(sql.lstrip("~"),
+                                                        not sql.startswith("~"), QL),
              "output": lambda: tc.output_problems(sql),
+             "first failed": lambda: tc.first_failed_problems(sql, QT),
              "escalation": lambda: tc.escalation_problems(sql, [QT, QD])}[rule]()
     assert found, f"the {rule} rule passes the old statement"
     print("\n".join(found))

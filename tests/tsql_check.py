@@ -519,6 +519,20 @@ def probe_problems(sql, qt):
     return out
 
 
+def first_failed_problems(sql, qt):
+    """The leader claim holds a key's rows behind its first failed pending row: that row's id
+    per key is computed once per claim (an aggregate over the failed rows, joined by key),
+    not looked up once per candidate row (a correlated NOT EXISTS over the outbox with
+    attempts > 0 and id below the candidate's: every candidate probes its key's rows)."""
+    n = _norm(sql)
+    q = re.escape(qt.upper())
+    if re.search(r"NOT EXISTS \(SELECT 1 FROM " + q + r" (\w+)(?: WITH \([^)]*\))? WHERE "
+                 r"[^;]*?\b\1\.ATTEMPTS > 0 AND \1\.ID < \w+\.ID\)", n):
+        return ["each key's first failed row is looked up once per candidate row: compute it "
+                "once per key (MIN(id) of the failed rows, grouped by key) and join"]
+    return []
+
+
 def fence_problems(sql, ql):
     """A statement fenced by the leadership epoch holds the leader row it read to its
     commit (HOLDLOCK / REPEATABLEREAD / SERIALIZABLE): otherwise a takeover can reset the
@@ -533,6 +547,39 @@ def fence_problems(sql, ql):
         if not hs & {"HOLDLOCK", "REPEATABLEREAD", "SERIALIZABLE"}:
             out.append("the leader fence is read and released at once (no HOLDLOCK or "
                        "REPEATABLEREAD): a takeover does not wait for this statement")
+    return out
+
+
+def fence_txn_problems(sql, autocommit, ql):
+    """A batch that reads the leader row to hold it (HOLDLOCK) ends its transaction inside
+    the batch: the session runs with autocommit on (under implicit transactions the row
+    stays locked until the client's COMMIT, a round trip later, and a relay frozen in
+    between blocks every takeover for as long as it is frozen), every BEGIN TRANSACTION has
+    its COMMIT in the same batch, and without one the fence is part of the statement that
+    writes (an IF that checks it is a statement of its own under autocommit: the row is
+    released before the write)."""
+    n = _norm(sql)
+    q = re.escape(ql.upper())
+    held = [m for m in re.finditer(r"FROM " + q + r" (\w+)(?: WITH \(([^)]*)\))? WHERE "
+                                   r"\1\.NAME = N'LEADER'", n)
+            if "HOLDLOCK" in (m.group(2) or "")]
+    if not held:
+        return []
+    out = []
+    if not autocommit:
+        out.append("the leader row is held under implicit transactions (autocommit off): it "
+                   "stays locked until the client's COMMIT, and a relay frozen before it "
+                   "blocks every takeover")
+    begins = len(re.findall(r"\bBEGIN TRAN(?:SACTION)?\b", n))
+    commits = len(re.findall(r"\bCOMMIT(?: TRAN(?:SACTION)?)?\b", n))
+    if begins != commits:
+        out.append(f"{begins} BEGIN TRANSACTION and {commits} COMMIT in the batch: a "
+                   "transaction holding the leader row outlives the batch")
+    if begins == 0 and re.search(r"\bIF\b(?:(?!;).)*?FROM " + q + r" \w+ WITH \([^)]*HOLDLOCK",
+                                 n):
+        out.append("the leader fence is checked by an IF before the write, outside any "
+                   "transaction of the batch: under autocommit the row is released before "
+                   "the write")
     return out
 
 

@@ -235,14 +235,52 @@ static odbc_event *execute_once(wstate *w, const odbc_req *r)
  * run again, at most this many times in all: the server rolled its transaction
  * back, and every request is safe to repeat (claims lease under a token, settles
  * apply only where that token still holds). Only the last failure is reported, once;
- * nothing is dead-lettered for it. */
+ * nothing is dead-lettered for it. Between attempts the worker waits, jittered and
+ * doubling from DEADLOCK_BACKOFF_MS (the transactions that won get to finish instead
+ * of meeting the same request again at once), and gives up as soon as the source is
+ * being destroyed. */
 #define DEADLOCK_ATTEMPTS 3
+#define DEADLOCK_BACKOFF_MS 200
 
-static odbc_event *execute(wstate *w, const odbc_req *r)
+/* Waits on s->cv (mu held) for at most ms milliseconds (a signal ends it sooner). */
+static void wait_locked(source *s, int64_t ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += ms / 1000;
+    ts.tv_nsec += (ms % 1000) * 1000000;
+    if (ts.tv_nsec >= 1000000000) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000;
+    }
+    (void)pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+}
+
+/* Waits ms unless the source is stopping (then at once): false when it is. */
+static bool pause_unless_stopping(source *s, int64_t ms)
+{
+    int64_t deadline = now_ms() + ms;
+    pthread_mutex_lock(&s->mu);
+    while (!s->stop) {
+        int64_t left = deadline - now_ms();
+        if (left <= 0)
+            break;
+        wait_locked(s, left);
+    }
+    bool go_on = !s->stop;
+    pthread_mutex_unlock(&s->mu);
+    return go_on;
+}
+
+static odbc_event *execute(source *s, wstate *w, const odbc_req *r, uint64_t *rng)
 {
     odbc_event *e = execute_once(w, r);
+    int64_t backoff = DEADLOCK_BACKOFF_MS;
     for (int attempt = 1; e->res.ok != 0 && !w->db.lost && w->db.native == SQL_TSQL_DEADLOCK &&
                           attempt < DEADLOCK_ATTEMPTS; attempt++) {
+        if (!pause_unless_stopping(s, outbox_util_jitter(backoff, rng)))
+            break;  /* stopping: the last failure stands */
+        backoff *= 2;
         event_free(e);
         e = execute_once(w, r);
     }
@@ -268,8 +306,8 @@ static void *worker_main(void *arg)
     while (!s->stop) {
         if (!w.db.connected) {
             pthread_mutex_unlock(&s->mu);
-            int rc = odbcsrc_db_open(&w.db, &s->conf, false);
-            if (rc == 0 && odbcsrc_db_verify(&w.db, true) < 0) {
+            int rc = odbcsrc_db_open(&w.db, &s->conf, ODBCSRC_TXN_RELAY);
+            if (rc == 0 && (odbcsrc_db_verify(&w.db, true) < 0 || odbcsrc_db_warm(&w.db) < 0)) {
                 rc = -1;
                 odbcsrc_db_close(&w.db);
             }
@@ -305,15 +343,7 @@ static void *worker_main(void *arg)
                 int64_t left = deadline - now_ms();
                 if (left <= 0)
                     break;
-                struct timespec ts;
-                clock_gettime(CLOCK_MONOTONIC, &ts);
-                ts.tv_sec += left / 1000;
-                ts.tv_nsec += (left % 1000) * 1000000;
-                if (ts.tv_nsec >= 1000000000) {
-                    ts.tv_sec++;
-                    ts.tv_nsec -= 1000000000;
-                }
-                (void)pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+                wait_locked(s, left);
             }
             continue;
         }
@@ -326,7 +356,7 @@ static void *worker_main(void *arg)
         s->has_req = false;
         pthread_mutex_unlock(&s->mu);
 
-        odbc_event *e = execute(&w, &r);
+        odbc_event *e = execute(s, &w, &r, &rng);
         req_clear(&r);
         bool lost = w.db.lost;
         char why[sizeof last];
@@ -601,7 +631,7 @@ static int admin_open(const cfg_outbox *oc, odbcsrc_conf *conf, odbcsrc_db *db,
         snprintf(err, errlen, "out of memory");
         return -1;
     }
-    if (odbcsrc_db_open(db, conf, autocommit) < 0) {
+    if (odbcsrc_db_open(db, conf, autocommit ? ODBCSRC_TXN_AUTO : ODBCSRC_TXN_CLIENT) < 0) {
         snprintf(err, errlen, "%s", db->err);
         odbcsrc_conf_clear(conf);
         return -1;

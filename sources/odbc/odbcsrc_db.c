@@ -117,7 +117,7 @@ done:
     return rc;
 }
 
-int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
+int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, int txn)
 {
     SQLRETURN rc;
     outbox_util_buf cs = {0};
@@ -184,12 +184,6 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
         goto fail;
     }
     db->connected = true;
-    rc = SQLSetConnectAttr(db->dbc, SQL_ATTR_AUTOCOMMIT,
-                           (SQLPOINTER)(uintptr_t)(autocommit ? SQL_AUTOCOMMIT_ON : SQL_AUTOCOMMIT_OFF), 0);
-    if (!SQL_SUCCEEDED(rc)) {
-        ost_diag(db, SQL_HANDLE_DBC, db->dbc, "setting autocommit");
-        goto fail;
-    }
     SQLCHAR dbms[128] = "";
     SQLSMALLINT dl = 0;
     rc = SQLGetInfo(db->dbc, SQL_DBMS_NAME, dbms, sizeof dbms, &dl);
@@ -211,6 +205,14 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit)
     else {
         ost_err(db, "unsupported DBMS \"%s\" (expected Microsoft SQL Server or PostgreSQL)",
                 (char *)dbms);
+        goto fail;
+    }
+    db->autocommit = txn == ODBCSRC_TXN_AUTO || (txn == ODBCSRC_TXN_RELAY && is_tsql(db));
+    rc = SQLSetConnectAttr(db->dbc, SQL_ATTR_AUTOCOMMIT,
+                           (SQLPOINTER)(uintptr_t)(db->autocommit ? SQL_AUTOCOMMIT_ON
+                                                                  : SQL_AUTOCOMMIT_OFF), 0);
+    if (!SQL_SUCCEEDED(rc)) {
+        ost_diag(db, SQL_HANDLE_DBC, db->dbc, "setting autocommit");
         goto fail;
     }
     outbox_qualified((outbox_dialect)db->dialect, &conf->tn, 0, db->qt, sizeof db->qt);
@@ -241,7 +243,8 @@ void odbcsrc_db_close(odbcsrc_db *db)
 {
     if (db->dbc != SQL_NULL_HDBC) {
         if (db->connected) {
-            (void)SQLEndTran(SQL_HANDLE_DBC, db->dbc, SQL_ROLLBACK);
+            if (!db->autocommit)
+                (void)SQLEndTran(SQL_HANDLE_DBC, db->dbc, SQL_ROLLBACK);
             pthread_mutex_lock(&driver_setup_lock);
             (void)SQLDisconnect(db->dbc);
             pthread_mutex_unlock(&driver_setup_lock);
@@ -259,13 +262,27 @@ void odbcsrc_db_close(odbcsrc_db *db)
  * ended it already (XACT_ABORT after an error, a deadlock victim): a ROLLBACK then
  * fails ("ROLLBACK can only be used in transaction blocks" on Babelfish), so T-SQL
  * asks @@TRANCOUNT first (a SELECT that reads no table starts no implicit
- * transaction). The error that led here stays in db->err. */
+ * transaction). Not every error ends the transaction (SQL Server leaves it open after
+ * a statement that fails to compile, e.g. a table dropped since the batch was cached):
+ * with autocommit on, one statement asks and rolls back on the server, so that the
+ * next request starts outside any transaction. The error that led here stays in
+ * db->err. */
 static int rollback(odbcsrc_db *db)
 {
     char saved[sizeof db->err];
     long native = db->native;
     int rc = 0;
     memcpy(saved, db->err, sizeof saved);
+    if (db->autocommit) {
+        if (is_tsql(db)) {
+            SQLHSTMT h = SQL_NULL_HSTMT;
+            if (ost_run(db, "rollback", SQL_TSQL_ROLLBACK_OPEN, NULL, &h) < 0 ||
+                ost_drain(db, h, "rollback") < 0)
+                rc = -1;
+            ost_free(db, h);
+        }
+        goto out;
+    }
     if (is_tsql(db)) {
         int64_t open = 1;
         if (ost_one_row_ints(db, "rollback: reading @@TRANCOUNT",
@@ -290,6 +307,8 @@ int odbcsrc_db_end(odbcsrc_db *db, bool commit)
 {
     if (!commit)
         return rollback(db);
+    if (db->autocommit)
+        return 0;  /* every statement (T-SQL: every request's batch) committed itself */
     SQLRETURN rc = SQLEndTran(SQL_HANDLE_DBC, db->dbc, SQL_COMMIT);
     if (!SQL_SUCCEEDED(rc)) {
         ost_diag(db, SQL_HANDLE_DBC, db->dbc, "commit");
@@ -431,6 +450,39 @@ done:
 
 /* ------------------------------------------------------------ relay statements */
 
+/* A statement without parameters or result (T-SQL session and transaction control). */
+static int exec_plain(odbcsrc_db *db, const char *what, const char *sql)
+{
+    SQLHSTMT h = SQL_NULL_HSTMT;
+    int rc = ost_run(db, what, sql, NULL, &h) < 0 ? -1 : ost_drain(db, h, what);
+    ost_free(db, h);
+    return rc;
+}
+
+/* T-SQL, the relay's session: no statement waits for a lock longer than a third of the
+ * leadership lease (the interval at which a leader renews and a standby asks again), so a
+ * holder that does not let go (a statement stuck on the server) never stalls a standby's
+ * lead, or anything after it, for longer: the statement fails with a lock timeout (1222),
+ * its transaction is rolled back (XACT_ABORT) and the next attempt comes at the next
+ * renewal. SET LOCK_TIMEOUT takes a constant and stays for the session: sent again only
+ * when the lease changes. */
+static int lock_timeout(odbcsrc_db *db, int64_t lease_ms)
+{
+    int64_t want = lease_ms / 3;
+    char sql[48];
+    if (want < 100)
+        want = 100;
+    if (want > INT32_MAX)
+        want = INT32_MAX;
+    if (want == db->lock_timeout_ms)
+        return 0;
+    snprintf(sql, sizeof sql, "SET LOCK_TIMEOUT %" PRId64, want);
+    if (exec_plain(db, "lead: setting the lock timeout", sql) < 0)
+        return -1;
+    db->lock_timeout_ms = want;
+    return 0;
+}
+
 /* Leadership as a lease row (sql_pg_lead / sql_tsql_lead: the same rules and the same
  * result columns): our epoch (0 or NULL: not leader), the holder before and its epoch,
  * the row leases released by a takeover. */
@@ -442,11 +494,13 @@ int odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t le
     outbox_util_buf who = {0};
     bool isnull = false;
     int rc = -1;
-    char *sql;
+    char *sql = NULL;
     const char *me = owner ? owner : "";
     *got = *held = *reset = 0;
     if (hlen)
         holder[0] = '\0';
+    if (is_tsql(db) && db->autocommit && lock_timeout(db, lease_ms) < 0)
+        goto done;
     if (is_tsql(db)) {
         const ost_val v[] = { TV_S("owner", me), TV_I("lease", lease_ms), TV_I("mine", epoch) };
         sql = ost_tsql(db, &sql_tsql_lead, v, 3, &ps);
@@ -655,8 +709,11 @@ done:
 }
 
 /* Settles outcomes: T-SQL in statements of at most SQL_TSQL_MAX_ROWS outcomes each
- * (lock escalation), all in the caller's one transaction; PostgreSQL in one statement
- * with the arrays of the libpq path (and its plain statement when they are all SENT). */
+ * (lock escalation), all in one transaction: each batch is its own transaction, and a
+ * settle of more outcomes than that nests them in one opened here (the locks it holds
+ * between them are those of its own leased rows, never the leader row); PostgreSQL in
+ * one statement with the arrays of the libpq path (and its plain statement when they are
+ * all SENT). */
 int odbcsrc_db_settle(odbcsrc_db *db, const src_outcome *v, size_t n, size_t *applied)
 {
     params ps = {0};
@@ -668,6 +725,9 @@ int odbcsrc_db_settle(odbcsrc_db *db, const src_outcome *v, size_t n, size_t *ap
     *applied = 0;
     if (is_tsql(db)) {
         size_t total = 0;
+        bool outer = db->autocommit && n > SQL_TSQL_MAX_ROWS;
+        if (outer && exec_plain(db, "settle", "BEGIN TRANSACTION") < 0)
+            return -1;
         for (size_t at = 0; at < n; at += SQL_TSQL_MAX_ROWS) {
             size_t k = n - at < SQL_TSQL_MAX_ROWS ? n - at : SQL_TSQL_MAX_ROWS;
             cnt = 0;
@@ -675,6 +735,8 @@ int odbcsrc_db_settle(odbcsrc_db *db, const src_outcome *v, size_t n, size_t *ap
                 return -1;
             total += cnt > 0 ? (size_t)cnt : 0;
         }
+        if (outer && exec_plain(db, "settle", "COMMIT TRANSACTION") < 0)
+            return -1;
         *applied = total;
         return 0;
     }
@@ -784,6 +846,45 @@ int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full)
 done:
     ost_free(db, h);
     free(sql);
+    return rc;
+}
+
+/* Babelfish for PostgreSQL compiles a batch the first time a session runs it, and the
+ * claims and the settle took seconds there (1.5-16 s each on the loaded 2-core test
+ * machine, then 30-70 ms): a leader's first claim outlasted its lease renewal, which
+ * waits behind it on the same session, and a 1 s query timeout was never met on a new
+ * session. Each is run once here, before the session counts as up, in a form that
+ * touches no row (no rows to claim, no membership, no outcomes), under a timeout of its
+ * own. It never waits for a lock (LOCK_TIMEOUT 1 ms: a table locked by someone else must
+ * not hold the connect back); one that fails is only not warmed. SQL Server compiles in
+ * milliseconds and keeps plans across sessions: nothing is run there. */
+#define WARM_TIMEOUT_MS 60000
+
+int odbcsrc_db_warm(odbcsrc_db *db)
+{
+    if (!is_tsql(db) || !db->babelfish || !db->autocommit)
+        return 0;
+    int64_t cnt = 0;
+    int rc = exec_plain(db, "warm-up: lock timeout", "SET LOCK_TIMEOUT 1");
+    db->timeout_ms = db->conf->query_timeout_ms > WARM_TIMEOUT_MS ? db->conf->query_timeout_ms
+                                                                  : WARM_TIMEOUT_MS;
+    for (int step = 0; rc == 0 && step < 3; step++) {
+        row **rows = NULL;
+        size_t n = 0;
+        int r = step < 2 ? odbcsrc_db_claim(db, 0, 0, false, 0, 0, 0, "", 0, step == 1, &rows, &n)
+                         : settle_tsql(db, NULL, 0, &cnt);
+        for (size_t i = 0; i < n; i++)
+            row_free(rows[i]);
+        free(rows);
+        if (r < 0 && (db->lost || rollback(db) < 0))
+            rc = -1;
+    }
+    db->timeout_ms = 0;
+    if (rc == 0)
+        rc = exec_plain(db, "warm-up: lock timeout", "SET LOCK_TIMEOUT -1");
+    db->lock_timeout_ms = 0;   /* the next lead sets its own */
+    if (rc == 0)
+        db->err[0] = '\0';
     return rc;
 }
 

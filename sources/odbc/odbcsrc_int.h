@@ -58,6 +58,9 @@ typedef struct odbcsrc_db {
     long     native;          /* the native error number of the last error (1205: deadlock) */
     int      dialect;         /* OUTBOX_DIALECT_* */
     bool     freetds;         /* the driver is FreeTDS's libtdsodbc (see ost_run) */
+    bool     autocommit;      /* autocommit on: the client never commits */
+    int64_t  lock_timeout_ms; /* the session's SET LOCK_TIMEOUT (0: never set) */
+    int64_t  timeout_ms;      /* > 0: the query timeout instead of the conf's (warm-up) */
     char     qt[160];         /* quoted outbox table */
     char     qd[160];         /* quoted dead-letter table */
     char     ql[160];         /* quoted leadership lease table */
@@ -66,14 +69,29 @@ typedef struct odbcsrc_db {
     void    *cur_ud;
 } odbcsrc_db;
 
-/* Connects (login timeout from the conf), autocommit as asked, detects the
- * dialect. 0, or -1 with db->err set (the session is then closed). */
-int  odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, bool autocommit);
+/* How a session's transactions end (odbcsrc_db_open). */
+enum odbcsrc_txn {
+    ODBCSRC_TXN_CLIENT = 0,  /* autocommit off: the caller ends each with odbcsrc_db_end */
+    ODBCSRC_TXN_AUTO   = 1,  /* autocommit on */
+    /* the relay's requests: on SQL Server autocommit on, and every request's batch is its
+       own transaction (sources/sql_tsql.c), so none waits on the client; on PostgreSQL
+       as ODBCSRC_TXN_CLIENT */
+    ODBCSRC_TXN_RELAY  = 2,
+};
+
+/* Connects (login timeout from the conf), transactions as asked (enum odbcsrc_txn),
+ * detects the dialect. 0, or -1 with db->err set (the session is then closed). */
+int  odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, int txn);
 void odbcsrc_db_close(odbcsrc_db *db);
 /* Verifies the database name and (tables) that both tables exist. 0, or -1
  * with db->err (mismatch, missing table: "run outbox-relay init"). */
 int  odbcsrc_db_verify(odbcsrc_db *db, bool tables);
-/* Ends the transaction (commit or rollback). 0 or -1. */
+/* Babelfish, the relay's session: runs each claim and the settle once, touching no row,
+ * so that the session's first real ones do not pay their compilation (see the .c). 0,
+ * or -1 with db->err. Does nothing elsewhere. */
+int  odbcsrc_db_warm(odbcsrc_db *db);
+/* Ends the transaction (commit or rollback). With autocommit on a commit does nothing
+ * and a rollback ends only a transaction an error left open. 0 or -1. */
 int  odbcsrc_db_end(odbcsrc_db *db, bool commit);
 
 /* Statements (each inside the current transaction; the caller ends it). */

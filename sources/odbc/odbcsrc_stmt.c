@@ -85,32 +85,32 @@ void ost_diag(odbcsrc_db *db, SQLSMALLINT type, SQLHANDLE h, const char *what)
 
 /* ------------------------------------------------------------ statements */
 
-void ost_p_i64(params *ps, int64_t v)
+/* The next parameter of ps, cleared, with its types set. */
+static param *p_next(params *ps, SQLSMALLINT ctype, SQLSMALLINT stype)
 {
     param *p = &ps->p[ps->n++];
     memset(p, 0, sizeof *p);
-    p->ctype = SQL_C_SBIGINT;
-    p->stype = SQL_BIGINT;
-    p->i64 = v;
+    p->ctype = ctype;
+    p->stype = stype;
+    return p;
+}
+
+void ost_p_i64(params *ps, int64_t v)
+{
+    p_next(ps, SQL_C_SBIGINT, SQL_BIGINT)->i64 = v;
 }
 
 void ost_p_i32(params *ps, int64_t v)
 {
-    param *p = &ps->p[ps->n++];
-    memset(p, 0, sizeof *p);
-    p->ctype = SQL_C_SLONG;
-    p->stype = SQL_INTEGER;
-    p->i32 = (SQLINTEGER)(v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : v);
+    p_next(ps, SQL_C_SLONG, SQL_INTEGER)->i32 =
+        (SQLINTEGER)(v > INT32_MAX ? INT32_MAX : v < INT32_MIN ? INT32_MIN : v);
 }
 
 /* A text parameter of the declared size class (never the data's length). */
 void ost_p_text(params *ps, const char *s, SQLULEN size)
 {
-    param *p = &ps->p[ps->n++];
+    param *p = p_next(ps, SQL_C_WCHAR, SQL_WVARCHAR);
     size_t units = 0;
-    memset(p, 0, sizeof *p);
-    p->ctype = SQL_C_WCHAR;
-    p->stype = SQL_WVARCHAR;
     p->w = outbox_util_utf16_from_utf8(s, strlen(s), &units);
     if (!p->w) {
         ps->oom = 1;
@@ -123,11 +123,7 @@ void ost_p_text(params *ps, const char *s, SQLULEN size)
 /* A NULL text parameter. */
 void ost_p_null(params *ps)
 {
-    param *p = &ps->p[ps->n++];
-    memset(p, 0, sizeof *p);
-    p->ctype = SQL_C_WCHAR;
-    p->stype = SQL_WVARCHAR;
-    p->ind = SQL_NULL_DATA;
+    p_next(ps, SQL_C_WCHAR, SQL_WVARCHAR)->ind = SQL_NULL_DATA;
 }
 
 void ost_p_free(params *ps)
@@ -167,7 +163,7 @@ int ost_run(odbcsrc_db *db, const char *what, const char *sql, params *ps, SQLHS
         ost_diag(db, SQL_HANDLE_DBC, db->dbc, what);
         return -1;
     }
-    int64_t qs = (db->conf->query_timeout_ms + 999) / 1000;
+    int64_t qs = ((db->timeout_ms > 0 ? db->timeout_ms : db->conf->query_timeout_ms) + 999) / 1000;
     if (qs < 1)
         qs = 1;
     rc = SQLSetStmtAttr(h, SQL_ATTR_QUERY_TIMEOUT, (SQLPOINTER)(uintptr_t)qs, 0);

@@ -37,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <sql.h>
@@ -589,10 +590,13 @@ static SQLRETURN execute(rstmt *s, const char *sql)
     seq = ++exec_seq;
     pthread_mutex_unlock(&mu);
 
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
     sbuf b = { 0 };
     sb_printf(&b, "{\"pid\":%ld,\"conn\":%d,\"ev\":\"exec\",\"seq\":%ld,\"autocommit\":%lu,"
-              "\"sql\":", (long)getpid(), s->dbc ? s->dbc->id : 0, seq,
-              (unsigned long)(s->dbc ? s->dbc->autocommit : 0));
+              "\"ms\":%lld,\"sql\":", (long)getpid(), s->dbc ? s->dbc->id : 0, seq,
+              (unsigned long)(s->dbc ? s->dbc->autocommit : 0),
+              (long long)now.tv_sec * 1000 + now.tv_nsec / 1000000);
     sb_json(&b, sql, strlen(sql));
     sb_put(&b, ",\"params\":[", 11);
     int last = 0;
