@@ -316,8 +316,8 @@ int outbox_queue_new_opts(outbox_queue **q, const outbox_queue_options *opts,
         return outbox_i_err(err, OUTBOX_ENOMEM, NULL, "out of memory creating the queue");
     }
     n->name = tn;
-    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &tn, 0, n->pg_table, sizeof n->pg_table);
-    outbox_qualified(OUTBOX_DIALECT_SQLSERVER, &tn, 0, n->ms_table, sizeof n->ms_table);
+    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &tn, OUTBOX_TABLE_OUTBOX, n->pg_table, sizeof n->pg_table);
+    outbox_qualified(OUTBOX_DIALECT_SQLSERVER, &tn, OUTBOX_TABLE_OUTBOX, n->ms_table, sizeof n->ms_table);
     n->max_payload = opts->max_payload ? opts->max_payload : OUTBOX_DEFAULT_MAX_PAYLOAD;
     *q = n; /* ownership passes to the caller: outbox_queue_free */
     return OUTBOX_OK;

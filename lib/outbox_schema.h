@@ -51,9 +51,16 @@ int outbox_ident_valid(const char *s);
  * outbox.messages). Returns 0, or -1 with a one-line reason in err. */
 int outbox_table_parse(const char *spec, outbox_table_name *out, char *err, size_t errlen);
 
-/* Writes the quoted qualified name: "schema"."table" (PostgreSQL) or
- * [schema].[table] (SQL Server); dead != 0 names the dead-letter table. */
-void outbox_qualified(outbox_dialect d, const outbox_table_name *t, int dead,
+/* Which of the outbox's tables outbox_qualified() names. */
+typedef enum outbox_table_kind {
+    OUTBOX_TABLE_OUTBOX = 0,   /* the outbox table itself */
+    OUTBOX_TABLE_DEAD   = 1,   /* its dead-letter table, <table>_dead */
+    OUTBOX_TABLE_LEASE  = 2    /* the relay's leadership lease table, <table>_lease */
+} outbox_table_kind;
+
+/* Writes the quoted qualified name of one of the outbox's tables: "schema"."name"
+ * (PostgreSQL) or [schema].[name] (SQL Server). The one place those names are made. */
+void outbox_qualified(outbox_dialect d, const outbox_table_name *t, outbox_table_kind which,
                       char *out, size_t outlen);
 
 /* Derived object names (indexes, trigger, function, constraints): <table>_<suffix>,

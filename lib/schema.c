@@ -122,12 +122,19 @@ int outbox_table_parse(const char *spec, outbox_table_name *out, char *err, size
     return 0;
 }
 
-void outbox_qualified(outbox_dialect d, const outbox_table_name *t, int dead, char *out,
-                      size_t outlen)
+void outbox_qualified(outbox_dialect d, const outbox_table_name *t, outbox_table_kind which,
+                      char *out, size_t outlen)
 {
+    char lease[64];
     if (!out || !outlen)
         return;
-    const char *tab = dead ? t->dead : t->table;
+    const char *tab = t->table;
+    if (which == OUTBOX_TABLE_DEAD) {
+        tab = t->dead;
+    } else if (which == OUTBOX_TABLE_LEASE) {
+        outbox_derived_name(t->table, "lease", lease);
+        tab = lease;
+    }
     if (d == OUTBOX_DIALECT_SQLSERVER)
         snprintf(out, outlen, "[%s].[%s]", t->schema, tab);
     else
@@ -312,8 +319,9 @@ typedef struct names {
 
 static void make_names(outbox_dialect d, const outbox_table_name *t, names *n)
 {
-    outbox_qualified(d, t, 0, n->tab, sizeof n->tab);
-    outbox_qualified(d, t, 1, n->dead, sizeof n->dead);
+    outbox_qualified(d, t, OUTBOX_TABLE_OUTBOX, n->tab, sizeof n->tab);
+    outbox_qualified(d, t, OUTBOX_TABLE_DEAD, n->dead, sizeof n->dead);
+    outbox_qualified(d, t, OUTBOX_TABLE_LEASE, n->lease, sizeof n->lease);
     snprintf(n->s, sizeof n->s, "%s", t->schema);
     snprintf(n->t, sizeof n->t, "%s", t->table);
     snprintf(n->d, sizeof n->d, "%s", t->dead);
@@ -323,12 +331,8 @@ static void make_names(outbox_dialect d, const outbox_table_name *t, names *n)
     outbox_derived_name(t->table, "notify", n->fn);
     outbox_derived_name(t->table, "notify_trg", n->trg);
     outbox_derived_name(t->dead, "pkey", n->dpkey);
-    /* leadership lease row(s): <table>_lease */
+    /* leadership lease row(s): <table>_lease (its raw name for its constraint's) */
     outbox_derived_name(t->table, "lease", n->lease_raw);
-    if (d == OUTBOX_DIALECT_SQLSERVER)
-        snprintf(n->lease, sizeof n->lease, "[%s].[%s]", t->schema, n->lease_raw);
-    else
-        snprintf(n->lease, sizeof n->lease, "\"%s\".\"%s\"", t->schema, n->lease_raw);
     outbox_derived_name(n->lease_raw, "pkey", n->lpkey);
 }
 

@@ -20,11 +20,9 @@ void sql_pg_names_init(const cfg_outbox *ob, sql_pg_names *n)
     snprintf(t.schema, sizeof t.schema, "%s", ob->schema_part);
     snprintf(t.table, sizeof t.table, "%s", ob->table_part);
     snprintf(t.dead, sizeof t.dead, "%s", ob->dead_part);
-    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, 0, n->table, sizeof n->table);
-    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, 1, n->dead, sizeof n->dead);
-    char lease[64];
-    outbox_derived_name(t.table, "lease", lease);
-    snprintf(n->lease, sizeof n->lease, "\"%s\".\"%s\"", t.schema, lease);
+    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, OUTBOX_TABLE_OUTBOX, n->table, sizeof n->table);
+    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, OUTBOX_TABLE_DEAD, n->dead, sizeof n->dead);
+    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, OUTBOX_TABLE_LEASE, n->lease, sizeof n->lease);
     snprintf(n->notify, sizeof n->notify, "%s.%s", ob->schema_part, ob->table_part);
 }
 

@@ -215,18 +215,14 @@ int odbcsrc_db_open(odbcsrc_db *db, const odbcsrc_conf *conf, int txn)
         ost_diag(db, SQL_HANDLE_DBC, db->dbc, "setting autocommit");
         goto fail;
     }
-    outbox_qualified((outbox_dialect)db->dialect, &conf->tn, 0, db->qt, sizeof db->qt);
-    outbox_qualified((outbox_dialect)db->dialect, &conf->tn, 1, db->qd, sizeof db->qd);
+    outbox_qualified((outbox_dialect)db->dialect, &conf->tn, OUTBOX_TABLE_OUTBOX, db->qt,
+                     sizeof db->qt);
+    outbox_qualified((outbox_dialect)db->dialect, &conf->tn, OUTBOX_TABLE_DEAD, db->qd,
+                     sizeof db->qd);
+    outbox_qualified((outbox_dialect)db->dialect, &conf->tn, OUTBOX_TABLE_LEASE, db->ql,
+                     sizeof db->ql);
     if (is_tsql(db) && session_tsql(db) < 0)
         goto fail;
-    {
-        char lease[64];
-        outbox_derived_name(conf->tn.table, "lease", lease);
-        if (is_tsql(db))
-            snprintf(db->ql, sizeof db->ql, "[%s].[%s]", conf->tn.schema, lease);
-        else
-            snprintf(db->ql, sizeof db->ql, "\"%s\".\"%s\"", conf->tn.schema, lease);
-    }
     return 0;
 oom:
     ost_err(db, "connect: out of memory");

@@ -190,14 +190,18 @@ static void qualified_and_derived(void **state)
     outbox_table_name t;
     char err[200], out[160], d[64], d2[64];
     assert_int_equal(outbox_table_parse("app.events", &t, err, sizeof err), 0);
-    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, 0, out, sizeof out);
+    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, OUTBOX_TABLE_OUTBOX, out, sizeof out);
     assert_string_equal(out, "\"app\".\"events\"");
-    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, 1, out, sizeof out);
+    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, OUTBOX_TABLE_DEAD, out, sizeof out);
     assert_string_equal(out, "\"app\".\"events_dead\"");
-    outbox_qualified(OUTBOX_DIALECT_SQLSERVER, &t, 0, out, sizeof out);
+    outbox_qualified(OUTBOX_DIALECT_SQLSERVER, &t, OUTBOX_TABLE_OUTBOX, out, sizeof out);
     assert_string_equal(out, "[app].[events]");
-    outbox_qualified(OUTBOX_DIALECT_SQLSERVER, &t, 1, out, sizeof out);
+    outbox_qualified(OUTBOX_DIALECT_SQLSERVER, &t, OUTBOX_TABLE_DEAD, out, sizeof out);
     assert_string_equal(out, "[app].[events_dead]");
+    outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, OUTBOX_TABLE_LEASE, out, sizeof out);
+    assert_string_equal(out, "\"app\".\"events_lease\"");
+    outbox_qualified(OUTBOX_DIALECT_SQLSERVER, &t, OUTBOX_TABLE_LEASE, out, sizeof out);
+    assert_string_equal(out, "[app].[events_lease]");
 
     outbox_derived_name("events", "pending_idx", d);
     assert_string_equal(d, "events_pending_idx");
