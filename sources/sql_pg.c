@@ -381,9 +381,11 @@ char *sql_pg_stats(const sql_pg_names *n, bool full)
  * xmin is a standby's with hot_standby_feedback) other than this one, or a replication
  * slot's xmin. A logical slot's catalog_xmin holds back only the system catalogs, not
  * this table, and is left out. Other roles' backend_xmin is NULL unless this role has
- * pg_read_all_stats (or pg_monitor): the fifth column says whether it can see them. */
+ * pg_read_all_stats (or pg_monitor): the fifth column says whether it can see them.
+ * $1: the table's quoted qualified name, a value (never pasted into the statement). */
 char *sql_pg_health(const sql_pg_names *n)
 {
+    (void)n;   /* the name travels as $1 */
     return fmt(
         "SELECT s.n_dead_tup, s.n_live_tup, pg_total_relation_size(s.relid), "
         "coalesce(extract(epoch from s.last_autovacuum)::float8, 0), "
@@ -400,8 +402,7 @@ char *sql_pg_health(const sql_pg_names *n)
         "CASE WHEN r.active THEN 'active' ELSE 'inactive' END, -1, age(r.xmin)::bigint, "
         "r.xmin::text FROM pg_replication_slots r WHERE r.xmin IS NOT NULL) x "
         "ORDER BY x.xids DESC, x.secs DESC LIMIT 1) h ON true "
-        "WHERE s.relid = '%s'::regclass",
-        n->table);
+        "WHERE s.relid = $1::regclass");
 }
 
 char *sql_pg_dead_list(const sql_pg_names *n)

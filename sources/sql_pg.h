@@ -57,7 +57,8 @@ char *sql_pg_cleanup(const sql_pg_names *n);
 /* -> backlog, oldest pending (s), dead rows, marked rows kept (-1 unless full),
       seconds until the first pending row that cannot be claimed now can be (NULL). */
 char *sql_pg_stats(const sql_pg_names *n, bool full);
-/* The table's health and the holder of the xmin horizon (no parameters): see sql_pg.c. */
+/* The table's health and the holder of the xmin horizon ($1: the table's quoted
+   qualified name, n->table): see sql_pg.c. */
 char *sql_pg_health(const sql_pg_names *n);
 /* -> id, message_id, exchange, routing_key, attempts, dead_at (ISO 8601 UTC), reason */
 char *sql_pg_dead_list(const sql_pg_names *n);

@@ -67,3 +67,40 @@ def test_held_horizon_is_measured_and_its_holder_named(services, pgdb, relay_bin
         r.assert_clean_exit(r.stop())
         conn.close()
     assert "cannot see other roles' transactions" not in r.text()   # a superuser sees all
+
+
+def test_health_of_a_mixed_case_schema_qualified_outbox(services, pgdb, relay_bin, tmp_path):
+    """The table's name reaches the health query as a value, not pasted into its text: an
+    outbox in a schema and table whose names need quoting (mixed case) is measured like
+    any other, and its rows relay."""
+    q = f"qhealthmc-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    port = free_port()
+    cfg = write_config(tmp_path / "r.ini", services, pgdb,
+                       relay={"name": "health-mc", "http_listen": f"127.0.0.1:{port}"},
+                       table="Sales.OutBox", health_interval="200ms")
+    init_schema(relay_bin, cfg)
+    with psycopg.connect(pgdb.dsn, autocommit=True) as db:
+        # another table of the same name in lower case: the one measured must be ours
+        db.execute("CREATE TABLE sales_other (x int)")
+        db.execute("CREATE SCHEMA sales")
+        db.execute("CREATE TABLE sales.outbox (x int)")
+        db.execute('INSERT INTO "Sales"."OutBox" (message_id, routing_key, partition_key, '
+                   "payload) SELECT gen_random_uuid(), %s, 'k' || (g %% 5), "
+                   "convert_to(repeat('x', 100), 'UTF8') FROM generate_series(1, 50) g", (q,))
+        db.execute('ANALYZE "Sales"."OutBox"')
+        size = db.execute("SELECT pg_total_relation_size('\"Sales\".\"OutBox\"')").fetchone()[0]
+    r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
+    try:
+        assert len(consume(ch, q, 50, timeout=30)) == 50
+        wait_for(lambda: (metric(r, "table_size_bytes") or -1) > 0, 20,
+                 desc="table health in /metrics", ignore=(OSError,))
+        # the size of "Sales"."OutBox" (with its indexes), not of sales.outbox
+        assert metric(r, "table_size_bytes") >= size
+        assert metric(r, "table_live_tuples") >= 0
+        assert 0 <= metric(r, "xmin_horizon_age_seconds") < 60
+    finally:
+        r.assert_clean_exit(r.stop())
+        conn.close()
+    assert "table health" not in r.text(), r.text()

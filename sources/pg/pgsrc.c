@@ -1247,7 +1247,8 @@ static int pgsrc_health(source *s)
     int rc = req_begin(s, SRC_REQ_HEALTH);
     if (rc)
         return rc < 0 ? -1 : 0;
-    return req_send(s, s->sql_health, 0, NULL, 0);
+    const char *vals[1] = { s->names.table };
+    return req_send(s, s->sql_health, 1, vals, 0);
 }
 
 static bool pgsrc_notifies(const source *s)
