@@ -187,3 +187,23 @@ def test_retention_never_holds_the_claims(services, pgdb, relay_bin, tmp_path):
         locker.rollback()
         r.assert_clean_exit(r.stop())
         conn.close()
+
+
+def test_only_the_claiming_session_listens(services, pgdb, relay_bin, tmp_path):
+    """Every commit's NOTIFY costs each listening session's backend a wake-up and a read of
+    the notification queue: only the connection that claims LISTENs, not the one that
+    settles (its wake-ups would ask for nothing the claiming one does not)."""
+    r = start(relay_bin, tmp_path, services, pgdb)
+    try:
+        with pgdb.connect() as c:
+            def sessions():
+                return c.execute("SELECT query FROM pg_stat_activity WHERE datname = %s AND "
+                                 "application_name = 'outbox-relay'", (pgdb.name,)).fetchall()
+            wait_for(lambda: len(sessions()) == 2, 20, desc=f"two sessions: {sessions()}")
+            # the claiming session has run its first claim since its LISTEN; a session
+            # that ran nothing after its LISTEN shows it as its last statement
+            time.sleep(1.0)
+            last = [q for (q,) in sessions()]
+            assert not [q for q in last if q.strip().upper().startswith("LISTEN")], last
+    finally:
+        r.assert_clean_exit(r.stop())
