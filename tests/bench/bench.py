@@ -1694,7 +1694,7 @@ def steady_report(r):
               f"time incl. planning, per delivered message; {secs:.0f} s):")
         for k, (calls, nrows, ex, pl) in sorted(st.items(), key=lambda kv: -kv[1][2] - kv[1][3]):
             print(f"        {k:>16}: {calls / secs:8.1f}/s, {nrows / calls if calls else 0:7.1f} "
-                  f"rows each, exec {ex / calls if calls else 0:6.3f} ms + plan "
+                  f"result rows each, exec {ex / calls if calls else 0:6.3f} ms + plan "
                   f"{pl / calls if calls else 0:6.3f} ms each, "
                   f"{(ex + pl) * 1000 / got if got else 0:6.1f} us/msg")
         tot = sum(ex + pl for (_, _, ex, pl) in st.values())
