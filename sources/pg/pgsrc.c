@@ -46,9 +46,12 @@ enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_P
    per message at steady load). A claim that carries at least QUIET_ROWS rows makes the
    next claim UNLISTEN first; while not listening, every claim's answer wakes the drain
    itself (it claims again claim_delay later, as a notification would have made it), and
-   the first claim that finds nothing makes the next one LISTEN first: that claim then
-   takes whatever was committed before the LISTEN, and the notifications do the rest. */
+   the second claim in a row that finds nothing makes the next one LISTEN first: that
+   claim then takes whatever was committed before the LISTEN, and the notifications do the
+   rest. (One empty claim is common in a stream of a few rows per claim_delay; after it the
+   next claim comes claim_delay later as it would have, without a LISTEN and an UNLISTEN.) */
 #define QUIET_ROWS 4
+#define QUIET_EMPTY 2
 enum { LS_OFF = 0, LS_ON, LS_QUIET };
 
 /* The requests' statements are prepared once per session, at their first use (not
@@ -108,6 +111,7 @@ struct source {
     bool      pooled;         /* a pooler answers for the server (see Q_SET_TIMEOUT) */
     int       listen;         /* LS_*: this session's LISTEN (QUIET_ROWS) */
     bool      unlisten_next, listen_next;   /* the next claim sends UNLISTEN / LISTEN first */
+    int       quiet_empty;    /* LS_QUIET: claims in a row that found nothing */
     char     *lq_vals[7];     /* Q_REQ_LISTEN: the claim's values, sent after it */
     const char *lq_sql;
     int       server_pid;     /* pg_backend_pid() seen at setup */
@@ -637,8 +641,11 @@ static void req_complete(source *s, PGresult *r)
         /* QUIET_ROWS: listen only while claims come back empty */
         if (s->listen == LS_ON && res.ok == 0 && res.n_rows >= QUIET_ROWS)
             s->unlisten_next = true;
-        else if (s->listen == LS_QUIET && (res.ok != 0 || res.n_rows == 0))
-            s->listen_next = true;
+        else if (s->listen == LS_QUIET && (res.ok != 0 || res.n_rows == 0)) {
+            if (++s->quiet_empty >= QUIET_EMPTY || res.ok != 0)
+                s->listen_next = true;
+        } else if (s->listen == LS_QUIET)
+            s->quiet_empty = 0;
         wake = s->listen == LS_QUIET;
     }
     s->req = 0;
@@ -1254,6 +1261,7 @@ static void listen_done(source *s, PGresult *r)
         s->listen = LS_ON;
     else
         s->listen = LS_QUIET;
+    s->quiet_empty = 0;
     s->listen_next = s->unlisten_next = false;
     const char *sql = s->lq_sql;
     char *v[7];
