@@ -33,7 +33,7 @@
 #define DRAIN_MARGIN_MAX 10.0   /* seconds kept between a lease deadline and its expiry */
 #define STATS_BUSY_S     5.0    /* backlog and oldest-pending refresh while rows move */
 #define STATS_IDLE_S     30.0   /* ... and while nothing happened since the last one */
-#define SETTLE_GATHER_S  0.1    /* a settle of fewer than batch_size outcomes waits this long
+#define SETTLE_GATHER_S  0.02   /* a settle of fewer than batch_size outcomes waits this long
                                    after the previous one (see settle_gathering) */
 
 /* One database connection (a source instance) and its request state. */

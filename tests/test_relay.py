@@ -292,7 +292,7 @@ def _assert_failing_row_outcome(ch, q, pgdb, r, reason_rx):
     free = [t for b, t in t_of.items() if b.startswith(b"free|")]
     assert len(k0) == 5 and len(free) == 20
     assert max(free) < min(k0), "other keys should flow while key-0 waits"
-    # a confirmed row's mark follows its delivery (marks gather for up to 100 ms)
+    # a confirmed row's mark follows its delivery (marks gather for a few ms)
     wait_for(lambda: psql_rows(pgdb, "select count(*) from outbox.messages where payload like "
                                      "'k0|%%' and sent_at is null")[0][0] == 0, 10,
              desc="key-0 rows marked")

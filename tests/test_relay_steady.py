@@ -93,8 +93,8 @@ def test_claims_coalesce_under_a_stream_of_commits(services, pgdb, relay_bin, tm
 def test_marks_gather_under_a_stream_of_commits(services, pgdb, relay_bin, tmp_path):
     """The marks of confirmed rows are on no message's way: under the same stream, with
     claims not coalesced at all (claim_delay = 0: a claim, a publish and a confirm for
-    nearly every commit), a settle of fewer than batch_size waits 100 ms after the last one
-    and takes what was confirmed meanwhile: at most one settle per 100 ms, every row marked."""
+    nearly every commit), a settle of fewer than batch_size waits 20 ms after the last one
+    and takes what was confirmed meanwhile: at most one settle per 20 ms, every row marked."""
     q = f"qsteady-{uuid.uuid4().hex[:6]}"
     conn, ch = amqp_channel(services)
     declare(ch, "", q, q)
@@ -112,7 +112,7 @@ def test_marks_gather_under_a_stream_of_commits(services, pgdb, relay_bin, tmp_p
         secs = time.monotonic() - t0
         nsettles = settles(r) - s0
         cons.stop(idle=0)
-        assert nsettles <= secs / 0.100 + 10, (nsettles, n, secs)
+        assert nsettles <= secs / 0.020 + 10, (nsettles, n, secs)
     finally:
         stop.set()
         r.assert_clean_exit(r.stop())
