@@ -1244,8 +1244,10 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
         sc->role = i == 0 ? "main" : "settler";
         ev_timer_init(&sc->hold_timer, hold_cb, 0.1, 0.);
         sc->hold_timer.data = sc;
+        /* only the claiming connection is woken by commits (LISTEN): the settling one
+           would double every notification's cost in the database and wake nothing new */
         src_cbs scb = { .ud = sc, .on_state = i == 0 ? main_on_state : settler_on_state,
-                        .on_wake = src_on_wake, .on_done = src_on_done };
+                        .on_wake = i == 0 ? src_on_wake : NULL, .on_done = src_on_done };
         if (d->sops->create(loop, ob, &scb, &sc->src, e2, sizeof e2) != 0) {
             snprintf(err, errlen, "outbox=%s: %s", ob->name, e2);
             if (i == 1)

@@ -292,6 +292,10 @@ def _assert_failing_row_outcome(ch, q, pgdb, r, reason_rx):
     free = [t for b, t in t_of.items() if b.startswith(b"free|")]
     assert len(k0) == 5 and len(free) == 20
     assert max(free) < min(k0), "other keys should flow while key-0 waits"
+    # a confirmed row's mark follows its delivery (marks gather for a few ms)
+    wait_for(lambda: psql_rows(pgdb, "select count(*) from outbox.messages where payload like "
+                                     "'k0|%%' and sent_at is null")[0][0] == 0, 10,
+             desc="key-0 rows marked")
     k0_sent = psql_rows(pgdb, "select min(sent_at) from outbox.messages where payload like 'k0|%%'")[0][0]
     assert k0_sent >= dead[0][3], "key-0 rows were sent before the failing row was dead-lettered"
     # per-key order of the waiting rows held
