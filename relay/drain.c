@@ -33,7 +33,7 @@
 #define DRAIN_MARGIN_MAX 10.0   /* seconds kept between a lease deadline and its expiry */
 #define STATS_BUSY_S     5.0    /* backlog and oldest-pending refresh while rows move */
 #define STATS_IDLE_S     30.0   /* ... and while nothing happened since the last one */
-#define SETTLE_GATHER_S  0.02   /* a settle of fewer than batch_size outcomes waits this long
+#define SETTLE_GATHER_S  0.1    /* a settle of fewer than batch_size outcomes waits this long
                                    after the previous one (see settle_gathering) */
 
 /* One database connection (a source instance) and its request state. */
@@ -1209,8 +1209,10 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
         sc->role = i == 0 ? "main" : "settler";
         ev_timer_init(&sc->hold_timer, hold_cb, 0.1, 0.);
         sc->hold_timer.data = sc;
+        /* only the claiming connection is woken by commits (LISTEN): the settling one
+           would double every notification's cost in the database and wake nothing new */
         src_cbs scb = { .ud = sc, .on_state = i == 0 ? main_on_state : settler_on_state,
-                        .on_wake = src_on_wake, .on_done = src_on_done };
+                        .on_wake = i == 0 ? src_on_wake : NULL, .on_done = src_on_done };
         if (d->sops->create(loop, ob, &scb, &sc->src, e2, sizeof e2) != 0) {
             snprintf(err, errlen, "outbox=%s: %s", ob->name, e2);
             if (i == 1)

@@ -118,7 +118,8 @@ typedef struct src_result {
 typedef struct src_cbs {
     void *ud;
     /* Connection state changes. UP: connected, database name verified, schema
-       present, LISTEN issued (PostgreSQL). DOWN: lost or failed; msg says why.
+       present, LISTEN issued (PostgreSQL, when on_wake is set: a source without it
+       is not woken). DOWN: lost or failed; msg says why.
        After DOWN the source reconnects by itself with capped back-off. */
     void (*on_state)(void *ud, enum src_state state, const char *msg);
     /* A wake-up hint (NOTIFY); rows may be claimable. */

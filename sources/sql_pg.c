@@ -209,6 +209,13 @@ char *sql_pg_lead(const sql_pg_names *n)
     "ROWS UNBOUNDED PRECEDING)) z "                                                        \
     "WHERE $6::bigint = 0 OR z.run <= $6::bigint OR (z.rn = 1 AND $7::boolean)) "
 
+/* A CTE `nfw` (one row) that makes the statement's transaction commit without waiting
+   for its WAL to reach the disk (synchronous_commit off for this transaction only): for
+   statements whose loss in a server crash costs a duplicate at most, never a message. A
+   statement joins nfw to have it evaluated. */
+#define SQL_PG_NO_FLUSH_WAIT                                                               \
+    "nfw AS (SELECT set_config('synchronous_commit', 'off', true) AS v)"
+
 static char *claim(const sql_pg_names *n, bool competing, bool sized)
 {
     static const char ret[] =
@@ -221,12 +228,19 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized)
     const char *bytes = sized ? ", " SQL_PG_BYTE_PREFIX("c") : " ";
     const char *from = sized ? "b" : "c";
     if (!competing)
-        /* each key's first failed pending row, once per claim (f): looked up per
+        /* The claim commits without waiting for its WAL flush (NO_FLUSH_WAIT): the
+           claimed rows' leases are the leader's own bookkeeping, fenced by the
+           leadership lease (whose statement waits as usual), and a lease lost with a
+           server crash only lets the rows be claimed and published again. Waiting, every
+           row's way to the broker took one more disk flush, queued behind the producers'
+           commits.
+           Each key's first failed pending row, once per claim (f): looked up per
            candidate row instead, the planner may scan pending_idx below the row for every
            candidate, and under a held xmin horizon that index keeps an entry for every
            row marked since: a claim then costs candidates x marked rows (9 s seen) */
         return fmt(
-            "WITH f AS MATERIALIZED (SELECT p.partition_key, min(p.id) AS first_failed "
+            "WITH " SQL_PG_NO_FLUSH_WAIT ", "
+            "f AS MATERIALIZED (SELECT p.partition_key, min(p.id) AS first_failed "
             "FROM %1$s p WHERE p.sent_at IS NULL AND p.attempts > 0 "
             "AND p.partition_key IS NOT NULL GROUP BY p.partition_key), "
             "c AS (SELECT m.id%4$s FROM %1$s m WHERE m.sent_at IS NULL AND m.available_at <= now() "
@@ -238,7 +252,7 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized)
             "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED)%5$s"
             "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
             "lease_until = now() + $4::float8 * interval '1 millisecond' "
-            "FROM %6$s WHERE m.id = %6$s.id %3$s",
+            "FROM %6$s, nfw WHERE m.id = %6$s.id %3$s",
             n->table, n->lease, ret, sz, bytes, from);
     return fmt(
         "WITH " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
@@ -281,17 +295,21 @@ char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing)
  * lease tokens. One plain UPDATE (or DELETE) instead of the general statement below,
  * which unpacks five arrays and runs four data-modifying CTEs even when three of them
  * have nothing to do: PostgreSQL spends about a quarter less on it, and the settle's
- * time is what confirmed rows wait in the publish window. Returns the rows applied. */
+ * time is what confirmed rows wait in the publish window. Returns the rows applied.
+ * Settles commit without waiting for their WAL flush (nfw): a mark lost with a server
+ * crash leaves a row that was confirmed unmarked, published once more later. */
 char *sql_pg_settle_sent(const sql_pg_names *n, int on_sent)
 {
     if (on_sent == CFG_ON_SENT_DELETE)
-        return fmt("WITH s AS (DELETE FROM %s m USING unnest($1::bigint[], $2::bigint[]) "
+        return fmt("WITH " SQL_PG_NO_FLUSH_WAIT ", s AS (DELETE FROM %s m "
+                   "USING unnest($1::bigint[], $2::bigint[]) "
                    "AS u(id, token) WHERE m.id = u.id AND m.lease_token = u.token RETURNING 1) "
-                   "SELECT count(*) FROM s", n->table);
-    return fmt("WITH s AS (UPDATE %s m SET sent_at = now(), lease_owner = NULL, "
+                   "SELECT count(*) FROM s, nfw", n->table);
+    return fmt("WITH " SQL_PG_NO_FLUSH_WAIT ", s AS (UPDATE %s m SET sent_at = now(), "
+               "lease_owner = NULL, "
                "lease_token = NULL, lease_until = NULL FROM unnest($1::bigint[], $2::bigint[]) "
                "AS u(id, token) WHERE m.id = u.id AND m.lease_token = u.token RETURNING 1) "
-               "SELECT count(*) FROM s", n->table);
+               "SELECT count(*) FROM s, nfw", n->table);
 }
 
 char *sql_pg_settle(const sql_pg_names *n, int on_sent)

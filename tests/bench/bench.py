@@ -1420,6 +1420,52 @@ def relay_backend_ticks(conn, seen):
     return sum(seen.values())
 
 
+# what a statement of the relay's sessions is, from its text (pg_stat_statements)
+STMT_KINDS = (
+    ("claim", re.compile(r"SET lease_owner = \$2::text, lease_token = \$3")),
+    ("mark", re.compile(r"SET sent_at = now\(\)|DELETE FROM \S+ m USING unnest")),
+    ("settle (general)", re.compile(r"unnest\(\$1::bigint\[\], \$2::bigint\[\], \$3")),
+    ("retention", re.compile(r"sent_at IS NOT NULL AND sent_at <")),
+    ("lead", re.compile(r"name = 'leader'\), up AS")),
+    ("stats", re.compile(r"min\(created_at\) AS oldest")),
+    ("health", re.compile(r"pg_stat_user_tables s")),
+    ("listen", re.compile(r"^\s*(UN)?LISTEN", re.I)),
+    ("setup", re.compile(r"statement_timeout|plan_cache_mode|to_regclass|pg_backend_pid",
+                         re.I)),
+)
+
+
+def stmt_kind(q):
+    for name, rx in STMT_KINDS:
+        if rx.search(q):
+            return name
+    return None
+
+
+def steady_statements(conn):
+    """pg_stat_statements of the bench database since its last reset, the relay's
+    statements grouped by kind: calls, rows, execution and planning ms (wall time inside
+    the server: a statement's share of the sessions' CPU, lock waits included)."""
+    try:
+        rows = conn.execute(
+            "select s.query, s.calls, s.rows, s.total_exec_time, s.total_plan_time "
+            "from pg_stat_statements s join pg_database d on d.oid = s.dbid "
+            "where d.datname = %s", (DB,)).fetchall()
+    except psycopg.Error:
+        return None
+    out = {}
+    for q, calls, nrows, ex, pl in rows:
+        k = stmt_kind(q)
+        if k is None:
+            continue
+        o = out.setdefault(k, [0, 0, 0.0, 0.0])
+        o[0] += calls
+        o[1] += nrows
+        o[2] += ex
+        o[3] += pl or 0.0
+    return out
+
+
 def steady_sample(conn, port, seen, relay_pid):
     row = conn.execute(
         "select n_dead_tup, n_live_tup, pg_total_relation_size(relid), n_tup_ins, n_tup_del, "
@@ -1436,6 +1482,16 @@ def steady_sample(conn, port, seen, relay_pid):
         "settles": msum(m, "outbox_relay_settle_latency_seconds_count"),
         "backlog": msum(m, "outbox_relay_backlog"),
     }
+
+
+def steady_stmt_reset(conn):
+    """Resets pg_stat_statements (the clean phase's statements are read at its end);
+    returns the time, or False when the extension is not there."""
+    try:
+        conn.execute("select pg_stat_statements_reset()")
+        return time.time()
+    except psycopg.Error:
+        return False
 
 
 def steady_run(svc, tmp):
@@ -1477,6 +1533,7 @@ def steady_run(svc, tmp):
     bounds = {"warm": t_start, "clean": t_start + warm, "held": t_start + warm + clean,
               "recover": t_start + warm + clean + held, "end": t_start + total}
     seen, samples, reader = {}, [], None
+    stmts_reset, stmts = None, None
     a = Snapshot(svc, [relay.pid])
     try:
         while time.time() < bounds["end"]:
@@ -1490,6 +1547,10 @@ def steady_run(svc, tmp):
                 reader.rollback()
                 reader.close()
                 reader = None
+            if stmts_reset is None and now >= bounds["clean"]:
+                stmts_reset = steady_stmt_reset(conn)
+            if stmts is None and stmts_reset and now >= bounds["held"]:
+                stmts = (steady_statements(conn), now - stmts_reset)
             samples.append(steady_sample(conn, port, seen, relay.pid))
             nxt = samples[-1]["t"] + min(5, win)
             time.sleep(max(0.0, min(nxt, bounds["end"]) - time.time()))
@@ -1530,6 +1591,7 @@ def steady_run(svc, tmp):
     u = usage(a, b, relay_secs=b.relays - a.relays)
     u["sessions"] = (samples[-1]["pg_ticks"] - samples[0]["pg_ticks"]) / TICK / u["secs"]
     return {"samples": samples, "relay": relayed, "dual": cons.dual, "dups": cons.dups,
+            "stmts": stmts,
             "processed": processed, "lost": lost, "bounds": bounds, "win": win,
             "cpu": u, "producer": out, "dual_error": dual.error}
 
@@ -1625,6 +1687,19 @@ def steady_report(r):
     print(f"      PostgreSQL CPU for the relay's sessions: "
           f"{n0(c['pg_us'])} us per message (target <= 100); relay process "
           f"{n0(c['relay_us'])} us per message")
+    if r.get("stmts") and r["stmts"][0] is not None:
+        st, secs = r["stmts"]
+        got = c["delivered"] * secs
+        print(f"      the relay's statements in the clean phase (pg_stat_statements, server "
+              f"time incl. planning, per delivered message; {secs:.0f} s):")
+        for k, (calls, nrows, ex, pl) in sorted(st.items(), key=lambda kv: -kv[1][2] - kv[1][3]):
+            print(f"        {k:>16}: {calls / secs:8.1f}/s, {nrows / calls if calls else 0:7.1f} "
+                  f"result rows each, exec {ex / calls if calls else 0:6.3f} ms + plan "
+                  f"{pl / calls if calls else 0:6.3f} ms each, "
+                  f"{(ex + pl) * 1000 / got if got else 0:6.1f} us/msg")
+        tot = sum(ex + pl for (_, _, ex, pl) in st.values())
+        print(f"        {'all statements':>16}: {tot * 1000 / got if got else 0:6.1f} us/msg "
+              f"(the rest of the sessions' CPU: protocol, commits, NOTIFY delivery)")
     print(f"      p99 last {first_min:.0f} s / first {first_min:.0f} s: "
           f"{ms_(c2['p99'])} / {ms_(c1['p99'])} ms = {v(ratio(c2['p99'], c1['p99']), 1.5)}")
     print(f"      relay / dual write: p50 {v(ratio(c['p50'], c['d50']), 2)}, "
@@ -1663,6 +1738,13 @@ def steady_main():
         c.execute("alter system set fsync = on")
         c.execute("alter system set full_page_writes = on")
         c.execute("select pg_reload_conf()")
+    with svc.pg(DB) as c:
+        try:   # the statement breakdown (services.sh preloads pg_stat_statements)
+            c.execute("create extension if not exists pg_stat_statements")
+            c.execute("alter system set pg_stat_statements.track_planning = on")
+            c.execute("select pg_reload_conf()")
+        except psycopg.Error as e:
+            print(f"bench: no statement breakdown: {str(e).strip()}")
     ok = False
     try:
         init_cfg = write_cfg(tmp / "init.ini", svc, free_port(), name="bench-init")
@@ -1679,6 +1761,7 @@ def steady_main():
             c.execute(f"drop database if exists {DB} with (force)")
             c.execute("alter system reset fsync")
             c.execute("alter system reset full_page_writes")
+            c.execute("alter system reset pg_stat_statements.track_planning")
             c.execute("select pg_reload_conf()")
         try:
             b = Broker(svc)
