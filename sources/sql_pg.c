@@ -216,6 +216,26 @@ char *sql_pg_lead(const sql_pg_names *n)
 #define SQL_PG_NO_FLUSH_WAIT                                                               \
     "nfw AS (SELECT set_config('synchronous_commit', 'off', true) AS v)"
 
+/* A CTE `w` (id): the pending rows of table T in id order, found one at a time by walking
+   pending_idx ("the first pending id after the last one"), only when GUARD (an
+   uncorrelated condition) holds. Rows are made as they are read: a claim that takes the
+   first rows stops the walk there (LIMIT over a nested loop on w, which keeps w's
+   order), whatever the size of the backlog.
+   Why a walk and not ORDER BY id LIMIT n over the pending rows: the planner chooses
+   between walking pending_idx and reading every pending row then sorting them by the
+   number of pending rows it believes there are. Its statistics lag behind a backlog
+   written at once (a bulk load, a catch-up after an outage): until the table is
+   analyzed again it believes a few rows, prefers the read-and-sort, and each claim then
+   reads and sorts the whole backlog (150,000 rows: 0.1-0.4 s a claim, more than the
+   query timeout on a loaded server). Each step of the walk asks for one row, which
+   the planner can never believe to be fewer than there are: the ordered index scan
+   with its LIMIT 1 is then its cheapest plan, stale statistics or not. */
+#define SQL_PG_WALK(T, GUARD)                                                              \
+    "w(id) AS ((SELECT p.id FROM " T " p WHERE p.sent_at IS NULL AND " GUARD " "           \
+    "ORDER BY p.id LIMIT 1) UNION ALL SELECT (SELECT p.id FROM " T " p "                  \
+    "WHERE p.sent_at IS NULL AND p.id > w.id ORDER BY p.id LIMIT 1) FROM w "              \
+    "WHERE w.id IS NOT NULL)"
+
 static char *claim(const sql_pg_names *n, bool competing, bool sized)
 {
     static const char ret[] =
@@ -237,23 +257,27 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized)
            Each key's first failed pending row, once per claim (f): looked up per
            candidate row instead, the planner may scan pending_idx below the row for every
            candidate, and under a held xmin horizon that index keeps an entry for every
-           row marked since: a claim then costs candidates x marked rows (9 s seen) */
+           row marked since: a claim then costs candidates x marked rows (9 s seen).
+           The candidates are found by walking pending_idx in id order (w, SQL_PG_WALK),
+           each pending row looked at in turn until $1 of them can be taken: see there. */
         return fmt(
-            "WITH " SQL_PG_NO_FLUSH_WAIT ", "
+            "WITH RECURSIVE " SQL_PG_NO_FLUSH_WAIT ", "
             "f AS MATERIALIZED (SELECT p.partition_key, min(p.id) AS first_failed "
             "FROM %1$s p WHERE p.sent_at IS NULL AND p.attempts > 0 "
             "AND p.partition_key IS NOT NULL GROUP BY p.partition_key), "
-            "c AS (SELECT m.id%4$s FROM %1$s m WHERE m.sent_at IS NULL AND m.available_at <= now() "
+            SQL_PG_WALK("%1$s", "($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f "
+                        "WHERE f.name = 'leader' AND f.owner = $2::text "
+                        "AND f.epoch = $5::bigint AND f.expires_at > now()))") ", "
+            "c AS (SELECT x.id%4$s FROM w, LATERAL (SELECT m.id%7$s FROM %1$s m "
+            "WHERE m.id = w.id AND m.sent_at IS NULL AND m.available_at <= now() "
             "AND (m.lease_until IS NULL OR m.lease_until < now()) "
             "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM f "
             "WHERE f.partition_key = m.partition_key AND f.first_failed < m.id)) "
-            "AND ($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f WHERE f.name = 'leader' "
-            "AND f.owner = $2::text AND f.epoch = $5::bigint AND f.expires_at > now())) "
-            "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED)%5$s"
+            "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint)%5$s"
             "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
             "lease_until = now() + $4::float8 * interval '1 millisecond' "
             "FROM %6$s, nfw WHERE m.id = %6$s.id %3$s",
-            n->table, n->lease, ret, sz, bytes, from);
+            n->table, n->lease, ret, sized ? ", x.sz" : "", bytes, from, sz);
     return fmt(
         "WITH " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
         "c0 AS (SELECT m.id, m.partition_key%4$s FROM %1$s m WHERE m.sent_at IS NULL "
