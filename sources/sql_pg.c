@@ -279,21 +279,27 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized)
             "FROM %6$s, nfw WHERE m.id = %6$s.id %3$s",
             n->table, n->lease, ret, sized ? ", x.sz" : "", bytes, from, sz);
     return fmt(
-        "WITH " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
-        "c0 AS (SELECT m.id, m.partition_key%4$s FROM %1$s m WHERE m.sent_at IS NULL "
+        "WITH RECURSIVE " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
+        SQL_PG_WALK("%1$s", "($5::bigint >= 0)") ", "
+        "c0 AS (SELECT x.id, x.partition_key%8$s FROM w, LATERAL (SELECT m.id, "
+        "m.partition_key%4$s FROM %1$s m WHERE m.id = w.id AND m.sent_at IS NULL "
         "AND m.available_at <= now() AND (m.lease_until IS NULL OR m.lease_until < now()) "
-        "AND ($5::bigint >= 0) AND " SQL_PG_MY_KEY("m") " "
+        "AND " SQL_PG_MY_KEY("m") " "
         "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.id, h.attempts, "
         "h.available_at, h.lease_owner, h.lease_until FROM %1$s h "
         "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id LIMIT 1) hd "
         "WHERE hd.id < m.id AND ((hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM $2::text) "
         "OR hd.available_at > now()))) "
-        "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED), "
+        "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint), "
         /* per key, the first pending row that is neither ours (live lease) nor locked by
-           this claim: nothing of the key at or after it may be taken now */
-        "k AS (SELECT DISTINCT partition_key FROM c0 WHERE partition_key IS NOT NULL), "
-        "g AS (SELECT k.partition_key, (SELECT p.id FROM %1$s p "
-        "WHERE p.partition_key = k.partition_key AND p.sent_at IS NULL "
+           this claim: nothing of the key at or after it may be taken now. Only one below
+           the key's last row in c0 matters (one after it holds back nothing c0 took), and
+           every pending row below that was walked already: the lookup reads no further
+           than the walk went, whatever plan the statistics give it. */
+        "k AS (SELECT partition_key, max(id) AS last FROM c0 WHERE partition_key IS NOT NULL "
+        "GROUP BY partition_key), "
+        "g AS MATERIALIZED (SELECT k.partition_key, (SELECT p.id FROM %1$s p "
+        "WHERE p.partition_key = k.partition_key AND p.sent_at IS NULL AND p.id < k.last "
         "AND NOT coalesce(p.lease_owner = $2::text AND p.lease_until >= now(), false) "
         "AND p.id NOT IN (SELECT id FROM c0) ORDER BY p.id LIMIT 1) AS gap FROM k), "
         "c AS (SELECT c0.id%7$s FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key "
@@ -302,7 +308,7 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized)
         "lease_until = now() + $4::float8 * interval '1 millisecond' "
         "FROM %6$s WHERE m.id = %6$s.id %2$s",
         n->table, ret, n->lease, sz, bytes, from,
-        sized ? ", c0.sz" : "");
+        sized ? ", c0.sz" : "", sized ? ", x.sz" : "");
 }
 
 char *sql_pg_claim(const sql_pg_names *n, bool competing)

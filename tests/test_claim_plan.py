@@ -70,22 +70,30 @@ def logged_plans(text, marker):
             plans.append(obj)
 
 
-ALL_SENT = pytest.param(
-    "analyzed-all-sent", marks=pytest.mark.xfail(
+CASES = [
+    ("leader", "analyzed-empty"),
+    pytest.param("leader", "analyzed-all-sent", marks=pytest.mark.xfail(
         strict=True, reason="open defect: the leader claim's lookup of each key's first "
-        "failed row reads every pending row when the statistics saw none pending"))
+        "failed row reads every pending row when the statistics saw none pending")),
+    ("competing", "analyzed-empty"),
+    pytest.param("competing", "analyzed-all-sent", marks=pytest.mark.xfail(
+        strict=True, reason="open defect: when the statistics saw no pending row, the "
+        "competing claim's per-key head and gap lookups read through the pending index: "
+        "rows read grow with keys x rows walked (70,000 here), though not with the "
+        "backlog")),
+]
 
 
-@pytest.mark.parametrize("stats", ["analyzed-empty", ALL_SENT])
+@pytest.mark.parametrize("mode,stats", CASES)
 def test_claim_walks_pending_rows_in_order_under_stale_statistics(
-        services, pgdb, relay_bin, tmp_path, stats):
+        services, pgdb, relay_bin, tmp_path, mode, stats):
     tag = uuid.uuid4().hex[:8]
     table = f"stale_{tag}"
     q = f"qstale-{tag}"
     conn, ch = amqp_channel(services)
     declare(ch, "", q, q)
     cfg = write_config(tmp_path / "r.ini", services, pgdb, table=f"outbox.{table}",
-                       batch_size=str(BATCH))
+                       batch_size=str(BATCH), mode=mode)
     init_schema(relay_bin, cfg)
     qt = f'"outbox"."{table}"'
     with psycopg.connect(pgdb.dsn, autocommit=True) as db:
