@@ -223,6 +223,26 @@ char *sql_pg_lead(const sql_pg_names *n)
 #define SQL_PG_NO_FLUSH_WAIT                                                               \
     "nfw AS (SELECT set_config('synchronous_commit', 'off', true) AS v)"
 
+/* A CTE `w` (id): the pending rows of table T in id order, found one at a time by walking
+   pending_idx ("the first pending id after the last one"), only when GUARD (an
+   uncorrelated condition) holds. Rows are made as they are read: a claim that takes the
+   first rows stops the walk there (LIMIT over a nested loop on w, which keeps w's
+   order), whatever the size of the backlog.
+   Why a walk and not ORDER BY id LIMIT n over the pending rows: the planner chooses
+   between walking pending_idx and reading every pending row then sorting them by the
+   number of pending rows it believes there are. Its statistics lag behind a backlog
+   written at once (a bulk load, a catch-up after an outage): until the table is
+   analyzed again it believes a few rows, prefers the read-and-sort, and each claim then
+   reads and sorts the whole backlog (150,000 rows: 0.1-0.4 s a claim, more than the
+   query timeout on a loaded server). Each step of the walk asks for one row, which
+   the planner can never believe to be fewer than there are: the ordered index scan
+   with its LIMIT 1 is then its cheapest plan, stale statistics or not. */
+#define SQL_PG_WALK(T, GUARD)                                                              \
+    "w(id) AS ((SELECT p.id FROM " T " p WHERE p.sent_at IS NULL AND " GUARD " "           \
+    "ORDER BY p.id LIMIT 1) UNION ALL SELECT (SELECT p.id FROM " T " p "                  \
+    "WHERE p.sent_at IS NULL AND p.id > w.id ORDER BY p.id LIMIT 1) FROM w "              \
+    "WHERE w.id IS NOT NULL)"
+
 static char *claim(const sql_pg_names *n, bool competing, bool sized)
 {
     static const char ret_plain[] =
@@ -252,39 +272,49 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized)
            Each key's first failed pending row, once per claim (f): looked up per
            candidate row instead, the planner may scan pending_idx below the row for every
            candidate, and under a held xmin horizon that index keeps an entry for every
-           row marked since: a claim then costs candidates x marked rows (9 s seen) */
+           row marked since: a claim then costs candidates x marked rows (9 s seen).
+           The candidates are found by walking pending_idx in id order (w, SQL_PG_WALK),
+           each pending row looked at in turn until $1 of them can be taken: see there. */
         return fmt(
-            "WITH " SQL_PG_NO_FLUSH_WAIT ", "
+            "WITH RECURSIVE " SQL_PG_NO_FLUSH_WAIT ", "
             "f AS MATERIALIZED (SELECT p.partition_key, min(p.id) AS first_failed "
             "FROM %1$s p WHERE p.sent_at IS NULL AND p.attempts > 0 "
             "AND p.partition_key IS NOT NULL GROUP BY p.partition_key), "
-            "c AS (SELECT m.id%4$s FROM %1$s m WHERE m.sent_at IS NULL AND m.available_at <= now() "
+            SQL_PG_WALK("%1$s", "($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f "
+                        "WHERE f.name = 'leader' AND f.owner = $2::text "
+                        "AND f.epoch = $5::bigint AND f.expires_at > now()))") ", "
+            "c AS (SELECT x.id%4$s FROM w, LATERAL (SELECT m.id%7$s FROM %1$s m "
+            "WHERE m.id = w.id AND m.sent_at IS NULL AND m.available_at <= now() "
             "AND (m.lease_until IS NULL OR m.lease_until < now()) "
             "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM f "
             "WHERE f.partition_key = m.partition_key AND f.first_failed < m.id)) "
-            "AND ($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f WHERE f.name = 'leader' "
-            "AND f.owner = $2::text AND f.epoch = $5::bigint AND f.expires_at > now())) "
-            "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED)%5$s"
+            "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint)%5$s"
             "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
             "lease_until = now() + $4::float8 * interval '1 millisecond' "
             "FROM %6$s, nfw WHERE m.id = %6$s.id %3$s",
-            n->table, n->lease, ret, sz, bytes, from);
+            n->table, n->lease, ret, sized ? ", x.sz" : "", bytes, from, sz);
     return fmt(
-        "WITH " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
-        "c0 AS (SELECT m.id, m.partition_key%4$s FROM %1$s m WHERE m.sent_at IS NULL "
+        "WITH RECURSIVE " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
+        SQL_PG_WALK("%1$s", "($5::bigint >= 0)") ", "
+        "c0 AS (SELECT x.id, x.partition_key%8$s FROM w, LATERAL (SELECT m.id, "
+        "m.partition_key%4$s FROM %1$s m WHERE m.id = w.id AND m.sent_at IS NULL "
         "AND m.available_at <= now() AND (m.lease_until IS NULL OR m.lease_until < now()) "
-        "AND ($5::bigint >= 0) AND " SQL_PG_MY_KEY("m") " "
+        "AND " SQL_PG_MY_KEY("m") " "
         "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.id, h.attempts, "
         "h.available_at, h.lease_owner, h.lease_until FROM %1$s h "
         "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id LIMIT 1) hd "
         "WHERE hd.id < m.id AND ((hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM $2::text) "
         "OR hd.available_at > now()))) "
-        "ORDER BY m.id LIMIT $1::bigint FOR UPDATE SKIP LOCKED), "
+        "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint), "
         /* per key, the first pending row that is neither ours (live lease) nor locked by
-           this claim: nothing of the key at or after it may be taken now */
-        "k AS (SELECT DISTINCT partition_key FROM c0 WHERE partition_key IS NOT NULL), "
-        "g AS (SELECT k.partition_key, (SELECT p.id FROM %1$s p "
-        "WHERE p.partition_key = k.partition_key AND p.sent_at IS NULL "
+           this claim: nothing of the key at or after it may be taken now. Only one below
+           the key's last row in c0 matters (one after it holds back nothing c0 took), and
+           every pending row below that was walked already: the lookup reads no further
+           than the walk went, whatever plan the statistics give it. */
+        "k AS (SELECT partition_key, max(id) AS last FROM c0 WHERE partition_key IS NOT NULL "
+        "GROUP BY partition_key), "
+        "g AS MATERIALIZED (SELECT k.partition_key, (SELECT p.id FROM %1$s p "
+        "WHERE p.partition_key = k.partition_key AND p.sent_at IS NULL AND p.id < k.last "
         "AND NOT coalesce(p.lease_owner = $2::text AND p.lease_until >= now(), false) "
         "AND p.id NOT IN (SELECT id FROM c0) ORDER BY p.id LIMIT 1) AS gap FROM k), "
         "c AS (SELECT c0.id%7$s FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key "
@@ -293,7 +323,7 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized)
         "lease_until = now() + $4::float8 * interval '1 millisecond' "
         "FROM %6$s WHERE m.id = %6$s.id %2$s",
         n->table, ret, n->lease, sz, bytes, from,
-        sized ? ", c0.sz" : "");
+        sized ? ", c0.sz" : "", sized ? ", x.sz" : "");
 }
 
 char *sql_pg_claim(const sql_pg_names *n, bool competing)
