@@ -27,7 +27,7 @@ What it measures (every figure printed is a median over BENCH_ROUNDS rounds, min
    conninfo, database, sink url and http_listen set): drain time, rows/s, peak RSS vs 16 MiB.
 4. Competing: BENCH_ROWS rows drained by one relay and by two relays (mode = competing, both
    sides), alternating per round; the two/one ratio against the target >= 1.
-6. Big messages: BENCH_BIG_ROWS rows of BENCH_BIG_SIZE bytes (2,000 x 512 KiB = 1 GiB) drained
+7. Big messages: BENCH_BIG_ROWS rows of BENCH_BIG_SIZE bytes (2,000 x 512 KiB = 1 GiB) drained
    by a relay with default settings (max_bytes_in_memory 64M: the relay holds about 128 of
    them at once), beside the broker's ceiling for the same message size measured by the
    probe in the same run (window 1000), BENCH_BIG_ROUNDS rounds of probe then relay: rate in
@@ -40,7 +40,7 @@ What it measures (every figure printed is a median over BENCH_ROUNDS rounds, min
    threads, from /proc/<pid>/task/*/schedstat) against <= 0.2% of a core, PostgreSQL's CPU
    meanwhile (the idle polls' cost on the server side), and peak RSS against <= 30 MiB.
 
-6. Steady load (issue 21): a producer process (`bench.py --steady-producer`, 8 connections)
+6. Steady load: a producer process (`bench.py --steady-producer`, 8 connections)
    offers BENCH_STEADY_RATE single-row transactions a second over BENCH_STEADY_KEYS keys
    (each commit NOTIFYs the relay) and takes the time each COMMIT returned; a relay with
    default settings but `retention` drains them; a consumer takes the receive time of each
@@ -1788,11 +1788,11 @@ if __name__ == "__main__":
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGHUP, on_signal)
     try:
-        # BENCH_ONLY=steady: the steady-load run alone; otherwise it follows the rest
-        # unless BENCH_STEADY=off
+        # BENCH_ONLY=steady: the steady-load run alone; BENCH=big: the big-message run
+        # alone; otherwise the steady run follows the rest unless BENCH_STEADY=off
         if os.environ.get("BENCH_ONLY", "").strip() != "steady":
             main()
-        if STEADY != "off":
+        if STEADY != "off" and ONLY != "big":
             steady_main()
     except BenchError as e:
         sys.exit(f"bench: {e}")
