@@ -23,7 +23,6 @@ NOTIFY wake-ups and the libpq session's identity; how often each source reports 
 unchanged DOWN; T-SQL statement checks (tests/test_tsql_capture.py); pooler behaviour
 (tests/test_pgbouncer.py)."""
 import json
-import os
 import re
 import secrets
 import socket
@@ -1383,7 +1382,7 @@ def test_claim_leaves_payloads_over_max_payload(src, drivers, competing):
     sizes = [100, 3 << 20, 1000, 100]
     ids = src.insert(len(sizes), partition_key=lambda i: "k",
                      payload=lambda i: bytes([i + 1]) * sizes[i])
-    cmd = f"claim 10 600000 1 relay-a" + (" 0 competing" if competing else "")
+    cmd = "claim 10 600000 1 relay-a" + (" 0 competing" if competing else "")
     st, rows = d.request(cmd + " bytes=1200 whole maxpay=1000")
     assert st["ok"] == 0, st
     assert ids_of(rows) == ids, "the 3 MiB row counts for nothing: all four fit 1200 bytes"
@@ -1394,7 +1393,7 @@ def test_claim_leaves_payloads_over_max_payload(src, drivers, competing):
     state = src.rows()
     assert all(state[i]["token"] is not None for i in ids), "every row leased"
     more = src.insert(1, payload=lambda i: b"z" * 2000)
-    st, rows = d.request(f"claim 10 600000 2 relay-a" + (" 0 competing" if competing else "")
+    st, rows = d.request("claim 10 600000 2 relay-a" + (" 0 competing" if competing else "")
                          + " bytes=0 maxpay=0")
     assert st["ok"] == 0, st
     assert ids_of(rows) == more and "withheld" not in rows[0]
