@@ -231,6 +231,85 @@ def proc_status_kb(pid, key):
     raise KeyError(key)
 
 
+
+# CPU seconds a waiting relay may use per second of a fault (a spinning loop uses ~1.0; an
+# idle relay that retries with back-off and polls uses well under 0.01 on a quiet machine)
+SPIN = 0.1
+
+
+def dead_rows(pgdb):
+    """Rows in the dead-letter table."""
+    import psycopg
+    with psycopg.connect(pgdb.dsn, autocommit=True) as c:
+        return c.execute("select count(*) from outbox.messages_dead").fetchone()[0]
+
+
+def sent_count(pgdb):
+    """Outbox rows marked sent."""
+    import psycopg
+    with psycopg.connect(pgdb.dsn, autocommit=True) as c:
+        return c.execute("select count(*) from outbox.messages where sent_at is not null"
+                         ).fetchone()[0]
+
+
+class FaultWindow:
+    """What a relay does while a fault holds (the production fault tests). `hold()` lets
+    what was in flight when the fault began settle or fail (`settle` s), then observes the
+    relay for `seconds`: `at`, rows relayed at the start (its relayed_total counter);
+    `sent0`/`sent1`, rows marked sent at both ends; `cpu`, the relay process's CPU seconds
+    over the window, and `span` its length; `dead`, dead-letter rows at its end; each of
+    `probes` (name -> callable) is read at both ends into `ends[name]` = (first, last).
+    `begin()`/`end()` do the same for a window the test times itself. Once the test has
+    removed the cause, `recover(wait)` times `wait()` (`recovered` s; what it returned in
+    `took`) and keeps the relay's log (`text`) and its dead_total metric (`dead_total`)."""
+
+    def __init__(self, relay, pgdb, probes=None):
+        self.relay, self.pgdb, self.probes = relay, pgdb, dict(probes or {})
+        self.ends = {}
+
+    def begin(self, settle=1.0, since=None):
+        time.sleep(settle)
+        self.at = self.relay.metric("outbox_relay_relayed_total") or 0
+        self.ends = {name: (read(),) for name, read in self.probes.items()}
+        self.sent0 = sent_count(self.pgdb)
+        self.cpu0 = proc_cpu_seconds(self.relay.proc.pid)
+        self.t0 = time.monotonic() if since is None else since
+        return self
+
+    def end(self):
+        self.cpu = proc_cpu_seconds(self.relay.proc.pid) - self.cpu0
+        self.span = time.monotonic() - self.t0
+        self.sent1 = sent_count(self.pgdb)
+        self.dead = dead_rows(self.pgdb)
+        for name, read in self.probes.items():
+            self.ends[name] += (read(),)
+        return self
+
+    def hold(self, seconds=6.0, settle=1.0):
+        self.begin(settle)
+        time.sleep(seconds)   # the measure is the CPU used over a span: it has to pass
+        return self.end()
+
+    def recover(self, wait):
+        t_back = time.monotonic()
+        self.took = wait()
+        self.recovered = time.monotonic() - t_back
+        self.text = self.relay.text()
+        self.dead_total = self.relay.metric("outbox_relay_dead_total")
+        return self
+
+    def summary(self):
+        return (f"{self.sent1 - self.sent0} marks and {self.dead} dead rows during "
+                f"{self.span:.1f} s; relay CPU {self.cpu:.2f} s over it")
+
+    def assert_quiet(self, marked, dead):
+        """Nothing marked sent and nothing dead-lettered while the fault held (`marked`,
+        `dead`: the messages), and no spinning: under SPIN CPU seconds a second."""
+        assert self.sent1 == self.sent0, marked
+        assert self.dead == 0 and self.dead_total == 0, dead
+        assert self.cpu < SPIN * self.span, (
+            f"the relay used {self.cpu:.2f} s of CPU in {self.span:.1f} s: spinning")
+
 def pg_ctl(services, *args, timeout=90):
     """pg_ctl on the private cluster (as the postgres user when root, like services.sh)."""
     argv = [f"{PG_BIN}/pg_ctl", "-D", str(services.dir / "pg"), *map(str, args)]

@@ -11,28 +11,14 @@ import time
 import psycopg
 
 from conftest import wait_for
-from relay_util import check_against_db, delivery_report, log_events, proc_cpu_seconds
-from test_relay_faults import Case, relayed, terminate_relay_backends, wait_relayed
-
-# CPU seconds a waiting relay may use per second of fault (a spinning loop uses ~1.0; an idle
-# relay that retries with back-off and polls uses well under 0.01 on a quiet machine)
-SPIN = 0.1
+from relay_util import (SPIN, FaultWindow, check_against_db, dead_rows, delivery_report,
+                        log_events)
+from test_relay_faults import Case, terminate_relay_backends, wait_relayed
 
 
 def warn_lines(text, needle):
     return [f"{lvl} {msg}" for lvl, msg in log_events(text)
             if lvl in ("WARN", "ERROR") and needle in msg]
-
-
-def dead_rows(pgdb):
-    with psycopg.connect(pgdb.dsn, autocommit=True) as c:
-        return c.execute("select count(*) from outbox.messages_dead").fetchone()[0]
-
-
-def sent_count(pgdb):
-    with psycopg.connect(pgdb.dsn, autocommit=True) as c:
-        return c.execute("select count(*) from outbox.messages where sent_at is not null"
-                         ).fetchone()[0]
 
 
 def test_database_goes_read_only_mid_drain(services, pgdb, relay_bin, build, tmp_path):
@@ -57,22 +43,10 @@ def test_database_goes_read_only_mid_drain(services, pgdb, relay_bin, build, tmp
         # the relay reconnects into read-only sessions; marks in flight before settle or fail
         wait_for(lambda: warn_lines(r.text(), "read-only"), 20, interval=0.1,
                  desc="a WARN/ERROR naming the read-only database")
-        time.sleep(1.0)
-        at = relayed(r)
-        sent0 = sent_count(pgdb)
-        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
-        time.sleep(6.0)
-        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
-        span = time.monotonic() - t0
-        sent1 = sent_count(pgdb)
-        dead_during = dead_rows(pgdb)
+        w = FaultWindow(r, pgdb).hold()
         admin.execute(f'ALTER DATABASE "{pgdb.name}" RESET default_transaction_read_only')
         read_only = False
-        t_back = time.monotonic()
-        took = c.wait_all_sent(n, timeout=90)
-        recovered = time.monotonic() - t_back
-        text = r.text()
-        dead_total = r.metric("outbox_relay_dead_total")
+        w.recover(lambda: c.wait_all_sent(n, timeout=90))
     finally:
         if read_only:
             admin.execute(f'ALTER DATABASE "{pgdb.name}" RESET default_transaction_read_only')
@@ -81,15 +55,13 @@ def test_database_goes_read_only_mid_drain(services, pgdb, relay_bin, build, tmp
     got = c.collect()
     dups, _ = delivery_report(got, n, keys)
     check_against_db(got, pgdb)
-    causes = warn_lines(text, "read-only")
-    print(f"read-only database at {at:.0f} relayed: {sent1 - sent0} marks and {dead_during} dead "
-          f"rows during {span:.1f} s read-only; relay CPU {cpu:.2f} s over it; all {n} sent "
-          f"{recovered:.1f} s after it was writable again ({took:.1f} s); {dups} duplicates; "
-          f"first cause logged: {causes[:1]}")
-    assert at < n, "the database should turn read-only mid-drain"
-    assert sent1 == sent0, "rows were marked sent while the database was read-only"
-    assert dead_during == 0 and dead_total == 0, "rows dead-lettered for a read-only database"
-    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    causes = warn_lines(w.text, "read-only")
+    print(f"read-only database at {w.at:.0f} relayed: {w.summary()} (read-only); all {n} sent "
+          f"{w.recovered:.1f} s after it was writable again ({w.took:.1f} s); {dups} "
+          f"duplicates; first cause logged: {causes[:1]}")
+    assert w.at < n, "the database should turn read-only mid-drain"
+    w.assert_quiet("rows were marked sent while the database was read-only",
+                   "rows dead-lettered for a read-only database")
     assert causes, "no WARN/ERROR names the read-only database"
     assert dups <= 2 * window, f"{dups} duplicates > 2 x window {window}"
 
@@ -111,21 +83,11 @@ def test_broker_disk_alarm_mid_drain(services, pgdb, relay_bin, build, tmp_path)
         c.produce(n, keys, size=128, batch=1000)
         wait_for(lambda: r.metric("outbox_relay_sink_blocked") == 1, 30,
                  desc="outbox_relay_sink_blocked 1")
-        time.sleep(1.0)
-        depth0, sent0 = c.collect_depth(), sent_count(pgdb)
-        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
-        time.sleep(5.0)
-        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
-        span = time.monotonic() - t0
-        depth1, sent1 = c.collect_depth(), sent_count(pgdb)
+        w = FaultWindow(r, pgdb, probes={"depth": c.collect_depth}).hold(5.0)
         p = services.rabbitmqctl("set_disk_free_limit", "50MB")
         assert p.returncode == 0, p.stdout + p.stderr
         alarm = False
-        t_back = time.monotonic()
-        c.wait_all_sent(n, timeout=60)
-        recovered = time.monotonic() - t_back
-        text = r.text()
-        dead_total = r.metric("outbox_relay_dead_total")
+        w.recover(lambda: c.wait_all_sent(n, timeout=60))
     finally:
         if alarm:
             services.rabbitmqctl("set_disk_free_limit", "50MB")
@@ -133,16 +95,15 @@ def test_broker_disk_alarm_mid_drain(services, pgdb, relay_bin, build, tmp_path)
     got = c.collect()
     dups, _ = delivery_report(got, n, keys)
     check_against_db(got, pgdb)
-    causes = warn_lines(text, "broker blocked the connection")
-    print(f"disk alarm: {depth1 - depth0} published and {sent1 - sent0} marked during "
-          f"{span:.1f} s blocked (at {sent0} sent); relay CPU {cpu:.2f} s over it; all {n} "
-          f"sent {recovered:.1f} s after the alarm cleared; {dups} duplicates; logged: "
-          f"{causes[:1]}")
-    assert depth1 == depth0 and sent1 == sent0, "published or marked while the broker blocked"
-    assert sent0 < n, "the alarm should hold rows back"
-    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    causes = warn_lines(w.text, "broker blocked the connection")
+    depth0, depth1 = w.ends["depth"]
+    print(f"disk alarm: {depth1 - depth0} published and {w.summary()} (blocked, at "
+          f"{w.sent0} sent); all {n} sent {w.recovered:.1f} s after the alarm cleared; {dups} "
+          f"duplicates; logged: {causes[:1]}")
+    assert depth1 == depth0, "published while the broker blocked"
+    assert w.sent0 < n, "the alarm should hold rows back"
+    w.assert_quiet("marked while the broker blocked", "rows dead-lettered for a disk alarm")
     assert causes and "disk" in causes[0], f"the WARN must name the disk alarm: {causes}"
-    assert dead_total == 0
     assert dups == 0
 
 
@@ -176,22 +137,10 @@ def test_update_on_the_outbox_revoked_mid_run(services, pgdb, relay_bin, build, 
         revoked = True
         wait_for(lambda: warn_lines(r.text(), "permission denied"), 20, interval=0.1,
                  desc="a WARN/ERROR naming the denied permission")
-        time.sleep(1.0)
-        at = relayed(r)
-        sent0 = sent_count(pgdb)
-        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
-        time.sleep(6.0)
-        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
-        span = time.monotonic() - t0
-        sent1 = sent_count(pgdb)
-        dead_during = dead_rows(pgdb)
+        w = FaultWindow(r, pgdb).hold()
         tab.execute("GRANT UPDATE ON outbox.messages TO outbox_relay")
         revoked = False
-        t_back = time.monotonic()
-        c.wait_all_sent(n, timeout=90)
-        recovered = time.monotonic() - t_back
-        text = r.text()
-        dead_total = r.metric("outbox_relay_dead_total")
+        w.recover(lambda: c.wait_all_sent(n, timeout=90))
     finally:
         if revoked:
             tab.execute("GRANT UPDATE ON outbox.messages TO outbox_relay")
@@ -203,14 +152,12 @@ def test_update_on_the_outbox_revoked_mid_run(services, pgdb, relay_bin, build, 
     got = c.collect()
     dups, _ = delivery_report(got, n, keys)
     check_against_db(got, pgdb)
-    causes = warn_lines(text, "permission denied")
-    print(f"UPDATE revoked at {at:.0f} relayed: {sent1 - sent0} marks and {dead_during} dead "
-          f"rows during {span:.1f} s; relay CPU {cpu:.2f} s over it; all {n} sent "
-          f"{recovered:.1f} s after the GRANT; {dups} duplicates; logged: {causes[:1]}")
-    assert at < n
-    assert sent1 == sent0, "rows were marked sent without UPDATE on the outbox"
-    assert dead_during == 0 and dead_total == 0, "rows dead-lettered for a revoked grant"
-    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    causes = warn_lines(w.text, "permission denied")
+    print(f"UPDATE revoked at {w.at:.0f} relayed: {w.summary()}; all {n} sent "
+          f"{w.recovered:.1f} s after the GRANT; {dups} duplicates; logged: {causes[:1]}")
+    assert w.at < n
+    w.assert_quiet("rows were marked sent without UPDATE on the outbox",
+                   "rows dead-lettered for a revoked grant")
     assert causes and "messages" in causes[0], f"the WARN must name the table: {causes}"
     assert dups <= 2 * window, f"{dups} duplicates > 2 x window {window}"
 
@@ -249,23 +196,11 @@ def test_broker_permissions_revoked_mid_run(services, pgdb, relay_bin, build, tm
         # the rest is written while the relay cannot publish (rabbitmqctl takes seconds on a
         # loaded machine: the first rows are long through by now)
         c.produce(n - first, keys, size=256, batch=1000, start=first)
-        time.sleep(1.0)
-        at = relayed(r)
-        sent0 = sent_count(pgdb)
-        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
-        time.sleep(6.0)
-        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
-        span = time.monotonic() - t0
-        sent1 = sent_count(pgdb)
-        dead_during = dead_rows(pgdb)
+        w = FaultWindow(r, pgdb).hold()
         p = services.rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
         assert p.returncode == 0, p.stdout + p.stderr
         cleared = False
-        t_back = time.monotonic()
-        c.wait_all_sent(n, timeout=90)
-        recovered = time.monotonic() - t_back
-        text = r.text()
-        dead_total = r.metric("outbox_relay_dead_total")
+        w.recover(lambda: c.wait_all_sent(n, timeout=90))
     finally:
         if cleared:
             services.rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
@@ -274,18 +209,16 @@ def test_broker_permissions_revoked_mid_run(services, pgdb, relay_bin, build, tm
     got = c.collect()
     dups, _ = delivery_report(got, n, keys)
     check_against_db(got, pgdb)
-    causes = [m for m in warn_lines(text, "sink=main: down:") if "access" in m.lower()
+    causes = [m for m in warn_lines(w.text, "sink=main: down:") if "access" in m.lower()
               or "refused" in m.lower() or "denied" in m.lower()]
-    print(f"broker permissions cleared at {at:.0f} relayed: {sent1 - sent0} marks and "
-          f"{dead_during} dead rows during {span:.1f} s; relay CPU {cpu:.2f} s over it; all {n} "
-          f"sent {recovered:.1f} s after the permissions came back; {dups} duplicates; "
+    print(f"broker permissions cleared at {w.at:.0f} relayed: {w.summary()}; all {n} sent "
+          f"{w.recovered:.1f} s after the permissions came back; {dups} duplicates; "
           f"logged: {causes[:1]}")
-    assert at < n
-    assert sent1 == sent0, "rows were marked sent while the broker refused the relay"
-    assert dead_during == 0 and dead_total == 0, "rows dead-lettered for revoked permissions"
-    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert w.at < n
+    w.assert_quiet("rows were marked sent while the broker refused the relay",
+                   "rows dead-lettered for revoked permissions")
     assert causes, "no WARN/ERROR names the broker's refusal: " + str(
-        warn_lines(text, "sink=main")[:5])
+        warn_lines(w.text, "sink=main")[:5])
     assert dups <= c.window, f"{dups} duplicates > window {c.window} (one lost connection)"
 
 
@@ -313,13 +246,12 @@ def test_target_queue_deleted_mid_run(services, pgdb, relay_bin, build, tmp_path
         ch.queue_delete(c.q)
         t_del = time.monotonic()
         c.produce(n - first, keys, size=64, start=first)
-        cpu0 = proc_cpu_seconds(r.proc.pid)
+        w = FaultWindow(r, pgdb).begin(settle=0.0, since=t_del)
         wait_for(lambda: dead_rows(pgdb) > 0, 30, interval=0.05, desc="a first dead row")
         t_first_dead = time.monotonic() - t_del
         time.sleep(max(0.0, 8.0 - (time.monotonic() - t_del)))
-        window_s = time.monotonic() - t_del
-        dead = dead_rows(pgdb)
-        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
+        w.end()
+        window_s, dead, cpu = w.span, w.dead, w.cpu
         ch.queue_declare(queue=c.q, durable=True)
         t_back = time.monotonic()
         wait_for(lambda: sum(c.db_counts()) - c.db_counts()[1] + dead_rows(pgdb) >= n

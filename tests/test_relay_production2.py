@@ -17,10 +17,10 @@ import psycopg
 import pytest
 
 from conftest import wait_for
-from relay_util import (check_against_db, consume, delivery_report, log_events, order_report,
-                        proc_cpu_seconds, wait_log_at)
-from test_relay_faults import Case, relayed, wait_relayed
-from test_relay_production import SPIN, dead_rows, sent_count, warn_lines
+from relay_util import (FaultWindow, check_against_db, consume, delivery_report, log_events,
+                        order_report, wait_log_at)
+from test_relay_faults import Case, wait_relayed
+from test_relay_production import warn_lines
 
 
 def marked_seqs(pgdb):
@@ -85,22 +85,11 @@ def test_broker_vhost_deleted_mid_run(services, pgdb, relay_bin, build, tmp_path
                  and r.metric("outbox_relay_sink_up") == 0, 30, interval=0.1,
                  desc="the relay's broker connection down")
         c.produce(n - first, keys, size=256, batch=1000, start=first)
-        time.sleep(1.0)
-        at = relayed(r)
-        before = marked_seqs(pgdb)
-        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
-        time.sleep(6.0)
-        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
-        span = time.monotonic() - t0
-        sent1 = sent_count(pgdb)
-        dead_during = dead_rows(pgdb)
+        w = FaultWindow(r, pgdb, probes={"marked": lambda: marked_seqs(pgdb)}).hold()
+        before = w.ends["marked"][0]
         make_vhost(services, vhost, user, c.q)
         deleted = False
-        t_back = time.monotonic()
-        c.wait_all_sent(n, timeout=90)
-        recovered = time.monotonic() - t_back
-        text = r.text()
-        dead_total = r.metric("outbox_relay_dead_total")
+        w.recover(lambda: c.wait_all_sent(n, timeout=90))
     finally:
         if r is not None:
             r.stop_clean()
@@ -118,18 +107,17 @@ def test_broker_vhost_deleted_mid_run(services, pgdb, relay_bin, build, tmp_path
     check_against_db(got, pgdb)
     expected = set(range(n)) - before
     dups, _ = order_report(got, expected, lambda s: s % keys)
-    causes = [m for m in warn_lines(text, "sink=main: down:") if vhost in m]
-    print(f"vhost deleted at {at:.0f} relayed ({len(before)} marked): {sent1 - len(before)} "
-          f"marks and {dead_during} dead rows during {span:.1f} s; relay CPU {cpu:.2f} s over "
-          f"it; all {n} sent {recovered:.1f} s after the vhost was back; {len(got)} deliveries "
+    causes = [m for m in warn_lines(w.text, "sink=main: down:") if vhost in m]
+    print(f"vhost deleted at {w.at:.0f} relayed ({len(before)} marked): {w.summary()}; all "
+          f"{n} sent {w.recovered:.1f} s after the vhost was back; {len(got)} deliveries "
           f"of {len(expected)} rows unsent when it went, {dups} duplicates; logged: "
           f"{causes[:2]}")
-    assert at < n
-    assert sent1 == len(before), "rows were marked sent while the vhost did not exist"
-    assert dead_during == 0 and dead_total == 0, "rows dead-lettered for a deleted vhost"
-    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert w.at < n
+    assert w.sent1 == len(before), "rows were marked sent while the vhost did not exist"
+    w.assert_quiet("rows were marked sent while the vhost did not exist",
+                   "rows dead-lettered for a deleted vhost")
     assert any("not found" in m.lower() or "not_allowed" in m.lower() for m in causes), (
-        "no WARN/ERROR names the missing vhost: " + str(warn_lines(text, "sink=main")[:5]))
+        "no WARN/ERROR names the missing vhost: " + str(warn_lines(w.text, "sink=main")[:5]))
     # one lost connection: at most the unconfirmed messages are published again
     assert dups <= c.window, f"{dups} duplicates > window {c.window} (one lost connection)"
 
@@ -174,35 +162,22 @@ def test_reload_to_an_unreachable_server(services, pgdb, relay_bin, build, tmp_p
                     ("INFO",), timeout=30)
         wait_for(lambda: [m for m in warn_lines(r.text(), "outbox=main") if str(port) in m],
                  30, interval=0.1, desc=f"a WARN/ERROR naming the unreachable {target}")
-        time.sleep(1.0)
-        sent0 = sent_count(pgdb)
-        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
-        time.sleep(6.0)
-        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
-        span = time.monotonic() - t0
-        sent1 = sent_count(pgdb)
-        dead_during = dead_rows(pgdb)
+        w = FaultWindow(r, pgdb).hold()
         proxy = BlackholeProxy(real_port, port=port)
-        t_back = time.monotonic()
-        c.wait_all_sent(n, timeout=90)
-        recovered = time.monotonic() - t_back
-        text = r.text()
-        dead_total = r.metric("outbox_relay_dead_total")
+        w.recover(lambda: c.wait_all_sent(n, timeout=90))
     finally:
         r.stop_clean()
         if proxy is not None:
             proxy.close()
     got = c.collect()
     dups, _ = delivery_report(got, n, keys)
-    causes = [m for m in warn_lines(text, "outbox=main") if str(port) in m]
-    print(f"reload to an unreachable {target} ({peer}) at {sent0} marked: {sent1 - sent0} "
-          f"marks and {dead_during} dead rows during {span:.1f} s; relay CPU {cpu:.2f} s over "
-          f"it; all {n} sent {recovered:.1f} s after the port answered; {dups} duplicates; "
+    causes = [m for m in warn_lines(w.text, "outbox=main") if str(port) in m]
+    print(f"reload to an unreachable {target} ({peer}) at {w.sent0} marked: {w.summary()}; "
+          f"all {n} sent {w.recovered:.1f} s after the port answered; {dups} duplicates; "
           f"logged: {causes[:2]}")
-    assert sent0 < n, "the reload should land mid-drain"
-    assert sent1 == sent0, f"rows were marked sent while the {target} was unreachable"
-    assert dead_during == 0 and dead_total == 0, f"rows dead-lettered for an unreachable {target}"
-    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    assert w.sent0 < n, "the reload should land mid-drain"
+    w.assert_quiet(f"rows were marked sent while the {target} was unreachable",
+                   f"rows dead-lettered for an unreachable {target}")
     assert causes, f"no WARN/ERROR names the unreachable {target}"
     assert dups == 0, f"{dups} duplicates after a graceful restart of the drain"
 
@@ -347,23 +322,11 @@ def test_database_disk_full_during_marks(services, pgdb, relay_bin, build, tmp_p
         wait_for(lambda: [m for m in warn_lines(r.text(), "outbox=main")
                           if "No space left" in m or "53100" in m], 30, interval=0.1,
                  desc="a WARN/ERROR naming the full disk")
-        time.sleep(1.0)
-        at = relayed(r)
-        sent0 = sent_count(pgdb)
-        cpu0, t0 = proc_cpu_seconds(r.proc.pid), time.monotonic()
-        time.sleep(6.0)
-        cpu = proc_cpu_seconds(r.proc.pid) - cpu0
-        span = time.monotonic() - t0
-        sent1 = sent_count(pgdb)
-        dead_during = dead_rows(pgdb)
+        w = FaultWindow(r, pgdb).hold()
         unmarked = r.metric("outbox_relay_confirmed_unmarked")   # their marks are failing
         os.unlink(filler)
         full = False
-        t_back = time.monotonic()
-        c.wait_all_sent(n, timeout=90)
-        recovered = time.monotonic() - t_back
-        text = r.text()
-        dead_total = r.metric("outbox_relay_dead_total")
+        w.recover(lambda: c.wait_all_sent(n, timeout=90))
     finally:
         if r is not None:
             r.stop_clean()
@@ -380,16 +343,14 @@ def test_database_disk_full_during_marks(services, pgdb, relay_bin, build, tmp_p
             subprocess.run(["umount", disk], capture_output=True, timeout=30)
             os.rmdir(disk)
     dups, _ = delivery_report(got, n, keys)
-    causes = [m for m in warn_lines(text, "outbox=main") if "No space left" in m or "53100" in m]
-    print(f"database disk full at {at:.0f} relayed ({sent0} marked): {sent1 - sent0} marks and "
-          f"{dead_during} dead rows during {span:.1f} s, {unmarked:.0f} confirmed rows waiting "
-          f"for their mark; relay CPU {cpu:.2f} s over it; all {n} "
-          f"sent {recovered:.1f} s after space came back; {dups} duplicates; logged: "
-          f"{causes[:2]}")
-    assert sent0 < n, "the disk should fill mid-drain"
-    assert sent1 == sent0, "rows were marked sent while the disk was full"
-    assert dead_during == 0 and dead_total == 0, "rows dead-lettered for a full database disk"
-    assert cpu < SPIN * span, f"the relay used {cpu:.2f} s of CPU in {span:.1f} s: spinning"
+    causes = [m for m in warn_lines(w.text, "outbox=main")
+              if "No space left" in m or "53100" in m]
+    print(f"database disk full at {w.at:.0f} relayed ({w.sent0} marked): {w.summary()}, "
+          f"{unmarked:.0f} confirmed rows waiting for their mark; all {n} sent "
+          f"{w.recovered:.1f} s after space came back; {dups} duplicates; logged: {causes[:2]}")
+    assert w.sent0 < n, "the disk should fill mid-drain"
+    w.assert_quiet("rows were marked sent while the disk was full",
+                   "rows dead-lettered for a full database disk")
     assert causes, "no WARN/ERROR names the full disk"
     assert unmarked > 0, "no confirmed row was waiting for its mark: the marks were not tried"
     assert dups <= window, f"{dups} duplicates > window {window}"
