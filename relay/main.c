@@ -77,7 +77,7 @@ typedef struct relay_state {
     int             signals;
     int             exit_code;
     bool            hup_pending; /* a SIGHUP came while a reload was still in progress */
-    ev_signal       sigterm, sigint, sighup;
+    ev_signal       sigterm, sigint, sighup, sigusr1, sigusr2;
     ev_timer        shutdown_timer;
     http_server    *http;
     relay_metrics   rm;
@@ -277,15 +277,21 @@ static void on_reload_done(void *ud)
     }
 }
 
+/* Reopens log_file (a rotation moved it away); `sig` names the signal that asked. */
+static void reopen_log(const char *sig)
+{
+    if (log_reopen() != 0)
+        log_ev(LOG_ERROR, &(log_fields){ .event = "log_reopen_failed" },
+               "%s: could not reopen the log file", sig);
+    else
+        log_ev(LOG_INFO, &(log_fields){ .event = "log_reopened" }, "%s: log reopened", sig);
+}
+
 static void hup_cb(struct ev_loop *loop, ev_signal *w, int revents)
 {
     (void)loop; (void)revents;
     relay_state *st = w->data;
-    if (log_reopen() != 0)
-        log_ev(LOG_ERROR, &(log_fields){ .event = "log_reopen_failed" },
-               "SIGHUP: could not reopen the log file");
-    else
-        log_ev(LOG_INFO, &(log_fields){ .event = "log_reopened" }, "SIGHUP: log reopened");
+    reopen_log("SIGHUP");
     if (st->signals) {
         log_ev(LOG_INFO, &(log_fields){ .event = "config_reload_skipped" },
                "SIGHUP: stopping; the configuration is not reloaded");
@@ -302,6 +308,32 @@ static void hup_cb(struct ev_loop *loop, ev_signal *w, int revents)
         return;
     }
     reload(st);
+}
+
+/* SIGUSR1 reopens log_file and does nothing else (what logrotate's postrotate sends to
+   daemons that reopen their log on it): the configuration is not read again. */
+static void usr1_cb(struct ev_loop *loop, ev_signal *w, int revents)
+{
+    (void)loop; (void)w; (void)revents;
+    reopen_log("SIGUSR1");
+}
+
+/* SIGUSR2 means nothing here; a stray one must not end the relay (its default action). */
+static void usr2_cb(struct ev_loop *loop, ev_signal *w, int revents)
+{
+    (void)loop; (void)w; (void)revents;
+    log_ev(LOG_WARN, &(log_fields){ .event = "signal_ignored" },
+           "SIGUSR2: ignored (SIGHUP reopens the log file and reloads the configuration, "
+           "SIGUSR1 only reopens the log file)");
+}
+
+/* SIG_IGN for the signals the loop handles while it does not (before it starts watching
+   them and after it stops): their default action would end the process. */
+static void ignore_user_signals(void)
+{
+    if (signal(SIGUSR1, SIG_IGN) == SIG_ERR || signal(SIGUSR2, SIG_IGN) == SIG_ERR)
+        log_ev(LOG_WARN, &(log_fields){ .event = "signal_ignored" },
+               "cannot ignore SIGUSR1/SIGUSR2: %s", strerror(errno));
 }
 
 static char *metrics_cb(void *ud, size_t *len)
@@ -334,6 +366,7 @@ static int cmd_run(const char *path)
         return EXIT_USAGE;
     log_setup(c->relay.log_level, c->relay.log_format, c->relay.log_file);
     signal(SIGPIPE, SIG_IGN);
+    ignore_user_signals();
 
     relay_state st = { .exit_code = 0, .rm = { .last_reload_ok = 1 } };
     st.rm.last_reload_success_ts = wall_now();
@@ -373,10 +406,15 @@ static int cmd_run(const char *path)
     ev_signal_init(&st.sigterm, stop_signal_cb, SIGTERM);
     ev_signal_init(&st.sigint, stop_signal_cb, SIGINT);
     ev_signal_init(&st.sighup, hup_cb, SIGHUP);
+    ev_signal_init(&st.sigusr1, usr1_cb, SIGUSR1);
+    ev_signal_init(&st.sigusr2, usr2_cb, SIGUSR2);
     st.sigterm.data = st.sigint.data = st.sighup.data = &st;
+    st.sigusr1.data = st.sigusr2.data = &st;
     ev_signal_start(st.loop, &st.sigterm);
     ev_signal_start(st.loop, &st.sigint);
     ev_signal_start(st.loop, &st.sighup);
+    ev_signal_start(st.loop, &st.sigusr1);
+    ev_signal_start(st.loop, &st.sigusr2);
 
     log_ev(LOG_INFO, &(log_fields){ .event = "starting" },
            "outbox-relay %s starting as \"%s\": %zu outbox(es)%s%s", OUTBOX_VERSION,
@@ -408,6 +446,9 @@ out:
     ev_signal_stop(st.loop, &st.sigterm);
     ev_signal_stop(st.loop, &st.sigint);
     ev_signal_stop(st.loop, &st.sighup);
+    ev_signal_stop(st.loop, &st.sigusr1);   /* back to SIG_DFL: */
+    ev_signal_stop(st.loop, &st.sigusr2);
+    ignore_user_signals();                  /* ignored again until the process ends */
     ev_timer_stop(st.loop, &st.shutdown_timer);
     ev_loop_destroy(st.loop);
     return st.exit_code;

@@ -1045,3 +1045,49 @@ def test_second_signal_exits_at_once(services, pgdb, relay_bin, build, tmp_path,
     relay2.assert_clean_exit(rc2)
     seqs = {int(p.headers["seq"]) for p, _, _ in got}
     assert seqs == set(range(n)), f"{n - len(seqs)} messages missing"
+
+
+def test_sigusr1_reopens_the_log_only_and_sigusr2_is_ignored(services, pgdb, relay_bin, build,
+                                                               tmp_path):
+    """A `kill -USR1` (logrotate's postrotate for daemons that reopen their log on it) must
+    not end the relay: SIGUSR1 reopens log_file and nothing else (no reload: the file on disk
+    is not read again), SIGUSR2 is ignored and said so at WARN. The relay keeps relaying."""
+    q = f"qusr-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    logf = tmp_path / "relay.log"
+    cfg = write_config(tmp_path / "usr.ini", services, pgdb, relay={"log_file": str(logf)})
+    init(relay_bin, cfg)
+    relay = Relay(relay_bin, cfg, tmp_path / "stderr.log")
+
+    def alive_and(pred):
+        rc = relay.proc.poll()
+        assert rc is None, f"the relay exited ({rc}) on a signal it should handle"
+        return pred()
+    try:
+        wait_for(lambda: "became the active relay" in logf.read_text(), 20,
+                 desc="startup lines in log_file", ignore=(FileNotFoundError,))
+        rotated = tmp_path / "relay.log.1"
+        os.rename(logf, rotated)
+        relay.proc.send_signal(signal.SIGUSR1)
+        wait_for(lambda: alive_and(lambda: "SIGUSR1: log reopened" in logf.read_text()), 10,
+                 desc="a fresh log file after SIGUSR1", ignore=(FileNotFoundError,))
+        old_size = rotated.stat().st_size
+        relay.proc.send_signal(signal.SIGUSR2)
+        usr2 = wait_for(lambda: alive_and(lambda: [ln for ln in logf.read_text().splitlines()
+                                                    if "SIGUSR2" in ln]), 10,
+                        desc="a line naming SIGUSR2")
+        run_producer(build, pgdb.dsn, pgdb.name, count=10, keys=1, routing_key=q)
+        assert len(consume(ch, q, 10, timeout=30)) == 10
+        assert relay.proc.poll() is None
+    finally:
+        rc = relay.stop()
+        conn.close()
+    relay.assert_clean_exit(rc)
+    text = logf.read_text()
+    assert rotated.stat().st_size == old_size, "lines went to the renamed file after SIGUSR1"
+    assert "configuration reloaded" not in rotated.read_text() + text, \
+        "SIGUSR1 or SIGUSR2 reloaded the configuration"
+    assert " WARN " in usr2[0] and "ignored" in usr2[0], usr2
+    assert "outbox-relay stopped" in text
+    assert relay.text().strip() == "", "nothing on stderr when log_file is set: " + relay.text()
