@@ -18,6 +18,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include <libpq-fe.h>
 #include <sql.h>
@@ -32,6 +33,7 @@
 
 static const char *queue_db;
 static int odbc;
+static int tsql;   /* ODBC to a T-SQL engine (SQL Server, Babelfish) */
 
 static void report(const char *name, int rc, const outbox_error *e, size_t inserted)
 {
@@ -142,6 +144,150 @@ static int sendn(conn *c, const outbox_queue *q, const outbox_message *m, size_t
                 : outbox_pg_send_batch(c ? c->pg : NULL, q, m, n, ins, e);
 }
 
+/* The first column of the first row of a query: 1 (value in *v), 0 (no row), -1 (error). */
+static int query_long(conn *c, const char *sql, long *v)
+{
+    if (!odbc) {
+        PGresult *r = PQexec(c->pg, sql);
+        int rc = PQresultStatus(r) != PGRES_TUPLES_OK ? -1 : PQntuples(r) == 0 ? 0 : 1;
+        if (rc == 1)
+            *v = strtol(PQgetvalue(r, 0, 0), NULL, 10);
+        PQclear(r);
+        return rc;
+    }
+    SQLHSTMT st;
+    if (!SQL_SUCCEEDED(SQLAllocHandle(SQL_HANDLE_STMT, c->dbc, &st)))
+        return -1;
+    int rc = -1;
+    char buf[32] = "";
+    SQLLEN len = 0;
+    if (SQL_SUCCEEDED(SQLExecDirect(st, (SQLCHAR *)(uintptr_t)sql, SQL_NTS))) {
+        SQLRETURN f = SQLFetch(st);
+        if (f == SQL_NO_DATA)
+            rc = 0;
+        else if (SQL_SUCCEEDED(f) &&
+                 SQL_SUCCEEDED(SQLGetData(st, 1, SQL_C_CHAR, buf, sizeof buf, &len)) &&
+                 len != SQL_NULL_DATA) {
+            *v = strtol(buf, NULL, 10);
+            rc = 1;
+        }
+    }
+    (void)SQLFreeHandle(SQL_HANDLE_STMT, st);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- lost mid-send */
+/* The server ends the producer's session while its send is in progress: the INSERT has
+ * gone out and waits on the server for a row with the same message_id that another open
+ * transaction inserted; a third session sees it waiting and terminates it. */
+typedef struct killer {
+    const char *connstr;
+    long        victim;    /* the producer's backend process id (Babelfish: its spid) */
+    int         killed;    /* 1: the victim was seen waiting and terminated */
+} killer;
+
+/* Babelfish runs on PostgreSQL: its catalog shows the wait under T-SQL too. */
+
+static void *kill_when_waiting(void *arg)
+{
+    killer *k = arg;
+    conn c;
+    char sql[200];
+    if (conn_open(&c, k->connstr) != 0) {
+        conn_close(&c);
+        return NULL;
+    }
+    snprintf(sql, sizeof sql, "SELECT count(*) FROM pg_catalog.pg_stat_activity WHERE "
+             "pid = %ld AND wait_event_type = 'Lock'", k->victim);
+    for (int i = 0; i < 2500; i++) {   /* 50 s, 20 ms apart (the lock_timeout is 60 s) */
+        long waiting = 0;
+        if (query_long(&c, sql, &waiting) < 0)
+            break;
+        if (waiting > 0) {
+            long ok = 0;
+            if (tsql) {
+                snprintf(sql, sizeof sql, "KILL %ld", k->victim);
+                k->killed = exec_sql(&c, sql) == 0;
+            } else {
+                snprintf(sql, sizeof sql, "SELECT CASE WHEN pg_terminate_backend(%ld) THEN 1 "
+                         "ELSE 0 END", k->victim);
+                k->killed = query_long(&c, sql, &ok) == 1 && ok == 1;
+            }
+            break;
+        }
+        nanosleep(&(struct timespec){ .tv_nsec = 20 * 1000 * 1000 }, NULL);
+    }
+    conn_close(&c);
+    return NULL;
+}
+
+#define LOST_BATCH    20000      /* more rows than one INSERT takes: several statements */
+#define LOST_AT       10000      /* the row that waits: past the first statement's rows */
+#define LOST_PAYLOAD  (4u << 20)
+
+/* One send (`batch` 0: a single message of LOST_PAYLOAD bytes; 1: a batch of LOST_BATCH
+ * messages) whose session the server ends mid-send; reports it as `name`. Returns 0 when
+ * the case ran, -1 when its setup failed. */
+static int lost_mid_send(const char *name, const char *cs, const outbox_queue *q, int batch)
+{
+    static outbox_message many[LOST_BATCH];
+    static char id[37];
+    outbox_error e;
+    conn blocker, victim;
+    killer k = { .connstr = cs };
+    pthread_t t;
+    int rc = -1;
+    size_t ins = 99;
+    char *big = NULL;
+
+    memset(&blocker, 0, sizeof blocker);
+    memset(&victim, 0, sizeof victim);
+    if (outbox_uuid_generate(id) != OUTBOX_OK || conn_open(&blocker, cs) != 0 ||
+        conn_open(&victim, cs) != 0)
+        goto out;
+    outbox_message held = msg("misuse");
+    held.message_id = id;
+    if (begin(&blocker) != 0 || send1(&blocker, q, &held, &e) != OUTBOX_OK)
+        goto out;   /* uncommitted: a second row with this id waits for this transaction */
+    if (!odbc)
+        k.victim = PQbackendPID(victim.pg);
+    else if (query_long(&victim, tsql ? "SELECT @@SPID" : "SELECT pg_backend_pid()",
+                        &k.victim) != 1)
+        goto out;
+    /* bounded: should the kill never come, the send fails on the lock wait instead */
+    if (exec_sql(&victim, tsql ? "SET LOCK_TIMEOUT 60000" : "SET lock_timeout = '60s'") != 0 ||
+        begin(&victim) != 0)
+        goto out;
+    if (pthread_create(&t, NULL, kill_when_waiting, &k) != 0)
+        goto out;
+    if (batch) {
+        for (size_t i = 0; i < LOST_BATCH; i++)
+            many[i] = msg("misuse");
+        many[LOST_AT].message_id = id;
+        int r = sendn(&victim, q, many, LOST_BATCH, &ins, &e);
+        report(name, r, &e, ins);
+    } else {
+        big = malloc(LOST_PAYLOAD);
+        outbox_message m = held;
+        if (big) {
+            memset(big, 'x', LOST_PAYLOAD);
+            m.payload = big;
+            m.payload_len = LOST_PAYLOAD;
+        }
+        report(name, send1(&victim, q, &m, &e), &e, 0);
+    }
+    (void)pthread_join(t, NULL);
+    printf("lost=%s killed=%d\n", name, k.killed);
+    rc = k.killed && (batch || big) ? 0 : -1;
+out:
+    if (blocker.pg || blocker.dbc)
+        (void)end(&blocker, 0);
+    conn_close(&blocker);
+    conn_close(&victim);
+    free(big);
+    return rc;
+}
+
 /* ---------------------------------------------------------------- threads */
 typedef struct worker {
     const char         *connstr;
@@ -203,6 +349,13 @@ int main(int argc, char **argv)
     conn c;
     if (conn_open(&c, cs) != 0)
         goto out;
+    if (odbc) {
+        char dbms[64] = "";
+        SQLSMALLINT len = 0;
+        if (!SQL_SUCCEEDED(SQLGetInfo(c.dbc, SQL_DBMS_NAME, dbms, sizeof dbms, &len)))
+            goto out;
+        tsql = strstr(dbms, "SQL Server") != NULL;
+    }
     outbox_message m = msg("misuse");
     size_t ins = 0;
     int rc;
@@ -318,6 +471,9 @@ int main(int argc, char **argv)
             goto out;
         report("connection_lost", send1(&c, q, &m, &e), &e, 0);
         report("connection_lost_again", send1(&c, q, &m, &e), &e, 0);
+        if (lost_mid_send("lost_mid_send", cs, q, 0) != 0 ||
+            lost_mid_send("lost_mid_send_batch", cs, q, 1) != 0)
+            goto out;
     } else {
         /* a handle allocated but never connected, and one disconnected */
         conn d = { 0 };
@@ -342,6 +498,9 @@ int main(int argc, char **argv)
         }
         report("disconnected", send1(&x, q, &m, &e), &e, 0);
         conn_close(&x);
+        if (lost_mid_send("lost_mid_send", cs, q, 0) != 0 ||
+            lost_mid_send("lost_mid_send_batch", cs, q, 1) != 0)
+            goto out;
     }
     conn_close(&c);
 
