@@ -36,10 +36,6 @@
 #include "sources/pg/pgsrc_int.h"
 
 #define BACKOFF_MIN_MS 100
-/* A claimed row larger than this grows libpq's input buffer (the whole DataRow must fit
-   in it, and it never shrinks until PQfinish) past what the byte budget counts: the
-   session is replaced, quietly, before its next request (see recycle). */
-#define RECYCLE_ROW_BYTES ((size_t)8 << 20)
 
 enum phase { PH_IDLE = 0, PH_BACKOFF, PH_CONNECTING, PH_SETUP, PH_UP };
 enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_PREPARE, Q_REQ,
@@ -105,9 +101,7 @@ struct source {
     bool      req_deferred;
     src_result dres;          /* the deferred result */
     int64_t   claim_token;    /* the outstanding claim's token, copied into its rows */
-    row     **crows;          /* the running claim's rows so far (owned), in arrival order */
-    size_t    n_crows, cap_crows;
-    char      crows_err[256]; /* the first row that could not be decoded ("": none) */
+    pgsrc_rows crows;         /* the running claim's rows so far (pgsrc_rows.c) */
     char      derr[512];
 
     char      prev_pid[16];   /* our previous session on the server: pid and backend_start */
@@ -137,23 +131,13 @@ struct source {
 
 /* ------------------------------------------------------------ helpers */
 
-static void crows_free(source *s)
-{
-    for (size_t i = 0; i < s->n_crows; i++)
-        row_free(s->crows[i]);
-    free(s->crows);
-    s->crows = NULL;
-    s->n_crows = s->cap_crows = 0;
-    s->crows_err[0] = '\0';
-}
-
 static void prep_clear(source *s);
 
 static void lq_clear(source *s);
 
 static void src_free(source *s)
 {
-    crows_free(s);
+    pgsrc_rows_free(&s->crows);
     lq_clear(s);
     free(s->conninfo);
     if (s->password) {
@@ -271,7 +255,7 @@ static void conn_close(source *s)
         PQclear(s->qres);
         s->qres = NULL;
     }
-    crows_free(s);
+    pgsrc_rows_free(&s->crows);
     s->qop = Q_NONE;
     s->flushing = false;
     if (s->conn) {
@@ -486,138 +470,13 @@ static int parse_health(source *s, const PGresult *r, src_health *h)
     return 0;
 }
 
-/* ------------------------------------------------------------ claim decoding */
-
-static int64_t be64(const char *p)
-{
-    const unsigned char *u = (const unsigned char *)p;
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v = (v << 8) | u[i];
-    return (int64_t)v;
-}
-
-static int32_t be32(const char *p)
-{
-    const unsigned char *u = (const unsigned char *)p;
-    return (int32_t)(((uint32_t)u[0] << 24) | ((uint32_t)u[1] << 16) | ((uint32_t)u[2] << 8) | u[3]);
-}
-
-static row_field bfield(const PGresult *r, int i, int c)
-{
-    row_field f = {NULL, 0};
-    if (!PQgetisnull(r, i, c)) {
-        f.p = PQgetvalue(r, i, c);
-        f.len = (size_t)PQgetlength(r, i, c);
-    }
-    return f;
-}
-
-static int row_cmp(const void *a, const void *b)
-{
-    const row *x = *(row *const *)a, *y = *(row *const *)b;
-    return x->id < y->id ? -1 : x->id > y->id;
-}
-
-/* A payload at least this large is not copied out of its result: the row keeps the
-   result (one row in single-row mode) and points into it. Below it, the copy is cheaper
-   than the result's own overhead kept per row. */
-#define PGSRC_KEEP_RESULT_MIN (64 * 1024)
-
-static void result_release(void *r)
-{
-    PQclear(r);
-}
-
-/* Appends the claimed rows of a binary-format result (one row in single-row mode, or
-   none: the final result) to s->crows. 0 or -1 (err set; what was appended stays).
-   own: NULL, or the caller's hold on r: a row whose payload is large takes r over (it
-   frees it with itself) and sets *own to NULL; the caller PQclears *own. */
-static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, size_t errlen,
-                        PGresult **own)
-{
-    int n = PQntuples(r);
-    if (PQnfields(r) != 14) {
-        snprintf(err, errlen, "claim: unexpected result shape (%d columns)", PQnfields(r));
-        return -1;
-    }
-    if (n == 0)
-        return 0;
-    if (s->n_crows + (size_t)n > s->cap_crows) {
-        size_t nc = s->cap_crows ? s->cap_crows * 2 : 64;
-        while (nc < s->n_crows + (size_t)n)
-            nc *= 2;
-        row **nr = realloc(s->crows, nc * sizeof *nr);
-        if (!nr) {
-            snprintf(err, errlen, "claim: out of memory");
-            return -1;
-        }
-        s->crows = nr;
-        s->cap_crows = nc;
-    }
-    for (int i = 0; i < n; i++) {
-        row_fields f;
-        char uuid[37];
-        memset(&f, 0, sizeof f);
-        if (PQgetisnull(r, i, 0) || PQgetlength(r, i, 0) != 8 ||
-            PQgetisnull(r, i, 1) || PQgetlength(r, i, 1) != 16 ||
-            PQgetisnull(r, i, 10) || PQgetlength(r, i, 10) != 4 ||
-            PQgetisnull(r, i, 11) || PQgetlength(r, i, 11) != 8 ||
-            (PQgetisnull(r, i, 13) ? PQgetisnull(r, i, 9)
-                                   : !PQgetisnull(r, i, 9) || PQgetlength(r, i, 13) != 8)) {
-            snprintf(err, errlen, "claim: unexpected column encoding in row %zu",
-                     s->n_crows);
-            return -1;
-        }
-        const unsigned char *u = (const unsigned char *)PQgetvalue(r, i, 1);
-        snprintf(uuid, sizeof uuid,
-                 "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-                 u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
-                 u[12], u[13], u[14], u[15]);
-        f.id = be64(PQgetvalue(r, i, 0));
-        f.lease_token = token;
-        f.message_id.p = uuid;
-        f.message_id.len = 36;
-        f.exchange = bfield(r, i, 2);
-        f.routing_key = bfield(r, i, 3);
-        f.partition_key = bfield(r, i, 4);
-        f.message_type = bfield(r, i, 5);
-        f.content_type = bfield(r, i, 6);
-        f.correlation_id = bfield(r, i, 7);
-        f.headers_json = bfield(r, i, 8);
-        f.payload = bfield(r, i, 9);
-        if (f.payload.len + f.headers_json.len > RECYCLE_ROW_BYTES)
-            s->recycle_due = true;     /* libpq's input buffer grew to hold it */
-        if (!PQgetisnull(r, i, 13)) {    /* left in the database: its size only */
-            int64_t withheld = be64(PQgetvalue(r, i, 13));
-            f.payload_withheld = withheld > 0 ? (size_t)withheld : 1;
-        }
-        if (own != NULL && *own == r && n == 1 && f.payload.len >= PGSRC_KEEP_RESULT_MIN) {
-            f.payload_owner = *own;          /* row_new takes it when it succeeds */
-            f.payload_release = result_release;
-        }
-        f.attempts = be32(PQgetvalue(r, i, 10));
-        f.created_at_us = be64(PQgetvalue(r, i, 11));
-        f.age_us = PQgetisnull(r, i, 12) ? -1 : be64(PQgetvalue(r, i, 12));
-        row *w = row_new(&f);
-        if (!w) {
-            snprintf(err, errlen, "claim: out of memory building row %" PRId64, f.id);
-            return -1;
-        }
-        s->crows[s->n_crows++] = w;
-        if (f.payload_owner != NULL)
-            *own = NULL;
-    }
-    return 0;
-}
-
 /* ------------------------------------------------------------ request completion */
 
 static void req_complete(source *s, PGresult *r)
 {
     src_result res;
     char err[512];
-    bool table_gone = false, read_only = false;
+    bool table_gone = false, read_only = false, big = false;
     memset(&res, 0, sizeof res);
     res.req = s->req;
     res.ok = 0;
@@ -648,22 +507,19 @@ static void req_complete(source *s, PGresult *r)
             res.n_reset = strtoll(PQgetvalue(r, 0, 3), NULL, 10);
             break;
         case SRC_REQ_CLAIM:
-            if (s->crows_err[0] != '\0') {
-                snprintf(err, sizeof err, "%s", s->crows_err);
+            if (s->crows.err[0] != '\0') {
+                snprintf(err, sizeof err, "%s", s->crows.err);
                 res.ok = -1;
                 res.error = err;
-            } else if (decode_claim(s, r, s->claim_token, err, sizeof err, NULL) < 0) {
+            } else if (pgsrc_rows_decode(&s->crows, r, s->claim_token, NULL, &big, err,
+                                         sizeof err) < 0) {
                 res.ok = -1;
                 res.error = err;
             } else {
-                /* RETURNING order is not id order */
-                if (s->n_crows > 1)
-                    qsort(s->crows, s->n_crows, sizeof *s->crows, row_cmp);
-                res.rows = s->crows;     /* ownership to the callee */
-                res.n_rows = s->n_crows;
-                s->crows = NULL;
-                s->n_crows = s->cap_crows = 0;
+                pgsrc_rows_take(&s->crows, &res.rows, &res.n_rows);  /* ownership to the callee */
             }
+            if (big)
+                s->recycle_due = true;     /* libpq's input buffer grew to hold it */
             break;
         case SRC_REQ_SETTLE:
             if (PQntuples(r) == 1 && !PQgetisnull(r, 0, 0))
@@ -688,7 +544,7 @@ static void req_complete(source *s, PGresult *r)
             break;
         }
     }
-    crows_free(s);      /* a failed claim's rows so far (the statement rolled back) */
+    pgsrc_rows_free(&s->crows);      /* a failed claim's rows so far (the statement rolled back) */
     bool wake = false;
     if (res.req == SRC_REQ_CLAIM) {
         /* QUIET_ROWS: listen only while claims come back empty */
@@ -963,10 +819,14 @@ static void io_process(source *s, int revents)
             /* one row of the claim: built now; the result freed at once, or kept by the row
                when its payload is large (no second copy of it) */
             char err[256];
+            bool big = false;
             PGresult *own = r;
-            if (s->qop == Q_REQ && s->req == SRC_REQ_CLAIM && s->crows_err[0] == '\0' &&
-                decode_claim(s, r, s->claim_token, err, sizeof err, &own) < 0)
-                snprintf(s->crows_err, sizeof s->crows_err, "%s", err);
+            if (s->qop == Q_REQ && s->req == SRC_REQ_CLAIM && s->crows.err[0] == '\0' &&
+                pgsrc_rows_decode(&s->crows, r, s->claim_token, &own, &big, err,
+                                  sizeof err) < 0)
+                snprintf(s->crows.err, sizeof s->crows.err, "%s", err);
+            if (big)
+                s->recycle_due = true;     /* libpq's input buffer grew to hold it */
             PQclear(own);
             continue;
         }

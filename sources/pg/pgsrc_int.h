@@ -1,6 +1,6 @@
 /*
  * pgsrc_int.h — internals shared by the PostgreSQL source's files:
- * connection parameters and result parsing (the SQL is sources/sql_pg.c's).
+ * connection parameters, result parsing and the claimed rows (the SQL is sources/sql_pg.c's).
  */
 #ifndef PGSRC_INT_H
 #define PGSRC_INT_H
@@ -40,6 +40,30 @@ int pgsrc_parse_stats(const PGresult *r, src_stats *out);
  * unknown) can run the relay: 0 yes; -1 no, with one line in msg naming the server's
  * version and the one required. */
 int pgsrc_server_version_ok(int version_num, char *msg, size_t msglen);
+
+/* A claimed row larger than this grows libpq's input buffer (the whole DataRow must fit
+   in it, and it never shrinks until PQfinish) past what the byte budget counts: the
+   session is replaced, quietly, before its next request (pgsrc.c, recycle). */
+#define PGSRC_RECYCLE_ROW_BYTES ((size_t)8 << 20)
+
+/* The rows of the claim being read (pgsrc_rows.c). */
+typedef struct pgsrc_rows {
+    struct row **rows;        /* owned, in arrival order */
+    size_t       n, cap;
+    char         err[256];    /* the first row that could not be decoded ("": none) */
+} pgsrc_rows;
+
+/* Appends the claimed rows of a binary-format result (one row in single-row mode, or
+   none: the final result) to c. 0 or -1 (err set; what was appended stays).
+   own: NULL, or the caller's hold on r: a row whose payload is large takes r over (it
+   frees it with itself) and sets *own to NULL; the caller PQclears *own. *big is set when
+   a row was over PGSRC_RECYCLE_ROW_BYTES. */
+int pgsrc_rows_decode(pgsrc_rows *c, const PGresult *r, int64_t token, PGresult **own,
+                      bool *big, char *err, size_t errlen);
+/* Hands the rows over in id order (ownership to the caller) and empties c. */
+void pgsrc_rows_take(pgsrc_rows *c, struct row ***rows, size_t *n);
+/* Frees the rows and forgets the error. */
+void pgsrc_rows_free(pgsrc_rows *c);
 
 /* Admin side (pgsrc_admin.c): synchronous, bounded by the outbox's timeouts. */
 int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen);
