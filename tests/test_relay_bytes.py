@@ -421,11 +421,12 @@ def test_expired_rows_of_a_down_broker_free_the_byte_budget(services, relay_bin,
 
 
 def test_rss_returns_after_a_large_row(services, pgdb, relay_bin, tmp_path):
-    """libpq reads a whole row into its input buffer, which grows to the largest row a session
-    ever read and never shrinks while the session lives: after a 64 MiB row the relay replaces
-    the session that claimed it (quietly: no 'database unavailable'), and its resident memory
-    returns to within 16 MiB of what it was before the row once the row is delivered, while the
-    100 small rows after it arrive in order."""
+    """libpq reads a whole message into its input buffer, which grows to the largest message a
+    session ever read and never shrinks while the session lives: a payload over 1 MiB never
+    comes as one message (it is read in slices after its claim), so after a 64 MiB row the
+    relay's resident memory returns to within 16 MiB of what it was before the row once the row
+    is delivered, on the same session (no 'database unavailable'), while the 100 small rows
+    after it arrive in order."""
     why = memory_unmeasurable(relay_bin)
     if why:
         pytest.skip(f"memory is not measurable in this build: {why}")
