@@ -31,12 +31,13 @@ static int64_t be64(const char *p)
 static int32_t be32(const char *p)
 {
     const unsigned char *u = (const unsigned char *)p;
-    return (int32_t)(((uint32_t)u[0] << 24) | ((uint32_t)u[1] << 16) | ((uint32_t)u[2] << 8) | u[3]);
+    return (int32_t)(((uint32_t)u[0] << 24) | ((uint32_t)u[1] << 16) | ((uint32_t)u[2] << 8) |
+                     u[3]);
 }
 
 static row_field bfield(const PGresult *r, int i, int c)
 {
-    row_field f = {NULL, 0};
+    row_field f = { NULL, 0 };
     if (!PQgetisnull(r, i, c)) {
         f.p = PQgetvalue(r, i, c);
         f.len = (size_t)PQgetlength(r, i, c);
@@ -74,8 +75,8 @@ static int load_reserve(pgsrc_rows *c)
     return 0;
 }
 
-int pgsrc_rows_decode(pgsrc_rows *c, const PGresult *r, int64_t token, PGresult **own,
-                      char *err, size_t errlen)
+int pgsrc_rows_decode(pgsrc_rows *c, const PGresult *r, int64_t token, PGresult **own, char *err,
+                      size_t errlen)
 {
     int n = PQntuples(r);
     if (PQnfields(r) != 14) {
@@ -100,21 +101,19 @@ int pgsrc_rows_decode(pgsrc_rows *c, const PGresult *r, int64_t token, PGresult 
         row_fields f;
         char uuid[37];
         memset(&f, 0, sizeof f);
-        if (PQgetisnull(r, i, 0) || PQgetlength(r, i, 0) != 8 ||
-            PQgetisnull(r, i, 1) || PQgetlength(r, i, 1) != 16 ||
-            PQgetisnull(r, i, 10) || PQgetlength(r, i, 10) != 4 ||
+        if (PQgetisnull(r, i, 0) || PQgetlength(r, i, 0) != 8 || PQgetisnull(r, i, 1) ||
+            PQgetlength(r, i, 1) != 16 || PQgetisnull(r, i, 10) || PQgetlength(r, i, 10) != 4 ||
             PQgetisnull(r, i, 11) || PQgetlength(r, i, 11) != 8 ||
             (PQgetisnull(r, i, 13) ? PQgetisnull(r, i, 9)
                                    : !PQgetisnull(r, i, 9) || PQgetlength(r, i, 13) != 8)) {
-            snprintf(err, errlen, "claim: unexpected column encoding in row %zu",
-                     c->n);
+            snprintf(err, errlen, "claim: unexpected column encoding in row %zu", c->n);
             return -1;
         }
         const unsigned char *u = (const unsigned char *)PQgetvalue(r, i, 1);
         snprintf(uuid, sizeof uuid,
-                 "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-                 u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
-                 u[12], u[13], u[14], u[15]);
+                 "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+                 u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14],
+                 u[15]);
         f.id = be64(PQgetvalue(r, i, 0));
         f.lease_token = token;
         f.message_id.p = uuid;
@@ -128,16 +127,18 @@ int pgsrc_rows_decode(pgsrc_rows *c, const PGresult *r, int64_t token, PGresult 
         f.headers_json = bfield(r, i, 8);
         f.payload = bfield(r, i, 9);
         unsigned char *buf = NULL;
-        if (!PQgetisnull(r, i, 13)) {    /* left in the database: its size only */
+        if (!PQgetisnull(r, i, 13)) { /* left in the database: its size only */
             int64_t left = be64(PQgetvalue(r, i, 13));
             size_t size = left > 0 ? (size_t)left : 1;
             if (c->max_payload > 0 && size > c->max_payload) {
-                f.payload_withheld = size;   /* never published: dead-lettered by its size */
+                f.payload_withheld = size; /* never published: dead-lettered by its size */
             } else {
                 /* loaded afterwards, in slices, into a buffer the row holds */
                 if (load_reserve(c) < 0 || (buf = malloc(size + 1)) == NULL) {
-                    snprintf(err, errlen, "claim: out of memory for the %zu-byte payload of "
-                             "row %" PRId64, size, f.id);
+                    snprintf(err, errlen,
+                             "claim: out of memory for the %zu-byte payload of "
+                             "row %" PRId64,
+                             size, f.id);
                     return -1;
                 }
                 buf[size] = '\0';
@@ -149,7 +150,7 @@ int pgsrc_rows_decode(pgsrc_rows *c, const PGresult *r, int64_t token, PGresult 
         }
         if (buf == NULL && own != NULL && *own == r && n == 1 &&
             f.payload.len >= PGSRC_KEEP_RESULT_MIN) {
-            f.payload_owner = *own;          /* row_new takes it when it succeeds */
+            f.payload_owner = *own; /* row_new takes it when it succeeds */
             f.payload_release = result_release;
         }
         f.attempts = be32(PQgetvalue(r, i, 10));
@@ -189,8 +190,10 @@ int pgsrc_rows_slice(pgsrc_rows *c, const PGresult *r, char *err, size_t errlen)
         size_t len = (size_t)PQgetlength(r, i, 1);
         if (PQgetisnull(r, i, 0) || PQgetlength(r, i, 0) != 4 || PQgetisnull(r, i, 1) ||
             (size_t)be32(PQgetvalue(r, i, 0)) != l->got + 1 || len > l->size - l->got) {
-            snprintf(err, errlen, "payload of row %" PRId64 ": unexpected slice after %zu of "
-                     "%zu bytes", l->id, l->got, l->size);
+            snprintf(err, errlen,
+                     "payload of row %" PRId64 ": unexpected slice after %zu of "
+                     "%zu bytes",
+                     l->id, l->got, l->size);
             return -1;
         }
         memcpy(l->buf + l->got, PQgetvalue(r, i, 1), len);
@@ -205,8 +208,10 @@ int pgsrc_rows_load_end(pgsrc_rows *c, char *err, size_t errlen)
         return 0;
     const pgsrc_load *l = &c->loads[c->i_load++];
     if (l->got != l->size) {
-        snprintf(err, errlen, "payload of row %" PRId64 ": %zu of %zu bytes read (the row is "
-                 "gone or no longer leased to this claim)", l->id, l->got, l->size);
+        snprintf(err, errlen,
+                 "payload of row %" PRId64 ": %zu of %zu bytes read (the row is "
+                 "gone or no longer leased to this claim)",
+                 l->id, l->got, l->size);
         return -1;
     }
     return 0;
@@ -215,7 +220,7 @@ int pgsrc_rows_load_end(pgsrc_rows *c, char *err, size_t errlen)
 void pgsrc_rows_free(pgsrc_rows *c)
 {
     for (size_t i = 0; i < c->n; i++)
-        row_free(c->rows[i]);   /* with the buffers of the payloads loaded into */
+        row_free(c->rows[i]); /* with the buffers of the payloads loaded into */
     free(c->rows);
     free(c->loads);
     c->rows = NULL;
