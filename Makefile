@@ -173,7 +173,8 @@ FORMATTED := lib/util.c lib/outbox_util.h \
              sinks/rabbitmq/amqpcfg.c sinks/rabbitmq/amqpcfg.h \
              sinks/rabbitmq/amqpconnect.c sinks/rabbitmq/amqpconnect.h \
              sinks/rabbitmq/amqpsink.c sinks/rabbitmq/amqpsink.h \
-             sinks/rabbitmq/amqpwire.c sinks/rabbitmq/amqpxcheck.c sinks/rabbitmq/json.h
+             sinks/rabbitmq/amqpwire.c sinks/rabbitmq/amqpxcheck.c sinks/rabbitmq/json.h \
+             sources/pg/pgsrc_rows.c
 .PHONY: format format-check
 format-check:
 	$(CLANG_FORMAT) --dry-run --Werror $(FORMATTED)

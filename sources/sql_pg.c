@@ -243,7 +243,16 @@ char *sql_pg_lead(const sql_pg_names *n)
     "WHERE p.sent_at IS NULL AND p.id > w.id ORDER BY p.id LIMIT 1) FROM w "              \
     "WHERE w.id IS NOT NULL)"
 
-static char *claim(const sql_pg_names *n, bool competing, bool sized)
+#define SQL_PG_STR_(x) #x
+#define SQL_PG_STR(x) SQL_PG_STR_(x)
+/* sql_pg_claim_sliced: a payload over SQL_PG_SLICE_BYTES (and within $8) is left out of the
+   answer like one over $8, its size in the last column, and counts whole in the byte limit:
+   the relay reads it afterwards in slices (sql_pg_payload_slices). */
+#define SQL_PG_LEFT_OUT(M)                                                                 \
+    "(" SQL_PG_WITHHELD(M) " OR octet_length(" M ".payload) > "                            \
+    SQL_PG_STR(SQL_PG_SLICE_BYTES) ")"
+
+static char *claim(const sql_pg_names *n, bool competing, bool sized, bool sliced)
 {
     static const char ret_plain[] =
         "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
@@ -257,7 +266,14 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized)
         "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
         "(extract(epoch from now() - m.created_at) * 1000000)::bigint, "
         "CASE WHEN " SQL_PG_WITHHELD("m") " THEN octet_length(m.payload)::bigint END";
-    const char *ret = sized ? ret_sized : ret_plain;
+    static const char ret_sliced[] =
+        "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
+        "m.message_type, m.content_type, m.correlation_id, m.headers::text, "
+        "CASE WHEN " SQL_PG_LEFT_OUT("m") " THEN NULL ELSE m.payload END, "
+        "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
+        "(extract(epoch from now() - m.created_at) * 1000000)::bigint, "
+        "CASE WHEN " SQL_PG_LEFT_OUT("m") " THEN octet_length(m.payload)::bigint END";
+    const char *ret = sliced ? ret_sliced : sized ? ret_sized : ret_plain;
     /* sized: the candidates carry their size, the rows leased are the prefix b */
     const char *sz = sized ? ", " SQL_PG_CLAIMED_BYTES("m") " AS sz" : "";
     const char *bytes = sized ? ", " SQL_PG_BYTE_PREFIX("c") : " ";
@@ -328,12 +344,29 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized)
 
 char *sql_pg_claim(const sql_pg_names *n, bool competing)
 {
-    return claim(n, competing, false);
+    return claim(n, competing, false, false);
 }
 
 char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing)
 {
-    return claim(n, competing, true);
+    return claim(n, competing, true, false);
+}
+
+char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing)
+{
+    return claim(n, competing, true, true);
+}
+
+/* The payload is read whole once (the concatenation makes an in-memory copy of it: a
+   substring of a compressed value would decompress it again for every slice), then
+   returned from that copy in order, one row per slice. */
+char *sql_pg_payload_slices(const sql_pg_names *n)
+{
+    return fmt("SELECT g.o, substring(p.v from g.o for $2::int) "
+               "FROM (SELECT m.payload || '\\x'::bytea AS v FROM %s m "
+               "WHERE m.id = $1::bigint AND m.lease_token = $3::bigint OFFSET 0) p, "
+               "LATERAL generate_series(1, octet_length(p.v), $2::int) AS g(o)",
+               n->table);
 }
 
 /* The settle of a batch whose outcomes are all SENT (the usual case): $1 ids, $2 their

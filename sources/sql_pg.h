@@ -50,6 +50,18 @@ char *sql_pg_claim(const sql_pg_names *n, bool competing);
    column its size (else NULL), and the row counts for its headers only within $6
    (src_claim_args.max_payload). Same result columns. */
 char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing);
+/* Payloads over this many bytes are read in slices of this size (sql_pg_claim_sliced,
+   sql_pg_payload_slices). */
+#define SQL_PG_SLICE_BYTES 1048576
+/* The claim of sql_pg_claim_bytes, except that a payload over SQL_PG_SLICE_BYTES (and
+   within $8) is left out of the answer too: its column NULL and the last column its size,
+   as for one over $8. Same parameters, same result columns, same byte limit (such a row
+   counts whole). */
+char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing);
+/* A claimed row's payload in slices: $1 id, $2 slice bytes, $3 the claim's lease token.
+   -> one row per slice, in order: its 1-based offset (int), the slice (bytea). No row
+   when the row is gone or no longer under that lease. */
+char *sql_pg_payload_slices(const sql_pg_names *n);
 /* Settle of outcomes that are all SENT: $1 ids, $2 tokens (arrays). -> rows applied. */
 char *sql_pg_settle_sent(const sql_pg_names *n, int on_sent);
 /* Settle of any outcomes: $1 ids, $2 tokens, $3 kinds, $4 back-offs (ms), $5 reasons

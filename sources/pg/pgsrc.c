@@ -36,14 +36,10 @@
 #include "sources/pg/pgsrc_int.h"
 
 #define BACKOFF_MIN_MS 100
-/* A claimed row larger than this grows libpq's input buffer (the whole DataRow must fit
-   in it, and it never shrinks until PQfinish) past what the byte budget counts: the
-   session is replaced, quietly, before its next request (see recycle). */
-#define RECYCLE_ROW_BYTES ((size_t)8 << 20)
 
 enum phase { PH_IDLE = 0, PH_BACKOFF, PH_CONNECTING, PH_SETUP, PH_UP };
 enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_PREPARE, Q_REQ,
-           Q_REQ_LISTEN };
+           Q_REQ_LISTEN, Q_LOAD };
 
 /* While claims keep finding rows the claiming session does not need each commit's
    notification, and each costs its backend a wake-up and a read of the queue (~30 us, one
@@ -80,7 +76,7 @@ struct source {
     char     *conninfo, *password, *database, *name;
     sql_pg_names names;
     char     *sql_lead, *sql_claim, *sql_claim_competing, *sql_settle, *sql_settle_sent;
-    char     *sql_cleanup, *sql_stats, *sql_health;
+    char     *sql_cleanup, *sql_stats, *sql_health, *sql_slices;
     bool      prepared[ST_COUNT]; /* this session has the statement prepared */
     int       prep_st;        /* Q_REQ_PREPARE: the statement, then run with these: */
     int       prep_n, prep_fmt;
@@ -105,9 +101,7 @@ struct source {
     bool      req_deferred;
     src_result dres;          /* the deferred result */
     int64_t   claim_token;    /* the outstanding claim's token, copied into its rows */
-    row     **crows;          /* the running claim's rows so far (owned), in arrival order */
-    size_t    n_crows, cap_crows;
-    char      crows_err[256]; /* the first row that could not be decoded ("": none) */
+    pgsrc_rows crows;         /* the running claim's rows so far (pgsrc_rows.c) */
     char      derr[512];
 
     char      prev_pid[16];   /* our previous session on the server: pid and backend_start */
@@ -122,30 +116,11 @@ struct source {
     const char *lq_sql;
     int       server_pid;     /* pg_backend_pid() seen at setup */
 
-    /* A row over RECYCLE_ROW_BYTES was read: the next request opens a new session
-       first (recycling), parked meanwhile with copies of its values. The core sees
-       no DOWN/UP for it; a failure to reconnect is reported as any other. */
-    bool      recycle_due;
-    bool      recycling;
-    const char *park_sql;     /* the parked request's statement (one of ours), NULL none */
-    int       park_n, park_fmt;
-    char     *park_vals[8];
-
     int       cb_depth;
     bool      destroyed;
 };
 
 /* ------------------------------------------------------------ helpers */
-
-static void crows_free(source *s)
-{
-    for (size_t i = 0; i < s->n_crows; i++)
-        row_free(s->crows[i]);
-    free(s->crows);
-    s->crows = NULL;
-    s->n_crows = s->cap_crows = 0;
-    s->crows_err[0] = '\0';
-}
 
 static void prep_clear(source *s);
 
@@ -153,7 +128,7 @@ static void lq_clear(source *s);
 
 static void src_free(source *s)
 {
-    crows_free(s);
+    pgsrc_rows_free(&s->crows);
     lq_clear(s);
     free(s->conninfo);
     if (s->password) {
@@ -169,6 +144,7 @@ static void src_free(source *s)
     free(s->sql_cleanup);
     free(s->sql_stats);
     free(s->sql_health);
+    free(s->sql_slices);
     prep_clear(s);
     free(s->sql_claim_competing);
     free(s);
@@ -250,28 +226,16 @@ static void deadline_set(source *s, int64_t ms)
     ev_timer_start(s->loop, &s->deadline);
 }
 
-static void park_clear(source *s)
-{
-    for (int i = 0; i < s->park_n; i++) {
-        free(s->park_vals[i]);
-        s->park_vals[i] = NULL;
-    }
-    s->park_n = 0;
-    s->park_sql = NULL;
-}
-
 /* Closes the connection and forgets everything tied to the session. */
 static void conn_close(source *s)
 {
-    park_clear(s);
-    s->recycling = false;
     io_off(s);
     ev_timer_stop(s->loop, &s->deadline);
     if (s->qres) {
         PQclear(s->qres);
         s->qres = NULL;
     }
-    crows_free(s);
+    pgsrc_rows_free(&s->crows);
     s->qop = Q_NONE;
     s->flushing = false;
     if (s->conn) {
@@ -340,13 +304,13 @@ static int q_flush(source *s)
  * (connection unusable: the caller handles it). */
 /* A claim's rows are read one at a time (PGRES_SINGLE_TUPLE) and turned into rows as they
    come: libpq never holds the whole result beside the rows built from it, so a claim of
-   many large rows costs their size once, not twice. Called right after a claim's statement
-   was sent, whichever way (text or prepared); any other statement is read whole. Should
-   libpq refuse (it cannot, right after a send), the claim is read whole: correct, only
-   larger. */
+   many large rows costs their size once, not twice. So are the slices of a payload read
+   after its claim (pgsrc_rows.c). Called right after such a statement was sent, whichever
+   way (text or prepared); any other statement is read whole. Should libpq refuse (it
+   cannot, right after a send), the result is read whole: correct, only larger. */
 static void claim_row_by_row(source *s, const char *sql)
 {
-    if (sql == s->sql_claim || sql == s->sql_claim_competing)
+    if (sql == s->sql_claim || sql == s->sql_claim_competing || sql == s->sql_slices)
         (void)PQsetSingleRowMode(s->conn);
 }
 
@@ -486,131 +450,6 @@ static int parse_health(source *s, const PGresult *r, src_health *h)
     return 0;
 }
 
-/* ------------------------------------------------------------ claim decoding */
-
-static int64_t be64(const char *p)
-{
-    const unsigned char *u = (const unsigned char *)p;
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v = (v << 8) | u[i];
-    return (int64_t)v;
-}
-
-static int32_t be32(const char *p)
-{
-    const unsigned char *u = (const unsigned char *)p;
-    return (int32_t)(((uint32_t)u[0] << 24) | ((uint32_t)u[1] << 16) | ((uint32_t)u[2] << 8) | u[3]);
-}
-
-static row_field bfield(const PGresult *r, int i, int c)
-{
-    row_field f = {NULL, 0};
-    if (!PQgetisnull(r, i, c)) {
-        f.p = PQgetvalue(r, i, c);
-        f.len = (size_t)PQgetlength(r, i, c);
-    }
-    return f;
-}
-
-static int row_cmp(const void *a, const void *b)
-{
-    const row *x = *(row *const *)a, *y = *(row *const *)b;
-    return x->id < y->id ? -1 : x->id > y->id;
-}
-
-/* A payload at least this large is not copied out of its result: the row keeps the
-   result (one row in single-row mode) and points into it. Below it, the copy is cheaper
-   than the result's own overhead kept per row. */
-#define PGSRC_KEEP_RESULT_MIN (64 * 1024)
-
-static void result_release(void *r)
-{
-    PQclear(r);
-}
-
-/* Appends the claimed rows of a binary-format result (one row in single-row mode, or
-   none: the final result) to s->crows. 0 or -1 (err set; what was appended stays).
-   own: NULL, or the caller's hold on r: a row whose payload is large takes r over (it
-   frees it with itself) and sets *own to NULL; the caller PQclears *own. */
-static int decode_claim(source *s, const PGresult *r, int64_t token, char *err, size_t errlen,
-                        PGresult **own)
-{
-    int n = PQntuples(r);
-    if (PQnfields(r) != 14) {
-        snprintf(err, errlen, "claim: unexpected result shape (%d columns)", PQnfields(r));
-        return -1;
-    }
-    if (n == 0)
-        return 0;
-    if (s->n_crows + (size_t)n > s->cap_crows) {
-        size_t nc = s->cap_crows ? s->cap_crows * 2 : 64;
-        while (nc < s->n_crows + (size_t)n)
-            nc *= 2;
-        row **nr = realloc(s->crows, nc * sizeof *nr);
-        if (!nr) {
-            snprintf(err, errlen, "claim: out of memory");
-            return -1;
-        }
-        s->crows = nr;
-        s->cap_crows = nc;
-    }
-    for (int i = 0; i < n; i++) {
-        row_fields f;
-        char uuid[37];
-        memset(&f, 0, sizeof f);
-        if (PQgetisnull(r, i, 0) || PQgetlength(r, i, 0) != 8 ||
-            PQgetisnull(r, i, 1) || PQgetlength(r, i, 1) != 16 ||
-            PQgetisnull(r, i, 10) || PQgetlength(r, i, 10) != 4 ||
-            PQgetisnull(r, i, 11) || PQgetlength(r, i, 11) != 8 ||
-            (PQgetisnull(r, i, 13) ? PQgetisnull(r, i, 9)
-                                   : !PQgetisnull(r, i, 9) || PQgetlength(r, i, 13) != 8)) {
-            snprintf(err, errlen, "claim: unexpected column encoding in row %zu",
-                     s->n_crows);
-            return -1;
-        }
-        const unsigned char *u = (const unsigned char *)PQgetvalue(r, i, 1);
-        snprintf(uuid, sizeof uuid,
-                 "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-                 u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
-                 u[12], u[13], u[14], u[15]);
-        f.id = be64(PQgetvalue(r, i, 0));
-        f.lease_token = token;
-        f.message_id.p = uuid;
-        f.message_id.len = 36;
-        f.exchange = bfield(r, i, 2);
-        f.routing_key = bfield(r, i, 3);
-        f.partition_key = bfield(r, i, 4);
-        f.message_type = bfield(r, i, 5);
-        f.content_type = bfield(r, i, 6);
-        f.correlation_id = bfield(r, i, 7);
-        f.headers_json = bfield(r, i, 8);
-        f.payload = bfield(r, i, 9);
-        if (f.payload.len + f.headers_json.len > RECYCLE_ROW_BYTES)
-            s->recycle_due = true;     /* libpq's input buffer grew to hold it */
-        if (!PQgetisnull(r, i, 13)) {    /* left in the database: its size only */
-            int64_t withheld = be64(PQgetvalue(r, i, 13));
-            f.payload_withheld = withheld > 0 ? (size_t)withheld : 1;
-        }
-        if (own != NULL && *own == r && n == 1 && f.payload.len >= PGSRC_KEEP_RESULT_MIN) {
-            f.payload_owner = *own;          /* row_new takes it when it succeeds */
-            f.payload_release = result_release;
-        }
-        f.attempts = be32(PQgetvalue(r, i, 10));
-        f.created_at_us = be64(PQgetvalue(r, i, 11));
-        f.age_us = PQgetisnull(r, i, 12) ? -1 : be64(PQgetvalue(r, i, 12));
-        row *w = row_new(&f);
-        if (!w) {
-            snprintf(err, errlen, "claim: out of memory building row %" PRId64, f.id);
-            return -1;
-        }
-        s->crows[s->n_crows++] = w;
-        if (f.payload_owner != NULL)
-            *own = NULL;
-    }
-    return 0;
-}
-
 /* ------------------------------------------------------------ request completion */
 
 static void req_complete(source *s, PGresult *r)
@@ -648,21 +487,13 @@ static void req_complete(source *s, PGresult *r)
             res.n_reset = strtoll(PQgetvalue(r, 0, 3), NULL, 10);
             break;
         case SRC_REQ_CLAIM:
-            if (s->crows_err[0] != '\0') {
-                snprintf(err, sizeof err, "%s", s->crows_err);
-                res.ok = -1;
-                res.error = err;
-            } else if (decode_claim(s, r, s->claim_token, err, sizeof err, NULL) < 0) {
+            /* the rows were read (claim_read) */
+            if (s->crows.err[0] != '\0') {
+                snprintf(err, sizeof err, "%s", s->crows.err);
                 res.ok = -1;
                 res.error = err;
             } else {
-                /* RETURNING order is not id order */
-                if (s->n_crows > 1)
-                    qsort(s->crows, s->n_crows, sizeof *s->crows, row_cmp);
-                res.rows = s->crows;     /* ownership to the callee */
-                res.n_rows = s->n_crows;
-                s->crows = NULL;
-                s->n_crows = s->cap_crows = 0;
+                pgsrc_rows_take(&s->crows, &res.rows, &res.n_rows);  /* ownership to the callee */
             }
             break;
         case SRC_REQ_SETTLE:
@@ -688,7 +519,7 @@ static void req_complete(source *s, PGresult *r)
             break;
         }
     }
-    crows_free(s);      /* a failed claim's rows so far (the statement rolled back) */
+    pgsrc_rows_free(&s->crows);      /* a failed claim's rows so far (the statement rolled back) */
     bool wake = false;
     if (res.req == SRC_REQ_CLAIM) {
         /* QUIET_ROWS: listen only while claims come back empty */
@@ -724,6 +555,42 @@ static void set_up(source *s);
 static void prep_done(source *s, PGresult *r);
 static void listen_done(source *s, PGresult *r);
 
+/* A claim's statement (Q_REQ), or the reading of one of its payloads (Q_LOAD), is done
+   and succeeded: the last rows are decoded, or the payload checked whole, and the next
+   payload the claim left in the database is asked for, its slices read as they come
+   (io_process). True while one is being read; false when the claim is complete (or
+   failed: crows.err). */
+static bool claim_read(source *s, int op, const PGresult *r)
+{
+    char err[256], id[24], len[24], tok[24];
+    int64_t next;
+    int rc;
+    if (s->crows.err[0] != '\0')
+        rc = 0;
+    else if (op == Q_REQ)       /* rows, unless libpq refused single-row mode */
+        rc = pgsrc_rows_decode(&s->crows, r, s->claim_token, NULL, err, sizeof err);
+    else                        /* likewise slices */
+        rc = pgsrc_rows_slice(&s->crows, r, err, sizeof err) < 0
+                 ? -1 : pgsrc_rows_load_end(&s->crows, err, sizeof err);
+    if (rc < 0)
+        snprintf(s->crows.err, sizeof s->crows.err, "%s", err);
+    if (s->crows.err[0] != '\0' || !pgsrc_rows_load_next(&s->crows, &next))
+        return false;
+    snprintf(id, sizeof id, "%" PRId64, next);
+    snprintf(len, sizeof len, "%d", SQL_PG_SLICE_BYTES);
+    snprintf(tok, sizeof tok, "%" PRId64, s->claim_token);
+    const char *vals[3] = { id, len, tok };
+    if (q_send(s, Q_LOAD, s->sql_slices, 3, vals, 1) == 0)
+        return true;
+    char one[200];
+    pgsrc_oneline(PQerrorMessage(s->conn), one, sizeof one);
+    snprintf(s->crows.err, sizeof s->crows.err, "payload of row %" PRId64 ": %s", next,
+             one[0] ? one : "send failed");
+    s->qop = Q_NONE;        /* the connection's failure is noticed at its next use */
+    ev_timer_stop(s->loop, &s->deadline);
+    return false;
+}
+
 /* The query in flight has returned all its results. */
 static void q_done(source *s)
 {
@@ -734,7 +601,11 @@ static void q_done(source *s)
     s->qop = Q_NONE;
     ev_timer_stop(s->loop, &s->deadline);
 
-    if (op == Q_REQ) {
+    if (op == Q_REQ || op == Q_LOAD) {
+        if (s->req == SRC_REQ_CLAIM && result_ok(r) && claim_read(s, op, r)) {
+            PQclear(r);
+            return;         /* a payload is being read */
+        }
         req_complete(s, r);
         PQclear(r);
         return;
@@ -832,28 +703,11 @@ static void warn_no_listen(source *s)
            (double)cfg_poll_interval_ms(&s->cfg, false) / 1000.0);
 }
 
-static int req_query(source *s, const char *sql, int n, const char *const *vals, int fmt);
-
 static void set_up(source *s)
 {
     s->phase = PH_UP;
     s->backoff_ms = BACKOFF_MIN_MS;
     s->notice[0] = '\0';
-    if (s->recycling) {
-        /* the session was replaced to free libpq's buffer: the core never saw it go;
-           send the request parked meanwhile */
-        const char *vals[8];
-        const char *sql = s->park_sql;
-        int n = s->park_n, fmt = s->park_fmt;
-        s->recycling = false;
-        for (int i = 0; i < n; i++)
-            vals[i] = s->park_vals[i];
-        int rc = sql != NULL ? req_query(s, sql, n, vals, fmt) : 0;
-        park_clear(s);          /* req_query copied what it keeps */
-        if (rc < 0)
-            conn_lost(s, "connection lost");
-        return;
-    }
     cb_state(s, SRC_UP, NULL);
 }
 
@@ -964,9 +818,12 @@ static void io_process(source *s, int revents)
                when its payload is large (no second copy of it) */
             char err[256];
             PGresult *own = r;
-            if (s->qop == Q_REQ && s->req == SRC_REQ_CLAIM && s->crows_err[0] == '\0' &&
-                decode_claim(s, r, s->claim_token, err, sizeof err, &own) < 0)
-                snprintf(s->crows_err, sizeof s->crows_err, "%s", err);
+            if (s->qop == Q_REQ && s->req == SRC_REQ_CLAIM && s->crows.err[0] == '\0' &&
+                pgsrc_rows_decode(&s->crows, r, s->claim_token, &own, err, sizeof err) < 0)
+                snprintf(s->crows.err, sizeof s->crows.err, "%s", err);
+            else if (s->qop == Q_LOAD && s->crows.err[0] == '\0' &&
+                     pgsrc_rows_slice(&s->crows, r, err, sizeof err) < 0)
+                snprintf(s->crows.err, sizeof s->crows.err, "%s", err);
             PQclear(own);
             continue;
         }
@@ -1098,14 +955,15 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
         s->cfg.reconnect_max_ms = 30000;
     sql_pg_names_init(ob, &s->names);
     s->sql_lead = sql_pg_lead(&s->names);
-    s->sql_claim = sql_pg_claim_bytes(&s->names, false);
-    s->sql_claim_competing = sql_pg_claim_bytes(&s->names, true);
+    s->sql_claim = sql_pg_claim_sliced(&s->names, false);
+    s->sql_claim_competing = sql_pg_claim_sliced(&s->names, true);
     s->sql_settle = sql_pg_settle(&s->names, ob->on_sent);
     s->sql_settle_sent = sql_pg_settle_sent(&s->names, ob->on_sent);
     s->sql_cleanup = sql_pg_cleanup(&s->names);
     s->sql_stats = sql_pg_stats(&s->names, false);
     s->sql_health = sql_pg_health();
-    if (!s->sql_lead || !s->sql_claim || !s->sql_claim_competing || !s->sql_settle ||
+    s->sql_slices = sql_pg_payload_slices(&s->names);
+    if (!s->sql_slices || !s->sql_lead || !s->sql_claim || !s->sql_claim_competing || !s->sql_settle ||
         !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats || !s->sql_health)
         goto oom;
     s->backoff_ms = BACKOFF_MIN_MS;
@@ -1273,42 +1131,8 @@ static void prep_done(source *s, PGresult *r)
     }
 }
 
-/* Replaces the session before sending a request when a large row was read on it (libpq
-   keeps an input buffer the size of the largest row for the session's life): the
-   request waits, with copies of its values, until the new session is set up (set_up).
-   0, or -1 when the values cannot be copied (then sent on the old session). */
-static int recycle(source *s, const char *sql, int n, const char *const *vals, int fmt)
-{
-    char *copy[8] = { NULL };
-    if (n > 8)
-        return -1;
-    for (int i = 0; i < n; i++)
-        if (vals[i] != NULL && (copy[i] = dupstr(vals[i])) == NULL) {
-            for (int k = 0; k < i; k++)
-                free(copy[k]);
-            return -1;
-        }
-    s->recycle_due = false;
-    conn_close(s);
-    for (int i = 0; i < n; i++)
-        s->park_vals[i] = copy[i];
-    s->park_n = n;
-    s->park_fmt = fmt;
-    s->park_sql = sql;
-    s->recycling = true;
-    /* connected from the loop (retry_cb), never inside the core's call: a connect that
-       fails at once fails the parked request and reports DOWN, as any other */
-    s->phase = PH_BACKOFF;
-    ev_timer_stop(s->loop, &s->retry);
-    ev_timer_set(&s->retry, 0., 0.);
-    ev_timer_start(s->loop, &s->retry);
-    return 0;
-}
-
 static int req_send(source *s, const char *sql, int n, const char *const *vals, int fmt)
 {
-    if (s->recycle_due && recycle(s, sql, n, vals, fmt) == 0)
-        return 0;
     if (req_query(s, sql, n, vals, fmt) < 0) {
         char one[256];
         pgsrc_oneline(PQerrorMessage(s->conn), one, sizeof one);
@@ -1407,6 +1231,7 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     const char *vals[CLAIM_NPARAMS] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
                            a->first_whole ? "true" : "false", maxpay};
     s->claim_token = a->lease_token;
+    s->crows.max_payload = a->max_payload > INT64_MAX ? 0 : a->max_payload;
     const char *sql = a->competing ? s->sql_claim_competing : s->sql_claim;
     if (s->unlisten_next || s->listen_next)
         return listen_then_claim(s, sql, vals);
