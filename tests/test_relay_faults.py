@@ -421,15 +421,16 @@ def test_nacks_from_full_queue_are_retried(services, pgdb, relay_bin, build, tmp
     try:
         r.wait_log("became the active relay")
         deadline = time.monotonic() + 50
-        # a slow, bursty consumer: 100 messages every 0.8 s, so that some retries (200 ms
-        # later) find the queue still full and back off further
+        # a slow, bursty consumer: 100 messages every 0.4 s, so that some retries (200 ms
+        # later) find the queue still full and back off further (the relay refills it within
+        # milliseconds of a burst)
         while len(got) < n and time.monotonic() < deadline:
             for _ in range(100):
                 method, props, body = ch.basic_get(c.q, auto_ack=True)
                 if method is None:
                     break
                 got.append((props, body, time.monotonic()))
-            time.sleep(0.8)
+            time.sleep(0.4)
         took_consume = len(got)
         c.wait_all_sent(n, timeout=10)
         time.sleep(0.5)
