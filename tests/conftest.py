@@ -290,6 +290,77 @@ def amqp(services):
                 pass
 
 
+# ---------------------------------------------------------------------------- memory alarm
+class MemoryAlarm:
+    """The broker's memory alarm (the broker then blocks publishing connections:
+    connection.blocked), raised and cleared at once: one `rabbitmqctl eval` inside the
+    broker, started in the background with the fixture, watches two files. A rabbitmqctl
+    call per change starts an Erlang VM each time (seconds; 5-14 s on a loaded 2-core
+    machine). raise_() and clear() return once the broker changed its watermark; the alarm
+    is cleared at teardown whatever happened (the eval also clears it at its deadline)."""
+
+    def __init__(self, services, workdir, deadline_s=600):
+        import threading
+        self.services = services
+        f = {k: str(workdir / f"alarm.{k}") for k in ("ready", "raise", "raised", "clear",
+                                                       "cleared")}
+        self._f = f
+        expr = (
+            'ok = file:write_file("%(ready)s", <<"ready">>), '
+            'Deadline = erlang:monotonic_time(millisecond) + %(ms)d, '
+            'Wait = fun W(Fs) -> case lists:any(fun filelib:is_file/1, Fs) orelse '
+            '  erlang:monotonic_time(millisecond) > Deadline of '
+            '  true -> ok; false -> timer:sleep(5), W(Fs) end end, '
+            'Wait(["%(raise)s", "%(clear)s"]), '
+            'case filelib:is_file("%(raise)s") andalso not filelib:is_file("%(clear)s") of '
+            '  true -> vm_memory_monitor:set_vm_memory_high_watermark(0.0000001), '
+            '          ok = file:write_file("%(raised)s", <<"raised">>), '
+            '          Wait(["%(clear)s"]); '
+            '  false -> ok end, '
+            'vm_memory_monitor:set_vm_memory_high_watermark(0.4), '
+            'ok = file:write_file("%(cleared)s", <<"cleared">>), '
+            'done.' % dict(f, ms=deadline_s * 1000))
+        self._p = None
+
+        def run():
+            self._p = services.rabbitmqctl("eval", expr, timeout=deadline_s + 60)
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def _touch_and_wait(self, mark, done, what):
+        pathlib.Path(self._f[mark]).touch()
+        wait_for(lambda: os.path.exists(self._f[done]) or not self._thread.is_alive(), 120,
+                 interval=0.01, desc=what)
+        assert os.path.exists(self._f[done]), f"{what}: rabbitmqctl eval ended: {self._p}"
+
+    def raise_(self):
+        wait_for(lambda: os.path.exists(self._f["ready"]) or not self._thread.is_alive(), 120,
+                 interval=0.02, desc="rabbitmqctl eval to start")
+        assert os.path.exists(self._f["ready"]), f"rabbitmqctl eval failed: {self._p}"
+        self._touch_and_wait("raise", "raised", "the memory alarm raised")
+
+    def clear(self):
+        self._touch_and_wait("clear", "cleared", "the memory alarm cleared")
+
+    def close(self):
+        """Never raises: it runs at teardown."""
+        pathlib.Path(self._f["clear"]).touch()
+        self._thread.join(60)
+        if self._p is None or self._p.returncode != 0 or \
+                not os.path.exists(self._f["cleared"]):
+            self.services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+
+
+@pytest.fixture
+def memory_alarm(services, tmp_path):
+    """A MemoryAlarm of the private broker: .raise_() and .clear(), each at once."""
+    alarm = MemoryAlarm(services, tmp_path)
+    try:
+        yield alarm
+    finally:
+        alarm.close()
+
+
 # ---------------------------------------------------------------------------- failure logs
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):

@@ -173,6 +173,8 @@ class RabbitCluster:
         self.wait_ready(range(1, len(self.nodes)))
         names = [nd["name"] for nd in self.nodes]
         running = self.running_nodes()
+        if sorted(running) == sorted(names):
+            return   # formed at boot (each rabbitmqctl call is an Erlang VM start: seconds)
         for i in range(1, len(self.nodes)):
             if names[i] not in running:   # peer discovery lost a race: join by hand
                 for args in (("stop_app",), ("join_cluster", names[0]), ("start_app",)):

@@ -212,14 +212,8 @@ def test_notify_latency_and_poll_fallback(services, pgdb, relay_bin, build, tmp_
     conn.close()
 
 
-def _claims_during(r, seconds):
-    c0 = r.metric("outbox_relay_claims_total")
-    time.sleep(seconds)
-    return r.metric("outbox_relay_claims_total") - c0
-
-
 def test_poll_interval_auto_polls_rarely_when_notified_and_wakes_when_rows_fall_due(
-        services, pgdb, relay_bin, build, tmp_path):
+        services, pgdb, pgdb2, relay_bin, build, tmp_path):
     """poll_interval = auto: while LISTEN/NOTIFY wakes the relay its idle poll is a safety
     net every 5 s (fifty idle outboxes cost next to nothing); a row delayed by the producer
     is still published as soon as it falls due, not up to a poll interval later; without
@@ -229,10 +223,34 @@ def test_poll_interval_auto_polls_rarely_when_notified_and_wakes_when_rows_fall_
     declare(ch, "", q, q)
     r, cfg = start_relay(relay_bin, tmp_path, services, pgdb, poll_interval="auto")
     init_schema(relay_bin, cfg)
+    # no NOTIFY reaches the ODBC source: auto polls every second there. It idles on a
+    # database of its own at the same time, so that both idle periods pass once
+    r2, cfg2 = start_relay(relay_bin, tmp_path, services, pgdb2, name="r2", source="sqlserver",
+                           conninfo=pgdb2.odbc, poll_interval="auto")
+    init_schema(relay_bin, cfg2)
     r.wait_log("became the active relay")
-    time.sleep(8)  # the adaptive poll backs off to its ceiling
-    n = _claims_during(r, 10.5)
+    r2.wait_log("became the active relay")
+    t0 = time.monotonic()
+
+    def claims(relay):
+        return relay.metric("outbox_relay_claims_total"), time.monotonic()
+
+    def sleep_until(t):
+        time.sleep(max(0.0, t - time.monotonic()))
+    # each adaptive poll backs off to its ceiling (3 s without NOTIFY, 8 s with it), then
+    # its claims are counted over 6 s and 10.5 s
+    sleep_until(t0 + 3)
+    c2, s2 = claims(r2)
+    sleep_until(t0 + 8)
+    c1, s1 = claims(r)
+    sleep_until(s2 + 6)
+    n2 = claims(r2)[0] - c2
+    sleep_until(s1 + 10.5)
+    n = claims(r)[0] - c1
+    r2.assert_clean_exit(r2.stop())
+    print(f"idle claims: {n} in 10.5 s with NOTIFY, {n2} in 6 s without")
     assert 1 <= n <= 4, f"{n} claims in 10.5 s of idling with NOTIFY up (auto: one per 5 s)"
+    assert 4 <= n2 <= 8, f"{n2} claims in 6 s of idling without NOTIFY (auto: one per second)"
     # a delayed row: NOTIFY at commit finds it not yet due; the relay asks when it falls
     # due and looks again then (the adaptive poll alone would find it at 3.15 s)
     gen = ch.consume(q, auto_ack=True, inactivity_timeout=0.005)
@@ -250,14 +268,6 @@ def test_poll_interval_auto_polls_rarely_when_notified_and_wakes_when_rows_fall_
     assert body == b"late"
     assert 1.9 <= lat < 2.4, f"a row due 2 s after its commit arrived after {lat:.2f} s"
     r.assert_clean_exit(r.stop())
-    # no NOTIFY reaches the ODBC source: auto polls every second there
-    r2, _ = start_relay(relay_bin, tmp_path, services, pgdb, name="r2", source="sqlserver",
-                        conninfo=pgdb.odbc, poll_interval="auto")
-    r2.wait_log("became the active relay")
-    time.sleep(3)
-    n = _claims_during(r2, 6)
-    assert 4 <= n <= 8, f"{n} claims in 6 s of idling without NOTIFY (auto: one per second)"
-    r2.assert_clean_exit(r2.stop())
     conn.close()
 
 
@@ -440,7 +450,16 @@ def test_leader_failover(services, pgdb, relay_bin, build, tmp_path):
     took = time.monotonic() - t_kill
     print(f"failover: standby active {took:.2f}s after kill -9 (lease 3s)")
     assert took <= 3 + 1.0
-    rest = consume(ch, q, 3000, timeout=60, idle=1.0)
+    # until every seq arrived (not 3000 deliveries: `first` holds some of them, so that count
+    # may never come), then 1 s more for late copies
+    rest = []
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        need = 3000 - len({int(p.headers["seq"]) for p, _, _ in first + rest})
+        if need <= 0:
+            break
+        rest += consume(ch, q, need, timeout=deadline - time.monotonic())
+    rest += consume(ch, q, 0, idle=1.0)
     got = first + rest
     seqs = {}
     for props, body, _ in got:

@@ -1032,8 +1032,12 @@ def test_second_signal_exits_at_once(services, pgdb, relay_bin, build, tmp_path,
     assert_log_at(relay, r"second signal: exiting at once")   # WARN: confirms are given up
     assert "ERROR: AddressSanitizer" not in text and "runtime error:" not in text, text[-4000:]
 
-    # nothing was lost: a new relay publishes the rest once the old leases expired
-    relay2 = Relay(relay_bin, cfg, tmp_path / "sig2.log")
+    # nothing was lost: a new relay publishes the rest once the old leases expired (at the
+    # default window and batch: the window of 1 above only keeps the first relay's drain
+    # slow enough to be stalled mid-way, and one row at a time the rest took ~30 s)
+    cfg2, _ = relay_with_http(relay_bin, tmp_path, services, pgdb, name="r2",
+                              query_timeout="60s", lease="5s")
+    relay2 = Relay(relay_bin, cfg2, tmp_path / "sig2.log")
     try:
         wait_for(lambda: psql_rows(pgdb, "select count(*) from outbox.messages "
                                          "where sent_at is null")[0][0] == 0, 120,

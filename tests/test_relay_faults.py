@@ -341,18 +341,16 @@ def test_broker_restart_mid_drain(services, pgdb, relay_bin, build, tmp_path):
 
 
 # ---------------------------------------------------------------------------- 5
-def test_connection_blocked_pauses_publishing(services, pgdb, relay_bin, build, tmp_path):
+def test_connection_blocked_pauses_publishing(services, pgdb, relay_bin, build, tmp_path,
+                                              memory_alarm):
     n, keys = 2000, 20
     c = Case(services, pgdb, relay_bin, build, tmp_path, "blocked")
     r = c.start()
-    alarm = False
     try:
         r.wait_log("became the active relay")
         r.wait_log("sink=main: connected")
         assert r.metric("outbox_relay_sink_blocked") == 0
-        p = services.rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
-        alarm = True
-        assert p.returncode == 0, p.stdout + p.stderr
+        memory_alarm.raise_()
         c.produce(n, keys, size=128, batch=500)
         wait_for(lambda: r.metric("outbox_relay_sink_blocked") == 1, 10, ignore=(OSError,),
                  desc="outbox_relay_sink_blocked 1")
@@ -364,15 +362,13 @@ def test_connection_blocked_pauses_publishing(services, pgdb, relay_bin, build, 
         assert depth == 0, f"{depth} messages reached the queue while the broker was blocked"
         assert unsent == n
         assert blocked_gauge == 1
-        services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
-        alarm = False
+        memory_alarm.clear()
         took = c.wait_all_sent(n, timeout=30)
         text = r.text()
         blocked_after = r.metric("outbox_relay_sink_blocked")
     finally:
         try:
-            if alarm:
-                services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+            memory_alarm.close()
         finally:
             stop_clean(r)
     got = c.collect()
@@ -421,15 +417,16 @@ def test_nacks_from_full_queue_are_retried(services, pgdb, relay_bin, build, tmp
     try:
         r.wait_log("became the active relay")
         deadline = time.monotonic() + 50
-        # a slow, bursty consumer: 100 messages every 0.8 s, so that some retries (200 ms
-        # later) find the queue still full and back off further
+        # a slow, bursty consumer: 100 messages every 0.4 s, so that some retries (200 ms
+        # later) find the queue still full and back off further (the relay refills it within
+        # milliseconds of a burst)
         while len(got) < n and time.monotonic() < deadline:
             for _ in range(100):
                 method, props, body = ch.basic_get(c.q, auto_ack=True)
                 if method is None:
                     break
                 got.append((props, body, time.monotonic()))
-            time.sleep(0.8)
+            time.sleep(0.4)
         took_consume = len(got)
         c.wait_all_sent(n, timeout=10)
         time.sleep(0.5)
@@ -610,7 +607,8 @@ def test_stalled_marks_bound_what_is_republished(services, pgdb, relay_bin, buil
     assert dups == 2 * window
 
 # ---------------------------------------------------------------------------- 5b
-def test_blocked_longer_than_confirm_timeout(services, pgdb, relay_bin, build, tmp_path):
+def test_blocked_longer_than_confirm_timeout(services, pgdb, relay_bin, build, tmp_path,
+                                             memory_alarm):
     """A block outlasting confirm_timeout: messages the broker took before blocking stay
     unconfirmed while blocked; the relay should wait (paused), not tear the connection down
     every confirm_timeout and republish."""
@@ -618,28 +616,23 @@ def test_blocked_longer_than_confirm_timeout(services, pgdb, relay_bin, build, t
     c = Case(services, pgdb, relay_bin, build, tmp_path, "blocklong",
              sink={"confirm_timeout": "3s"})   # > the time a loaded broker takes to say blocked
     r = c.start()
-    alarm = False
     try:
         r.wait_log("became the active relay")
         r.wait_log("sink=main: connected")
-        p = services.rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
-        alarm = True
-        assert p.returncode == 0, p.stdout + p.stderr
+        memory_alarm.raise_()
         c.produce(n, keys, size=128, batch=500)
         wait_for(lambda: r.metric("outbox_relay_sink_blocked") == 1, 10, ignore=(OSError,),
                  desc="outbox_relay_sink_blocked 1")
         in_flight = r.metric("outbox_relay_in_flight")
         time.sleep(7.5)   # 2.5 x confirm_timeout
         blocked_gauge = r.metric("outbox_relay_sink_blocked")
-        services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
-        alarm = False
+        memory_alarm.clear()
         took = c.wait_all_sent(n, timeout=30)
         text = r.text()
         lost = r.metric("outbox_relay_retried_unconfirmed_total")
     finally:
         try:
-            if alarm:
-                services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+            memory_alarm.close()
         finally:
             stop_clean(r)
     got = c.collect()

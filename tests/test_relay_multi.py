@@ -143,7 +143,8 @@ def test_leader_frozen_or_killed_is_replaced(services, pgdb, relay_bin, build, t
         assert late == [], f"the old leader marked rows after it woke: {late[:5]}"
 
 
-def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, build, tmp_path):
+def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, build, tmp_path,
+                                                   memory_alarm):
     """The leader cannot reach the database (its connections hang): it must stop publishing
     before its lease runs out, and the standby takes over. Checked on the broker: the leader
     holds hundreds of claimed rows it has not published (batch_size 1000, publish_window 10,
@@ -157,7 +158,6 @@ def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, bu
     conn, ch = amqp_channel(services)
     declare(ch, "", q, q)
     proxy = BlackholeProxy(services.pg_port)
-    alarm = False
     a = b = None
     try:
         dsn_a = pgdb.dsn.replace(f"port={services.pg_port}", f"port={proxy.port}")
@@ -169,9 +169,7 @@ def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, bu
         a.wait_log("sink=main: connected")
         b, _ = relay(relay_bin, tmp_path, services, pgdb, "rb")
         b.wait_log("standing by")
-        p = services.rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
-        assert p.returncode == 0, p.stdout + p.stderr
-        alarm = True
+        memory_alarm.raise_()
         run_producer(build, pgdb.dsn, pgdb.name, count=n, keys=keys, routing_key=q, size=64,
                      batch=1000)
         # the broker tells a connection it is blocked once it publishes
@@ -194,8 +192,7 @@ def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, bu
         wait_log_at(a, "lost leadership", timeout=LEASE + 5)   # fenced: a WARN
         stopped = time.monotonic() - t0
         time.sleep(max(0.0, t_expiry + 0.5 - time.monotonic()))
-        services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
-        alarm = False
+        memory_alarm.clear()
         # the old leader would publish its held rows now, were it allowed
         early = consume(ch, q, n, timeout=3.0)
         os.kill(b.proc.pid, signal.SIGCONT)
@@ -205,8 +202,7 @@ def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, bu
         for r in (a, b):
             r.stop_clean()   # the fenced leader must still run and exit 0
     finally:
-        if alarm:
-            services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+        memory_alarm.close()
         for r in (a, b):
             if r is not None and r.proc.poll() is None:
                 os.kill(r.proc.pid, signal.SIGCONT)
@@ -230,8 +226,9 @@ def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, bu
 
 @pytest.mark.parametrize("freeze", [False, True])
 def test_competing_three_relays_keep_per_key_order(services, pgdb, relay_bin, build, tmp_path,
-                                                   freeze):
+                                                   freeze, request):
     n, keys = 9000, 50
+    alarm = request.getfixturevalue("memory_alarm") if freeze else None
     q = f"qm-{uuid.uuid4().hex[:6]}"
     conn, ch = amqp_channel(services)
     declare(ch, "", q, q)
@@ -244,13 +241,11 @@ def test_competing_three_relays_keep_per_key_order(services, pgdb, relay_bin, bu
         relays.append(r)
     for r in relays:
         r.wait_log("database connected")
-    held, alarm = [], False
+    held = []
     if freeze:
         # the broker blocks publishing (memory alarm) so that the relays hold claimed rows
         # instead of draining 9000 rows in a second: the frozen one is then sure to hold some
-        p = services.rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
-        assert p.returncode == 0, p.stdout + p.stderr
-        alarm = True
+        alarm.raise_()
     try:
         run_producer(build, pgdb.dsn, pgdb.name, count=n, keys=keys, routing_key=q, size=64,
                      batch=1000)
@@ -272,13 +267,12 @@ def test_competing_three_relays_keep_per_key_order(services, pgdb, relay_bin, bu
             # what it holds, frozen: leased and unsent rows (their keys are its keys now)
             held = psql_rows(pgdb, "SELECT id, partition_key FROM outbox.messages WHERE "
                                    "sent_at IS NULL AND lease_owner LIKE %s", (f"rc{bi}/%",))
-            services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
-            alarm = False
+            alarm.clear()
             time.sleep(LEASE + 2)
             os.kill(busy.proc.pid, signal.SIGCONT)
     finally:
-        if alarm:
-            services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+        if alarm is not None:
+            alarm.close()
     got += consume(ch, q, n - len(got), timeout=120, idle=2.0)
     counts = [r.metric("outbox_relay_relayed_total") for r in relays]
     audit = marks(pgdb)

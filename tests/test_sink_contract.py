@@ -11,8 +11,10 @@ What is *not* here (tests/test_sink_amqp.py): how a row becomes an AMQP message 
 the headers_json → field table parser), channel closes and reopening, the passive exchange
 check's cache and timeouts, heartbeats, broker-initiated closes, cluster URL lists and
 failover, the check command's texts."""
+import os
 import re
 import secrets
+import threading
 import time
 
 import pytest
@@ -106,13 +108,12 @@ class RabbitSink:
         self.proxies.append(p)
         return p
 
-    def block(self):
-        """Makes the broker apply flow control (connection.blocked)."""
-        s = self.services.rabbitmqctl("set_vm_memory_high_watermark", "0.0000001")
-        assert s.returncode == 0, s.stderr
-
-    def unblock(self):
-        self.services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+    def block_after(self, n_bytes, workdir):
+        """Makes the broker apply flow control (connection.blocked) to a driver about to
+        start, once its connection has received n_bytes; the handle's release() lifts it at
+        once (a rabbitmqctl call takes 5-14 s on a loaded 2-core machine). Returns once
+        armed."""
+        return RabbitAlarm(self.services, n_bytes, workdir)
 
     # --- the driver
     def run(self, *args, url=None, timeout=120):
@@ -134,6 +135,61 @@ class RabbitSink:
             c.close()
         except Exception:  # noqa: BLE001 - best effort cleanup
             pass
+
+
+class RabbitAlarm:
+    """One `rabbitmqctl eval` inside the broker: once a connection named sink_amqp_test (the
+    driver's) has received n_bytes it raises the memory alarm (the broker then blocks
+    publishing connections: connection.blocked), and clears it once the file `release`
+    exists, or at the deadline. The CLI's start-up, the slow part, is over when the broker
+    writes `ready`: the constructor waits for that."""
+
+    def __init__(self, services, n_bytes, workdir, deadline_s=120):
+        self.services = services
+        ready, self.release_file = str(workdir / "alarm.ready"), str(workdir / "alarm.release")
+        expr = (
+            'ok = file:write_file("%s", <<"ready">>), '
+            'N = <<"sink_amqp_test">>, After = %d, Release = "%s", '
+            'Deadline = erlang:monotonic_time(millisecond) + %d, '
+            'Late = fun() -> erlang:monotonic_time(millisecond) > Deadline end, '
+            'Recv = fun() -> [O || P <- rabbit_networking:connections(), '
+            '  {ok, O} <- [case catch rabbit_networking:connection_info(P, '
+            '                [client_properties, recv_oct]) of '
+            '    [{client_properties, CP}, {recv_oct, O1}] when is_list(CP) -> '
+            '      case lists:keyfind(<<"connection_name">>, 1, CP) of '
+            '        {_, longstr, N} -> {ok, O1}; _ -> no end; '
+            '    _ -> no end]] end, '
+            'Sent = fun S() -> case lists:any(fun(X) -> X >= After end, Recv()) of '
+            '  true -> true; false -> case Late() of true -> false; '
+            '                        false -> timer:sleep(3), S() end end end, '
+            'Raised = Sent(), '
+            'Raised andalso vm_memory_monitor:set_vm_memory_high_watermark(0.0000001), '
+            'Held = fun H() -> case filelib:is_file(Release) orelse Late() of '
+            '  true -> ok; false -> timer:sleep(5), H() end end, '
+            'Raised andalso Held(), '
+            'vm_memory_monitor:set_vm_memory_high_watermark(0.4), '
+            'Raised.' % (ready, n_bytes, self.release_file, deadline_s * 1000))
+        self._p = None
+
+        def run():
+            self._p = services.rabbitmqctl("eval", expr, timeout=deadline_s + 60)
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        wait_for(lambda: os.path.exists(ready) or not self._thread.is_alive(), 60,
+                 interval=0.02, desc="the broker-side alarm to be armed")
+        assert os.path.exists(ready), f"rabbitmqctl eval failed: {self._p}"
+
+    def release(self):
+        """Clears the alarm (also when it was never raised); True if it had been raised.
+        Never raises: it runs in a test's finally."""
+        with open(self.release_file, "w"):
+            pass
+        self._thread.join(30)
+        if self._p is None or self._p.returncode != 0:   # the eval is stuck or failed
+            self.services.rabbitmqctl("set_vm_memory_high_watermark", "0.4")
+            print(f"rabbitmqctl eval: {self._p}")
+            return False
+        return self._p.stdout.strip() == "true"
 
 
 @pytest.fixture(params=SINKS)
@@ -360,30 +416,36 @@ def test_large_messages_go_out_in_pieces_without_blocking_the_loop(sink):
     assert gaps[0] < 0.2, f"event loop held: longest gap between 100 ms ticks {gaps[:5]}"
 
 
-def test_flow_control_pauses_publishing(sink):
+def test_flow_control_pauses_publishing(sink, tmp_path):
     """The broker applies flow control (connection.blocked): the sink reports BLOCKED and
     publishes nothing new until it is lifted (only what was on the wire may still be
     confirmed), then UP, and every row is confirmed."""
-    # 2000 rows at 100/s: still publishing when the alarm lands (rabbitmqctl, an Erlang VM
-    # start, took 5-14 s on the loaded 2-core test machine; 300 rows were done by then)
-    bg = sink.background("--rate", "100", f"{sink.good},2000")
+    # 400 rows at 100/s; the broker applies flow control from inside once some 20 of them
+    # (64-byte bodies, each with its frames) reached it, so it lands while the driver
+    # publishes however slow the CLI is (an alarm set after the fact, 5-14 s a rabbitmqctl
+    # call on the loaded 2-core test machine, needed 2000 rows: 22 s a run)
+    n = 400
+    alarm = sink.block_after(100 * 64, tmp_path)
+    bg = sink.background("--rate", "100", f"{sink.good},{n}")
+    raised = False
     try:
-        wait_for(lambda: bg.count(r"^result \d+ ACK") >= 20, 60, desc="first acks")
-        sink.block()
-        wait_for(lambda: bg.count(r"^state BLOCKED") >= 1, 60, desc="BLOCKED state")
+        wait_for(lambda: bg.count(r"^state BLOCKED") >= 1 or bg.p.poll() is not None, 60,
+                 desc="BLOCKED state")
         n1 = bg.count(r"^result ")
         time.sleep(1.5)
         n2 = bg.count(r"^result ")
+        print(f"BLOCKED after {n1} results; {n2 - n1} more in the 1.5 s after it")
         assert n2 - n1 <= 10, (n1, n2)
         assert bg.p.poll() is None
     finally:
-        sink.unblock()
+        raised = alarm.release()
     try:
         r = bg.finish(120)
     finally:
         bg.kill()
+    assert raised, "the broker never applied flow control"
     assert r.rc == 0, r
-    assert r.summary["acked"] == 2000, r
+    assert r.summary["acked"] == n, r
     assert r.summary["queued_while_blocked"] == 0, r
     seq = [s for s, _ in r.states]
     b = seq.index("BLOCKED")
