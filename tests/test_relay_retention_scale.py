@@ -14,6 +14,7 @@ What is checked, from PostgreSQL's own counters rather than the relay's word:
 
 Each test uses its own database, queue and relay name."""
 import contextlib
+import threading
 import time
 
 import psycopg
@@ -41,12 +42,13 @@ class _InTx:
         return contextlib.nullcontext(self.conn)
 
 
-def _load_old(conn, count, young):
+def _load_old(conn, count, young, base=0):
     """`count` rows marked sent OLD_AGE ago (and `young` rows YOUNG_AGE ago) in the table's
     real layout, in one INSERT ... SELECT each, inside the caller's transaction; their
     sent_at follow their ids, so retention (oldest first) deletes them in id order. The
     message ids are distinct and ascending (random ones make the load several times slower:
-    each is a random insert into the message_id index). Returns (first id, last id) of the
+    each is a random insert into the message_id index; `base` keeps them apart between
+    loads). Returns (first id, last id) of the
     old rows and of the young ones."""
     def one(n, age, tag, start):
         return conn.execute(
@@ -59,8 +61,8 @@ def _load_old(conn, count, young):
             "now() - %(age)s::interval + g * interval '1 microsecond' "
             "FROM generate_series(1, %(n)s::bigint) g RETURNING id",
             {"n": n, "age": age, "tag": tag, "start": start}).fetchall()
-    old = [r[0] for r in one(count, OLD_AGE, "old-", 1 << 40)]
-    yng = [r[0] for r in one(young, YOUNG_AGE, "young-", 2 << 40)]
+    old = [r[0] for r in one(count, OLD_AGE, "old-", (1 << 40) + base)]
+    yng = [r[0] for r in one(young, YOUNG_AGE, "young-", (2 << 40) + base)]
     return (min(old), max(old)), (min(yng), max(yng))
 
 
@@ -173,7 +175,7 @@ def test_retention_with_a_million_marked_rows(services, pgdb, relay_bin, build, 
 
         def old_left():
             i = _oldest_marked_id(watch)
-            return 0 if i is None or i > o_last else o_last - i + 1
+            return 0 if i is None or not o_first <= i <= o_last else o_last - i + 1
         samples = []
         deadline = t2 + 60
         while True:
@@ -232,10 +234,145 @@ def test_retention_with_a_million_marked_rows(services, pgdb, relay_bin, build, 
     assert seq1 - seq0 < old // 10, (
         f"{seq1 - seq0} rows read by sequential scans of the outbox while retention deleted "
         f"{old} rows: a statement read the whole table")
-    assert max_ms < 2000, f"a retention statement of {batch} rows took {max_ms:.0f} ms"
+    # a statement of 10,000 rows: 60-120 ms on average, the slowest up to 1.1 s on the loaded
+    # 2-core machine; well within the query timeout (30 s), which would fail the pass
+    assert max_ms < 5000, f"a retention statement of {batch} rows took {max_ms:.0f} ms"
     assert rate1 >= rate0 / 3, (
         f"the backlog drained at {rate1:.0f} rows/s while retention worked, less than a third "
         f"of its {rate0:.0f} rows/s without old rows")
     if not why:
         assert hwm1 - hwm0 <= 4 * 1024, (
             f"peak RSS grew {(hwm1 - hwm0) / 1024:.1f} MiB while retention deleted {old} rows")
+
+
+class _Producer(threading.Thread):
+    """Single-row producer transactions on their own connection, one every `every` s, each
+    timed from its INSERT to its COMMIT's answer: [(start, latency)]."""
+
+    def __init__(self, dsn, queue, every=0.005):
+        super().__init__(daemon=True)
+        self.dsn, self.q, self.every = dsn, queue, every
+        self.lat = []
+        self.n = 0
+        self.halt = threading.Event()
+        self.error = None
+
+    def run(self):
+        try:
+            with psycopg.connect(self.dsn) as c:
+                while not self.halt.is_set():
+                    t = time.monotonic()
+                    c.execute("INSERT INTO outbox.messages (routing_key, partition_key, "
+                              "headers, payload) VALUES (%s, %s, jsonb_build_object('seq', "
+                              "%s::text, 'origin', 'producer'), %s)",
+                              (self.q, f"p-{self.n % 10}", str(self.n), b"p" * 128))
+                    c.commit()
+                    self.lat.append((t, time.monotonic() - t))
+                    self.n += 1
+                    left = t + self.every - time.monotonic()
+                    if left > 0:
+                        time.sleep(left)
+        except Exception as e:   # noqa: BLE001 - reported by the test
+            self.error = e
+
+    def between(self, t0, t1):
+        return sorted(l for t, l in self.lat if t0 <= t < t1)
+
+
+def _pct(xs, p):
+    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
+
+
+def test_retention_during_a_large_drain(services, pgdb, relay_bin, build, tmp_path):
+    """A backlog of 20,000 rows drains four times, interleaved: twice alone, twice while
+    retention deletes 300,000 old marked rows that arrived with it (same commit), with the
+    default cleanup_batch (1,000); a producer commits single-row transactions every 5 ms all
+    along. Compared: the drain's rate (from the commit until the backlog is all marked) and
+    the producer's commit latency (p50, p99) during the drains. Retention must really work
+    during the drains (old rows deleted meanwhile, printed), the drain keep at least half its
+    rate and the producer's p50 commit latency stay within 3 x its p50 without retention
+    + 5 ms (both bounds with margin for a loaded 2-core machine). Nothing is deleted but
+    the old rows, and every other row is marked sent."""
+    old, n, keys = 300_000, 20_000, 100
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "retdrain", declare_queue=False,
+             retention=RETENTION, cleanup_interval="1s")
+    conn, ch = amqp_channel(services)
+    ch.queue_declare(queue=c.q, durable=False)
+    conn.close()
+    r = c.start()
+    watch = psycopg.connect(pgdb.dsn, autocommit=True)
+    prod = _Producer(pgdb.dsn, c.q)
+    phases = []       # (kind, rows/s, old rows deleted during the drain, t0, t1)
+    try:
+        r.wait_log("became the active relay")
+        prod.start()
+        wait_for(lambda: len(prod.lat) >= 100, 30, desc="the producer running")
+        seq, offset = 0, 0
+        for kind in ("alone", "retention", "retention", "alone"):
+            with psycopg.connect(pgdb.dsn) as tx:
+                ids = None
+                if kind == "retention":
+                    ids, _ = _load_old(tx, old, 1, base=offset)
+                    offset += old
+                insert_rows(_InTx(tx), n, keys, start=seq, routing_key=c.q, size=128)
+                last = tx.execute("SELECT max(id) FROM outbox.messages").fetchone()[0]
+                tx.execute("ANALYZE outbox.messages")
+                tx.commit()
+            seq += n
+            t0 = time.monotonic()
+
+            def old_left():
+                if ids is None:
+                    return 0
+                i = _oldest_marked_id(watch)
+                return 0 if i is None or not ids[0] <= i <= ids[1] else ids[1] - i + 1
+            left0 = old_left()
+            wait_for(lambda: watch.execute(
+                "SELECT count(*) FROM outbox.messages WHERE sent_at IS NULL AND id <= %s",
+                (last,)).fetchone()[0] == 0, 90, interval=0.02, desc=f"backlog drained ({kind})")
+            t1 = time.monotonic()
+            left1 = old_left()
+            phases.append((kind, n / (t1 - t0), left0 - left1, left1, t0, t1))
+            if ids is not None:
+                wait_for(lambda: old_left() == 0, 90, interval=0.2, desc="old rows deleted")
+        prod.halt.set()
+        prod.join(30)
+        wait_for(lambda: watch.execute("SELECT count(*) FROM outbox.messages "
+                                       "WHERE sent_at IS NULL").fetchone()[0] == 0, 30,
+                 interval=0.05, desc="the producer's last rows sent")
+    finally:
+        prod.halt.set()
+        watch.close()
+        r.stop_clean()
+    assert prod.error is None, f"the producer failed: {prod.error!r}"
+    with psycopg.connect(pgdb.dsn, autocommit=True) as dc:
+        rows, unsent, backlog = dc.execute(
+            "SELECT count(*), count(*) FILTER (WHERE sent_at IS NULL), "
+            "count(*) FILTER (WHERE partition_key LIKE 'key-%%') FROM outbox.messages"
+        ).fetchone()
+    conn, ch = amqp_channel(services)
+    ch.queue_delete(queue=c.q)
+    conn.close()
+    by = {}
+    for kind, rate, deleted, left, t0, t1 in phases:
+        lat = prod.between(t0, t1)
+        by.setdefault(kind, []).append((rate, deleted, left, lat))
+        print(f"{kind:9s}: {n} rows in {n / rate:.2f} s ({rate:.0f} rows/s), old rows deleted "
+              f"meanwhile {deleted} ({left} left); producer commits {len(lat)}, p50 "
+              f"{_pct(lat, 0.5) * 1000:.1f} ms, p99 {_pct(lat, 0.99) * 1000:.1f} ms")
+    rate_a = len(by["alone"]) * n / sum(n / x[0] for x in by["alone"])
+    rate_r = len(by["retention"]) * n / sum(n / x[0] for x in by["retention"])
+    lat_a = sorted(l for x in by["alone"] for l in x[3])
+    lat_r = sorted(l for x in by["retention"] for l in x[3])
+    print(f"drain {rate_r:.0f} rows/s with retention against {rate_a:.0f} alone "
+          f"({rate_r / rate_a:.2f}); producer p50 {_pct(lat_r, 0.5) * 1000:.1f} against "
+          f"{_pct(lat_a, 0.5) * 1000:.1f} ms, p99 {_pct(lat_r, 0.99) * 1000:.1f} against "
+          f"{_pct(lat_a, 0.99) * 1000:.1f} ms")
+    assert unsent == 0 and backlog == 4 * n and rows == 4 * n + 2 + prod.n, (
+        f"rows {rows} (unsent {unsent}, backlog {backlog}); expected {4 * n} backlog rows, "
+        f"2 young ones and {prod.n} of the producer, all sent")
+    for rate, deleted, left, _ in by["retention"]:
+        assert deleted > 0, "retention deleted nothing during the drain: nothing compared"
+    assert rate_r >= 0.5 * rate_a, (
+        f"the drain kept {rate_r / rate_a:.2f} of its rate while retention deleted old rows")
+    assert _pct(lat_r, 0.5) <= 3 * _pct(lat_a, 0.5) + 0.005, "producer commits slowed"
