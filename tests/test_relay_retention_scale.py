@@ -122,10 +122,10 @@ def test_retention_with_a_million_marked_rows(services, pgdb, relay_bin, build, 
     operator's larger batch) arrive in one transaction with a live backlog of 20,000 rows
     and 1,000 rows marked 55 minutes ago. Every old row is deleted, by statements that each
     delete at most cleanup_batch rows and never read the whole table (no sequential scan of
-    the outbox); the backlog drains meanwhile at no less than a quarter of the rate measured
-    for the same backlog without the old rows, earlier in the same test; the rows marked
-    55 minutes ago, the backlog's rows and nothing else remain; the relay's peak RSS grows
-    by at most 4 MiB over its peak after the first backlog (plain build only).
+    the outbox); the backlog drains meanwhile at no less than a quarter of the rate of the
+    same backlog without the old rows, measured before and after in the same test; the rows
+    marked 55 minutes ago, the backlogs' rows and nothing else remain; the relay's peak RSS
+    grows by at most 4 MiB over its peak after the first backlog (plain build only).
 
     Under a sanitizer (or valgrind) the old rows are 300,000: in CI that build runs beside
     the plain one on the same two cores, each against its own PostgreSQL, and two loads and
@@ -152,7 +152,6 @@ def test_retention_with_a_million_marked_rows(services, pgdb, relay_bin, build, 
         hwm0 = None if why else proc_status_kb(r.proc.pid, "VmHWM")
     finally:
         r.stop_clean()
-    rate0 = live / (t1 - t0)
     seq0 = _seq_read(pgdb.dsn)
     _stat_statements(pgdb.dsn)
     # 2. the same backlog again, with a million rows due for retention, one commit
@@ -197,6 +196,18 @@ def test_retention_with_a_million_marked_rows(services, pgdb, relay_bin, build, 
         r.stop_clean()
     seq1 = _seq_read(pgdb.dsn)
     calls, deleted, max_ms, mean_ms = _cleanup_stats(pgdb.dsn)
+    # 3. the backlog alone once more (a relay of its own, as in 1): the rate without old
+    #    rows is the mean of the two, before and after, so that a load on the machine that
+    #    came or went meanwhile does not count as retention's
+    r = c.start()
+    try:
+        r.wait_log("became the active relay")
+        t5 = time.monotonic()
+        insert_rows(pgdb, live, keys, start=2 * live, routing_key=c.q, size=128)
+        t6 = _wait_relayed(r, live, 60)
+    finally:
+        r.stop_clean()
+    rate0 = 2 * live / ((t1 - t0) + (t6 - t5))
     # the backlog's rate while old rows were left (all of it when retention took longer)
     overlap = [(t, n) for (t, n), (_, lft) in zip(samples, left) if lft > 0] or samples
     t_end = overlap[-1][0]
@@ -209,29 +220,33 @@ def test_retention_with_a_million_marked_rows(services, pgdb, relay_bin, build, 
             "count(*) FILTER (WHERE id BETWEEN %s AND %s), "
             "count(*) FILTER (WHERE partition_key LIKE 'key-%%') FROM outbox.messages",
             (o_first, o_last, y_first, y_last)).fetchone()
-    got = _consume_all(services, c.q, 2 * live, timeout=60)
-    dups, _ = delivery_report(got, 2 * live, keys)
+    got = _consume_all(services, c.q, 3 * live, timeout=60)
+    dups, _ = delivery_report(got, 3 * live, keys)
     check_against_db(got, pgdb)
     mem = ("peak RSS not measured: " + why) if why else (
         f"peak RSS {hwm0 / 1024:.1f} MiB after the first backlog, {hwm1 / 1024:.1f} MiB "
         f"after the million")
     print(f"{old} old marked rows + {live} backlog rows loaded in {loaded:.1f} s; old rows "
           f"all deleted {t4 - t2:.1f} s after the commit ({left_at_drain} left when the "
-          f"backlog was drained, {t3 - t2:.1f} s); backlog {rate0:.0f} rows/s alone, "
+          f"backlog was drained, {t3 - t2:.1f} s); backlog {rate0:.0f} rows/s alone ("
+          f"{live / (t1 - t0):.0f} before, {live / (t6 - t5):.0f} after), "
           f"{rate1:.0f} rows/s while old rows were left ({rate1 / rate0:.2f}); retention: "
           f"{calls} statements, {deleted} rows, {deleted / max(calls, 1):.0f} a statement, "
           f"slowest {max_ms:.0f} ms, mean {mean_ms:.1f} ms; rows read by sequential scans "
           f"of the outbox meanwhile: {seq1 - seq0}; {dups} duplicates; {mem}")
     assert dups == 0, f"{dups} duplicates without a fault"
-    assert rest == (2 * live + young, 0, 0, young, 2 * live), (
+    assert rest == (3 * live + young, 0, 0, young, 3 * live), (
         f"rows left (all, unsent, old, young, backlog): {rest}; expected "
-        f"{(2 * live + young, 0, 0, young, 2 * live)}")
+        f"{(3 * live + young, 0, 0, young, 3 * live)}")
     assert deleted == old, f"the retention statements deleted {deleted} rows, not the {old} old ones"
     assert calls >= old // batch, f"{calls} retention statements for {old} rows in batches of {batch}"
     # every statement bounded: at most cleanup_batch rows (its LIMIT; the mean says so too)
     # and, read from the counters, no scan of the table (a batch that joined the whole table
-    # would read its million rows every time: 54,740,001 rows read before the fix)
-    assert seq1 - seq0 < old // 10, (
+    # would read its million rows every time: 54,740,001 rows read before the fix). A few
+    # scans of the 20,000-row table before the load commits are fine (20,000 rows each; the
+    # planner may scan a table that small for the relay's statistics): less than half of
+    # one read of the table
+    assert seq1 - seq0 < old // 2, (
         f"{seq1 - seq0} rows read by sequential scans of the outbox while retention deleted "
         f"{old} rows: a statement read the whole table")
     # a statement of 10,000 rows: 60-120 ms on average, the slowest up to 1.1 s on the loaded
@@ -239,10 +254,9 @@ def test_retention_with_a_million_marked_rows(services, pgdb, relay_bin, build, 
     assert max_ms < 5000, f"a retention statement of {batch} rows took {max_ms:.0f} ms"
     # retention shares the settling connection with the marks: each statement of 10,000
     # rows (60-120 ms) holds the marks queued behind it, and the relay publishes no more
-    # while in-flight and confirmed-unmarked rows reach 2 x publish_window; this batch costs
-    # the drain more than
-    # the default one does (test_retention_during_a_large_drain: >= 0.5 there). Seen:
-    # 0.43-1.5 of the rate (runs of 2-3 s, sanitizer build included)
+    # while in-flight and confirmed-unmarked rows reach 2 x publish_window; this batch
+    # costs the drain more than the default one does (test_retention_during_a_large_drain:
+    # >= 0.5 there). Seen: 0.43-1.5 of the rate (runs of 2-3 s, sanitizer build included)
     assert rate1 >= rate0 / 4, (
         f"the backlog drained at {rate1:.0f} rows/s while retention worked, less than a "
         f"quarter of its {rate0:.0f} rows/s without old rows")
