@@ -189,7 +189,8 @@ def test_retention_with_a_million_marked_rows(services, pgdb, relay_bin, build, 
         t3 = samples[-1][0]
         left_at_drain = left[-1][1]
         wait_for(lambda: old_left() == 0, 120, interval=0.2, desc="every old row deleted")
-        t4 = time.monotonic()
+        # when retention ended first: the first sample that saw no old row
+        t4 = next((t for t, lft in left if lft == 0), time.monotonic())
         hwm1 = None if why else proc_status_kb(r.proc.pid, "VmHWM")
     finally:
         watch.close()
