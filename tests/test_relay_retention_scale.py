@@ -79,7 +79,8 @@ def _cleanup_stats(dsn):
     """(calls, rows, max ms, mean ms) of the relay's retention statement."""
     with psycopg.connect(dsn, autocommit=True) as c:
         r = c.execute(
-            "SELECT coalesce(sum(calls), 0), coalesce(sum(rows), 0), coalesce(max(max_exec_time), 0), "
+            "SELECT coalesce(sum(calls), 0), coalesce(sum(rows), 0), "
+            "coalesce(max(max_exec_time), 0), "
             "coalesce(sum(total_exec_time) / nullif(sum(calls), 0), 0) "
             "FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database "
             "WHERE datname = current_database()) AND query LIKE 'DELETE FROM%%' "
@@ -239,8 +240,10 @@ def test_retention_with_a_million_marked_rows(services, pgdb, relay_bin, build, 
     assert rest == (3 * live + young, 0, 0, young, 3 * live), (
         f"rows left (all, unsent, old, young, backlog): {rest}; expected "
         f"{(3 * live + young, 0, 0, young, 3 * live)}")
-    assert deleted == old, f"the retention statements deleted {deleted} rows, not the {old} old ones"
-    assert calls >= old // batch, f"{calls} retention statements for {old} rows in batches of {batch}"
+    assert deleted == old, (
+        f"the retention statements deleted {deleted} rows, not the {old} old ones")
+    assert calls >= old // batch, (
+        f"{calls} retention statements for {old} rows in batches of {batch}")
     # every statement bounded: at most cleanup_batch rows (its LIMIT; the mean says so too)
     # and, read from the counters, no scan of the table (a batch that joined the whole table
     # would read its million rows every time: 54,740,001 rows read before the fix). A few
