@@ -10,21 +10,38 @@ messages it belongs to, and publish() says SINK_EAGAIN until a later turn (on_wr
 
 tests/c/sink_amqp_test.c counts the payload bytes publish() accepted in each turn of its
 loop (max_burst in its summary); every message must still be confirmed and arrive whole."""
-from test_sink_amqp import drive, get_all, names  # noqa: F401 - names is a fixture
+import secrets
+
+import pytest
+
+from test_sink_amqp import drive, get_all
 
 KIB = 1024
 TURN_BYTES = 1024 * KIB     # AMQPSINK_PUMP_BYTES
 
 
-def test_one_turn_of_the_loop_writes_about_one_mebibyte(services, build, names):  # noqa: F811
+@pytest.fixture
+def queue(services):
+    """A durable queue of its own (the default exchange routes to it), deleted afterwards."""
+    q = f"t.{secrets.token_hex(4)}.turns"
+    c = services.amqp_connect()
+    c.channel().queue_declare(q, durable=True)
+    c.close()
+    yield q
+    c = services.amqp_connect()
+    c.channel().queue_delete(q)
+    c.close()
+
+
+def test_one_turn_of_the_loop_writes_about_one_mebibyte(services, build, queue):
     n, size = 48, 512 * KIB
-    r = drive(services, build, "--tag", names.tag, f"{names.ex},{names.rk},{n},size={size}")
+    r = drive(services, build, "--tag", secrets.token_hex(4), f"-,{queue},{n},size={size}")
     assert r.rc == 0, r
     assert r.summary["acked"] == n, r
     # a turn starts a message while it has written less than TURN_BYTES: at most one
     # message past them
     assert r.summary["max_burst"] <= TURN_BYTES + size, \
         f"{r.summary['max_burst']} payload bytes accepted in one turn of the loop\n{r}"
-    msgs = get_all(services, names.q)
+    msgs = get_all(services, queue)
     assert len(msgs) == n
     assert all(len(body) == size for _, body in msgs)
