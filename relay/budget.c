@@ -191,6 +191,7 @@ size_t rbudget_claim_bytes(rbudget *b, rb_member *m, size_t held, bool *first_wh
     size_t share = rbudget_share_bytes(b, m);
     size_t avail = rbudget_avail_bytes(b, m);
     size_t chunk = share / 2 > 0 ? share / 2 : 1;
+    size_t quarter = share / 4 > 0 ? share / 4 : 1;
     if (held == 0 && avail > 0) {
         if (b->whole == NULL || b->whole == m) {
             b->whole = m;                       /* its first row comes whatever its size */
@@ -203,10 +204,10 @@ size_t rbudget_claim_bytes(rbudget *b, rb_member *m, size_t held, bool *first_wh
         return avail < chunk ? avail : chunk;
     }
     *first_whole = false;
-    if (held > 0 && avail >= chunk)
-        return chunk;
-    /* holding rows with less than half a share free (claim again once a good part of
-       it is published), or nothing free at all: wait until bytes are released */
+    if (held > 0 && avail >= quarter)
+        return avail < chunk ? avail : chunk;
+    /* holding rows with less than a quarter of its share free (claim again once a good
+       part of it is published), or nothing free at all: wait until bytes are released */
     rbudget_wait(b, m);
     return 0;
 }

@@ -87,10 +87,13 @@ size_t rbudget_avail_bytes(const rbudget *b, const rb_member *m);
 size_t rbudget_claim_size(rbudget *b, rb_member *m, size_t used, size_t own, size_t batch);
 
 /* The bytes a claim of m may ask for now, m holding `held` bytes: up to half its
-   fair share at a time (the other half publishes while the claim runs), within what
-   is left. 0: not now, and m waits for a wake-up (rbudget_wait). SIZE_MAX: no byte
-   limit. *first_whole says whether the claim's first row may come whatever its size:
-   only when m holds nothing, so a row larger than the budget goes through alone, and
+   fair share at a time (the rest publishes while the claim runs), within what is left;
+   while m holds rows, only once a quarter of its share is free (a claim of a few rows
+   costs the database about as much as one of many; asking again only at half a share
+   free kept at most half of it in flight while the claim ran). 0: not now, and m waits
+   for a wake-up (rbudget_wait). SIZE_MAX: no byte limit. *first_whole says whether the
+   claim's first row may come whatever its size: only when m holds nothing, so a row
+   larger than the budget goes through alone, and
    only for one member of the process at a time (m takes the turn; refused, m is woken
    when it is free). */
 size_t rbudget_claim_bytes(rbudget *b, rb_member *m, size_t held, bool *first_whole);

@@ -82,6 +82,7 @@ struct drain {
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
     double    claim_ended;       /* monotonic: when the last claim's answer came */
     bool      claim_short;       /* it brought fewer rows than asked: the backlog is drained */
+    size_t    row_bytes;         /* the mean size of the rows the last claim brought, 0: none */
     double    settle_ended;      /* monotonic: when the last settle's answer came */
 
     bool      want_claim;        /* wake-up, poll tick or a full previous claim */
@@ -492,18 +493,20 @@ static void on_claimed(drain *d, const src_result *res)
     }
     d->m.claimed_rows += res->n_rows;
     d->claim_ended = mono_now();
-    d->claim_short = res->n_rows < d->claim_asked;
     if (res->n_rows > 0)
         d->active = true;
     /* cut by its byte limit (another row as large as its largest would not have fitted):
        more rows may wait, as after a full claim */
     size_t got = 0, largest = 0;
-    for (size_t i = 0; i < res->n_rows && d->claim_bytes > 0; i++) {
+    for (size_t i = 0; i < res->n_rows; i++) {
         size_t b = src_row_bytes(res->rows[i]);
         got += b;
         largest = b > largest ? b : largest;
     }
     bool cut = d->claim_bytes > 0 && res->n_rows > 0 && got + largest > d->claim_bytes;
+    d->claim_short = res->n_rows < d->claim_asked && !cut;
+    if (res->n_rows > 0)
+        d->row_bytes = got / res->n_rows > 0 ? got / res->n_rows : 1;
     for (size_t i = 0; i < res->n_rows; i++)    /* for the end-to-end latency */
         res->rows[i]->origin_mono = d->claim_sent - (double)res->rows[i]->age_us / 1e6;
     ledger_claimed(d->led, res->rows, res->n_rows, d->claim_deadline);   /* takes the rows */
@@ -861,6 +864,14 @@ static size_t claim_size(drain *d)
             return 0;
         }
         n = fit == 0 ? 1 : n < fit ? n : fit;
+    } else if (bytes != SIZE_MAX && d->row_bytes > 0) {
+        /* rows of the size the last claim brought: the claim stops at its byte limit
+           anyway, but it locks every row it asks for before it sums their sizes (500
+           rows locked to lease 64 of 512 KiB: 11.6 ms of execution instead of 2.2). One
+           more than fit, so that a claim cut by its bytes says so; rows smaller than
+           those fill the claim in rows, and the next one follows at once, sized anew. */
+        size_t fit = bytes / d->row_bytes + 1;
+        n = n < fit ? n : fit;
     }
     return n;
 }
@@ -1299,6 +1310,12 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
     ev_timer_init(&d->expire_timer, expire_cb, 1., 0.);
     d->expire_timer.data = d;
     ev_idle_init(&d->kick_idle, kick_idle_cb);
+    /* above the sockets' and timers' priority: an idle watcher of the default priority
+       runs only in a turn of the loop with no other event pending, and while large rows
+       are written out (the socket's write watcher ready at every turn) there is none: the
+       next claim waited until every buffered row was out, and the window ran dry while it
+       ran (512 KiB rows: 100-200 ms between a claim's answer and the next claim) */
+    ev_set_priority(&d->kick_idle, EV_MAXPRI);
     d->kick_idle.data = d;
     rbudget_join(budget, &d->rb, budget_wake, d);
     return d;

@@ -138,7 +138,9 @@ struct sink {
     bool want_writable;
     size_t want_bytes;
 
-    stream_msg st; /* the large message being written, if any */
+    stream_msg st;       /* the large message being written, if any */
+    unsigned burst_iter; /* the loop's turn (ev_iteration) burst_bytes counts for */
+    size_t burst_bytes;  /* message bytes written in that turn (AMQPSINK_PUMP_BYTES) */
 
     /* basic.return in progress: method seen, header/body frames follow */
     enum ret_stage ret_stage;

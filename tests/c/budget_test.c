@@ -420,9 +420,16 @@ static void test_bytes_shares_and_oversized_rows(void **state)
     assert_int_equal(bclaim_done(0, mib, 40), 32 * MIB);
     bcheck();
     assert_int_equal(bclaim(0), 0);            /* 64 MiB held */
+    brelease(0, 20 * MIB);
+    /* 20 MiB free: a quarter of its 64 MiB share and more, claimed while 44 MiB are still
+       held (in flight), not only once half of the share is free */
+    assert_int_equal(bclaim(0), 20 * MIB);
+    assert_int_equal(bclaim_done(0, mib, 40), 20 * MIB);
+    bcheck();
+    assert_int_equal(bclaim(0), 0);            /* 64 MiB held */
     assert_int_equal(bclaim(1), 0);            /* nothing left for the other */
     brelease(0, 10 * MIB);                     /* wakes both */
-    assert_int_equal(bclaim(0), 0);            /* 10 MiB free: less than half a share */
+    assert_int_equal(bclaim(0), 0);            /* 10 MiB free: less than a quarter */
     /* the other holds nothing: share 32 MiB, 10 MiB left of the budget */
     assert_int_equal(bclaim(1), 10 * MIB);
     size_t big = 100 * MIB;

@@ -35,7 +35,8 @@
  *   ewait <i>                     (publish said SINK_EWAIT; the row waits)
  *   summary total=.. acked=.. returned=.. nacked=.. rejected=.. lost=.. eperm=..
  *           refused=.. ewait=.. max_in_flight=.. ups=.. downs=.. blocked=..
- *           queued_while_blocked=.. secs=..
+ *           queued_while_blocked=.. in_flight=.. eagain=.. max_burst=.. secs=..
+ *   (max_burst: the most payload bytes publish() queued in one turn of the loop)
  * Exit 0 when every message got a final result, 2 on timeout, 1 on usage errors.
  */
 #include "relay/row.h"
@@ -92,6 +93,9 @@ typedef struct drv {
     double          rate, tokens;
     enum sink_state sink_state;
     size_t          max_in_flight;
+    size_t          max_burst;      /* most payload bytes queued by one turn of the loop */
+    unsigned        burst_iter;     /* the turn (ev_iteration) burst counts for */
+    size_t          burst;
     int             c_ack, c_ret, c_nack, c_rej, c_lost, c_eperm, ups, downs, blocks;
     int             queued_while_blocked;
     ev_timer        rate_t, timeout_t;
@@ -193,6 +197,13 @@ static void pump(drv *d)
             exit(3);
         }
         m->state = 1;
+        if (ev_iteration(d->loop) != d->burst_iter) {
+            d->burst_iter = ev_iteration(d->loop);
+            d->burst = 0;
+        }
+        d->burst += m->r->payload_len;
+        if (d->burst > d->max_burst)
+            d->max_burst = d->burst;
         if (d->sink_state == SINK_BLOCKED)
             d->queued_while_blocked++;
         inf = d->ops->in_flight(d->s);
@@ -658,11 +669,11 @@ int main(int argc, char **argv)
     printf("summary total=%d acked=%d returned=%d nacked=%d rejected=%d lost=%d eperm=%d "
            "refused=%d ewait=%d "
            "max_in_flight=%zu ups=%d downs=%d blocked=%d queued_while_blocked=%d in_flight=%zu "
-           "eagain=%d secs=%.3f\n",
+           "eagain=%d max_burst=%zu secs=%.3f\n",
            d.n, d.c_ack, d.c_ret, d.c_nack, d.c_rej, d.c_lost, d.c_eperm, d.c_refused,
            d.c_ewait, d.max_in_flight,
            d.ups, d.downs, d.blocks, d.queued_while_blocked,
-           d.s ? d.ops->in_flight(d.s) : (size_t)0, d.eagain, ev_time() - t0);
+           d.s ? d.ops->in_flight(d.s) : (size_t)0, d.eagain, d.max_burst, ev_time() - t0);
     rc = d.timed_out ? 2 : 0;
     ev_timer_stop(d.loop, &d.rate_t);
     ev_timer_stop(d.loop, &d.timeout_t);
