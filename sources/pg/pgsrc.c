@@ -882,14 +882,26 @@ static void on_connected(source *s)
     setup_step(s, Q_SET_TIMEOUT);
 }
 
+/* Watches the connecting socket afresh. With several hosts in the conninfo, libpq closes a
+   host's socket when that host fails (refused, or read-only under target_session_attrs) and
+   opens the next host's, which usually gets the same descriptor number: the kernel has
+   dropped the closed one from the loop's epoll set, and libev only registers a descriptor
+   again when told it may be new (ev_io_set), so a watcher kept "as it was" would never
+   fire and the connect would hang until its deadline, at every attempt. */
+static void io_watch_new(source *s, int fd, int events)
+{
+    io_off(s);
+    io_watch(s, fd, events);
+}
+
 static void connect_poll(source *s)
 {
     switch (PQconnectPoll(s->conn)) {
     case PGRES_POLLING_READING:
-        io_watch(s, PQsocket(s->conn), EV_READ);
+        io_watch_new(s, PQsocket(s->conn), EV_READ);
         return;
     case PGRES_POLLING_WRITING:
-        io_watch(s, PQsocket(s->conn), EV_WRITE);
+        io_watch_new(s, PQsocket(s->conn), EV_WRITE);
         return;
     case PGRES_POLLING_OK:
         on_connected(s);
