@@ -116,9 +116,13 @@ class PgPair:
         return psycopg.connect(self.dsn(which, db), autocommit=True)
 
     def multi_host(self, order, db=DB):
-        """The conninfo naming both servers in `order` (names), read-write sessions only."""
+        """The conninfo naming the servers in `order` ("primary", "standby", or "down": a
+        port where nothing listens, a node that is down), read-write sessions only."""
+        if "down" in order and "down" not in self.ports:
+            self.ports["down"] = _free_ports(1)[0]
         ports = ",".join(str(self.ports[w]) for w in order)
-        return (f"host=127.0.0.1,127.0.0.1 port={ports} user=postgres dbname={db} "
+        hosts = ",".join("127.0.0.1" for _ in order)
+        return (f"host={hosts} port={ports} user=postgres dbname={db} "
                 f"target_session_attrs=read-write connect_timeout=5")
 
     def postmaster_pid(self, which):
@@ -304,7 +308,8 @@ def test_failover_mid_drain(services, template, relay_bin, build, tmp_path):
     pair = PgPair(services, template)
     r = None
     try:
-        db = PairDb(pair.multi_host(("primary", "standby")))
+        # three nodes, as a cluster manager's conninfo names them: one is down throughout
+        db = PairDb(pair.multi_host(("primary", "down", "standby")))
         c = Case(services, db, relay_bin, build, tmp_path, "standby", reconnect_max="1s",
                  sink={"publish_window": str(window)})
         c.produce(n, keys, size=256, batch=1000)
@@ -317,8 +322,10 @@ def test_failover_mid_drain(services, template, relay_bin, build, tmp_path):
         at = relayed(r)
         # the relay's sessions are gone; every new one finds a refused port and a standby
         cause = wait_log_at(r, r"database unavailable", timeout=20)
-        # and then why no server will do: the first refuses, the second is read-only
-        standby_cause = wait_log_at(r, r"database unavailable.*read-only", timeout=20)
+        # and then why no server will do: two refuse, the last is read-only (libpq names
+        # each host's reason in turn: the last one must not be cut off)
+        standby_cause = wait_log_at(r, r"database unavailable.*failed: session is read-only",
+                                    timeout=20)
         time.sleep(1.0)
         with pair.connect("standby", DB) as sb:
             marked0 = {m for (m,) in sb.execute(

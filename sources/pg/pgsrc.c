@@ -319,7 +319,9 @@ static void conn_fail(source *s, const char *msg)
 
 static void conn_lost(source *s, const char *what)
 {
-    char one[256], msg[600];
+    /* room for libpq's message about every host of a multi-host conninfo: the reason
+       of the last one tried comes last ("session is read-only") */
+    char one[2048], msg[2400];
     pgsrc_oneline(s->conn ? PQerrorMessage(s->conn) : "", one, sizeof one);
     if (s->notice[0] && !strstr(one, s->notice))
         snprintf(msg, sizeof msg, "%s: %s%s%s", what, s->notice, one[0] ? "; " : "", one);
