@@ -458,6 +458,11 @@ def test_failover_from_a_frozen_primary(services, template, relay_bin, build, tm
         c.wait_all_sent(n, timeout=60)
         recovered = time.monotonic() - t_back
         sessions_on_promoted = pair.relay_sessions("standby")
+        # the one-shot commands connect the same way (a blocking loop of their own)
+        t_check = time.monotonic()
+        chk = subprocess.run([str(relay_bin), "check", "-c", str(c.cfg)], capture_output=True,
+                             text=True, timeout=120, stdin=subprocess.DEVNULL)
+        check_s = time.monotonic() - t_check
         text = r.text()
         dead_total = r.metric("outbox_relay_dead_total")
         r.stop_clean()
@@ -473,11 +478,14 @@ def test_failover_from_a_frozen_primary(services, template, relay_bin, build, tm
         pair.close()
     delivered = {p.message_id for p, _, _ in got}
     forgotten = max(0, int(at) - len(marked0))
+    assert chk.returncode == 0, \
+        f"outbox-relay check exited {chk.returncode}: {chk.stdout}{chk.stderr}"
     timeouts = log_lines_at(text, r"database unavailable.*timed out")
     print(f"primary frozen at {at:.0f} of {n} relayed; {len(marked0)} marked on the standby "
           f"({forgotten} acknowledged marks forgotten); relay CPU {cpu:.2f} s over {span:.1f} "
           f"s; all sent {recovered:.1f} s after the promotion; {dups} duplicates; first "
-          f"cause: {cause!r}; connect time-outs logged: {timeouts[:2]}")
+          f"cause: {cause!r}; connect time-outs logged: {timeouts[:2]}; outbox-relay check "
+          f"took {check_s:.1f} s")
     assert at < n, "the primary should freeze mid-drain"
     assert not marked0 - delivered, "rows marked sent that never reached the broker"
     assert dead_total == 0, "rows dead-lettered for a failover"

@@ -1017,27 +1017,26 @@ static int hosts_index(const host_list *h, const PGconn *c)
     return -1;
 }
 
-/* Appends to keys/vals (NULL-terminated, room for 3 more) the conninfo's host lists
-   rotated to start at s->host_first; their copies go to rot[3] (the caller frees them).
-   0, or -1 when out of memory. */
-static int hosts_rotate(source *s, const char **keys, const char **vals, char *rot[3])
+int pgsrc_hosts_rotate(const char *conninfo, int first, const char **keys, const char **vals,
+                       char *rot[PGSRC_HOST_PARAMS])
 {
-    static const char *const kw[3] = {"host", "hostaddr", "port"};
+    static const char *const kw[PGSRC_HOST_PARAMS] = {"host", "hostaddr", "port"};
     host_list h;
     size_t i = 0;
-    int rc = 0;
-    hosts_parse(s->conninfo, &h);
-    if (h.n < 2 || s->host_first % h.n == 0) {
+    int rc;
+    hosts_parse(conninfo, &h);
+    rc = h.n;
+    if (h.n < 2 || first % h.n == 0) {
         PQconninfoFree(h.opts);
-        return 0;
+        return rc;
     }
-    const char *lists[3] = {h.host, h.hostaddr, h.port};
+    const char *lists[PGSRC_HOST_PARAMS] = {h.host, h.hostaddr, h.port};
     while (keys[i] != NULL)
         i++;
-    for (int j = 0; j < 3; j++) {
+    for (int j = 0; j < PGSRC_HOST_PARAMS; j++) {
         if (list_len(lists[j]) != h.n)
             continue;       /* absent, or one port for every host */
-        rot[j] = list_rotated(lists[j], s->host_first % h.n);
+        rot[j] = list_rotated(lists[j], first % h.n);
         if (rot[j] == NULL) {
             rc = -1;
             break;
@@ -1051,35 +1050,36 @@ static int hosts_rotate(source *s, const char **keys, const char **vals, char *r
     return rc;
 }
 
-/* A connect timed out: the next one starts with the host after the one that kept it
-   waiting. Its host:port goes into at ("" with a single host). */
-static void hosts_skip_silent(source *s, char *at, size_t atlen)
+int pgsrc_hosts_after_silent(const char *conninfo, const PGconn *c, int first, char *at,
+                             size_t atlen)
 {
     host_list h;
     at[0] = '\0';
-    hosts_parse(s->conninfo, &h);
-    if (h.n >= 2 && s->conn != NULL) {
-        int k = hosts_index(&h, s->conn);
-        const char *name = PQhost(s->conn), *port = PQport(s->conn);
+    hosts_parse(conninfo, &h);
+    if (h.n >= 2 && c != NULL) {
+        int k = hosts_index(&h, c);
+        const char *name = PQhost(c), *port = PQport(c);
         /* not found (cannot happen with libpq's own lists): one host on, at least */
-        s->host_first = ((k >= 0 ? k : s->host_first) + 1) % h.n;
+        first = ((k >= 0 ? k : first) + 1) % h.n;
         snprintf(at, atlen, " at %s:%s; the next attempt starts with the host after it",
                  name ? name : "?", port && port[0] ? port : "default port");
     }
     PQconninfoFree(h.opts);
+    return first;
 }
 
 static void conn_start(source *s)
 {
-    const char *keys[PGSRC_MAX_PARAMS + 3], *vals[PGSRC_MAX_PARAMS + 3];
-    char tmo[24], *rot[3] = {NULL, NULL, NULL};
+    const char *keys[PGSRC_MAX_PARAMS + PGSRC_HOST_PARAMS];
+    const char *vals[PGSRC_MAX_PARAMS + PGSRC_HOST_PARAMS];
+    char tmo[24], *rot[PGSRC_HOST_PARAMS] = {NULL, NULL, NULL};
     pgsrc_conn_params(&s->cfg, keys, vals, tmo);
     s->notice[0] = '\0';
-    if (hosts_rotate(s, keys, vals, rot) < 0)
+    if (pgsrc_hosts_rotate(s->conninfo, s->host_first, keys, vals, rot) < 0)
         s->conn = NULL;
     else
         s->conn = PQconnectStartParams(keys, vals, 1);
-    for (int j = 0; j < 3; j++)
+    for (int j = 0; j < PGSRC_HOST_PARAMS; j++)
         free(rot[j]);
     if (!s->conn) {
         conn_fail(s, "connect failed: out of memory");
@@ -1187,7 +1187,8 @@ static void deadline_cb(struct ev_loop *loop, ev_timer *w, int revents)
     (void)revents;
     hold(s);
     if (s->phase == PH_CONNECTING) {
-        hosts_skip_silent(s, at, sizeof at);
+        s->host_first = pgsrc_hosts_after_silent(s->conninfo, s->conn, s->host_first, at,
+                                                 sizeof at);
         snprintf(msg, sizeof msg, "connect timed out after %" PRId64 " ms%s",
                  s->cfg.connect_timeout_ms, at);
         conn_fail(s, msg);
