@@ -10,7 +10,7 @@ end, pass or fail. The broker is the harness's.
   postmaster) mid-drain and the standby is promoted a few seconds later, what a failover
   does. While no server accepts writes the relay must not spin, must say why at WARN/ERROR,
   must mark and dead-letter nothing; after the promotion it must find the promoted server
-  by itself (the conninfo's second host, now the read-write one) and drain the rest:
+  by itself (the conninfo's last host, now the read-write one) and drain the rest:
   nothing lost, whole bodies and properties as in the database, every row marked on the
   promoted server delivered, and duplicates within what the failover can cost: the rows in
   flight and confirmed but not yet marked (at most 2 x publish_window, as after a relay
@@ -19,9 +19,10 @@ end, pass or fail. The broker is the harness's.
   duplicate, never a message), and a walsender streams only flushed WAL, so a primary that
   dies forgets up to a WAL writer cycle of them (wal_writer_delay, 200 ms by default); the
   test measures that number (the marks the relay saw acknowledged, once the old primary
-  is gone, against the rows the standby holds marked) instead of assuming it. Replication is synchronous for everything
-  else (the rows, the leadership lease), as in a failover set-up that promises not to lose
-  commits.
+  is gone, against the rows the standby holds marked) instead of assuming it. Replication
+  is synchronous for everything else (the rows, the leadership lease), as in a failover
+  set-up that promises not to lose commits. A third node in the conninfo is down
+  throughout.
 - test_first_host_is_a_standby: the relay starts while the conninfo's first host is the
   standby: every session (and `outbox-relay init`) must land on the read-write server.
 - test_failover_from_a_frozen_primary: the primary stops answering instead of dying (its
@@ -362,11 +363,12 @@ def test_failover_mid_drain(services, template, relay_bin, build, tmp_path):
     delivered = {p.message_id for p, _, _ in got}
     forgotten = max(0, int(acked) - len(marked0))   # acknowledged marks the promotion lost
     back = recovery_counts(text, r"database connected")
-    warns = [m for m in log_lines_at(text, r"database unavailable")]
+    warns = log_lines_at(text, r"database unavailable")
     print(f"primary killed at {at:.0f} of {n} relayed; {len(marked0)} marked on the standby "
-          f"by then ({forgotten} acknowledged marks forgotten); relay CPU {cpu:.2f} s over {span:.1f} s without a writable server; "
-          f"all sent {recovered:.1f} s after the promotion ({took:.1f} s); {dups} duplicates "
-          f"(window {window}); first cause logged: {cause!r}, then {standby_cause!r}; {len(warns)} WARN/ERROR lines "
+          f"by then ({forgotten} acknowledged marks forgotten); relay CPU {cpu:.2f} s over "
+          f"{span:.1f} s without a writable server; all sent {recovered:.1f} s after the "
+          f"promotion ({took:.1f} s); {dups} duplicates (window {window}); first cause "
+          f"logged: {cause!r}, then {standby_cause!r}; {len(warns)} WARN/ERROR lines "
           f"'database unavailable'; reconnected after {back} failures")
     assert at < n, "the primary should die mid-drain"
     assert len(marked0) < n, "every row was marked before the primary died"
