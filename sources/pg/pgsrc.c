@@ -116,6 +116,10 @@ struct source {
     const char *lq_sql;
     int       server_pid;     /* pg_backend_pid() seen at setup */
 
+    /* A conninfo naming several hosts: the one the next connect starts with (0: the
+       first, as libpq would). Moved past a host that let a connect time out. */
+    int       host_first;
+
     int       cb_depth;
     bool      destroyed;
 };
@@ -279,7 +283,9 @@ static void conn_fail(source *s, const char *msg)
 
 static void conn_lost(source *s, const char *what)
 {
-    char one[256], msg[600];
+    /* room for libpq's message about every host of a multi-host conninfo: the reason
+       of the last one tried comes last ("session is read-only") */
+    char one[2048], msg[2400];
     pgsrc_oneline(s->conn ? PQerrorMessage(s->conn) : "", one, sizeof one);
     if (s->notice[0] && !strstr(one, s->notice))
         snprintf(msg, sizeof msg, "%s: %s%s%s", what, s->notice, one[0] ? "; " : "", one);
@@ -736,14 +742,26 @@ static void on_connected(source *s)
     setup_step(s, Q_SET_TIMEOUT);
 }
 
+/* Watches the connecting socket afresh. With several hosts in the conninfo, libpq closes a
+   host's socket when that host fails (refused, or read-only under target_session_attrs) and
+   opens the next host's, which usually gets the same descriptor number: the kernel has
+   dropped the closed one from the loop's epoll set, and libev only registers a descriptor
+   again when told it may be new (ev_io_set), so a watcher kept "as it was" would never
+   fire and the connect would hang until its deadline, at every attempt. */
+static void io_watch_new(source *s, int fd, int events)
+{
+    io_off(s);
+    io_watch(s, fd, events);
+}
+
 static void connect_poll(source *s)
 {
     switch (PQconnectPoll(s->conn)) {
     case PGRES_POLLING_READING:
-        io_watch(s, PQsocket(s->conn), EV_READ);
+        io_watch_new(s, PQsocket(s->conn), EV_READ);
         return;
     case PGRES_POLLING_WRITING:
-        io_watch(s, PQsocket(s->conn), EV_WRITE);
+        io_watch_new(s, PQsocket(s->conn), EV_WRITE);
         return;
     case PGRES_POLLING_OK:
         on_connected(s);
@@ -754,13 +772,169 @@ static void connect_poll(source *s)
     }
 }
 
+/* ------------------------------------------------------------ several hosts
+ *
+ * A conninfo may name several hosts (host=a,b port=5432,5433, or a URI's a:5432,b:5433)
+ * for libpq to try in turn, e.g. with target_session_attrs=read-write after a failover.
+ * libpq moves on by itself from a host that refuses or does not qualify, but it bounds
+ * each host by connect_timeout only in its blocking connect: an asynchronous connect
+ * like ours stays on a host that accepts the TCP connection and never answers (a frozen
+ * machine, a partition) until our own deadline, and the next attempt would start with
+ * that host again, never reaching the others. So when a connect times out, the next one
+ * starts with the host after the silent one: its lists are passed rotated, overriding
+ * the conninfo's (keywords after "dbname" win). */
+
+/* Items of a comma-separated libpq list (NULL or "": 0). */
+static int list_len(const char *v)
+{
+    int n = 1;
+    if (v == NULL || *v == '\0')
+        return 0;
+    for (; *v; v++)
+        n += *v == ',';
+    return n;
+}
+
+/* Item i of the list v, into out ("" when absent). */
+static void list_item(const char *v, int i, char *out, size_t outlen)
+{
+    out[0] = '\0';
+    for (int k = 0; v != NULL && k < i; k++) {
+        v = strchr(v, ',');
+        if (v != NULL)
+            v++;
+    }
+    if (v != NULL)
+        snprintf(out, outlen, "%.*s", (int)strcspn(v, ","), v);
+}
+
+/* The list v of n > first items, starting at item first (malloc'ed; NULL: no memory). */
+static char *list_rotated(const char *v, int first)
+{
+    const char *p = v;
+    size_t len = strlen(v), tail;
+    char *out = malloc(len + 2);
+    if (out == NULL)
+        return NULL;
+    for (int k = 0; k < first; k++)
+        p = strchr(p, ',') + 1;
+    tail = strlen(p);
+    memcpy(out, p, tail);
+    if (p != v) {
+        out[tail] = ',';
+        memcpy(out + tail + 1, v, (size_t)(p - v) - 1);
+        out[len] = '\0';
+    } else {
+        out[tail] = '\0';
+    }
+    return out;
+}
+
+/* The conninfo's host, hostaddr and port lists, and how many hosts they name. */
+typedef struct {
+    PQconninfoOption *opts;
+    const char *host, *hostaddr, *port;
+    int n;
+} host_list;
+
+static void hosts_parse(const char *conninfo, host_list *h)
+{
+    memset(h, 0, sizeof *h);
+    h->opts = PQconninfoParse(conninfo, NULL);
+    for (PQconninfoOption *o = h->opts; o != NULL && o->keyword != NULL; o++) {
+        if (strcmp(o->keyword, "host") == 0)
+            h->host = o->val;
+        else if (strcmp(o->keyword, "hostaddr") == 0)
+            h->hostaddr = o->val;
+        else if (strcmp(o->keyword, "port") == 0)
+            h->port = o->val;
+    }
+    h->n = list_len(h->host) > 0 ? list_len(h->host) : list_len(h->hostaddr);
+}
+
+/* Which of the hosts (0..n-1) the connection is trying now (PQhost gives the host, or
+   the hostaddr when no host is named; PQport the port): -1 when none matches. */
+static int hosts_index(const host_list *h, const PGconn *c)
+{
+    const char *name = PQhost(c), *port = PQport(c);
+    char item[256], pitem[64];
+    int n_ports = list_len(h->port);
+    for (int i = 0; name != NULL && i < h->n; i++) {
+        list_item(h->host, i, item, sizeof item);
+        if (item[0] == '\0')
+            list_item(h->hostaddr, i, item, sizeof item);
+        list_item(h->port, n_ports == h->n ? i : 0, pitem, sizeof pitem);
+        if (strcmp(item, name) == 0 &&
+            (pitem[0] == '\0' || (port != NULL && strcmp(pitem, port) == 0)))
+            return i;
+    }
+    return -1;
+}
+
+int pgsrc_hosts_rotate(const char *conninfo, int first, const char **keys, const char **vals,
+                       char *rot[PGSRC_HOST_PARAMS])
+{
+    static const char *const kw[PGSRC_HOST_PARAMS] = {"host", "hostaddr", "port"};
+    host_list h;
+    size_t i = 0;
+    int rc;
+    hosts_parse(conninfo, &h);
+    rc = h.n;
+    if (h.n < 2 || first % h.n == 0) {
+        PQconninfoFree(h.opts);
+        return rc;
+    }
+    const char *lists[PGSRC_HOST_PARAMS] = {h.host, h.hostaddr, h.port};
+    while (keys[i] != NULL)
+        i++;
+    for (int j = 0; j < PGSRC_HOST_PARAMS; j++) {
+        if (list_len(lists[j]) != h.n)
+            continue;       /* absent, or one port for every host */
+        rot[j] = list_rotated(lists[j], first % h.n);
+        if (rot[j] == NULL) {
+            rc = -1;
+            break;
+        }
+        keys[i] = kw[j];
+        vals[i++] = rot[j];
+    }
+    keys[i] = NULL;
+    vals[i] = NULL;
+    PQconninfoFree(h.opts);
+    return rc;
+}
+
+int pgsrc_hosts_after_silent(const char *conninfo, const PGconn *c, int first, char *at,
+                             size_t atlen)
+{
+    host_list h;
+    at[0] = '\0';
+    hosts_parse(conninfo, &h);
+    if (h.n >= 2 && c != NULL) {
+        int k = hosts_index(&h, c);
+        const char *name = PQhost(c), *port = PQport(c);
+        /* not found (cannot happen with libpq's own lists): one host on, at least */
+        first = ((k >= 0 ? k : first) + 1) % h.n;
+        snprintf(at, atlen, " at %s:%s; the next attempt starts with the host after it",
+                 name ? name : "?", port && port[0] ? port : "default port");
+    }
+    PQconninfoFree(h.opts);
+    return first;
+}
+
 static void conn_start(source *s)
 {
-    const char *keys[PGSRC_MAX_PARAMS], *vals[PGSRC_MAX_PARAMS];
-    char tmo[24];
+    const char *keys[PGSRC_MAX_PARAMS + PGSRC_HOST_PARAMS];
+    const char *vals[PGSRC_MAX_PARAMS + PGSRC_HOST_PARAMS];
+    char tmo[24], *rot[PGSRC_HOST_PARAMS] = {NULL, NULL, NULL};
     pgsrc_conn_params(&s->cfg, keys, vals, tmo);
     s->notice[0] = '\0';
-    s->conn = PQconnectStartParams(keys, vals, 1);
+    if (pgsrc_hosts_rotate(s->conninfo, s->host_first, keys, vals, rot) < 0)
+        s->conn = NULL;
+    else
+        s->conn = PQconnectStartParams(keys, vals, 1);
+    for (int j = 0; j < PGSRC_HOST_PARAMS; j++)
+        free(rot[j]);
     if (!s->conn) {
         conn_fail(s, "connect failed: out of memory");
         return;
@@ -865,12 +1039,15 @@ static void io_cb(struct ev_loop *loop, ev_io *w, int revents)
 static void deadline_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
     source *s = w->data;
-    char msg[160];
+    char msg[600], at[400];
     (void)loop;
     (void)revents;
     hold(s);
     if (s->phase == PH_CONNECTING) {
-        snprintf(msg, sizeof msg, "connect timed out after %" PRId64 " ms", s->cfg.connect_timeout_ms);
+        s->host_first = pgsrc_hosts_after_silent(s->conninfo, s->conn, s->host_first, at,
+                                                 sizeof at);
+        snprintf(msg, sizeof msg, "connect timed out after %" PRId64 " ms%s",
+                 s->cfg.connect_timeout_ms, at);
         conn_fail(s, msg);
     } else if (s->qop != Q_NONE) {
         snprintf(msg, sizeof msg, "no answer from the server within %" PRId64 " ms",

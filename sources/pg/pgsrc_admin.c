@@ -166,6 +166,47 @@ typedef struct adm_path {
     bool pooled;       /* they differ: a pooler (PgBouncer, ...) speaks for the server */
 } adm_path;
 
+/* Starts a connect whose host lists begin at host `first` (a conninfo naming several
+   hosts) and polls it until it is up, fails, or connect_timeout passes. NULL only when out
+   of memory; *timed_out says the deadline passed, and at then names the host that kept it
+   waiting (empty with a single host) while *next says where the next attempt starts;
+   *n_hosts is how many hosts the conninfo names. */
+static PGconn *adm_connect_from(const cfg_outbox *ob, int first, int64_t ct, int *n_hosts,
+                                bool *timed_out, int *next, char *at, size_t atlen)
+{
+    const char *keys[PGSRC_MAX_PARAMS + PGSRC_HOST_PARAMS];
+    const char *vals[PGSRC_MAX_PARAMS + PGSRC_HOST_PARAMS];
+    char tmo[24], *rot[PGSRC_HOST_PARAMS] = {NULL, NULL, NULL};
+    int64_t deadline = now_ms() + ct;
+    PGconn *c = NULL;
+
+    *timed_out = false;
+    *next = first;
+    at[0] = '\0';
+    pgsrc_conn_params(ob, keys, vals, tmo);
+    *n_hosts = pgsrc_hosts_rotate(ob->conninfo, first, keys, vals, rot);
+    if (*n_hosts >= 0)
+        c = PQconnectStartParams(keys, vals, 1);
+    for (int j = 0; j < PGSRC_HOST_PARAMS; j++)
+        free(rot[j]);
+    if (!c)
+        return NULL;
+    PQsetNoticeProcessor(c, quiet_notice, NULL);
+    PostgresPollingStatusType st = PGRES_POLLING_WRITING;
+    while (PQstatus(c) != CONNECTION_BAD && st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED) {
+        int w = wait_sock(c, st == PGRES_POLLING_READING ? POLLIN : POLLOUT, deadline);
+        if (w == 0) {
+            *timed_out = true;
+            *next = pgsrc_hosts_after_silent(ob->conninfo, c, first, at, atlen);
+            return c;
+        }
+        if (w < 0)
+            break;
+        st = PQconnectPoll(c);
+    }
+    return c;
+}
+
 /* Connects (bounded by connect_timeout), verifies the database name byte for
  * byte and sets statement_timeout for the session — unless a pooler sits in
  * between (the backend pid the connection announced is not the server's): a
@@ -174,33 +215,36 @@ typedef struct adm_path {
  * anyway. NULL with err filled on failure; path (may be NULL) says which. */
 static PGconn *adm_connect_path(const cfg_outbox *ob, adm_path *path, char *err, size_t errlen)
 {
-    const char *keys[PGSRC_MAX_PARAMS], *vals[PGSRC_MAX_PARAMS];
-    char tmo[24], msg[512], qt[24], bpid[24];
+    char msg[2048], qt[24], bpid[24], at[400];   /* msg: libpq's text for every host */
     int64_t ct = ob->connect_timeout_ms > 0 ? ob->connect_timeout_ms : 5000;
-    int64_t deadline = now_ms() + ct;
     PGconn *c;
+    bool timed_out;
+    int first = 0, next, n_hosts, tries = 0;
 
     if (!ob->conninfo || !ob->database) {
         errf(ob, err, errlen, "conninfo and database are required");
         return NULL;
     }
-    pgsrc_conn_params(ob, keys, vals, tmo);
-    c = PQconnectStartParams(keys, vals, 1);
-    if (!c) {
-        errf(ob, err, errlen, "cannot connect: out of memory");
-        return NULL;
-    }
-    PQsetNoticeProcessor(c, quiet_notice, NULL);
-    PostgresPollingStatusType st = PGRES_POLLING_WRITING;
-    while (PQstatus(c) != CONNECTION_BAD && st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED) {
-        int w = wait_sock(c, st == PGRES_POLLING_READING ? POLLIN : POLLOUT, deadline);
-        if (w == 0) {
-            errf(ob, err, errlen, "cannot connect: timed out after %" PRId64 " ms", ct);
+    /* libpq leaves a host that refuses or does not qualify by itself, not one that never
+       answers: each host gets a turn at the head of the list, connect_timeout apiece */
+    for (;;) {
+        c = adm_connect_from(ob, first, ct, &n_hosts, &timed_out, &next, at, sizeof at);
+        if (!c) {
+            errf(ob, err, errlen, "cannot connect: out of memory");
+            return NULL;
+        }
+        if (!timed_out)
+            break;
+        if (++tries >= n_hosts) {
+            if (n_hosts > 1)
+                errf(ob, err, errlen, "cannot connect: timed out after %" PRId64 " ms with "
+                     "each of its %d hosts tried first", ct, n_hosts);
+            else
+                errf(ob, err, errlen, "cannot connect: timed out after %" PRId64 " ms", ct);
             goto fail;
         }
-        if (w < 0)
-            break;
-        st = PQconnectPoll(c);
+        PQfinish(c);
+        first = next;
     }
     if (PQstatus(c) != CONNECTION_OK) {
         pgsrc_oneline(PQerrorMessage(c), msg, sizeof msg);

@@ -26,6 +26,19 @@
 void pgsrc_conn_params(const cfg_outbox *ob, const char **keys, const char **vals,
                        char tmo[24]);
 
+/* A conninfo naming several hosts, connected from another host than the first (libpq's
+ * asynchronous connect never leaves a host that does not answer; see pgsrc.c).
+ * pgsrc_hosts_rotate appends to keys/vals (NULL-terminated, room for PGSRC_HOST_PARAMS
+ * more) the host, hostaddr and port lists rotated to start at host `first`, copies in rot
+ * (NULL-initialized; the caller frees them): the number of hosts, or -1 (no memory).
+ * pgsrc_hosts_after_silent: the host after the one c is trying (its index + 1; first + 1
+ * when unknown, `first` with a single host), naming it in at (" at HOST:PORT; ..."). */
+#define PGSRC_HOST_PARAMS 3
+int pgsrc_hosts_rotate(const char *conninfo, int first, const char **keys, const char **vals,
+                       char *rot[PGSRC_HOST_PARAMS]);
+int pgsrc_hosts_after_silent(const char *conninfo, const PGconn *c, int first, char *at,
+                             size_t atlen);
+
 /* Copies a libpq message into out as one line (newlines folded, trailing
  * whitespace trimmed). */
 void pgsrc_oneline(const char *msg, char *out, size_t outlen);
