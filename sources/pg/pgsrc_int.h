@@ -27,7 +27,7 @@ void pgsrc_conn_params(const cfg_outbox *ob, const char **keys, const char **val
                        char tmo[24]);
 
 /* A conninfo naming several hosts, connected from another host than the first (libpq's
- * asynchronous connect never leaves a host that does not answer; see pgsrc.c).
+ * asynchronous connect never leaves a host that does not answer; see pgsrc_hosts.c).
  * pgsrc_hosts_rotate appends to keys/vals (NULL-terminated, room for PGSRC_HOST_PARAMS
  * more) the host, hostaddr and port lists rotated to start at host `first`, copies in rot
  * (NULL-initialized; the caller frees them): the number of hosts, or -1 (no memory).
