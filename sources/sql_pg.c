@@ -270,8 +270,10 @@ char *sql_pg_lead(const sql_pg_names *n)
 /* Row P (an alias) is a pending row of key K before id ID: the range of
    (partition_key, id) from (K, lowest) up to (K, ID), which key_idx reads from the key's
    first row on and ends at ID. The last condition repeats the range's end for a session
-   where sorts are allowed (through a pooler the relay cannot set its session): there a
-   plan on pending_idx reads the pending rows below ID, no more. */
+   where sorts are allowed (through a pooler, or through psqlODBC, the relay sets nothing
+   on its session): there a plan on pending_idx reads the pending rows below ID, no more
+   (as the form key = K did). The failed keys' lookup has no such bound: there, with
+   statistics that saw nothing pending, each of its steps may read the pending rows. */
 #define SQL_PG_KEY_BEFORE(P, K, ID)                                                        \
     P ".partition_key >= " K " AND (" P ".partition_key, " P ".id) < (" K ", " ID ") "     \
     "AND " P ".sent_at IS NULL AND " P ".id < " ID
