@@ -252,6 +252,41 @@ char *sql_pg_lead(const sql_pg_names *n)
     "(" SQL_PG_WITHHELD(M) " OR octet_length(" M ".payload) > "                            \
     SQL_PG_STR(SQL_PG_SLICE_BYTES) ")"
 
+/* The lookups by key below read a key's pending rows through key_idx or failing_idx,
+   both on (partition_key, id): each asks for the first row in (partition_key, id) order
+   within a range of that order, which only those indexes deliver without reading and
+   sorting rows. The ordinary form (partition_key = k ... ORDER BY id) would let the
+   planner walk pending_idx in id order and filter on the key instead, and when the
+   statistics were taken while no row was pending it believes that index to hold about
+   one row, which it prefers (reading it looks sequential), whatever the backlog: every
+   lookup then reads the pending rows ahead of the key's. A sort, in these forms, is what
+   the alternatives cost, and the relay's sessions rule sorts out where a plan without
+   one exists (enable_sort off, see the PostgreSQL source's session setup): the index
+   path is then the plan, whatever the statistics say. */
+
+/* A recursive CTE `f` (partition_key, first_failed): each key's first failed pending row
+   (attempts > 0), in key order, found one key at a time through failing_idx ("the first
+   failed row of the next key after this one"): as many index probes as keys with a
+   failed row, plus one. */
+#define SQL_PG_FAILED_KEYS(T)                                                              \
+    "f(partition_key, first_failed) AS ((SELECT p.partition_key, p.id FROM " T " p "      \
+    "WHERE p.sent_at IS NULL AND p.attempts > 0 AND p.partition_key IS NOT NULL "          \
+    "ORDER BY p.partition_key, p.id LIMIT 1) UNION ALL SELECT q.partition_key, q.id "      \
+    "FROM f, LATERAL (SELECT p.partition_key, p.id FROM " T " p WHERE p.sent_at IS NULL "  \
+    "AND p.attempts > 0 AND p.partition_key > f.partition_key "                            \
+    "ORDER BY p.partition_key, p.id LIMIT 1) q)"
+
+/* Row P (an alias) is a pending row of key K before id ID: the range of
+   (partition_key, id) from (K, lowest) up to (K, ID), which key_idx reads from the key's
+   first row on and ends at ID. The last condition repeats the range's end for a session
+   where sorts are allowed (through a pooler, or through psqlODBC, the relay sets nothing
+   on its session): there a plan on pending_idx reads the pending rows below ID, no more
+   (as the form key = K did). The failed keys' lookup has no such bound: there, with
+   statistics that saw nothing pending, each of its steps may read the pending rows. */
+#define SQL_PG_KEY_BEFORE(P, K, ID)                                                        \
+    P ".partition_key >= " K " AND (" P ".partition_key, " P ".id) < (" K ", " ID ") "     \
+    "AND " P ".sent_at IS NULL AND " P ".id < " ID
+
 static char *claim(const sql_pg_names *n, bool competing, bool sized, bool sliced)
 {
     static const char ret_plain[] =
@@ -285,17 +320,15 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized, bool slice
            server crash only lets the rows be claimed and published again. Waiting, every
            row's way to the broker took one more disk flush, queued behind the producers'
            commits.
-           Each key's first failed pending row, once per claim (f): looked up per
-           candidate row instead, the planner may scan pending_idx below the row for every
-           candidate, and under a held xmin horizon that index keeps an entry for every
-           row marked since: a claim then costs candidates x marked rows (9 s seen).
+           Each key's first failed pending row, once per claim (f, SQL_PG_FAILED_KEYS):
+           looked up per candidate row instead, the planner may scan pending_idx below the
+           row for every candidate, and under a held xmin horizon that index keeps an entry
+           for every row marked since: a claim then costs candidates x marked rows (9 s
+           seen).
            The candidates are found by walking pending_idx in id order (w, SQL_PG_WALK),
            each pending row looked at in turn until $1 of them can be taken: see there. */
         return fmt(
-            "WITH RECURSIVE " SQL_PG_NO_FLUSH_WAIT ", "
-            "f AS MATERIALIZED (SELECT p.partition_key, min(p.id) AS first_failed "
-            "FROM %1$s p WHERE p.sent_at IS NULL AND p.attempts > 0 "
-            "AND p.partition_key IS NOT NULL GROUP BY p.partition_key), "
+            "WITH RECURSIVE " SQL_PG_NO_FLUSH_WAIT ", " SQL_PG_FAILED_KEYS("%1$s") ", "
             SQL_PG_WALK("%1$s", "($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f "
                         "WHERE f.name = 'leader' AND f.owner = $2::text "
                         "AND f.epoch = $5::bigint AND f.expires_at > now()))") ", "
@@ -316,23 +349,25 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized, bool slice
         "m.partition_key%4$s FROM %1$s m WHERE m.id = w.id AND m.sent_at IS NULL "
         "AND m.available_at <= now() AND (m.lease_until IS NULL OR m.lease_until < now()) "
         "AND " SQL_PG_MY_KEY("m") " "
-        "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.id, h.attempts, "
-        "h.available_at, h.lease_owner, h.lease_until FROM %1$s h "
-        "WHERE h.partition_key = m.partition_key AND h.sent_at IS NULL ORDER BY h.id LIMIT 1) hd "
-        "WHERE hd.id < m.id AND ((hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM $2::text) "
-        "OR hd.available_at > now()))) "
+        /* the key's first pending row, when it comes before this one */
+        "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.available_at, "
+        "h.lease_owner, h.lease_until FROM %1$s h "
+        "WHERE " SQL_PG_KEY_BEFORE("h", "m.partition_key", "m.id") " "
+        "ORDER BY h.partition_key, h.id LIMIT 1) hd "
+        "WHERE (hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM $2::text) "
+        "OR hd.available_at > now())) "
         "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint), "
         /* per key, the first pending row that is neither ours (live lease) nor locked by
            this claim: nothing of the key at or after it may be taken now. Only one below
-           the key's last row in c0 matters (one after it holds back nothing c0 took), and
-           every pending row below that was walked already: the lookup reads no further
-           than the walk went, whatever plan the statistics give it. */
+           the key's last row in c0 matters (one after it holds back nothing c0 took): the
+           lookup reads the key's rows below that one (SQL_PG_KEY_BEFORE). */
         "k AS (SELECT partition_key, max(id) AS last FROM c0 WHERE partition_key IS NOT NULL "
         "GROUP BY partition_key), "
         "g AS MATERIALIZED (SELECT k.partition_key, (SELECT p.id FROM %1$s p "
-        "WHERE p.partition_key = k.partition_key AND p.sent_at IS NULL AND p.id < k.last "
+        "WHERE " SQL_PG_KEY_BEFORE("p", "k.partition_key", "k.last") " "
         "AND NOT coalesce(p.lease_owner = $2::text AND p.lease_until >= now(), false) "
-        "AND p.id NOT IN (SELECT id FROM c0) ORDER BY p.id LIMIT 1) AS gap FROM k), "
+        "AND p.id NOT IN (SELECT id FROM c0) ORDER BY p.partition_key, p.id LIMIT 1) AS gap "
+        "FROM k), "
         "c AS (SELECT c0.id%7$s FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key "
         "WHERE c0.partition_key IS NULL OR g.gap IS NULL OR c0.id < g.gap)%5$s"
         "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
