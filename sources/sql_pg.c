@@ -218,8 +218,8 @@ char *sql_pg_lead(const sql_pg_names *n)
 
 /* A CTE `nfw` (one row) that makes the statement's transaction commit without waiting
    for its WAL to reach the disk (synchronous_commit off for this transaction only): for
-   statements whose loss in a server crash costs a duplicate at most, never a message. A
-   statement joins nfw to have it evaluated. */
+   statements whose loss in a server crash costs nothing beyond the rows in flight (the
+   leader's claim), never for a mark. A statement joins nfw to have it evaluated. */
 #define SQL_PG_NO_FLUSH_WAIT                                                               \
     "nfw AS (SELECT set_config('synchronous_commit', 'off', true) AS v)"
 
@@ -409,20 +409,22 @@ char *sql_pg_payload_slices(const sql_pg_names *n)
  * which unpacks five arrays and runs four data-modifying CTEs even when three of them
  * have nothing to do: PostgreSQL spends about a quarter less on it, and the settle's
  * time is what confirmed rows wait in the publish window. Returns the rows applied.
- * Settles commit without waiting for their WAL flush (nfw): a mark lost with a server
- * crash leaves a row that was confirmed unmarked, published once more later. */
+ * A mark commits durably (the server's synchronous_commit), unlike the leader's claim: a
+ * mark a server forgot in a crash, or that a standby promoted with synchronous
+ * replication never received, would make its row published once more after the relay
+ * had dropped it, a duplicate beyond the rows in flight and awaiting their mark. */
 char *sql_pg_settle_sent(const sql_pg_names *n, int on_sent)
 {
     if (on_sent == CFG_ON_SENT_DELETE)
-        return fmt("WITH " SQL_PG_NO_FLUSH_WAIT ", s AS (DELETE FROM %s m "
+        return fmt("WITH s AS (DELETE FROM %s m "
                    "USING unnest($1::bigint[], $2::bigint[]) "
                    "AS u(id, token) WHERE m.id = u.id AND m.lease_token = u.token RETURNING 1) "
-                   "SELECT count(*) FROM s, nfw", n->table);
-    return fmt("WITH " SQL_PG_NO_FLUSH_WAIT ", s AS (UPDATE %s m SET sent_at = now(), "
+                   "SELECT count(*) FROM s", n->table);
+    return fmt("WITH s AS (UPDATE %s m SET sent_at = now(), "
                "lease_owner = NULL, "
                "lease_token = NULL, lease_until = NULL FROM unnest($1::bigint[], $2::bigint[]) "
                "AS u(id, token) WHERE m.id = u.id AND m.lease_token = u.token RETURNING 1) "
-               "SELECT count(*) FROM s, nfw", n->table);
+               "SELECT count(*) FROM s", n->table);
 }
 
 char *sql_pg_settle(const sql_pg_names *n, int on_sent)

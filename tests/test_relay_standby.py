@@ -14,15 +14,12 @@ end, pass or fail. The broker is the harness's.
   nothing lost, whole bodies and properties as in the database, every row marked on the
   promoted server delivered, and duplicates within what the failover can cost: the rows in
   flight and confirmed but not yet marked (at most 2 x publish_window, as after a relay
-  crash) plus the marks the old primary had acknowledged but the promoted server never
-  received. Marks commit without waiting for their WAL flush (a lost mark costs a
-  duplicate, never a message), and a walsender streams only flushed WAL, so a primary that
-  dies forgets up to a WAL writer cycle of them (wal_writer_delay, 200 ms by default); the
-  test measures that number (the marks the relay saw acknowledged, once the old primary
-  is gone, against the rows the standby holds marked) instead of assuming it. Replication
-  is synchronous for everything else (the rows, the leadership lease), as in a failover
-  set-up that promises not to lose commits. A third node in the conninfo is down
-  throughout.
+  crash). Replication is synchronous, as in a failover set-up that promises not to lose
+  commits, and marks commit durably: every mark the old primary acknowledged is on the
+  promoted server (the test counts the marks the relay saw acknowledged, once the old
+  primary is gone, against the rows the standby holds marked: none may be missing; when
+  marks committed without waiting for their WAL flush, 180-1,740 were). A third node in
+  the conninfo is down throughout.
 - test_first_host_is_a_standby: the relay starts while the conninfo's first host is the
   standby: every session (and `outbox-relay init`) must land on the read-write server.
 - test_failover_from_a_frozen_primary: the primary stops answering instead of dying (its
@@ -380,8 +377,10 @@ def test_failover_mid_drain(services, template, relay_bin, build, tmp_path):
     assert sessions_on_promoted >= 1, "the relay's sessions are not on the promoted server"
     assert back and all(k >= 1 for k in back), \
         f"no INFO 'database connected ... after N failures' line: {back}"
-    assert dups <= 2 * window + forgotten, (
-        f"{dups} duplicates > 2 x window {window} + {forgotten} forgotten marks (one fault)")
+    assert forgotten == 0, (
+        f"{forgotten} marks the old primary acknowledged are not on the promoted server "
+        "(synchronous replication): a mark must commit durably")
+    assert dups <= 2 * window, f"{dups} duplicates > 2 x window {window} (one fault)"
     assert max(copies.values()) <= 2, "a row was published more than once more for one fault"
 
 
