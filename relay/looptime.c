@@ -13,14 +13,15 @@ static double clock_s(clockid_t id)
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
-/* Run first once the loop wakes: the turn begins. */
+/* Run first once the loop wakes: the turn begins. Its CPU time is counted from the last
+   turn's end (the thread slept in the poll since then, spending next to none), so a turn
+   reads the thread's CPU clock, a system call, once. */
 static void check_cb(struct ev_loop *loop, ev_check *w, int revents)
 {
     (void)loop;
     (void)revents;
     looptime *lt = w->data;
     lt->wall0 = clock_s(CLOCK_MONOTONIC);
-    lt->cpu0 = clock_s(CLOCK_THREAD_CPUTIME_ID);
     lt->in_turn = lt->wall0 >= 0 && lt->cpu0 >= 0;
 }
 
@@ -54,13 +55,15 @@ static void prepare_cb(struct ev_loop *loop, ev_prepare *w, int revents)
     (void)loop;
     (void)revents;
     looptime *lt = w->data;
+    double cpu1 = clock_s(CLOCK_THREAD_CPUTIME_ID), cpu0 = lt->cpu0;
+    lt->cpu0 = cpu1;
     if (!lt->in_turn)
         return; /* the first wait, or a clock that failed */
     lt->in_turn = false;
-    double wall1 = clock_s(CLOCK_MONOTONIC), cpu1 = clock_s(CLOCK_THREAD_CPUTIME_ID);
+    double wall1 = clock_s(CLOCK_MONOTONIC);
     if (wall1 < 0 || cpu1 < 0)
         return;
-    double wall = wall1 - lt->wall0, cpu = cpu1 - lt->cpu0;
+    double wall = wall1 - lt->wall0, cpu = cpu1 - cpu0;
     if (wall < 0)
         wall = 0;
     if (cpu < 0)
@@ -73,7 +76,7 @@ static void prepare_cb(struct ev_loop *loop, ev_prepare *w, int revents)
 
 void looptime_start(looptime *lt, struct ev_loop *loop, loop_metrics *out)
 {
-    *lt = (looptime){ .loop = loop, .out = out };
+    *lt = (looptime){ .loop = loop, .out = out, .cpu0 = clock_s(CLOCK_THREAD_CPUTIME_ID) };
     ev_check_init(&lt->check, check_cb);
     ev_prepare_init(&lt->prepare, prepare_cb);
     lt->check.data = lt->prepare.data = lt;

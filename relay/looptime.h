@@ -10,7 +10,9 @@
  * is logged at WARN (event loop_blocked), at most once per LOOPTIME_WARN_EVERY_S; the
  * turns not logged are counted on the next line.
  *
- * Cost per turn: two watchers and four clock reads. Loop thread only.
+ * Cost per turn: two watchers, two reads of the monotonic clock (no system call) and one of
+ * the thread's CPU clock (a system call): a turn's CPU time runs from the end of the turn
+ * before, since the thread spends next to none asleep in the poll. Loop thread only.
  *
  *   looptime lt;
  *   looptime_start(&lt, loop, &rm.loop);
@@ -34,7 +36,8 @@ typedef struct looptime {
     ev_prepare prepare;
     loop_metrics *out;      /* borrowed: where the turns are counted */
     bool in_turn;           /* a check ran and its prepare has not yet */
-    double wall0, cpu0;     /* when the turn began: monotonic, thread CPU seconds */
+    double wall0;           /* monotonic time the turn began */
+    double cpu0;            /* thread CPU seconds when the last turn ended; -1 unknown */
     double warned_at;       /* monotonic time of the last WARN, 0: none yet */
     unsigned long unlogged; /* long turns since then not logged */
     double unlogged_max;    /* the longest of them, wall seconds */
