@@ -21,6 +21,7 @@
 #include "relay/drainset.h"
 #include "relay/http.h"
 #include "relay/log.h"
+#include "relay/looptime.h"
 #include "relay/metrics.h"
 #include "relay/sink.h"
 #include "relay/source.h"
@@ -81,6 +82,7 @@ typedef struct relay_state {
     ev_timer        shutdown_timer;
     http_server    *http;
     relay_metrics   rm;
+    looptime        lt;          /* times each turn of the loop into rm.loop */
 } relay_state;
 
 static double wall_now(void)
@@ -420,7 +422,9 @@ static int cmd_run(const char *path)
            "outbox-relay %s starting as \"%s\": %zu outbox(es)%s%s", OUTBOX_VERSION,
            cur->relay.name, cur->n_outboxes, cur->relay.http_listen ? ", http on " : "",
            cur->relay.http_listen ? cur->relay.http_listen : "");
+    looptime_start(&st.lt, st.loop, &st.rm.loop);
     ev_run(st.loop, 0);
+    looptime_stop(&st.lt);
     log_ev(LOG_INFO, &(log_fields){ .event = "stopped" }, "outbox-relay stopped");
 out:
     http_stop(st.http);

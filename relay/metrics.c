@@ -12,14 +12,44 @@ const double metrics_bucket_bounds[METRICS_NBUCKETS] = {
     0 /* +Inf */
 };
 
-void histogram_observe(histogram *h, double seconds)
+const double loop_bucket_bounds[METRICS_NBUCKETS] = {
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5,
+    5, 10, 0 /* +Inf */
+};
+
+void histogram_observe_in(histogram *h, const double *bounds, double seconds)
 {
     size_t i = 0;
-    while (i < METRICS_NBUCKETS - 1 && seconds > metrics_bucket_bounds[i])
+    while (i < METRICS_NBUCKETS - 1 && seconds > bounds[i])
         i++;
     h->buckets[i]++;
     h->count++;
     h->sum += seconds;
+}
+
+void histogram_observe(histogram *h, double seconds)
+{
+    histogram_observe_in(h, metrics_bucket_bounds, seconds);
+}
+
+/* One histogram without labels. */
+static void hist_plain(outbox_util_buf *b, const char *name, const char *help,
+                       const histogram *h, const double *bounds)
+{
+    outbox_util_buf_printf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s histogram\n",
+                           name, help, name);
+    uint64_t cum = 0;
+    for (size_t k = 0; k < METRICS_NBUCKETS; k++) {
+        cum += h->buckets[k];
+        if (k == METRICS_NBUCKETS - 1)
+            outbox_util_buf_printf(b, "outbox_relay_%s_bucket{le=\"+Inf\"} %llu\n", name,
+                                   (unsigned long long)cum);
+        else
+            outbox_util_buf_printf(b, "outbox_relay_%s_bucket{le=\"%g\"} %llu\n", name,
+                                   bounds[k], (unsigned long long)cum);
+    }
+    outbox_util_buf_printf(b, "outbox_relay_%s_sum %.6f\noutbox_relay_%s_count %llu\n", name,
+                           h->sum, name, (unsigned long long)h->count);
 }
 
 typedef uint64_t (*u64_get)(const ob_metrics *);
@@ -157,6 +187,15 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
                 "# TYPE outbox_relay_bytes_in_memory_limit gauge\n"
                 "outbox_relay_bytes_in_memory_limit %zu\n",
             r->bytes_in_memory, r->bytes_in_memory_limit);
+    hist_plain(&b, "loop_turn_seconds", "Turns of the event loop (every callback it runs between "
+               "waking and waiting again), in wall time: a long one kept probes and every outbox "
+               "waiting.", &r->loop.turn, loop_bucket_bounds);
+    hist_plain(&b, "loop_turn_cpu_seconds", "The same turns in the loop thread's CPU time "
+               "(what the relay itself spent, little inflated by other load on the machine).",
+               &r->loop.turn_cpu, loop_bucket_bounds);
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_loop_blocked_total Turns of the event loop longer than 1 s of wall time (each logged as loop_blocked, at most once a minute).\n"
+                "# TYPE outbox_relay_loop_blocked_total counter\n"
+                "outbox_relay_loop_blocked_total %llu\n", (unsigned long long)r->loop.blocked);
     counter(&b, m, n, "relayed_total", "Messages confirmed by the broker and settled as sent.", OFF(relayed));
     counter(&b, m, n, "failed_total", "Failed publish attempts (returned, nacked or rejected).", OFF(failed));
     counter(&b, m, n, "returned_total", "Messages returned as unroutable (mandatory).", OFF(returned));

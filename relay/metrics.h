@@ -11,11 +11,21 @@
 #define METRICS_NBUCKETS 17
 extern const double metrics_bucket_bounds[METRICS_NBUCKETS]; /* seconds; last = +Inf */
 
+/* The event loop's turns take from microseconds to, when something blocks it, seconds. */
+extern const double loop_bucket_bounds[METRICS_NBUCKETS];    /* seconds; last = +Inf */
+
 typedef struct histogram {
     uint64_t buckets[METRICS_NBUCKETS]; /* non-cumulative counts */
     uint64_t count;
     double   sum;
 } histogram;
+
+/* The event loop's own turns (relay/looptime.h): from waking to waiting again. */
+typedef struct loop_metrics {
+    histogram turn;          /* wall seconds (loop_bucket_bounds) */
+    histogram turn_cpu;      /* the loop thread's CPU seconds over the same turns */
+    uint64_t  blocked;       /* turns longer than the WARN threshold (wall) */
+} loop_metrics;
 
 typedef struct ob_metrics {
     const char *outbox;      /* borrowed from the config */
@@ -75,9 +85,11 @@ typedef struct relay_metrics {
     size_t   rows_in_memory_limit;   /* max_rows_in_memory in force */
     size_t   bytes_in_memory;        /* their payload + header bytes */
     size_t   bytes_in_memory_limit;  /* max_bytes_in_memory in force */
+    loop_metrics loop;               /* the event loop's turns */
 } relay_metrics;
 
-void histogram_observe(histogram *h, double seconds);
+void histogram_observe(histogram *h, double seconds);                 /* metrics_bucket_bounds */
+void histogram_observe_in(histogram *h, const double *bounds, double seconds);
 
 /* Appends the exposition text for the process (r) and all outboxes to a malloc'd
    buffer. NULL on OOM. */
