@@ -268,9 +268,15 @@ def test_64mib_message_delivered_while_healthz_answers(services, pgdb, relay_bin
         f"{cpu_over[LOOP_CPU_BOUND]} turn(s) of the event loop took over "
         f"{LOOP_CPU_BOUND * 1000:.0f} ms of CPU while the 64 MiB row was loaded and sent "
         f"(longest {longest(cpu_over)})")
+    # The probes during the load are printed and held to the loop's own blocked bound
+    # (1 s) only: on a loaded 2-core machine (CI runs two builds side by side) a probe
+    # waited 150-230 ms while the loop's longest turn took under 10 ms of CPU, and with the
+    # row loaded whole the probes sometimes stayed under 100 ms; the CPU bound above is
+    # what tells the two apart.
     assert len(loading) >= 3, f"{len(loading)} probes while the row was loaded"
     slow = [f"+{max(t0, t_committed) - t_committed:.2f}s: {w * 1000:.0f} ms"
             for t0, w, _ in loading if w >= PROBE_BOUND]
-    assert not slow, (f"while the 64 MiB row was claimed and loaded "
-                      f"({t_flow - t_committed:.2f}s), /healthz answered in "
-                      f"{PROBE_BOUND * 1000:.0f} ms or more: {slow[:10]}")
+    print(f"probes while the row was loaded ({t_flow - t_committed:.2f}s): {len(loading)}, "
+          f"{len(slow)} at {PROBE_BOUND * 1000:.0f} ms or more: {slow[:10]}")
+    assert max(w for _, w, _ in loading) < 1.0, (
+        f"while the 64 MiB row was claimed and loaded, /healthz waited 1 s or more: {slow}")
