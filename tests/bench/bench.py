@@ -1473,24 +1473,27 @@ def stmt_kind(q):
 def steady_statements(conn):
     """pg_stat_statements of the bench database since its last reset, the relay's
     statements grouped by kind: calls, rows, execution and planning ms (wall time inside
-    the server: a statement's share of the sessions' CPU, lock waits included)."""
+    the server: a statement's share of the sessions' CPU, lock waits included), and the
+    longest execution in ms (a stall shows there, not in the means)."""
     try:
         rows = conn.execute(
-            "select s.query, s.calls, s.rows, s.total_exec_time, s.total_plan_time "
+            "select s.query, s.calls, s.rows, s.total_exec_time, s.total_plan_time, "
+            "s.max_exec_time "
             "from pg_stat_statements s join pg_database d on d.oid = s.dbid "
             "where d.datname = %s", (DB,)).fetchall()
     except psycopg.Error:
         return None
     out = {}
-    for q, calls, nrows, ex, pl in rows:
+    for q, calls, nrows, ex, pl, mx in rows:
         k = stmt_kind(q)
         if k is None:
             continue
-        o = out.setdefault(k, [0, 0, 0.0, 0.0])
+        o = out.setdefault(k, [0, 0, 0.0, 0.0, 0.0])
         o[0] += calls
         o[1] += nrows
         o[2] += ex
         o[3] += pl or 0.0
+        o[4] = max(o[4], mx or 0.0)
     return out
 
 
@@ -1561,7 +1564,7 @@ def steady_run(svc, tmp):
     bounds = {"warm": t_start, "clean": t_start + warm, "held": t_start + warm + clean,
               "recover": t_start + warm + clean + held, "end": t_start + total}
     seen, samples, reader = {}, [], None
-    stmts_reset, stmts = None, None
+    stmts_reset, stmts, held_reset, held_stmts = None, None, None, None
     a = Snapshot(svc, [relay.pid])
     try:
         while time.time() < bounds["end"]:
@@ -1579,6 +1582,9 @@ def steady_run(svc, tmp):
                 stmts_reset = steady_stmt_reset(conn)
             if stmts is None and stmts_reset and now >= bounds["held"]:
                 stmts = (steady_statements(conn), now - stmts_reset)
+                held_reset = steady_stmt_reset(conn)
+            if held_stmts is None and held_reset and now >= bounds["recover"]:
+                held_stmts = (steady_statements(conn), now - held_reset)
             samples.append(steady_sample(conn, port, seen, relay.pid))
             nxt = samples[-1]["t"] + min(5, win)
             time.sleep(max(0.0, min(nxt, bounds["end"]) - time.time()))
@@ -1619,7 +1625,7 @@ def steady_run(svc, tmp):
     u = usage(a, b, relay_secs=b.relays - a.relays)
     u["sessions"] = (samples[-1]["pg_ticks"] - samples[0]["pg_ticks"]) / TICK / u["secs"]
     return {"samples": samples, "relay": relayed, "dual": cons.dual, "dups": cons.dups,
-            "stmts": stmts,
+            "stmts": stmts, "held_stmts": held_stmts,
             "processed": processed, "lost": lost, "bounds": bounds, "win": win,
             "cpu": u, "producer": out, "dual_error": dual.error}
 
@@ -1720,12 +1726,13 @@ def steady_report(r):
         got = c["delivered"] * secs
         print(f"      the relay's statements in the clean phase (pg_stat_statements, server "
               f"time incl. planning, per delivered message; {secs:.0f} s):")
-        for k, (calls, nrows, ex, pl) in sorted(st.items(), key=lambda kv: -kv[1][2] - kv[1][3]):
+        for k, (calls, nrows, ex, pl, mx) in sorted(st.items(),
+                                                    key=lambda kv: -kv[1][2] - kv[1][3]):
             print(f"        {k:>16}: {calls / secs:8.1f}/s, {nrows / calls if calls else 0:7.1f} "
                   f"result rows each, exec {ex / calls if calls else 0:6.3f} ms + plan "
-                  f"{pl / calls if calls else 0:6.3f} ms each, "
+                  f"{pl / calls if calls else 0:6.3f} ms each (longest {mx:.1f} ms), "
                   f"{(ex + pl) * 1000 / got if got else 0:6.1f} us/msg")
-        tot = sum(ex + pl for (_, _, ex, pl) in st.values())
+        tot = sum(ex + pl for (_, _, ex, pl, _) in st.values())
         print(f"        {'all statements':>16}: {tot * 1000 / got if got else 0:6.1f} us/msg "
               f"(the rest of the sessions' CPU: protocol, commits, NOTIFY delivery)")
     print(f"      p99 last {first_min:.0f} s / first {first_min:.0f} s: "
@@ -1741,6 +1748,12 @@ def steady_report(r):
           f" PostgreSQL {n0(h['pg_us'])} us/msg;"
           f" dead tuples {h['dead']}, {h['size'] / 1048576:.1f} MiB, backlog up to "
           f"{n0(h['backlog'])}")
+    if r.get("held_stmts") and r["held_stmts"][0] is not None:
+        st, secs = r["held_stmts"]
+        print("      the relay's statements with the horizon held: " + "; ".join(
+            f"{k} {calls / secs:.1f}/s, exec {ex / calls if calls else 0:.2f} ms (longest "
+            f"{mx:.1f} ms)" for k, (calls, _, ex, _, mx) in sorted(
+                st.items(), key=lambda kv: -kv[1][4]) if calls))
     print(f"    recovery ({B['end'] - B['recover']:.0f} s): delivered {rc['delivered']:.0f} msg/s, "
           f"p99 {ms_(rc['p99'])} ms, dead tuples {rc['dead']}, {rc['size'] / 1048576:.1f} MiB")
     u = r["cpu"]
