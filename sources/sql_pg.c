@@ -216,13 +216,6 @@ char *sql_pg_lead(const sql_pg_names *n)
     "ROWS UNBOUNDED PRECEDING)) z "                                                        \
     "WHERE $6::bigint = 0 OR z.run <= $6::bigint OR (z.rn = 1 AND $7::boolean)) "
 
-/* A CTE `nfw` (one row) that makes the statement's transaction commit without waiting
-   for its WAL to reach the disk (synchronous_commit off for this transaction only): for
-   statements whose loss in a server crash costs nothing beyond the rows in flight (the
-   leader's claim), never for a mark. A statement joins nfw to have it evaluated. */
-#define SQL_PG_NO_FLUSH_WAIT                                                               \
-    "nfw AS (SELECT set_config('synchronous_commit', 'off', true) AS v)"
-
 /* A CTE `w` (id): the pending rows of table T in id order, found one at a time by walking
    pending_idx ("the first pending id after the last one"), only when GUARD (an
    uncorrelated condition) holds. Rows are made as they are read: a claim that takes the
@@ -314,12 +307,10 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized, bool slice
     const char *bytes = sized ? ", " SQL_PG_BYTE_PREFIX("c") : " ";
     const char *from = sized ? "b" : "c";
     if (!competing)
-        /* The claim commits without waiting for its WAL flush (NO_FLUSH_WAIT): the
-           claimed rows' leases are the leader's own bookkeeping, fenced by the
-           leadership lease (whose statement waits as usual), and a lease lost with a
-           server crash only lets the rows be claimed and published again. Waiting, every
-           row's way to the broker took one more disk flush, queued behind the producers'
-           commits.
+        /* The claim commits durably, as marks do: a claim a crashed server forgot leaves
+           the relay holding rows whose leases are gone; they are claimed and published
+           again beside the relay's copies (a whole batch seen after an immediate restart),
+           more duplicates than the rows in flight and awaiting their mark.
            Each key's first failed pending row, once per claim (f, SQL_PG_FAILED_KEYS):
            looked up per candidate row instead, the planner may scan pending_idx below the
            row for every candidate, and under a held xmin horizon that index keeps an entry
@@ -328,7 +319,7 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized, bool slice
            The candidates are found by walking pending_idx in id order (w, SQL_PG_WALK),
            each pending row looked at in turn until $1 of them can be taken: see there. */
         return fmt(
-            "WITH RECURSIVE " SQL_PG_NO_FLUSH_WAIT ", " SQL_PG_FAILED_KEYS("%1$s") ", "
+            "WITH RECURSIVE " SQL_PG_FAILED_KEYS("%1$s") ", "
             SQL_PG_WALK("%1$s", "($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f "
                         "WHERE f.name = 'leader' AND f.owner = $2::text "
                         "AND f.epoch = $5::bigint AND f.expires_at > now()))") ", "
@@ -340,7 +331,7 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized, bool slice
             "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint)%5$s"
             "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
             "lease_until = now() + $4::float8 * interval '1 millisecond' "
-            "FROM %6$s, nfw WHERE m.id = %6$s.id %3$s",
+            "FROM %6$s WHERE m.id = %6$s.id %3$s",
             n->table, n->lease, ret, sized ? ", x.sz" : "", bytes, from, sz);
     return fmt(
         "WITH RECURSIVE " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
@@ -409,7 +400,7 @@ char *sql_pg_payload_slices(const sql_pg_names *n)
  * which unpacks five arrays and runs four data-modifying CTEs even when three of them
  * have nothing to do: PostgreSQL spends about a quarter less on it, and the settle's
  * time is what confirmed rows wait in the publish window. Returns the rows applied.
- * A mark commits durably (the server's synchronous_commit), unlike the leader's claim: a
+ * A mark commits durably (the server's synchronous_commit), as the claims do: a
  * mark a server forgot in a crash, or that a standby promoted with synchronous
  * replication never received, would make its row published once more after the relay
  * had dropped it, a duplicate beyond the rows in flight and awaiting their mark. */
