@@ -157,7 +157,10 @@ test: all test-programs
 
 # The daemon under valgrind over its end-to-end tests (a subset: the whole suite under
 # valgrind is slow); any valgrind error or definite leak makes the relay exit 99 and its test fail.
-VALGRIND_TESTS ?= tests/test_relay.py tests/test_relay_two_outboxes.py tests/test_relay_reload.py
+# test_relay_silent_host_big_row.py adds, in one short run, a multi-host conninfo past a silent
+# host (init's and the loop's connects), payloads read in 1 MiB slices and the loop's timing.
+VALGRIND_TESTS ?= tests/test_relay.py tests/test_relay_two_outboxes.py tests/test_relay_reload.py \
+                  tests/test_relay_silent_host_big_row.py
 valgrind-test:
 	$(MAKE) test VALGRIND=1 SANITIZER= TESTS="$(VALGRIND_TESTS)"
 
