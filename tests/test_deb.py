@@ -238,7 +238,8 @@ class Systemd:
         by one allowing them, in the namespace only."""
         script = ("mount -t tmpfs -o size=1m,mode=0755 tmpfs /run/systemd && "
                   "mkdir /run/systemd/system && "
-                  "{ ! [ -e /usr/sbin/policy-rc.d ] || mount --bind /bin/true /usr/sbin/policy-rc.d; } && "
+                  "{ ! [ -e /usr/sbin/policy-rc.d ] || "
+                  "mount --bind /bin/true /usr/sbin/policy-rc.d; } && "
                   "exec \"$@\"")
         return run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
                     "apt-get", "-y", "-o", f"DPkg::Lock::Timeout={LOCK_WAIT}",
@@ -670,7 +671,8 @@ def test_upgrade_keeps_the_conffile_and_restarts_the_running_service(service, ne
     for p in PACKAGES:
         assert run(["dpkg-query", "-W", "-f", "${Version}", p]).stdout == new, p
     assert run([RELAY, "--version"]).stdout == f"outbox-relay {new}\n"
-    assert f'#define OUTBOX_VERSION_STRING "{new}"' in pathlib.Path("/usr/include/outbox.h").read_text()
+    header = pathlib.Path("/usr/include/outbox.h").read_text()
+    assert f'#define OUTBOX_VERSION_STRING "{new}"' in header
     assert CONF.read_bytes() == conf, "the upgrade replaced the administrator's relay.ini"
     after = CONF.stat()
     assert (after.st_uid, after.st_gid, after.st_mode) == (st.st_uid, st.st_gid, st.st_mode)
@@ -688,7 +690,7 @@ def test_upgrade_keeps_the_conffile_and_restarts_the_running_service(service, ne
 
 
 def test_remove_with_the_service_running_then_purge_leave_nothing_behind(installed, service,
-                                                                         services):
+                                                                         services, debs):
     """Last. `apt-get remove outbox-relay` with the service running: the prerm stops it
     while its files are still there (SIGTERM, exit 0), and the conffile stays (and the
     enablement state); `dpkg -r` removes the libraries; `dpkg --purge` removes everything
@@ -723,4 +725,10 @@ def test_remove_with_the_service_running_then_purge_leave_nothing_behind(install
     for p in PACKAGES:
         assert not known(p), (p, status(p))
     assert traces() == before, sorted(traces() ^ before)
+    for deb in debs:         # and every file the packages shipped is gone
+        r = run(["dpkg-deb", "-c", deb])
+        assert r.returncode == 0, r.stderr
+        files = [ln.split()[5].removeprefix(".") for ln in r.stdout.splitlines()
+                 if not ln.startswith("d")]
+        assert files and not [f for f in files if os.path.lexists(f)], (deb.name, files)
     pwd.getpwnam(USER)     # the user stays, as policy allows
