@@ -448,8 +448,9 @@ def test_lintian_clean(debs):
     assert exe, "lintian not installed (scripts/packages.txt lists it)"
     dsc = sorted((ROOT / "build" / "deb").glob("outbox-relay_*.dsc"))
     assert len(dsc) == 1, "make deb built no source package"
-    # (an override that matches nothing any more is itself a tag: I: unused-override)
-    r = run([exe, "--info", "--pedantic", "--display-experimental",
+    # --display-info shows the info tags (--info would only explain each tag); an override that
+    # matches nothing any more is itself one: I: unused-override
+    r = run([exe, "--display-info", "--pedantic", "--display-experimental",
              "--fail-on", "error,warning,info,pedantic,experimental", *dsc, *debs],
             timeout=600)
     tags = [ln for ln in r.stdout.splitlines() if re.match(r"[EWIPX]: ", ln)]
