@@ -206,10 +206,11 @@ install: $(LIBA) $(LIBSO) $(RELAY) $(MAN_OUT)
 	install -m 644 $(BUILD)/man/outbox-relay.ini.5 $(DESTDIR)$(MANDIR)/man5/
 
 # Debian packages. dpkg-buildpackage builds in a copy of the tree under build/deb/ (the tree's
-# top level has no debian/: deploy/debian/ is copied there), with debian/changelog written from
-# VERSION; the three packages land in build/, the source package (.dsc, .tar.xz), .changes,
-# .buildinfo and the debug symbol packages (*-dbgsym) stay in build/deb/. The changelog's date is the last commit's, so that a rebuild of the same
-# commit gives the same packages.
+# top level has no debian/: deploy/debian/ is copied there), with debian/changelog and outbox.h's
+# OUTBOX_VERSION_STRING written from VERSION, so that the packages carry one version; the three
+# packages land in build/, the source package (.dsc, .tar.xz), .changes, .buildinfo and the
+# debug symbol packages (*-dbgsym) stay in build/deb/. The changelog's date is the last
+# commit's, so that a rebuild of the same commit gives the same packages.
 DEB_DIR := build/deb
 DEB_SRC := $(DEB_DIR)/outbox-relay-$(VERSION)
 DEB_DATE = $(shell date -u -R -d @$$(git log -1 --format=%ct 2>/dev/null || date +%s))
@@ -224,6 +225,9 @@ deb:
 	sed -e 's|@VERSION@|$(VERSION)|g' -e 's|@DATE@|$(DEB_DATE)|g' deploy/debian/changelog.in \
 		> $(DEB_SRC)/debian/changelog
 	rm $(DEB_SRC)/debian/changelog.in
+	sed -i 's|^#define OUTBOX_VERSION_STRING ".*"$$|#define OUTBOX_VERSION_STRING "$(VERSION)"|' \
+		$(DEB_SRC)/lib/outbox.h
+	grep -qx '#define OUTBOX_VERSION_STRING "$(VERSION)"' $(DEB_SRC)/lib/outbox.h
 	cd $(DEB_SRC) && DEB_BUILD_OPTIONS="$${DEB_BUILD_OPTIONS:-parallel=2}" \
 		dpkg-buildpackage --build=full --no-sign
 	for p in outbox-relay liboutbox1 liboutbox-dev; do mv $(DEB_DIR)/$${p}_*.deb build/ || exit 1; done

@@ -1,27 +1,37 @@
 """The Debian packages (`make deb`, deploy/debian/): outbox-relay, liboutbox1 and liboutbox-dev
 are built, lintian clean, installed on this machine with `apt-get install ./build/*.deb` and
-used as a Debian user would: the relay's version, its man pages, pkg-config, README's app.c
-built against the installed library, `outbox-relay check` with the shipped relay.ini pointed
-at the test servers, `systemd-analyze verify` on the installed unit. Then `dpkg -r` and
-`dpkg --purge` must leave nothing behind but the system user.
+used as a Debian user would: the relay's version, its man pages, pkg-config, the library's
+symbols file, README's app.c built against the installed library, `outbox-relay check` with
+the shipped relay.ini pointed at the test servers, `systemd-analyze verify` on the installed
+unit. Then, with the service configured and running, an upgrade to a newer version built
+with the Makefile's VERSION bumped, `apt-get remove`, `dpkg -r` and `dpkg --purge`, which
+must leave nothing behind but the system user.
+
+systemd is not PID 1 on the CI machine: a stand-in systemctl (SYSTEMCTL below) runs the
+installed unit's commands as its user, and apt-get runs where /run/systemd/system exists
+(a private mount namespace), so that the maintainer scripts start, restart and stop the
+service as they would under systemd.
 
 The packages go into the real system, so this runs once per CI run: in the plain build's run
 only. scripts/test.sh runs the plain and the sanitizer builds at the same time; both
 installing and removing the same packages would fight over dpkg's lock and over the files.
 """
 import grp
+import json
 import os
 import pathlib
 import pwd
 import re
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import time
 
 import pytest
 
+from conftest import scratch_database, wait_for
 from test_install import readme_app, run_app_and_check
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -38,6 +48,203 @@ SCAN_ROOTS = ("/etc", "/usr", "/var")
 MAN_CACHE = "/var/cache/man"
 SCAN_SKIP = ("/var/tmp", MAN_CACHE)
 LOCK_WAIT = 600          # other jobs on the machine may hold dpkg's lock this long
+
+SYSTEMCTL = r'''#!/usr/bin/python3
+# systemctl for tests/test_deb.py, which the package's maintainer scripts reach through
+# deb-systemd-invoke while /run/systemd/system exists (the test mounts it in a private mount
+# namespace): systemd is not PID 1 on the test machine. It runs outbox-relay.service as the
+# unit file says (ExecCondition=, ExecStart=, User=, Group=, SIGTERM and TimeoutStopSec= to
+# stop) and records every call, with the installed relay's version at that moment, in
+# STATE/calls.jsonl. What systemctl does on the file system alone (presets, is-enabled) is
+# left to systemd's own systemctl (--root=/); other units and verbs are recorded only.
+import json, os, pathlib, shlex, signal, subprocess, sys, time
+
+STATE = pathlib.Path(@STATE@)
+UNIT = "outbox-relay.service"
+UNIT_FILE = pathlib.Path("/lib/systemd/system") / UNIT
+PIDFILE, EXITFILE, LOG = STATE / "main.pid", STATE / "main.exit", STATE / "relay.log"
+
+
+def unit():
+    keys = {}
+    for line in UNIT_FILE.read_text().splitlines():
+        k, sep, v = line.partition("=")
+        if sep and not line.startswith("#"):
+            keys.setdefault(k.strip(), v.strip())
+    return keys
+
+
+def main_pid():
+    try:
+        pid = int(PIDFILE.read_text())
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    return None if stat.rsplit(")", 1)[1].split()[0] in "ZX" else pid
+
+
+def relay_version():
+    try:
+        return subprocess.run(["/usr/bin/outbox-relay", "--version"], capture_output=True,
+                              text=True, timeout=30).stdout.strip()
+    except OSError:
+        return None
+
+
+def as_user(u):
+    return {"user": u["User"], "group": u["Group"], "extra_groups": []}
+
+
+def start(rec):
+    u = unit()
+    cond = subprocess.run(shlex.split(u["ExecCondition"]), timeout=30, **as_user(u))
+    rec["condition"] = cond.returncode
+    if 1 <= cond.returncode <= 254:
+        return 0                                   # skipped, not failed
+    if cond.returncode:
+        return 1
+    EXITFILE.unlink(missing_ok=True)
+    with open(LOG, "ab") as log:
+        subprocess.Popen([sys.executable, __file__, "--supervise"], stdin=subprocess.DEVNULL,
+                         stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while main_pid() is None and not EXITFILE.exists():
+        if time.monotonic() > deadline:
+            return 1
+        time.sleep(0.05)
+    rec["started"] = main_pid()
+    return 0
+
+
+def supervise():
+    u = unit()
+    p = subprocess.Popen(shlex.split(u["ExecStart"]), stdin=subprocess.DEVNULL, cwd="/",
+                         env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
+                         **as_user(u))
+    PIDFILE.write_text(str(p.pid))
+    rc = p.wait()
+    EXITFILE.write_text(str(rc))
+    PIDFILE.unlink(missing_ok=True)
+
+
+def stop(rec):
+    pid = main_pid()
+    if pid is None:
+        return 0
+    rec["stopped"] = pid
+    os.kill(pid, signal.SIGTERM)
+    timeout = float(unit().get("TimeoutStopSec", "90").rstrip("s"))
+    deadline = time.monotonic() + timeout
+    while not EXITFILE.exists():
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            rec["killed"] = True
+            deadline += 30
+        time.sleep(0.05)
+    rec["exit"] = int(EXITFILE.read_text())
+    return 0
+
+
+def real_systemctl(argv):
+    """systemd's own systemctl for what it does on the file system alone (--root=/):
+    deb-systemd-helper's presets, and whether a unit is enabled."""
+    exe = next(p for p in ("/usr/bin/systemctl", "/bin/systemctl") if os.path.exists(p))
+    if not any(a.startswith("--root") for a in argv):
+        argv = ["--root=/", *argv]
+    return subprocess.run([exe, *argv], timeout=60).returncode
+
+
+def main(argv):
+    if argv == ["--supervise"]:
+        return supervise()
+    words = [a for a in argv if not a.startswith("-")]
+    verb, units = (words[0] if words else None), words[1:]
+    ours = [x if x.endswith(".service") else x + ".service" for x in units] == [UNIT]
+    rec = {"argv": argv, "verb": verb, "ours": ours, "version": relay_version(),
+           "active_before": main_pid()}
+    rc = 0
+    if any(a.startswith("--root") for a in argv) or verb == "is-enabled":
+        sys.stdout.flush()
+        rc = real_systemctl(argv)
+    elif ours and verb == "is-active":
+        rc = 0 if main_pid() else 3
+        if "--quiet" not in argv:
+            print("active" if rc == 0 else "inactive")
+    elif ours and verb == "start":
+        rc = 0 if main_pid() else start(rec)
+    elif ours and verb == "stop":
+        rc = stop(rec)
+    elif ours and verb == "restart":
+        stop(rec)
+        rc = start(rec)
+    rec["rc"] = rc
+    with open(STATE / "calls.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    return rc
+
+
+sys.exit(main(sys.argv[1:]))
+'''
+
+
+class Systemd:
+    """What systemd would do for the package on this machine, where it is not PID 1: the
+    stand-in systemctl above (in `dir`, first on PATH), its record of calls, and apt-get and
+    dpkg run in a private mount namespace where /run/systemd/system exists, so that the
+    maintainer scripts take their systemd branch (the machine's own /run is not touched)."""
+
+    def __init__(self, state):
+        self.state = state
+        self.dir = state / "bin"
+        self.dir.mkdir()
+        exe = self.dir / "systemctl"
+        exe.write_text(SYSTEMCTL.replace("@STATE@", repr(str(state))))
+        exe.chmod(0o755)
+
+    def env(self):
+        return dict(clean_env(), PATH=f"{self.dir}:{os.environ['PATH']}")
+
+    def ctl(self, *args):
+        r = run([self.dir / "systemctl", *args], timeout=120, env=self.env())
+        assert r.returncode == 0, (args, r.returncode, r.stdout + r.stderr, self.log())
+        return r
+
+    def calls(self):
+        f = self.state / "calls.jsonl"
+        lines = f.read_text().splitlines() if f.exists() else []
+        return [json.loads(ln) for ln in lines]
+
+    def ours(self, since=0):
+        """The calls about outbox-relay.service that act on it, after the first `since`."""
+        return [c for c in self.calls()[since:]
+                if c["ours"] and c["verb"] in ("start", "stop", "restart")]
+
+    def main_pid(self):
+        try:
+            pid = int((self.state / "main.pid").read_text())
+            st = pathlib.Path(f"/proc/{pid}/stat").read_text()
+        except (OSError, ValueError):
+            return None
+        return None if st.rsplit(")", 1)[1].split()[0] in "ZX" else pid
+
+    def log(self):
+        f = self.state / "relay.log"
+        return f.read_text(errors="replace")[-4000:] if f.exists() else ""
+
+    def apt_get(self, *args):
+        """apt-get ARGS as the package manager runs on a systemd machine (apt gives dpkg a
+        PATH of its own, DPkg::Path: the stand-in goes first there too). A container's
+        /usr/sbin/policy-rc.d (Docker's denies every service action, exit 101) is replaced
+        by one allowing them, in the namespace only."""
+        script = ("mount -t tmpfs -o size=1m,mode=0755 tmpfs /run/systemd && "
+                  "mkdir /run/systemd/system && "
+                  "{ ! [ -e /usr/sbin/policy-rc.d ] || "
+                  "mount --bind /bin/true /usr/sbin/policy-rc.d; } && "
+                  "exec \"$@\"")
+        return run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+                    "apt-get", "-y", "-o", f"DPkg::Lock::Timeout={LOCK_WAIT}",
+                    "-o", f"DPkg::Path={self.dir}:/usr/sbin:/usr/bin:/sbin:/bin", *args],
+                   timeout=LOCK_WAIT + 300, cwd=ROOT, env=self.env())
 
 
 def version():
@@ -124,38 +331,134 @@ def debs(build):
 
 
 @pytest.fixture(scope="module")
-def installed(debs):
-    """The packages installed with apt-get; the paths naming outbox that were there before.
-    Purged again at the end, whatever happened."""
+def systemd(tmp_path_factory):
+    return Systemd(tmp_path_factory.mktemp("systemd"))
+
+
+@pytest.fixture(scope="module")
+def installed(debs, systemd):
+    """The packages installed with apt-get (as on a systemd machine: through the stand-in);
+    the paths naming outbox that were there before. Purged again at the end, whatever
+    happened."""
     purge_all()      # left over by an interrupted run
     before = traces()
     rel = [f"./{p.relative_to(ROOT)}" for p in debs]      # ./build/*.deb
-    r = run(["apt-get", "install", "-y", "-o", f"DPkg::Lock::Timeout={LOCK_WAIT}", *rel],
-            timeout=LOCK_WAIT + 300, cwd=ROOT)
+    r = systemd.apt_get("install", *rel)
     try:
         assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
         for p in PACKAGES:
             assert status(p) == "install ok installed", (p, status(p))
         yield before
     finally:
+        pid = systemd.main_pid()
+        if pid:              # a failed test left the service running
+            os.kill(pid, signal.SIGTERM)
+            wait_for(lambda: systemd.main_pid() is None, 60, desc="the service's relay to exit")
         purge_all()
         for p in pathlib.Path(MAN_CACHE).glob("cat*/outbox-relay*"):
             p.unlink()
 
 
+@pytest.fixture(scope="module")
+def newer_debs(debs, tmp_path_factory):
+    """(version, packages) of the same tree with the Makefile's VERSION bumped, the one place
+    the version is written, built by `make deb` in a copy of the tree: what an upgrade
+    installs."""
+    old = version()
+    new = re.sub(r"(\d+)$", lambda m: str(int(m[1]) + 1), old)
+    assert run(["dpkg", "--compare-versions", new, "gt", old]).returncode == 0, (old, new)
+    src = tmp_path_factory.mktemp("newer") / "outbox-relay"
+
+    def skip(d, names):      # what `make deb` leaves out of its own copy
+        top = pathlib.Path(d) == ROOT
+        return [n for n in names if n in ("__pycache__", ".pytest_cache") or
+                (top and (n == ".git" or n.startswith(("build", ".services"))))]
+    shutil.copytree(ROOT, src, symlinks=True, ignore=skip)
+    mk = src / "Makefile"
+    text, n = re.subn(r"^(VERSION\s*:=\s*)\S+", rf"\g<1>{new}", mk.read_text(), count=1,
+                      flags=re.M)
+    assert n == 1
+    mk.write_text(text)
+    r = run(["make", "-C", src, "deb"], timeout=1800)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-6000:]
+    found = sorted((src / "build").glob("*.deb"))
+    assert [p.name.split("_")[:2] for p in found] == sorted([p, new] for p in PACKAGES), found
+    yield new, found
+    shutil.rmtree(src, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def service(installed, systemd, services):
+    """The service under the systemctl stand-in, with a database and a queue of its own for
+    the messages it relays; its relay is stopped at the end (before the packages are
+    purged), then the database and the queue dropped."""
+    sd = systemd
+    dbs = scratch_database(services)
+    sd.db = next(dbs)
+    sd.queue = f"deb-{sd.db.name}"
+    sd.sent = 0
+    with services.amqp_connect() as c:
+        c.channel().queue_declare(sd.queue, durable=True)
+    try:
+        yield sd
+    finally:
+        pid = sd.main_pid()
+        if pid:
+            os.kill(pid, signal.SIGTERM)
+            wait_for(lambda: sd.main_pid() is None, 60, desc="the service's relay to exit")
+        with services.amqp_connect() as c:
+            c.channel().queue_delete(sd.queue)
+        dbs.close()          # drops the database
+
+
+def deliver(sd, services, text):
+    """One message written into the service's outbox; returns once the service's relay has
+    marked it sent (the broker confirmed it), and checks that the queue holds every message
+    written so far."""
+    with sd.db.connect() as c:
+        row = c.execute("insert into outbox.messages (message_id, routing_key, payload) "
+                        "values (gen_random_uuid(), %s, %s) returning id",
+                        (sd.queue, text.encode())).fetchone()[0]
+        wait_for(lambda: c.execute("select sent_at is not null from outbox.messages "
+                                   "where id = %s", (row,)).fetchone()[0], 60,
+                 desc=f"the service to relay {text!r}; its log:\n{sd.log()}")
+    sd.sent += 1
+    with services.amqp_connect() as c:
+        depth = c.channel().queue_declare(sd.queue, passive=True).method.message_count
+    assert depth == sd.sent, (depth, sd.sent)
+
+
+def run_service(sd, services):
+    """The service running as an administrator sets it up: relay.ini edited in place to
+    point at the test servers, `outbox-relay init`, `systemctl start`; one message relayed."""
+    if sd.main_pid() is None:
+        CONF.write_text(configured(services, sd.db.name))
+        r = run([RELAY, "init", "-c", CONF], timeout=120)
+        assert r.returncode == 0, r.stdout + r.stderr
+        sd.ctl("start", "outbox-relay.service")
+        assert sd.main_pid(), f"not started: {sd.calls()[-1]}\n{sd.log()}"
+    deliver(sd, services, f"running {sd.sent}")
+
+
 def test_lintian_clean(debs):
-    """No error, warning, info or pedantic tag, on the source package or the binaries; overrides in deploy/debian/*.lintian-overrides
-    each carry their reason."""
+    """No error, warning, info, pedantic or experimental tag, on the source package or the
+    binaries; overrides in deploy/debian/*.lintian-overrides and
+    deploy/debian/source/lintian-overrides each carry their reason."""
     exe = shutil.which("lintian")
     assert exe, "lintian not installed (scripts/packages.txt lists it)"
     dsc = sorted((ROOT / "build" / "deb").glob("outbox-relay_*.dsc"))
     assert len(dsc) == 1, "make deb built no source package"
-    r = run([exe, "--info", "--pedantic", "--fail-on", "error,warning,info,pedantic", *dsc, *debs],
+    # --display-info shows the info tags (--info would only explain each tag); an override that
+    # matches nothing any more is itself one: I: unused-override
+    r = run([exe, "--display-info", "--pedantic", "--display-experimental",
+             "--fail-on", "error,warning,info,pedantic,experimental", *dsc, *debs],
             timeout=600)
     tags = [ln for ln in r.stdout.splitlines() if re.match(r"[EWIPX]: ", ln)]
     assert r.returncode == 0 and not tags, r.stdout + r.stderr
-    for f in (ROOT / "deploy" / "debian").glob("*.lintian-overrides"):
-        lines = f.read_text().splitlines()
+    debian = ROOT / "deploy" / "debian"
+    overrides = [*debian.glob("*.lintian-overrides"), debian / "source" / "lintian-overrides"]
+    for f in overrides:
+        lines = f.read_text().splitlines() if f.exists() else []
         for i, line in enumerate(lines):
             if line.strip() and not line.startswith("#"):
                 assert i > 0 and lines[i - 1].startswith("#"), f"{f.name}: {line} has no reason"
@@ -163,7 +466,8 @@ def test_lintian_clean(debs):
 
 def test_one_version_everywhere(installed, debs):
     """The Makefile's VERSION is the packages' version, the installed relay's, outbox.pc's,
-    the man pages' and the packaged changelog's."""
+    the man pages', the packaged changelog's and the installed outbox.h's
+    OUTBOX_VERSION_STRING."""
     v = version()
     for deb in debs:
         r = run(["dpkg-deb", "-f", deb, "Version"])
@@ -178,6 +482,8 @@ def test_one_version_everywhere(installed, debs):
     assert r.stdout.startswith(f"outbox-relay ({v}) "), r.stdout[:200]
     r = run(["zcat", "/usr/share/man/man1/outbox-relay.1.gz"])
     assert f'"outbox-relay {v}"' in r.stdout
+    define = f'#define OUTBOX_VERSION_STRING "{v}"'
+    assert define in pathlib.Path("/usr/include/outbox.h").read_text().splitlines()
 
 
 def test_man_pages(installed):
@@ -197,14 +503,35 @@ def test_files_where_debian_wants_them(installed):
     libdir = pathlib.Path("/usr/lib") / ma
     for f in ("liboutbox.so.1", "liboutbox.so", "liboutbox.a", "pkgconfig/outbox.pc"):
         assert (libdir / f).exists(), libdir / f
-    for h in ("outbox.h", "outbox_pg.h", "outbox_odbc.h"):
-        assert (pathlib.Path("/usr/include") / h).read_bytes() == (ROOT / "lib" / h).read_bytes()
+    for h in ("outbox.h", "outbox_pg.h", "outbox_odbc.h"):     # the version: make deb's own
+        got, want = ((d / h).read_text().splitlines() for d in (pathlib.Path("/usr/include"),
+                                                                 ROOT / "lib"))
+        assert ([ln for ln in got if "OUTBOX_VERSION_STRING" not in ln] ==
+                [ln for ln in want if "OUTBOX_VERSION_STRING" not in ln]), h
     r = run(["pkg-config", "--variable=libdir", "outbox"])
     assert r.stdout.strip() == str(libdir), r.stdout + r.stderr
     owners = run(["dpkg", "-S", str(libdir / "liboutbox.so.1"), str(libdir / "liboutbox.a"),
                   str(RELAY)]).stdout
     for pkg in PACKAGES:     # Multi-Arch: same packages are named with their architecture
         assert re.search(rf"^{pkg}(:\S+)?: ", owners, re.M), (pkg, owners)
+
+
+def test_symbols_file_is_the_librarys_abi(installed):
+    """liboutbox1's symbols file (deploy/debian/liboutbox1.symbols, which `make deb` also
+    holds the built library to) names exactly what the installed liboutbox.so.1 exports, and
+    dpkg has it: a package built against liboutbox gets its dependency from it."""
+    ma = run(["dpkg-architecture", "-qDEB_HOST_MULTIARCH"]).stdout.strip()
+    r = run(["nm", "-D", "--defined-only", f"/usr/lib/{ma}/liboutbox.so.1"])
+    assert r.returncode == 0, r.stderr
+    exported = {ln.split()[-1] for ln in r.stdout.splitlines() if ln.strip()}
+    r = run(["dpkg-query", "--control-show", "liboutbox1", "symbols"])
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "liboutbox.so.1 liboutbox1 #MINVER#", lines[:1]
+    shipped = {ln.split()[0].removesuffix("@Base") for ln in lines if ln.startswith(" ")}
+    assert shipped == exported, (sorted(shipped - exported), sorted(exported - shipped))
+    tree = (ROOT / "deploy" / "debian" / "liboutbox1.symbols").read_text().splitlines()
+    assert {ln.split()[0].removesuffix("@Base") for ln in tree if ln.startswith(" ")} == shipped
 
 
 def test_system_user_and_conffile(installed):
@@ -277,10 +604,15 @@ def configured(services, dbname):
     return "\n".join(out) + "\n"
 
 
-def test_shipped_config_keeps_the_service_down_until_configured(installed, services, pgdb,
-                                                               tmp_path):
-    """Installed, relay.ini has no setting: `check` refuses it and the unit's ExecCondition
-    fails (systemd skips the service, without failing it); configured, both pass."""
+def test_shipped_config_keeps_the_service_down_until_configured(installed, systemd, services,
+                                                               pgdb, tmp_path):
+    """Installed, relay.ini has no setting: the postinst's start was skipped by the unit's
+    ExecCondition (not failed, nothing runs), and `check` refuses the file; configured,
+    both pass."""
+    starts = systemd.ours()
+    assert [c["verb"] for c in starts] == ["start"], systemd.calls()
+    assert starts[0]["condition"] == 1 and "started" not in starts[0], starts
+    assert starts[0]["rc"] == 0 and systemd.main_pid() is None, starts
     shipped = CONF.read_text()
     settings = [ln for ln in shipped.splitlines() if ln.strip() and ln.lstrip()[0] not in ";#"]
     assert not settings, settings
@@ -323,18 +655,68 @@ def test_readme_app_against_the_installed_library(installed, services, pgdb, tmp
     run_app_and_check(tmp_path / "app", pgdb, payload, env=clean_env())
 
 
-def test_remove_then_purge_leave_nothing_behind(installed):
-    """Last: `dpkg -r` keeps only the conffile (and the enablement state, masked); `dpkg
-    --purge` removes that too. What stays is the system user: files it owned elsewhere must
-    not pass to a later user of its uid."""
+def test_upgrade_keeps_the_conffile_and_restarts_the_running_service(service, newer_debs,
+                                                                    services):
+    """`apt-get install` of a newer version (the Makefile's VERSION bumped) over the
+    configured, running service: dpkg keeps the administrator's relay.ini, its owner and
+    mode; the new postinst restarts the service once the new files are in place, the old
+    relay ending on SIGTERM with exit 0 (its in-flight confirms settled), and the new relay
+    runs the new binary and relays. Nothing stops the service before that."""
+    new, debs = newer_debs
+    run_service(service, services)
+    conf, st = CONF.read_bytes(), CONF.stat()
+    old_pid = service.main_pid()
+    n = len(service.calls())
+    r = service.apt_get("install", *debs)
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    for p in PACKAGES:
+        assert run(["dpkg-query", "-W", "-f", "${Version}", p]).stdout == new, p
+    assert run([RELAY, "--version"]).stdout == f"outbox-relay {new}\n"
+    header = pathlib.Path("/usr/include/outbox.h").read_text()
+    assert f'#define OUTBOX_VERSION_STRING "{new}"' in header
+    assert CONF.read_bytes() == conf, "the upgrade replaced the administrator's relay.ini"
+    after = CONF.stat()
+    assert (after.st_uid, after.st_gid, after.st_mode) == (st.st_uid, st.st_gid, st.st_mode)
+    assert not list(CONF.parent.glob("relay.ini.dpkg-*")), list(CONF.parent.iterdir())
+    acts = service.ours(n)
+    assert [c["verb"] for c in acts] == ["restart"], (acts, r.stdout[-2000:])
+    restart = acts[0]
+    assert restart["version"] == f"outbox-relay {new}", restart
+    assert restart["stopped"] == old_pid and restart["exit"] == 0, (restart, service.log())
+    assert not restart.get("killed"), restart
+    new_pid = service.main_pid()
+    assert new_pid and new_pid != old_pid and restart["started"] == new_pid, restart
+    assert os.readlink(f"/proc/{new_pid}/exe") == str(RELAY)      # not "(deleted)"
+    deliver(service, services, "after the upgrade")
+
+
+def test_remove_with_the_service_running_then_purge_leave_nothing_behind(installed, service,
+                                                                         services, debs):
+    """Last. `apt-get remove outbox-relay` with the service running: the prerm stops it
+    while its files are still there (SIGTERM, exit 0), and the conffile stays (and the
+    enablement state); `dpkg -r` removes the libraries; `dpkg --purge` removes everything
+    else. What stays is the system user: files it owned elsewhere must not pass to a later
+    user of its uid."""
     before = installed
-    r = dpkg("-r", *PACKAGES)
+    run_service(service, services)
+    pid = service.main_pid()
+    n = len(service.calls())
+    r = service.apt_get("remove", "outbox-relay")
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    acts = service.ours(n)
+    assert [c["verb"] for c in acts] == ["stop"], (acts, r.stdout[-2000:])
+    stop = acts[0]
+    assert stop["version"] is not None, "the relay was stopped after its files were removed"
+    assert stop["stopped"] == pid and stop["exit"] == 0 and not stop.get("killed"), \
+        (stop, service.log())
+    assert service.main_pid() is None
+    assert status("outbox-relay") == "deinstall ok config-files"
+    r = dpkg("-r", "liboutbox-dev", "liboutbox1")
     assert r.returncode == 0, r.stdout + r.stderr
     for p in PACKAGES:
         assert status(p) != "install ok installed", (p, status(p))
-    assert status("outbox-relay") == "deinstall ok config-files"
     assert not RELAY.exists() and not UNIT.exists()
-    assert CONF.is_file(), "dpkg -r removed the conffile"
+    assert CONF.is_file(), "removing the package removed the conffile"
     left = traces() - before
     assert all(p.startswith(("/etc/outbox-relay", "/etc/systemd/", "/var/lib/systemd/",
                              "/var/lib/dpkg/info/")) for p in left), sorted(left)
@@ -344,4 +726,10 @@ def test_remove_then_purge_leave_nothing_behind(installed):
     for p in PACKAGES:
         assert not known(p), (p, status(p))
     assert traces() == before, sorted(traces() ^ before)
+    for deb in debs:         # and every file the packages shipped is gone
+        r = run(["dpkg-deb", "-c", deb])
+        assert r.returncode == 0, r.stderr
+        files = [ln.split()[5].removeprefix(".") for ln in r.stdout.splitlines()
+                 if not ln.startswith("d")]
+        assert files and not [f for f in files if os.path.lexists(f)], (deb.name, files)
     pwd.getpwnam(USER)     # the user stays, as policy allows
