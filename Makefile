@@ -193,7 +193,12 @@ MANDIR ?= $(PREFIX)/share/man
 install: $(LIBA) $(LIBSO) $(RELAY) $(MAN_OUT)
 	install -d $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/lib/pkgconfig $(DESTDIR)$(PREFIX)/bin \
 		$(DESTDIR)$(MANDIR)/man1 $(DESTDIR)$(MANDIR)/man5
-	install -m 644 lib/outbox.h lib/outbox_pg.h lib/outbox_odbc.h $(DESTDIR)$(PREFIX)/include/
+	install -m 644 lib/outbox_pg.h lib/outbox_odbc.h $(DESTDIR)$(PREFIX)/include/
+	# outbox.h's OUTBOX_VERSION_STRING is written from VERSION, the version's one place
+	sed 's|^#define OUTBOX_VERSION_STRING ".*"$$|#define OUTBOX_VERSION_STRING "$(VERSION)"|' \
+		lib/outbox.h > $(DESTDIR)$(PREFIX)/include/outbox.h
+	grep -qx '#define OUTBOX_VERSION_STRING "$(VERSION)"' $(DESTDIR)$(PREFIX)/include/outbox.h
+	chmod 644 $(DESTDIR)$(PREFIX)/include/outbox.h
 	install -m 644 $(LIBA) $(DESTDIR)$(PREFIX)/lib/
 	install -m 755 $(LIBSO) $(DESTDIR)$(PREFIX)/lib/
 	ln -sf liboutbox.so.$(SOVERSION) $(DESTDIR)$(PREFIX)/lib/liboutbox.so.$(SOMAJOR)
@@ -206,8 +211,8 @@ install: $(LIBA) $(LIBSO) $(RELAY) $(MAN_OUT)
 	install -m 644 $(BUILD)/man/outbox-relay.ini.5 $(DESTDIR)$(MANDIR)/man5/
 
 # Debian packages. dpkg-buildpackage builds in a copy of the tree under build/deb/ (the tree's
-# top level has no debian/: deploy/debian/ is copied there), with debian/changelog and outbox.h's
-# OUTBOX_VERSION_STRING written from VERSION, so that the packages carry one version; the three
+# top level has no debian/: deploy/debian/ is copied there), with debian/changelog written from
+# VERSION (`make install` writes outbox.h's version), so that the packages carry one version; the three
 # packages land in build/, the source package (.dsc, .tar.xz), .changes, .buildinfo and the
 # debug symbol packages (*-dbgsym) stay in build/deb/. The changelog's date is the last
 # commit's, so that a rebuild of the same commit gives the same packages.
@@ -225,9 +230,6 @@ deb:
 	sed -e 's|@VERSION@|$(VERSION)|g' -e 's|@DATE@|$(DEB_DATE)|g' deploy/debian/changelog.in \
 		> $(DEB_SRC)/debian/changelog
 	rm $(DEB_SRC)/debian/changelog.in
-	sed -i 's|^#define OUTBOX_VERSION_STRING ".*"$$|#define OUTBOX_VERSION_STRING "$(VERSION)"|' \
-		$(DEB_SRC)/lib/outbox.h
-	grep -qx '#define OUTBOX_VERSION_STRING "$(VERSION)"' $(DEB_SRC)/lib/outbox.h
 	cd $(DEB_SRC) && DEB_BUILD_OPTIONS="$${DEB_BUILD_OPTIONS:-parallel=2}" \
 		dpkg-buildpackage --build=full --no-sign
 	for p in outbox-relay liboutbox1 liboutbox-dev; do mv $(DEB_DIR)/$${p}_*.deb build/ || exit 1; done

@@ -20,6 +20,7 @@
 extern "C" {
 #endif
 
+/* `make install` writes the Makefile's VERSION here. */
 #define OUTBOX_VERSION_STRING "0.1.0"
 
 /* Status codes. Positive: success with a remark; negative: nothing written. */

@@ -83,6 +83,8 @@ def test_installed_files(staged, build):
     assert re.search(rf"^prefix={re.escape(PREFIX)}$", text, re.M), text
     version = re.search(r"^VERSION\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M).group(1)
     assert re.search(rf"^Version: {re.escape(version)}$", text, re.M), text
+    header = (pre / "include" / "outbox.h").read_text()
+    assert f'#define OUTBOX_VERSION_STRING "{version}"' in header, "outbox.h's version is not VERSION"
 
     for sec, page in (("man1", "outbox-relay.1"), ("man5", "outbox-relay.ini.5")):
         p = pre / "share" / "man" / sec / page
