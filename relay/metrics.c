@@ -93,8 +93,8 @@ static void health(outbox_util_buf *b, ob_metrics *const *m, size_t n)
     static const struct { const char *name, *help; size_t off; int dbl; unsigned bit; } g[] = {
         { "table_dead_tuples", "Dead row versions in the outbox table (the database's estimate): "
           "what vacuum has not removed yet. SQL Server: ghost records and version ghost "
-          "records at the leaf level of the table's indexes (sampled, read every 20th health "
-          "read): what the ghost cleanup has not removed yet.",
+          "records at the leaf level of the table's indexes (sampled, read in every 10th round "
+          "of health reads): what the ghost cleanup has not removed yet.",
           offsetof(ob_metrics, table_dead_tuples), 0, SRC_H_DEAD },
         { "table_live_tuples", "Live rows in the outbox table (the database's estimate), pending "
           "and kept for retention; -1 unknown.", offsetof(ob_metrics, table_live_tuples), 0,

@@ -1,29 +1,35 @@
 /*
  * odbcsrc_health.c — the outbox table's health on SQL Server (SRC_REQ_HEALTH), on the
- * source's worker thread: the claims of the same connection wait for it, so each of its
- * statements runs under a short query timeout, and the expensive one (ghost records, which
- * reads index pages) only every HEALTH_SLOW_EVERY reads.
+ * source's worker thread. The claims and the leadership renewals of the same connection
+ * wait while it runs, so each read runs one part, one statement under a query timeout of
+ * at most 5 s, and reports the values of the other parts as last read: a round of parts
+ * takes three reads (five in a slow round). On Babelfish the first run of each statement
+ * in a session takes about a second; all of them in one request held a lease renewal back
+ * for five.
  *
- * Parts (sources/sql_tsql.c says what each reads and the permission it needs):
+ * Parts, in the order of a round (sources/sql_tsql.c says what each reads and the
+ * permission it needs):
  *   pages      rows, used and reserved pages (VIEW DATABASE STATE);
  *   rows       rows only, from the catalog: when pages cannot be read;
- *   ghosts     ghost records (VIEW DATABASE STATE), every HEALTH_SLOW_EVERY reads;
+ *   ghosts     ghost records (VIEW DATABASE STATE): it reads index pages, so only in slow
+ *              rounds (the first, then every HEALTH_SLOW_EVERY-th);
  *   versioning whether the database keeps row versions (any login);
  *   versions   when it does: the version store's size and the oldest transaction
  *              reading or making versions (VIEW SERVER STATE).
  * A part that fails (a permission the login lacks, a view the server does not have:
  * Babelfish has none of these DMVs) is left out of the metrics, logged once at WARN with
- * the server's error and what it needs, and tried again every HEALTH_SLOW_EVERY reads; a
- * table-health read never fails the drain. Only a lost connection fails the request.
+ * the server's error and what it needs, and tried again in slow rounds; a table-health read
+ * never fails the drain. Only a lost connection fails the request.
  */
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include "relay/log.h"
 #include "sources/odbc/odbcsrc_health.h"
 
-#define HEALTH_SLOW_EVERY 20       /* ghost records, and parts that failed: every 20th read */
+#define HEALTH_SLOW_EVERY 10       /* ghost records, and parts that failed: every 10th round */
 #define ODBCSRC_HEALTH_TIMEOUT_MS 5000
 
 enum { HP_PAGES = 1u << 0, HP_ROWS = 1u << 1, HP_GHOSTS = 1u << 2, HP_VERSIONING = 1u << 3,
@@ -56,7 +62,13 @@ void odbcsrc_health_init(odbcsrc_health *hs, const char *outbox)
 {
     memset(hs, 0, sizeof *hs);
     snprintf(hs->outbox, sizeof hs->outbox, "%s", outbox ? outbox : "");
-    hs->ghosts = -1;
+}
+
+static double mono_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
 }
 
 static size_t part_of(unsigned bit)
@@ -65,13 +77,6 @@ static size_t part_of(unsigned bit)
     while (i + 1 < sizeof parts / sizeof parts[0] && parts[i].bit != bit)
         i++;
     return i;
-}
-
-/* Whether to try part bit on this read: always, unless it failed last time (then on slow
-   reads only). */
-static bool due(const odbcsrc_health *hs, unsigned bit, bool slow)
-{
-    return slow || !(hs->failed & bit);
 }
 
 /* Bookkeeping after part bit ran (rc 0 ok, -1 failed with db->err). */
@@ -92,7 +97,7 @@ static void ran(odbcsrc_health *hs, const odbcsrc_db *db, unsigned bit, int rc)
     log_ev(LOG_WARN, &(log_fields){ .event = "table_health_unavailable", .outbox = hs->outbox,
                                     .error = db->err },
            "outbox=%s: table health: cannot read %s: %s; it needs %s (tried again every %d "
-           "reads; the relay drains as before)", hs->outbox, parts[k].what, db->err,
+           "rounds of reads; the relay drains as before)", hs->outbox, parts[k].what, db->err,
            parts[k].needs, HEALTH_SLOW_EVERY);
 }
 
@@ -127,8 +132,8 @@ static int table_ints(odbcsrc_db *db, const sql_tsql_stmt *st, const char *what,
     return rc;
 }
 
-/* The version store and its oldest transaction into out. */
-static int versions(odbcsrc_health *hs, odbcsrc_db *db, src_health *out)
+/* The version store and its oldest transaction into hs. */
+static int versions(odbcsrc_health *hs, odbcsrc_db *db)
 {
     static const char what[] = "table health: version store";
     char *sql = ost_sql_for(db, sql_tsql_health_versions.text);
@@ -157,18 +162,16 @@ static int versions(odbcsrc_health *hs, odbcsrc_db *db, src_health *out)
         goto done;
     if (ost_drain(db, h, what) < 0)
         goto done;
-    out->version_store_bytes = bytes;
+    hs->vstore = bytes;
+    hs->holder = !none;
     if (!none) {
         snprintf(hs->holder_name, sizeof hs->holder_name, "%s", !isnull && t.p ? t.p : "");
         snprintf(hs->holder_state, sizeof hs->holder_state, "%s",
                  snap ? "SNAPSHOT isolation" : "READ_COMMITTED_SNAPSHOT or writing versions");
         snprintf(hs->holder_xsn, sizeof hs->holder_xsn, "%" PRId64, xsn);
-        out->holder_kind = "snapshot transaction";
-        out->holder_pid = (int)sid;
-        out->holder_name = hs->holder_name;
-        out->holder_state = hs->holder_state;
-        out->holder_age_s = (double)secs;
-        out->holder_xmin = hs->holder_xsn;
+        hs->holder_sid = (int)sid;
+        hs->holder_age_s = (double)secs;
+        hs->holder_seen = mono_s();
     }
     rc = 0;
 done:
@@ -178,61 +181,60 @@ done:
     return rc;
 }
 
-int odbcsrc_health_read(odbcsrc_health *hs, odbcsrc_db *db, src_health *out)
+enum { S_PAGES, S_ROWS, S_GHOSTS, S_VERSIONING, S_VERSIONS, S_COUNT };
+
+/* Whether step applies in this round (slow: a slow round). */
+static bool applies(const odbcsrc_health *hs, int step, bool slow)
 {
-    const bool slow = hs->reads++ % HEALTH_SLOW_EVERY == 0;
-    const int64_t saved_timeout = db->timeout_ms;
+    switch (step) {
+    case S_PAGES:      return slow || !(hs->failed & HP_PAGES);
+    case S_ROWS:       return !hs->pages_now && (slow || !(hs->failed & HP_ROWS));
+    case S_GHOSTS:     return slow;
+    case S_VERSIONING: return slow || !(hs->failed & HP_VERSIONING);
+    case S_VERSIONS:   return hs->versioning && (slow || !(hs->failed & HP_VERSIONS));
+    default:           return false;
+    }
+}
+
+/* Runs step: 0 (its values into hs), -1 failed (db->err). */
+static int run_step(odbcsrc_health *hs, odbcsrc_db *db, int step)
+{
     int64_t v[3];
     bool isnull = false;
     int rc;
-
-    memset(out, 0, sizeof *out);
-    out->dead_tuples = out->live_tuples = out->size_bytes = out->used_bytes = -1;
-    out->version_store_bytes = out->horizon_xids = -1;
-    out->last_autovacuum = -1;
-    out->horizon_known = true;     /* what the login cannot see is left out, not "unknown" */
-    if (db->dialect != OUTBOX_DIALECT_SQLSERVER) {
-        out->have = SRC_H_NONE;    /* PostgreSQL through ODBC: its health is libpq's */
-        return 0;
-    }
-    if (db->conf->query_timeout_ms > ODBCSRC_HEALTH_TIMEOUT_MS)
-        db->timeout_ms = ODBCSRC_HEALTH_TIMEOUT_MS;
-
-    if (due(hs, HP_PAGES, slow)) {
+    switch (step) {
+    case S_PAGES:
         rc = table_ints(db, &sql_tsql_health_pages, "table health: pages", v, 3, NULL);
-        if (rc < 0 && db->lost)
-            goto lost;
         ran(hs, db, HP_PAGES, rc);
+        hs->have &= ~(SRC_H_USED | SRC_H_SIZE);
         if (rc == 0) {
-            out->live_tuples = v[0];
-            out->used_bytes = v[1] * 8192;
-            out->size_bytes = v[2] * 8192;
-            out->have |= SRC_H_LIVE | SRC_H_USED | SRC_H_SIZE;
+            hs->live = v[0];
+            hs->used = v[1] * 8192;
+            hs->size = v[2] * 8192;
+            hs->have |= SRC_H_LIVE | SRC_H_USED | SRC_H_SIZE;
+            hs->pages_now = true;
         }
-    }
-    if (!(out->have & SRC_H_LIVE) && due(hs, HP_ROWS, slow)) {
+        return rc;
+    case S_ROWS:
         rc = table_ints(db, &sql_tsql_health_rows, "table health: rows", v, 1, NULL);
-        if (rc < 0 && db->lost)
-            goto lost;
         ran(hs, db, HP_ROWS, rc);
+        hs->have &= ~SRC_H_LIVE;
         if (rc == 0) {
-            out->live_tuples = v[0];
-            out->have |= SRC_H_LIVE;
+            hs->live = v[0];
+            hs->have |= SRC_H_LIVE;
         }
-    }
-    if (slow) {
+        return rc;
+    case S_GHOSTS:
         rc = table_ints(db, &sql_tsql_health_ghosts, "table health: ghost records", v, 1,
                         &isnull);
-        if (rc < 0 && db->lost)
-            goto lost;
         ran(hs, db, HP_GHOSTS, rc);
-        hs->ghosts = rc == 0 && !isnull ? v[0] : -1;
-    }
-    if (hs->ghosts >= 0 && !(hs->failed & HP_GHOSTS)) {
-        out->dead_tuples = hs->ghosts;
-        out->have |= SRC_H_DEAD;
-    }
-    if (due(hs, HP_VERSIONING, slow)) {
+        hs->have &= ~SRC_H_DEAD;
+        if (rc == 0 && !isnull) {
+            hs->ghosts = v[0];
+            hs->have |= SRC_H_DEAD;
+        }
+        return rc;
+    case S_VERSIONING: {
         char *sql = ost_sql_for(db, sql_tsql_health_versioning.text);
         if (!sql) {
             ost_err(db, "table health: out of memory");
@@ -241,24 +243,76 @@ int odbcsrc_health_read(odbcsrc_health *hs, odbcsrc_db *db, src_health *out)
             rc = ost_one_row_ints(db, "table health: row versioning", sql, NULL, v, 1);
             free(sql);
         }
-        if (rc < 0 && db->lost)
-            goto lost;
         ran(hs, db, HP_VERSIONING, rc);
-        if (rc == 0 && v[0] != 0 && due(hs, HP_VERSIONS, slow)) {
-            rc = versions(hs, db, out);
-            if (rc < 0 && db->lost)
-                goto lost;
-            ran(hs, db, HP_VERSIONS, rc);
-            if (rc == 0)
-                out->have |= SRC_H_VSTORE | SRC_H_HORIZON_S;
+        hs->versioning = rc == 0 && v[0] != 0;
+        if (!hs->versioning) {
+            hs->have &= ~(SRC_H_VSTORE | SRC_H_HORIZON_S);
+            hs->holder = false;
         }
+        return rc;
     }
-    if (out->have == 0)
-        out->have = SRC_H_NONE;
+    case S_VERSIONS:
+        rc = versions(hs, db);
+        ran(hs, db, HP_VERSIONS, rc);
+        hs->have &= ~(SRC_H_VSTORE | SRC_H_HORIZON_S);
+        if (rc == 0)
+            hs->have |= SRC_H_VSTORE | SRC_H_HORIZON_S;
+        else
+            hs->holder = false;
+        return rc;
+    default:
+        return 0;
+    }
+}
+
+int odbcsrc_health_read(odbcsrc_health *hs, odbcsrc_db *db, src_health *out)
+{
+    const int64_t saved_timeout = db->timeout_ms;
+
+    memset(out, 0, sizeof *out);
+    out->horizon_xids = -1;
+    out->last_autovacuum = -1;
+    out->horizon_known = true;     /* what the login cannot see is left out, not "unknown" */
+    if (db->dialect != OUTBOX_DIALECT_SQLSERVER) {
+        out->have = SRC_H_NONE;    /* PostgreSQL through ODBC: its health is libpq's */
+        return 0;
+    }
+    if (db->conf->query_timeout_ms > ODBCSRC_HEALTH_TIMEOUT_MS)
+        db->timeout_ms = ODBCSRC_HEALTH_TIMEOUT_MS;
+    /* the next step that applies, beginning a new round at the end of one (a round
+       always has one: the rows, or failing that the versioning options) */
+    for (int tries = 0; tries <= 2 * S_COUNT; tries++) {
+        if (hs->step >= S_COUNT) {
+            hs->step = 0;
+            hs->round++;
+            hs->pages_now = false;
+        }
+        const bool slow = hs->round % HEALTH_SLOW_EVERY == 0;
+        const int step = hs->step++;
+        if (!applies(hs, step, slow))
+            continue;
+        if (run_step(hs, db, step) < 0 && db->lost) {
+            db->timeout_ms = saved_timeout;
+            return -1;
+        }
+        break;
+    }
     db->timeout_ms = saved_timeout;
     db->err[0] = '\0';
+
+    out->have = hs->have ? hs->have : SRC_H_NONE;
+    out->live_tuples = hs->have & SRC_H_LIVE ? hs->live : -1;
+    out->used_bytes = hs->have & SRC_H_USED ? hs->used : -1;
+    out->size_bytes = hs->have & SRC_H_SIZE ? hs->size : -1;
+    out->dead_tuples = hs->have & SRC_H_DEAD ? hs->ghosts : -1;
+    out->version_store_bytes = hs->have & SRC_H_VSTORE ? hs->vstore : -1;
+    if (hs->holder && (hs->have & SRC_H_HORIZON_S)) {
+        out->holder_kind = "snapshot transaction";
+        out->holder_pid = hs->holder_sid;
+        out->holder_name = hs->holder_name;
+        out->holder_state = hs->holder_state;
+        out->holder_age_s = hs->holder_age_s + (mono_s() - hs->holder_seen);
+        out->holder_xmin = hs->holder_xsn;
+    }
     return 0;
-lost:
-    db->timeout_ms = saved_timeout;
-    return -1;
 }

@@ -6,25 +6,34 @@
 #ifndef ODBCSRC_HEALTH_H
 #define ODBCSRC_HEALTH_H
 
+#include <stdbool.h>
 #include <stdint.h>
 #include "relay/source.h"
 #include "sources/odbc/odbcsrc_int.h"
 
-/* What one source remembers between reads; used by its worker thread only. */
+/* What one source remembers between reads; used by its worker thread only. Each read
+   runs one part (one statement) and reports every value last read (have says which). */
 typedef struct odbcsrc_health {
     char     outbox[128];     /* the outbox's name, for log lines */
-    uint64_t reads;           /* health reads so far */
-    unsigned failed;          /* parts whose last attempt failed (retried on slow reads) */
+    uint64_t round;           /* rounds of parts begun */
+    int      step;            /* the next part of this round */
+    bool     pages_now;       /* this round read the pages (no fallback to the rows) */
+    bool     versioning;      /* the database keeps row versions (as last read) */
+    unsigned failed;          /* parts whose last attempt failed (retried in slow rounds) */
     unsigned warned;          /* parts whose failure was logged (once each) */
-    int64_t  ghosts;          /* the last ghost record count read; -1 none yet */
-    char     holder_name[256], holder_state[64], holder_xsn[24];  /* the last holder's */
+    unsigned have;            /* SRC_H_* of the values below */
+    int64_t  live, used, size, ghosts, vstore;
+    bool     holder;          /* a transaction held the version store at the last read */
+    int      holder_sid;
+    double   holder_age_s, holder_seen;  /* its age then, and when (monotonic seconds) */
+    char     holder_name[256], holder_state[64], holder_xsn[24];
 } odbcsrc_health;
 
 void odbcsrc_health_init(odbcsrc_health *hs, const char *outbox);
-/* Reads what db's server and the relay's login allow into out (out->have says what);
-   a part that cannot be read is left out and logged once at WARN. 0, or -1 with db->err
-   when the connection is lost. Blocks, each statement bounded by the query timeout (at
-   most ODBCSRC_HEALTH_TIMEOUT_MS). */
+/* Reads the next part of what db's server and the relay's login allow, and gives every
+   value last read in out (out->have says which); a part that cannot be read is left out
+   and logged once at WARN. 0, or -1 with db->err when the connection is lost. Blocks for
+   one statement, bounded by the query timeout (at most 5 s). */
 int  odbcsrc_health_read(odbcsrc_health *hs, odbcsrc_db *db, src_health *out);
 
 #endif
