@@ -33,7 +33,7 @@ import uuid
 import pytest
 
 import tsql_check as tc
-from conftest import _services_env, tsql_target, wait_for
+from conftest import ROOT, _services_env, tsql_target, wait_for
 from relay_util import (OdbcSql, Relay, consume, free_port, log_lines_at, wait_log_at,
                         write_config)
 from test_relay_sqlserver import TsqlOutbox, init_outbox, new_queue, stop_all
@@ -263,6 +263,13 @@ def test_health_statements_captured(services, relay_bin, build, tmp_path):
     assert gauge(text, "version_store_bytes") == 1
     assert 1 <= gauge(text, "xmin_horizon_age_seconds") < 30   # 1 s, aged since the read
     assert not log_lines_at(log, r"table health", ("WARN",)), log[-3000:]
+    # what the alert rules and the dashboard name of SQL Server (tests/test_alerts.py checks
+    # the rest against a PostgreSQL relay) is exposed here
+    shipped = (ROOT / "deploy" / "prometheus-alerts.yaml").read_text() + \
+        (ROOT / "deploy" / "grafana-dashboard.json").read_text()
+    for name in ("table_used_bytes", "version_store_bytes"):
+        assert f"outbox_relay_{name}" in shipped, name
+        assert f"# TYPE outbox_relay_{name} gauge" in text, name
     # the login may not read sys.dm_db_partition_stats (injected error 300)
     text, log = _recorded_run(relay_bin, build, tmp_path, services, "health-denied", cap,
                               "sys.partitions",
