@@ -101,6 +101,21 @@ static void ran(odbcsrc_health *hs, const odbcsrc_db *db, unsigned bit, int rc)
            parts[k].needs, HEALTH_SLOW_EVERY);
 }
 
+/* Fetches the first row of h's first result set: 0, or -1 with db->err (none, or an
+   error). */
+static int first_row(odbcsrc_db *db, SQLHSTMT h, const char *what)
+{
+    int r = ost_result(db, h, what);
+    if (r == 0) {
+        r = ost_fetch(db, h, what);
+        if (r > 0)
+            return 0;
+    }
+    if (r >= 0)
+        ost_err(db, "%s: no result", what);
+    return -1;
+}
+
 /* A statement taking the quoted outbox table as @table, reading n integers of one row. */
 static int table_ints(odbcsrc_db *db, const sql_tsql_stmt *st, const char *what, int64_t *v,
                       int n, bool *isnull)
@@ -112,12 +127,8 @@ static int table_ints(odbcsrc_db *db, const sql_tsql_stmt *st, const char *what,
     if (sql) {
         SQLHSTMT h = SQL_NULL_HSTMT;
         if (ost_run(db, what, sql, &ps, &h) == 0) {
-            int r = ost_result(db, h, what);
-            if (r == 0)
-                r = ost_fetch(db, h, what);
-            if (r == 0)
-                ost_err(db, "%s: no result", what);
-            else if (r > 0) {
+            int r = first_row(db, h, what);
+            if (r == 0) {
                 rc = 0;
                 for (int i = 0; i < n && rc == 0; i++)
                     rc = ost_get_i64(db, h, i + 1, &v[i], isnull);
@@ -146,14 +157,8 @@ static int versions(odbcsrc_health *hs, odbcsrc_db *db)
     }
     if (ost_run(db, what, sql, NULL, &h) < 0)
         goto done;
-    int r = ost_result(db, h, what);
-    if (r == 0)
-        r = ost_fetch(db, h, what);
-    if (r <= 0) {
-        if (r == 0)
-            ost_err(db, "%s: no result", what);
+    if (first_row(db, h, what) < 0)
         goto done;
-    }
     int64_t bytes = 0, sid = 0, secs = 0, snap = 0, xsn = 0;
     bool none = false, isnull = false;
     if (ost_get_i64(db, h, 1, &bytes, NULL) < 0 || ost_get_i64(db, h, 2, &sid, &none) < 0 ||
