@@ -445,9 +445,9 @@ STMT0(sql_tsql_compat,
     "SELECT CAST(compatibility_level AS int) FROM sys.databases WHERE name = DB_NAME()");
 
 /* ------------------------------------------------------------ table health
-   The outbox table's health on SQL Server (sources/odbc/odbcsrc_health.c reads it every
-   health_interval), each part a statement of its own so that one the relay's login may
-   not read, or a server without that view, leaves the others working:
+   The outbox table's health on SQL Server (sources/odbc/odbcsrc_health.c runs one of these
+   every health_interval), each part a statement of its own so that one the relay's login
+   may not read, or a server without that view, leaves the others working:
      - rows and pages from sys.dm_db_partition_stats (VIEW DATABASE STATE; VIEW DATABASE
        PERFORMANCE STATE on SQL Server 2022 and later): rows of the heap or clustered
        index, used and reserved 8 KiB pages of the table with its indexes and LOB data.
@@ -457,8 +457,8 @@ STMT0(sql_tsql_compat,
        the ghost cleanup task has not removed yet) and version ghost records (kept for a
        transaction that reads row versions), leaf level of every index, from
        sys.dm_db_index_physical_stats in SAMPLED mode (VIEW DATABASE STATE): it reads the
-       index pages (all of them below 10,000 pages, a 1% sample above), so the source reads
-       it only every few health reads. The object id is checked first: the function given
+       index pages (all of them below 10,000 pages, a 1% sample above), so the source runs
+       it only in every 10th round of reads. The object id is checked first: the function given
        a NULL object id reports every table of the database;
      - whether the database keeps row versions (READ_COMMITTED_SNAPSHOT or SNAPSHOT
        isolation: sys.databases, readable for the current database by any login) and, when
@@ -500,7 +500,6 @@ static const char health_ghosts_text[] =
     "FROM sys.dm_db_index_physical_stats(DB_ID(), @id, NULL, NULL, 'SAMPLED') s "
     "WHERE s.index_level = 0; "
     "SELECT @ghosts";
-
 STMT(sql_tsql_health_ghosts, health_ghosts_text, health_table_p);
 
 /* -> 1 when the database keeps row versions (READ_COMMITTED_SNAPSHOT on, or SNAPSHOT
