@@ -459,7 +459,7 @@ static int odbcsrc_create(struct ev_loop *loop, const cfg_outbox *oc, const src_
     }
     s->loop = loop;
     s->cbs = *cbs;
-    odbcsrc_health_init(&s->health, oc->name);
+    odbcsrc_health_init(&s->health, oc->name, oc->lease_ms, oc->query_timeout_ms);
     s->cur = SQL_NULL_HSTMT;
     ev_async_init(&s->async, on_async);
     s->async.data = s;

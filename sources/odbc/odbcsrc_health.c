@@ -2,7 +2,8 @@
  * odbcsrc_health.c — the outbox table's health on SQL Server (SRC_REQ_HEALTH), on the
  * source's worker thread. The claims and the leadership renewals of the same connection
  * wait while it runs, so each read runs one part, one statement under a query timeout of
- * at most 5 s, and reports the values of the other parts as last read: a round of parts
+ * at most 5 s (and a sixth of the lease), and reports the values of the other parts as
+ * last read: a round of parts
  * takes three reads (five in a slow round). On Babelfish the first run of each statement
  * in a session takes about a second; all of them in one request held a lease renewal back
  * for five.
@@ -58,10 +59,19 @@ static const struct {
       "transaction holding the version store is not reported" },
 };
 
-void odbcsrc_health_init(odbcsrc_health *hs, const char *outbox)
+/* A statement's query timeout: at most 5 s, the outbox's query timeout, and a sixth of
+   the lease. A renewal, due at a third of the lease, must succeed before four fifths of it
+   have passed (relay/drain.c): a health statement in its way leaves it most of that. */
+void odbcsrc_health_init(odbcsrc_health *hs, const char *outbox, int64_t lease_ms,
+                         int64_t query_timeout_ms)
 {
     memset(hs, 0, sizeof *hs);
     snprintf(hs->outbox, sizeof hs->outbox, "%s", outbox ? outbox : "");
+    hs->timeout_ms = ODBCSRC_HEALTH_TIMEOUT_MS;
+    if (query_timeout_ms > 0 && query_timeout_ms < hs->timeout_ms)
+        hs->timeout_ms = query_timeout_ms;
+    if (lease_ms / 6 < hs->timeout_ms)
+        hs->timeout_ms = lease_ms / 6 > 1000 ? lease_ms / 6 : 1000;
 }
 
 static double mono_s(void)
@@ -282,8 +292,14 @@ int odbcsrc_health_read(odbcsrc_health *hs, odbcsrc_db *db, src_health *out)
         out->have = SRC_H_NONE;    /* PostgreSQL through ODBC: its health is libpq's */
         return 0;
     }
-    if (db->conf->query_timeout_ms > ODBCSRC_HEALTH_TIMEOUT_MS)
+    /* Babelfish: a query timeout breaks the session (and a statement's first run in a
+       session takes about a second), so only the 5 s bound there */
+    db->timeout_ms = hs->timeout_ms;
+    if (db->babelfish) {
         db->timeout_ms = ODBCSRC_HEALTH_TIMEOUT_MS;
+        if (db->conf->query_timeout_ms > 0 && db->conf->query_timeout_ms < db->timeout_ms)
+            db->timeout_ms = db->conf->query_timeout_ms;
+    }
     /* the next step that applies, beginning a new round at the end of one (a round
        always has one: the rows, or failing that the versioning options) */
     for (int tries = 0; tries <= 2 * S_COUNT; tries++) {

@@ -15,6 +15,7 @@
    runs one part (one statement) and reports every value last read (have says which). */
 typedef struct odbcsrc_health {
     char     outbox[128];     /* the outbox's name, for log lines */
+    int64_t  timeout_ms;      /* each statement's query timeout */
     uint64_t round;           /* rounds of parts begun */
     int      step;            /* the next part of this round */
     bool     pages_now;       /* this round read the pages (no fallback to the rows) */
@@ -29,11 +30,14 @@ typedef struct odbcsrc_health {
     char     holder_name[256], holder_state[64], holder_xsn[24];
 } odbcsrc_health;
 
-void odbcsrc_health_init(odbcsrc_health *hs, const char *outbox);
+/* lease_ms: the outbox's lease, which bounds how long a statement may keep a renewal
+   waiting (see the .c); query_timeout_ms: the outbox's query timeout. */
+void odbcsrc_health_init(odbcsrc_health *hs, const char *outbox, int64_t lease_ms,
+                         int64_t query_timeout_ms);
 /* Reads the next part of what db's server and the relay's login allow, and gives every
    value last read in out (out->have says which); a part that cannot be read is left out
    and logged once at WARN. 0, or -1 with db->err when the connection is lost. Blocks for
-   one statement, bounded by the query timeout (at most 5 s). */
+   one statement, bounded by hs->timeout_ms (at most 5 s). */
 int  odbcsrc_health_read(odbcsrc_health *hs, odbcsrc_db *db, src_health *out);
 
 #endif
