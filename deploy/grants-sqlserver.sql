@@ -38,8 +38,32 @@
 --                    (owner, epoch, expiry) and competing relays keep member rows there,
 --                    inserted once and updated afterwards. The compatibility-level check
 --                    reads sys.databases for the current database, which every user of it
---                    may read: no grant. No statement of the relay reads a dynamic
---                    management view, so it needs no VIEW DATABASE STATE.
+--                    may read: no grant. Nothing more is needed to drain.
+--   table health     optional (the relay reads it every health_interval for /metrics; each
+--                    part it may not read is left out of /metrics and logged once at WARN,
+--                    event table_health_unavailable, and the drain goes on as before):
+--                    - rows: sys.partitions, catalog metadata visible with the SELECT above:
+--                      no grant (outbox_relay_table_live_tuples);
+--                    - rows, used and reserved pages (sys.dm_db_partition_stats) and ghost
+--                      records (sys.dm_db_index_physical_stats, SAMPLED, in every 10th round
+--                      of reads): VIEW DATABASE STATE in this database, or on SQL Server 2022
+--                      and later the narrower VIEW DATABASE PERFORMANCE STATE
+--                      (outbox_relay_table_size_bytes, table_used_bytes, table_dead_tuples);
+--                          GRANT VIEW DATABASE PERFORMANCE STATE TO [outbox_relay];  -- 2022+
+--                          GRANT VIEW DATABASE STATE TO [outbox_relay];              -- before
+--                    - with READ_COMMITTED_SNAPSHOT or SNAPSHOT isolation on, the version store
+--                      (sys.dm_tran_version_store_space_usage) and the oldest transaction
+--                      reading or making row versions, its session and program_name
+--                      (sys.dm_tran_active_snapshot_database_transactions, sys.dm_exec_sessions):
+--                      VIEW SERVER STATE, or on 2022 and later VIEW SERVER PERFORMANCE STATE,
+--                      a server permission granted to the relay's login in master, not to a
+--                      database role (outbox_relay_version_store_bytes,
+--                      xmin_horizon_age_seconds, and the WARN xmin_horizon_held naming that
+--                      transaction past horizon_warn); on Azure SQL Database VIEW DATABASE
+--                      STATE in the database instead;
+--                          USE master; GRANT VIEW SERVER PERFORMANCE STATE TO [relay];  -- 2022+
+--                          USE master; GRANT VIEW SERVER STATE TO [relay];              -- before
+--                    These let the login read the server's state, not any table's data.
 --   outbox_admin     optional, for `outbox-relay dead retry` only: it re-inserts dead rows
 --                    with their original id (SET IDENTITY_INSERT), which SQL Server allows
 --                    only with ALTER on the table. Keep it out of the always-running relay:

@@ -658,6 +658,8 @@ static void on_health(drain *d, const src_health *h)
     double now = mono_now(), warn_s = (double)d->ob->horizon_warn_ms / 1000.0;
     double age = -1;
     char who[200] = "";
+    /* SQL Server: the holder is the oldest transaction reading or making row versions */
+    bool versions = h->holder_kind != NULL && strcmp(h->holder_kind, "snapshot transaction") == 0;
 
     d->m.health_seen = 1;
     d->m.table_dead_tuples = h->dead_tuples;
@@ -665,8 +667,16 @@ static void on_health(drain *d, const src_health *h)
     d->m.table_size_bytes = h->size_bytes;
     d->m.last_autovacuum_ts = h->last_autovacuum;
     d->m.horizon_xids = h->horizon_known || h->holder_kind != NULL ? h->horizon_xids : -1;
+    d->m.table_used_bytes = h->used_bytes;
+    d->m.version_store_bytes = h->version_store_bytes;
+    d->m.health_have = h->have;
     if (h->holder_kind == NULL) {
         age = 0;
+        d->slot_xmin[0] = '\0';
+    } else if (versions) {
+        age = h->holder_age_s;
+        snprintf(who, sizeof who, "session %d (program_name \"%s\", %s)", h->holder_pid,
+                 h->holder_name ? h->holder_name : "", h->holder_state ? h->holder_state : "");
         d->slot_xmin[0] = '\0';
     } else if (h->holder_pid > 0) {
         age = h->holder_age_s;
@@ -702,22 +712,35 @@ static void on_health(drain *d, const src_health *h)
         if (!d->horizon_held) {
             d->horizon_held = true;
             snprintf(d->horizon_holder, sizeof d->horizon_holder, "%s", who);
-            log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_held", .outbox = d->ob->name,
-                                            .error = who },
-                   "outbox=%s: the database's xmin horizon has been held back for %.0f s "
-                   "(%" PRId64 " transactions) by %s: vacuum cannot remove dead rows of %s "
-                   "(%" PRId64 " dead, %" PRId64 " live now) and claims slow down as they "
-                   "pile up; %s", d->ob->name, age, h->horizon_xids, who, d->ob->table,
-                   h->dead_tuples, h->live_tuples,
-                   h->holder_pid > 0 ? "end that transaction"
-                                     : "advance or drop the slot (or its standby's feedback)");
+            if (versions) {
+                log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_held",
+                                                .outbox = d->ob->name, .error = who },
+                       "outbox=%s: a transaction has held the version store for %.0f s: %s; "
+                       "SQL Server keeps every row version and ghost record it may read, so "
+                       "ghost records of %s (%" PRId64 " at the last count, %" PRId64 " rows "
+                       "now) and the version store (%" PRId64 " bytes) grow and claims slow "
+                       "down; end that transaction", d->ob->name, age, who, d->ob->table,
+                       h->dead_tuples, h->live_tuples, h->version_store_bytes);
+            } else {
+                log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_held",
+                                                .outbox = d->ob->name, .error = who },
+                       "outbox=%s: the database's xmin horizon has been held back for %.0f s "
+                       "(%" PRId64 " transactions) by %s: vacuum cannot remove dead rows of %s "
+                       "(%" PRId64 " dead, %" PRId64 " live now) and claims slow down as they "
+                       "pile up; %s", d->ob->name, age, h->horizon_xids, who, d->ob->table,
+                       h->dead_tuples, h->live_tuples,
+                       h->holder_pid > 0 ? "end that transaction"
+                                         : "advance or drop the slot (or its standby's feedback)");
+            }
         }
     } else if (d->horizon_held) {
         d->horizon_held = false;
         log_ev(LOG_INFO, &(log_fields){ .event = "xmin_horizon_released", .outbox = d->ob->name,
                                         .error = d->horizon_holder },
-               "outbox=%s: the database's xmin horizon is no longer held back (it was by %s; "
-               "now %s); %" PRId64 " dead rows in %s", d->ob->name, d->horizon_holder,
+               "outbox=%s: the database's %s is no longer held back (it was by %s; "
+               "now %s); %" PRId64 " dead rows in %s", d->ob->name,
+               versions || (h->have & SRC_H_VSTORE) ? "version store" : "xmin horizon",
+               d->horizon_holder,
                who[0] ? who : "nothing holds it", h->dead_tuples, d->ob->table);
     }
 }

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "lib/outbox_util.h"
+#include "relay/source.h"
 
 const double metrics_bucket_bounds[METRICS_NBUCKETS] = {
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300,
@@ -85,36 +86,54 @@ static void gauge_int(outbox_util_buf *b, ob_metrics *const *m, size_t n, const 
     }
 }
 
-/* The table health gauges, for the outboxes whose source reads them. */
+/* The table health gauges, for the outboxes whose source reads them: each one only for
+   the outboxes whose source gives it (health_have; 0 is the PostgreSQL set). */
 static void health(outbox_util_buf *b, ob_metrics *const *m, size_t n)
 {
-    static const struct { const char *name, *help; size_t off; int dbl; } g[] = {
+    static const struct { const char *name, *help; size_t off; int dbl; unsigned bit; } g[] = {
         { "table_dead_tuples", "Dead row versions in the outbox table (the database's estimate): "
-          "what vacuum has not removed yet.", offsetof(ob_metrics, table_dead_tuples), 0 },
+          "what vacuum has not removed yet. SQL Server: ghost records and version ghost "
+          "records at the leaf level of the table's indexes (sampled, read in every 10th round "
+          "of health reads): what the ghost cleanup has not removed yet.",
+          offsetof(ob_metrics, table_dead_tuples), 0, SRC_H_DEAD },
         { "table_live_tuples", "Live rows in the outbox table (the database's estimate), pending "
-          "and kept for retention.", offsetof(ob_metrics, table_live_tuples), 0 },
-        { "table_size_bytes", "The outbox table's size with its indexes and TOAST.",
-          offsetof(ob_metrics, table_size_bytes), 0 },
+          "and kept for retention; -1 unknown.", offsetof(ob_metrics, table_live_tuples), 0,
+          SRC_H_LIVE },
+        { "table_size_bytes", "The outbox table's size with its indexes and TOAST (SQL Server: "
+          "reserved pages of the table, its indexes and LOB data).",
+          offsetof(ob_metrics, table_size_bytes), 0, SRC_H_SIZE },
+        { "table_used_bytes", "SQL Server: used pages of the outbox table, its indexes and LOB "
+          "data, in bytes (compare with the rows: pages that stay while rows go are ghosts or "
+          "empty space).", offsetof(ob_metrics, table_used_bytes), 0, SRC_H_USED },
         { "table_last_autovacuum_timestamp_seconds", "Unix time of the outbox table's last "
-          "autovacuum; 0 never.", offsetof(ob_metrics, last_autovacuum_ts), 1 },
+          "autovacuum; 0 never (PostgreSQL).", offsetof(ob_metrics, last_autovacuum_ts), 1,
+          SRC_H_VACUUM },
         { "xmin_horizon_age_seconds", "How long the oldest transaction holding the database's "
           "xmin horizon back (so that vacuum cannot remove the outbox's dead rows) has been "
           "open; 0 none; -1 unknown (a replication slot holds it, or the relay's role cannot "
-          "see other sessions: grant pg_read_all_stats).", offsetof(ob_metrics, horizon_age_s), 1 },
+          "see other sessions: grant pg_read_all_stats). SQL Server, with "
+          "READ_COMMITTED_SNAPSHOT or SNAPSHOT isolation on: how long the instance's oldest "
+          "transaction reading or making row versions (which holds the version store and "
+          "the ghost records it may read) has been open; 0 none.",
+          offsetof(ob_metrics, horizon_age_s), 1, SRC_H_HORIZON_S },
         { "xmin_horizon_age_xids", "Age in transaction IDs of the database's xmin horizon "
-          "(sessions and replication slots); -1 unknown.", offsetof(ob_metrics, horizon_xids), 0 },
+          "(sessions and replication slots); -1 unknown (PostgreSQL).",
+          offsetof(ob_metrics, horizon_xids), 0, SRC_H_HORIZON_XIDS },
+        { "version_store_bytes", "SQL Server, with READ_COMMITTED_SNAPSHOT or SNAPSHOT "
+          "isolation on: the version store's size for the outbox's database (in tempdb).",
+          offsetof(ob_metrics, version_store_bytes), 0, SRC_H_VSTORE },
     };
-    size_t seen = 0;
-    for (size_t i = 0; i < n; i++)
-        seen += m[i]->health_seen != 0;
-    if (seen == 0)
-        return;
     for (size_t k = 0; k < sizeof g / sizeof g[0]; k++) {
-        outbox_util_buf_printf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s gauge\n",
-                               g[k].name, g[k].help, g[k].name);
+        bool head = false;
         for (size_t i = 0; i < n; i++) {
-            if (!m[i]->health_seen)
+            unsigned have = m[i]->health_have ? m[i]->health_have : SRC_H_POSTGRES;
+            if (!m[i]->health_seen || !(have & g[k].bit))
                 continue;
+            if (!head) {
+                head = true;
+                outbox_util_buf_printf(b, "# HELP outbox_relay_%s %s\n# TYPE outbox_relay_%s "
+                                       "gauge\n", g[k].name, g[k].help, g[k].name);
+            }
             const char *p = (const char *)m[i] + g[k].off;
             if (g[k].dbl) {
                 double v;

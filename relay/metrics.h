@@ -69,6 +69,9 @@ typedef struct ob_metrics {
     double   last_autovacuum_ts; /* Unix time; 0 never */
     double   horizon_age_s;      /* how long the xmin horizon's holder has held it; -1 unknown */
     int64_t  horizon_xids;       /* the horizon's age in transaction IDs; -1 unknown */
+    int64_t  table_used_bytes;   /* SQL Server: used pages in bytes */
+    int64_t  version_store_bytes; /* SQL Server: the version store's size for the database */
+    unsigned health_have;        /* the gauges the source gives (SRC_H_*); 0: PostgreSQL's */
     histogram confirm_latency;
     histogram claim_latency;
     histogram settle_latency;

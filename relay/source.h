@@ -35,7 +35,8 @@ enum src_req {
     SRC_REQ_SETTLE,    /* apply outcomes */
     SRC_REQ_CLEANUP,   /* delete marked rows older than retention, bounded */
     SRC_REQ_STATS,     /* backlog, oldest pending age, dead count */
-    SRC_REQ_HEALTH     /* the table's health: dead tuples, size, vacuum, xmin horizon */
+    SRC_REQ_HEALTH     /* the table's health: dead tuples, size, vacuum, xmin horizon
+                          (SQL Server: ghost records, pages, version store) */
 };
 
 /* What happened to a claimed row. */
@@ -88,7 +89,27 @@ typedef struct src_health {
                                     -1 (the database does not say since when) */
     int64_t     horizon_xids;    /* the horizon's age in transaction IDs */
     const char *holder_xmin;     /* the held xmin, to tell one holder's episode from the next */
+    /* SQL Server: the fields above hold ghost records (dead_tuples), rows (live_tuples),
+       reserved pages in bytes (size_bytes), and the oldest transaction reading or making
+       row versions, which holds the version store and the ghost records it may still
+       read (holder_kind "snapshot transaction", holder_pid its session id, holder_name
+       its program_name, holder_state its isolation, holder_xmin its transaction sequence
+       number); these are SQL Server's own: */
+    int64_t     used_bytes;      /* used pages in bytes */
+    int64_t     version_store_bytes; /* the version store's size for the database */
+    unsigned    have;            /* the values this read gives (SRC_H_*); 0: SRC_H_POSTGRES */
 } src_health;
+
+/* src_health.have: which values a health read gives (the others are left out of the
+   metrics, not reported as unknown). */
+enum {
+    SRC_H_DEAD = 1u << 0, SRC_H_LIVE = 1u << 1, SRC_H_SIZE = 1u << 2, SRC_H_VACUUM = 1u << 3,
+    SRC_H_HORIZON_S = 1u << 4, SRC_H_HORIZON_XIDS = 1u << 5, SRC_H_USED = 1u << 6,
+    SRC_H_VSTORE = 1u << 7,
+    SRC_H_NONE = 1u << 15    /* read, nothing to give */
+};
+#define SRC_H_POSTGRES \
+    (SRC_H_DEAD | SRC_H_LIVE | SRC_H_SIZE | SRC_H_VACUUM | SRC_H_HORIZON_S | SRC_H_HORIZON_XIDS)
 
 typedef struct src_result {
     enum src_req req;

@@ -444,9 +444,90 @@ STMT0(sql_tsql_version, "SELECT CAST(@@VERSION AS nvarchar(4000))");
 STMT0(sql_tsql_compat,
     "SELECT CAST(compatibility_level AS int) FROM sys.databases WHERE name = DB_NAME()");
 
+/* ------------------------------------------------------------ table health
+   The outbox table's health on SQL Server (sources/odbc/odbcsrc_health.c runs one of these
+   every health_interval), each part a statement of its own so that one the relay's login
+   may not read, or a server without that view, leaves the others working:
+     - rows and pages from sys.dm_db_partition_stats (VIEW DATABASE STATE; VIEW DATABASE
+       PERFORMANCE STATE on SQL Server 2022 and later): rows of the heap or clustered
+       index, used and reserved 8 KiB pages of the table with its indexes and LOB data.
+       Without it, the rows alone from sys.partitions (metadata, readable with SELECT on
+       the table: an estimate, -1 where the engine does not know yet);
+     - ghost records (rows deleted, or moved out of an index by an update of its key, that
+       the ghost cleanup task has not removed yet) and version ghost records (kept for a
+       transaction that reads row versions), leaf level of every index, from
+       sys.dm_db_index_physical_stats in SAMPLED mode (VIEW DATABASE STATE): it reads the
+       index pages (all of them below 10,000 pages, a 1% sample above), so the source runs
+       it only in every 10th round of reads. The object id is checked first: the function given
+       a NULL object id reports every table of the database;
+     - whether the database keeps row versions (READ_COMMITTED_SNAPSHOT or SNAPSHOT
+       isolation: sys.databases, readable for the current database by any login) and, when
+       it does, the version store's size for this database
+       (sys.dm_tran_version_store_space_usage) and the oldest transaction that reads or
+       makes row versions (sys.dm_tran_active_snapshot_database_transactions, with its
+       session's program_name from sys.dm_exec_sessions): while it runs, the versions and
+       the ghost records it may still read stay. Both views need VIEW SERVER STATE (VIEW
+       SERVER PERFORMANCE STATE on 2022 and later); the version store in tempdb is shared by
+       every database of the instance, so the oldest transaction is the instance's. */
+
+/* -> rows (heap or clustered index), used pages, reserved pages. */
+static const char health_pages_text[] =
+    "DECLARE @table nvarchar(255) = ?; "
+    "SELECT CAST(COALESCE(SUM(CASE WHEN p.index_id IN (0, 1) THEN p.row_count END), 0) AS bigint), "
+    "CAST(COALESCE(SUM(p.used_page_count), 0) AS bigint), "
+    "CAST(COALESCE(SUM(p.reserved_page_count), 0) AS bigint) "
+    "FROM sys.dm_db_partition_stats p WHERE p.object_id = OBJECT_ID(@table)";
+static const sql_tsql_param health_table_p[] = { P_NAME("table") };
+STMT(sql_tsql_health_pages, health_pages_text, health_table_p);
+
+/* -> rows (heap or clustered index), from the catalog: the fallback of the above. */
+static const char health_rows_text[] =
+    "DECLARE @table nvarchar(255) = ?; "
+    "SELECT CAST(CASE WHEN COUNT(*) = 0 OR MIN(p.rows) < 0 THEN -1 ELSE SUM(p.rows) END "
+    "AS bigint) FROM sys.partitions p "
+    "WHERE p.object_id = OBJECT_ID(@table) AND p.index_id IN (0, 1)";
+STMT(sql_tsql_health_rows, health_rows_text, health_table_p);
+
+/* -> ghost records + version ghost records at the leaf level of every index (NULL: the
+   table is not there). */
+static const char health_ghosts_text[] =
+    "SET NOCOUNT ON; "
+    "DECLARE @table nvarchar(255) = ?; "
+    "DECLARE @id int = OBJECT_ID(@table), @ghosts bigint = NULL; "
+    "IF @id IS NOT NULL "
+    "SELECT @ghosts = CAST(COALESCE(SUM(s.ghost_record_count + "
+    "COALESCE(s.version_ghost_record_count, 0)), 0) AS bigint) "
+    "FROM sys.dm_db_index_physical_stats(DB_ID(), @id, NULL, NULL, 'SAMPLED') s "
+    "WHERE s.index_level = 0; "
+    "SELECT @ghosts";
+STMT(sql_tsql_health_ghosts, health_ghosts_text, health_table_p);
+
+/* -> 1 when the database keeps row versions (READ_COMMITTED_SNAPSHOT on, or SNAPSHOT
+   isolation on or changing), else 0. */
+STMT0(sql_tsql_health_versioning,
+    "SELECT CASE WHEN d.is_read_committed_snapshot_on = 1 OR d.snapshot_isolation_state <> 0 "
+    "THEN 1 ELSE 0 END FROM sys.databases d WHERE d.database_id = DB_ID()");
+
+/* -> the version store's bytes for this database; the oldest transaction that reads or
+   makes row versions, other than this session (NULLs: none): its session id, seconds
+   open, 1 under SNAPSHOT isolation (0: a READ_COMMITTED_SNAPSHOT statement or a writer
+   of versions), transaction sequence number, its session's program_name. */
+STMT0(sql_tsql_health_versions,
+    "SELECT v.kb * 1024, t.session_id, t.elapsed_time_seconds, CAST(t.is_snapshot AS int), "
+    "t.transaction_sequence_num, s.program_name "
+    "FROM (SELECT CAST(COALESCE(SUM(u.reserved_space_kb), 0) AS bigint) AS kb "
+    "FROM sys.dm_tran_version_store_space_usage u WHERE u.database_id = DB_ID()) v "
+    "OUTER APPLY (SELECT TOP (1) a.session_id, CAST(a.elapsed_time_seconds AS bigint) "
+    "AS elapsed_time_seconds, a.is_snapshot, a.transaction_sequence_num "
+    "FROM sys.dm_tran_active_snapshot_database_transactions a WHERE a.session_id <> @@SPID "
+    "ORDER BY a.elapsed_time_seconds DESC, a.transaction_sequence_num) t "
+    "LEFT JOIN sys.dm_exec_sessions s ON s.session_id = t.session_id");
+
 const sql_tsql_stmt *const sql_tsql_all[] = {
     &sql_tsql_lead, &sql_tsql_claim, &sql_tsql_claim_competing, &sql_tsql_settle_head,
     &sql_tsql_settle_mark, &sql_tsql_settle_delete, &sql_tsql_settle_tail, &sql_tsql_cleanup,
     &sql_tsql_stats, &sql_tsql_stats_kept, &sql_tsql_dead_list, &sql_tsql_dead_retry,
-    &sql_tsql_dead_purge, &sql_tsql_tables_exist, &sql_tsql_version, &sql_tsql_compat, NULL
+    &sql_tsql_dead_purge, &sql_tsql_tables_exist, &sql_tsql_version, &sql_tsql_compat,
+    &sql_tsql_health_pages, &sql_tsql_health_rows, &sql_tsql_health_ghosts,
+    &sql_tsql_health_versioning, &sql_tsql_health_versions, NULL
 };

@@ -47,6 +47,12 @@ extern const sql_tsql_stmt sql_tsql_dead_purge;
 extern const sql_tsql_stmt sql_tsql_tables_exist;
 extern const sql_tsql_stmt sql_tsql_version;
 extern const sql_tsql_stmt sql_tsql_compat;
+/* the table's health (sources/odbc/odbcsrc_health.c) */
+extern const sql_tsql_stmt sql_tsql_health_pages;
+extern const sql_tsql_stmt sql_tsql_health_rows;
+extern const sql_tsql_stmt sql_tsql_health_ghosts;
+extern const sql_tsql_stmt sql_tsql_health_versioning;
+extern const sql_tsql_stmt sql_tsql_health_versions;
 /* Every statement above, NULL-terminated (for tests). */
 extern const sql_tsql_stmt *const sql_tsql_all[];
 

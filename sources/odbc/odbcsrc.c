@@ -24,6 +24,7 @@
 #include <ev.h>
 #include "lib/outbox_util.h"
 #include "sources/odbc/odbcsrc_int.h"
+#include "sources/odbc/odbcsrc_health.h"
 
 #define BACKOFF_MIN_MS 100
 
@@ -76,6 +77,8 @@ struct source {
     bool            outstanding;  /* a request awaits its on_done (loop ref held) */
     bool            dispatching;
     bool            destroyed;
+
+    odbcsrc_health  health;       /* the worker's, between table-health reads */
 };
 
 /* ------------------------------------------------------------ helpers */
@@ -164,6 +167,7 @@ static void cur_hook(void *ud, SQLHSTMT h)
 typedef struct wstate {
     odbcsrc_db db;
     char       holder[256]; /* the leadership holder named by the last lead answer */
+    odbcsrc_health *health; /* the source's */
 } wstate;
 
 /* One attempt of a request, in its own transaction. Returns the completion event. */
@@ -206,9 +210,8 @@ static odbc_event *execute_once(wstate *w, const odbc_req *r)
     case SRC_REQ_STATS:
         rc = odbcsrc_db_stats(db, &e->res.stats, false);
         break;
-    case SRC_REQ_HEALTH: /* this source has no health op, so the core never asks */
-        snprintf(db->err, sizeof db->err, "table health is not read through ODBC");
-        rc = -1;
+    case SRC_REQ_HEALTH:
+        rc = odbcsrc_health_read(w->health, db, &e->res.health);
         break;
     }
     if (rc == 0)
@@ -298,6 +301,7 @@ static void *worker_main(void *arg)
 
     memset(&w, 0, sizeof w);
     w.db.cur_fn = cur_hook;
+    w.health = &s->health;
     w.db.cur_ud = s;
     w.db.dbc = SQL_NULL_HDBC;
     w.db.env = SQL_NULL_HENV;
@@ -455,6 +459,7 @@ static int odbcsrc_create(struct ev_loop *loop, const cfg_outbox *oc, const src_
     }
     s->loop = loop;
     s->cbs = *cbs;
+    odbcsrc_health_init(&s->health, oc->name, oc->lease_ms, oc->query_timeout_ms);
     s->cur = SQL_NULL_HSTMT;
     ev_async_init(&s->async, on_async);
     s->async.data = s;
@@ -619,6 +624,13 @@ static int odbcsrc_stats(source *s)
     return submit(s, &r);
 }
 
+static int odbcsrc_health_req(source *s)
+{
+    odbc_req r = {0};
+    r.kind = SRC_REQ_HEALTH;
+    return submit(s, &r);
+}
+
 /* ------------------------------------------------------------ admin (synchronous) */
 
 /* Opens a session for an admin command and verifies the database (and the
@@ -746,6 +758,7 @@ const source_ops odbcsrc_ops = {
     .settle     = odbcsrc_settle,
     .cleanup    = odbcsrc_cleanup,
     .stats      = odbcsrc_stats,
+    .health     = odbcsrc_health_req,
     .peer       = odbcsrc_peer,
     .check      = odbcsrc_check,
     .init       = odbcsrc_init,
