@@ -27,6 +27,7 @@ def test_pg_select_and_pg_stat_statements(pgdb, services):
 _INNER_PGDB_TESTS = r"""
 import json
 import os
+import time
 
 OUT = os.environ["PGDB_PROBE_OUT"]
 seen = {}
@@ -72,6 +73,15 @@ def test_c_after_teardown(services):
         left = admin.execute("select datname from pg_database where datname = any(%s)",
                              ([seen["a"], seen["a2"], seen["b"]],)).fetchall()
     assert left == [], f"databases not dropped: {left}"
+    # the databases made ahead for later tests: dropped at the end of the session
+    import conftest
+    if conftest._DB_POOL is not None:
+        pool = conftest._DB_POOL
+        deadline = time.monotonic() + 60
+        while len(pool._ready) < pool.SIZE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(OUT + ".pool", "w") as f:
+            json.dump(list(pool._ready), f)
 """
 
 
@@ -115,10 +125,15 @@ def test_pgdb_is_fresh_and_dropped(services, tmp_path):
     names = json.loads(out.read_text())
     assert len(set(names.values())) == 3 and all(n.startswith("t_") for n in names.values()), \
         names
+    pooled = []   # the ones the session's pool had made ahead (none with OUTBOX_TEST_DB_POOL=0)
+    if os.environ.get("OUTBOX_TEST_DB_POOL", "1") != "0":
+        with open(f"{out}.pool") as f:
+            pooled = json.load(f)
+        assert len(pooled) == 2 and all(n.startswith("t_") for n in pooled), pooled
     # from outside: the databases are gone, and so is every session that was on them
     with services.pg_connect() as admin:
         assert admin.execute("select datname from pg_database where datname = any(%s)",
-                             (list(names.values()),)).fetchall() == []
+                             (list(names.values()) + pooled,)).fetchall() == []
         assert admin.execute("select pid, datname from pg_stat_activity"
                              " where datname = any(%s)",
                              (list(names.values()),)).fetchall() == []
