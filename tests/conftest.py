@@ -464,6 +464,38 @@ def memory_alarm(services, tmp_path):
         alarm.close()
 
 
+# ---------------------------------------------------------------------------- shared tests
+def pytest_collection_modifyitems(config, items):
+    """OUTBOX_TEST_SHARE=K/N (scripts/test.sh, when it runs the plain and the sanitizer build
+    at the same time): the tests marked build_independent — whose result does not depend on
+    the build, nothing of the build under test runs in them — are dealt out to N runs, the
+    longest first (the marker's seconds=, 1 by default) each to the run with the fewest
+    seconds so far (ties: the lower number; equal tests in the order of their ids), and this
+    run, number K, keeps its own: the other runs of the same CI run keep the others, so each
+    runs once. The deal is the same in every run: it depends on the tests only. Unset:
+    every test runs."""
+    share = os.environ.get("OUTBOX_TEST_SHARE", "")
+    if not share:
+        return
+    m = re.fullmatch(r"(\d+)/(\d+)", share)
+    if not m or not int(m.group(1)) < int(m.group(2)):
+        raise pytest.UsageError(f"OUTBOX_TEST_SHARE={share!r}: want K/N with K < N")
+    k, n = int(m.group(1)), int(m.group(2))
+
+    def seconds(it):
+        return float(it.get_closest_marker("build_independent").kwargs.get("seconds", 1))
+    shared = sorted((it for it in items if it.get_closest_marker("build_independent")),
+                    key=lambda it: (-seconds(it), it.nodeid))
+    load = [0.0] * n
+    for it in shared:
+        run = min(range(n), key=lambda r: (load[r], r))
+        load[run] += seconds(it)
+        if run != k:
+            it.add_marker(pytest.mark.skip(
+                reason=f"build-independent: run {run} of the {n} of this CI run runs it "
+                       f"(OUTBOX_TEST_SHARE={share})"))
+
+
 # ---------------------------------------------------------------------------- failure logs
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):

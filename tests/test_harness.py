@@ -10,6 +10,7 @@ import pytest
 from conftest import run_prog, tail, wait_for
 
 
+@pytest.mark.build_independent
 def test_pg_select_and_pg_stat_statements(pgdb, services):
     with pgdb.connect() as c:
         assert c.execute("select 1").fetchone() == (1,)
@@ -85,6 +86,7 @@ def test_c_after_teardown(services):
 """
 
 
+@pytest.mark.build_independent(seconds=10)
 def test_pgdb_is_fresh_and_dropped(services, tmp_path):
     """The real pgdb (and pgdb2) fixture, driven by pytest itself in an inner session: each
     use gets a new empty database; at teardown — also of a failing test — its connections
@@ -139,6 +141,7 @@ def test_pgdb_is_fresh_and_dropped(services, tmp_path):
                              (list(names.values()),)).fetchall() == []
 
 
+@pytest.mark.build_independent
 def test_psql_helper(pgdb):
     r = pgdb.psql("select 40 + 2", args=("-At",))
     assert r.stdout.strip() == "42"
@@ -146,6 +149,7 @@ def test_psql_helper(pgdb):
         pgdb.psql("select * from no_such_table")
 
 
+@pytest.mark.build_independent
 def test_rabbitmq_persistent_publish_with_confirms(amqp, services):
     ch = amqp.channel()
     q = "harness-" + services.rabbit_node.split("@")[0]
@@ -168,6 +172,7 @@ def test_rabbitmq_persistent_publish_with_confirms(amqp, services):
     ch.queue_delete(q)
 
 
+@pytest.mark.build_independent(seconds=4)
 def test_rabbitmqctl_reaches_private_node(services, amqp):
     ch = amqp.channel()
     q = "harness-ctl"
@@ -181,6 +186,7 @@ def test_rabbitmqctl_reaches_private_node(services, amqp):
     assert services.rabbit_node.split("@")[0] in r.stdout
 
 
+@pytest.mark.build_independent
 def test_guest_password_is_checked(services):
     bad = pika.URLParameters(services.amqp_url.replace("guest:guest", "guest:wrong"))
     with pytest.raises(pika.exceptions.ProbableAuthenticationError):
@@ -243,12 +249,14 @@ def _odbc_connect_and_catalog(conn_str):
         lib.SQLFreeHandle(1, env)
 
 
+@pytest.mark.build_independent
 def test_odbc_dsn_connects_through_psqlodbc(pgdb):
     dbms, catalog = _odbc_connect_and_catalog(pgdb.odbc)
     assert dbms == "PostgreSQL"
     assert catalog == pgdb.name
 
 
+@pytest.mark.build_independent
 def test_odbc_wrong_database_fails(services):
     with pytest.raises(AssertionError, match="SQLDriverConnect failed"):
         _odbc_connect_and_catalog(services.odbc_dsn("t_does_not_exist"))
@@ -283,6 +291,7 @@ def test_source_driver_sql_session(pgdb, build, backend):
         d.close()
 
 
+@pytest.mark.build_independent
 def test_run_prog_and_wait_for(tmp_path):
     r = run_prog(["sh", "-c", "echo out; echo err >&2; exit 3"], valgrind=False)
     assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")
