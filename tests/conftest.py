@@ -160,6 +160,19 @@ class Services:
                               env=env, capture_output=True, text=True, timeout=timeout,
                               check=check, stdin=subprocess.DEVNULL)
 
+    def rabbitmqctl_later(self, *args, timeout=120):
+        """rabbitmqctl started in the background, for a cleanup no test waits on (deleting a
+        test's broker user or vhost): each rabbitmqctl starts an Erlang VM, seconds on a
+        loaded machine. Its exit status is not looked at (as for the cleanups it replaces);
+        the end of the session waits for it (at most timeout seconds, then kills it)."""
+        env = dict(os.environ, HOME=self._rabbit_home, ERL_EPMD_PORT=self._epmd_port,
+                   RABBITMQ_USE_LONGNAME="false")
+        p = subprocess.Popen([self._rabbitmqctl, "-n", self.rabbit_node, *map(str, args)],
+                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        _LATER.append((p, time.monotonic() + timeout))
+        return p
+
     def amqp_params(self):
         import pika
         p = pika.URLParameters(self.amqp_url)
@@ -198,6 +211,18 @@ def _services_env():
 
 
 _SERVICES = None
+_LATER = []   # (Popen, deadline) of Services.rabbitmqctl_later
+
+
+def _wait_later():
+    """Waits for the background cleanups (killing one past its deadline)."""
+    while _LATER:
+        p, deadline = _LATER.pop()
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 @pytest.fixture(scope="session")
@@ -338,6 +363,7 @@ def _pooled_database(services):
 def pytest_sessionfinish(session, exitstatus):
     if _DB_POOL is not None:
         _DB_POOL.close()
+    _wait_later()
 
 
 def scratch_database(services):

@@ -701,7 +701,7 @@ def broker_user(services):
     r = services.rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
     assert r.returncode == 0, r.stdout + r.stderr
     yield user, pw
-    services.rabbitmqctl("delete_user", user)
+    services.rabbitmqctl_later("delete_user", user)
 
 
 TS_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")

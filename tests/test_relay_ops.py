@@ -140,7 +140,7 @@ def broker_user(services):
     r = services.rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
     assert r.returncode == 0, r.stdout + r.stderr
     yield user, pw
-    services.rabbitmqctl("delete_user", user)
+    services.rabbitmqctl_later("delete_user", user)
 
 
 def test_wrong_broker_password_logged_then_recovery(services, pgdb, relay_bin, tmp_path,

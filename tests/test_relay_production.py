@@ -205,7 +205,7 @@ def test_broker_permissions_revoked_mid_run(services, pgdb, relay_bin, build, tm
         if cleared:
             services.rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
         r.stop_clean()
-        services.rabbitmqctl("delete_user", user)
+        services.rabbitmqctl_later("delete_user", user)
     got = c.collect()
     dups, _ = delivery_report(got, n, keys)
     check_against_db(got, pgdb)
