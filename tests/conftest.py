@@ -160,6 +160,20 @@ class Services:
                               env=env, capture_output=True, text=True, timeout=timeout,
                               check=check, stdin=subprocess.DEVNULL)
 
+    def add_broker_user(self, user, password, vhost="/"):
+        """`rabbitmqctl add_user USER PASSWORD` and `set_permissions -p VHOST USER .* .* .*`
+        in one rabbitmqctl (eval of the same two calls inside the broker): each rabbitmqctl
+        starts an Erlang VM, seconds on a loaded machine. → CompletedProcess; exit 0 when
+        both succeeded (a failing one fails the eval's match)."""
+        for v in (user, password, vhost):
+            assert re.fullmatch(r"[A-Za-z0-9_./-]+", v), f"not a plain name: {v!r}"
+        b = lambda v: f'<<"{v}">>'  # noqa: E731
+        expr = (f"ok = rabbit_auth_backend_internal:add_user({b(user)}, {b(password)}, "
+                f"{b('outbox-tests')}), "
+                f"ok = rabbit_auth_backend_internal:set_permissions({b(user)}, {b(vhost)}, "
+                f"{b('.*')}, {b('.*')}, {b('.*')}, {b('outbox-tests')}).")
+        return self.rabbitmqctl("eval", expr)
+
     def rabbitmqctl_later(self, *args, timeout=120):
         """rabbitmqctl started in the background, for a cleanup no test waits on (deleting a
         test's broker user or vhost): each rabbitmqctl starts an Erlang VM, seconds on a
