@@ -114,10 +114,12 @@ if [[ $MODE == all && $PARALLEL == 1 ]]; then
         echo "0 passed, 1 failed, 0 skipped"
         exit 1
     fi
-    (timeout -k 15 "$STEP_TIMEOUT" make test PYTEST_ARGS="--durations=30" >"$LOGDIR/plain.log" 2>&1; echo $? >"$LOGDIR/plain.rc") &
+    # the build-independent tests (pytest marker build_independent: nothing of the build runs
+    # in them) are dealt out between the two runs, each runs once (tests/conftest.py)
+    (OUTBOX_TEST_SHARE=0/2 timeout -k 15 "$STEP_TIMEOUT" make test PYTEST_ARGS="--durations=30" >"$LOGDIR/plain.log" 2>&1; echo $? >"$LOGDIR/plain.rc") &
     p1=$!
     (export OUTBOX_SERVICES_DIR=$SAN_SVC
-     timeout -k 15 "$STEP_TIMEOUT" make SANITIZER=address+undefined test PYTEST_ARGS="--durations=30" >"$LOGDIR/asan+ubsan.log" 2>&1
+     OUTBOX_TEST_SHARE=1/2 timeout -k 15 "$STEP_TIMEOUT" make SANITIZER=address+undefined test PYTEST_ARGS="--durations=30" >"$LOGDIR/asan+ubsan.log" 2>&1
      echo $? >"$LOGDIR/asan+ubsan.rc") &
     p2=$!
     wait "$p1" "$p2"

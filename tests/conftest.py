@@ -22,6 +22,7 @@ import re
 import secrets
 import shlex
 import subprocess
+import threading
 import time
 
 import pytest
@@ -159,6 +160,33 @@ class Services:
                               env=env, capture_output=True, text=True, timeout=timeout,
                               check=check, stdin=subprocess.DEVNULL)
 
+    def add_broker_user(self, user, password, vhost="/"):
+        """`rabbitmqctl add_user USER PASSWORD` and `set_permissions -p VHOST USER .* .* .*`
+        in one rabbitmqctl (eval of the same two calls inside the broker): each rabbitmqctl
+        starts an Erlang VM, seconds on a loaded machine. → CompletedProcess; exit 0 when
+        both succeeded (a failing one fails the eval's match)."""
+        for v in (user, password, vhost):
+            assert re.fullmatch(r"[A-Za-z0-9_./-]+", v), f"not a plain name: {v!r}"
+        b = lambda v: f'<<"{v}">>'  # noqa: E731
+        expr = (f"ok = rabbit_auth_backend_internal:add_user({b(user)}, {b(password)}, "
+                f"{b('outbox-tests')}), "
+                f"ok = rabbit_auth_backend_internal:set_permissions({b(user)}, {b(vhost)}, "
+                f"{b('.*')}, {b('.*')}, {b('.*')}, {b('outbox-tests')}).")
+        return self.rabbitmqctl("eval", expr)
+
+    def rabbitmqctl_later(self, *args, timeout=120):
+        """rabbitmqctl started in the background, for a cleanup no test waits on (deleting a
+        test's broker user or vhost): each rabbitmqctl starts an Erlang VM, seconds on a
+        loaded machine. Its exit status is not looked at (as for the cleanups it replaces);
+        the end of the session waits for it (at most timeout seconds, then kills it)."""
+        env = dict(os.environ, HOME=self._rabbit_home, ERL_EPMD_PORT=self._epmd_port,
+                   RABBITMQ_USE_LONGNAME="false")
+        p = subprocess.Popen([self._rabbitmqctl, "-n", self.rabbit_node, *map(str, args)],
+                             env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        _LATER.append((p, time.monotonic() + timeout))
+        return p
+
     def amqp_params(self):
         import pika
         p = pika.URLParameters(self.amqp_url)
@@ -197,6 +225,18 @@ def _services_env():
 
 
 _SERVICES = None
+_LATER = []   # (Popen, deadline) of Services.rabbitmqctl_later
+
+
+def _wait_later():
+    """Waits for the background cleanups (killing one past its deadline)."""
+    while _LATER:
+        p, deadline = _LATER.pop()
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 @pytest.fixture(scope="session")
@@ -240,12 +280,116 @@ class PgDb:
         self._conns.clear()
 
 
+class _DbPool:
+    """Empty databases t_<hex> made ahead of use by a background thread: CREATE DATABASE
+    copies template1 and takes 0.3-0.5 s on a quiet machine (0.9 s on a loaded 2-core one),
+    which some 350 tests (pgdb, pgdb2, the contract suite's PostgreSQL backends) would
+    otherwise wait for in their setup. A database taken from the pool is exactly what the
+    test would have created itself (never connected to, made from template1 moments
+    earlier); the thread makes the next one while the test runs (its servers mostly idle,
+    waiting). At most SIZE wait ready; when none is ready and none is being made, or the
+    server refuses (restarting, a test made it read-only...), take() returns None and the
+    caller creates its own as before. OUTBOX_TEST_DB_POOL=0 turns the pool off. The
+    databases left at the end of the session are dropped (pytest_sessionfinish)."""
+
+    SIZE = 2
+
+    def __init__(self, services):
+        self._services = services
+        self._ready = []
+        self._making = False
+        self._closed = False
+        self._cv = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="pgdb-pool", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        failures = 0
+        while True:
+            with self._cv:
+                while not self._closed and len(self._ready) >= self.SIZE:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                self._making = True
+            name = "t_" + secrets.token_hex(6)
+            try:
+                with self._services.pg_connect() as admin:
+                    admin.execute(f'CREATE DATABASE "{name}"')
+            except Exception:  # noqa: BLE001 - the server may be down or refusing for a test
+                name = None
+            with self._cv:
+                self._making = False
+                if name is not None:
+                    failures = 0
+                    self._ready.append(name)
+                else:
+                    failures += 1
+                self._cv.notify_all()
+                if name is None and not self._closed:   # back off: 0.2 s doubling to 3.2 s
+                    self._cv.wait(0.1 * 2 ** min(failures, 5))
+
+    def take(self, timeout=5.0):
+        """A ready database's name, waiting up to timeout for one being made; else None."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while not self._ready and self._making and not self._closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            if not self._ready:
+                return None
+            name = self._ready.pop(0)
+            self._cv.notify_all()
+            return name
+
+    def close(self):
+        """Stops the thread and drops the databases nobody took. Never raises."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(30)
+        with self._cv:
+            names, self._ready = self._ready, []
+        for name in names:
+            try:
+                with self._services.pg_connect() as admin:
+                    admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+            except Exception:  # noqa: BLE001 - best effort at the end of the session
+                pass
+
+
+_DB_POOL = None
+_DB_POOL_LOCK = threading.Lock()
+
+
+def _pooled_database(services):
+    """A database of the pool (started at the first use), or None."""
+    global _DB_POOL
+    if os.environ.get("OUTBOX_TEST_DB_POOL", "1") == "0":
+        return None
+    with _DB_POOL_LOCK:
+        if _DB_POOL is None:
+            _DB_POOL = _DbPool(services)
+    return _DB_POOL.take()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _DB_POOL is not None:
+        _DB_POOL.close()
+    _wait_later()
+
+
 def scratch_database(services):
-    """Generator behind pgdb/pgdb2: creates t_<hex>, yields its PgDb, then closes the
-    connections made through it and drops it (also killing sessions left on it)."""
-    name = "t_" + secrets.token_hex(6)
-    with services.pg_connect() as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
+    """Generator behind pgdb/pgdb2: creates t_<hex> (or takes one the pool made ahead),
+    yields its PgDb, then closes the connections made through it and drops it (also killing
+    sessions left on it)."""
+    name = _pooled_database(services)
+    if name is None:
+        name = "t_" + secrets.token_hex(6)
+        with services.pg_connect() as admin:
+            admin.execute(f'CREATE DATABASE "{name}"')
     db = PgDb(services, name)
     try:
         yield db
@@ -359,6 +503,38 @@ def memory_alarm(services, tmp_path):
         yield alarm
     finally:
         alarm.close()
+
+
+# ---------------------------------------------------------------------------- shared tests
+def pytest_collection_modifyitems(config, items):
+    """OUTBOX_TEST_SHARE=K/N (scripts/test.sh, when it runs the plain and the sanitizer build
+    at the same time): the tests marked build_independent — whose result does not depend on
+    the build, nothing of the build under test runs in them — are dealt out to N runs, the
+    longest first (the marker's seconds=, 1 by default) each to the run with the fewest
+    seconds so far (ties: the lower number; equal tests in the order of their ids), and this
+    run, number K, keeps its own: the other runs of the same CI run keep the others, so each
+    runs once. The deal is the same in every run: it depends on the tests only. Unset:
+    every test runs."""
+    share = os.environ.get("OUTBOX_TEST_SHARE", "")
+    if not share:
+        return
+    m = re.fullmatch(r"(\d+)/(\d+)", share)
+    if not m or not int(m.group(1)) < int(m.group(2)):
+        raise pytest.UsageError(f"OUTBOX_TEST_SHARE={share!r}: want K/N with K < N")
+    k, n = int(m.group(1)), int(m.group(2))
+
+    def seconds(it):
+        return float(it.get_closest_marker("build_independent").kwargs.get("seconds", 1))
+    shared = sorted((it for it in items if it.get_closest_marker("build_independent")),
+                    key=lambda it: (-seconds(it), it.nodeid))
+    load = [0.0] * n
+    for it in shared:
+        run = min(range(n), key=lambda r: (load[r], r))
+        load[run] += seconds(it)
+        if run != k:
+            it.add_marker(pytest.mark.skip(
+                reason=f"build-independent: run {run} of the {n} of this CI run runs it "
+                       f"(OUTBOX_TEST_SHARE={share})"))
 
 
 # ---------------------------------------------------------------------------- failure logs

@@ -145,6 +145,7 @@ def ids(items):
     return [i for i, _ in items]
 
 
+@pytest.mark.build_independent
 def test_shipped_inis_are_found():
     """The glob finds the files we know of, so a renamed directory cannot empty the tests."""
     found = set(ids(SHIPPED))
@@ -230,6 +231,7 @@ def live_variant(text, services, dbname):
     return "\n".join(out) + "\n"
 
 
+@pytest.mark.build_independent
 def test_live_candidates():
     """The files that must be checked against the local servers are."""
     assert {"config/relay.example.ini", "config/demo.ini", "deploy/relay.compose.ini"} <= set(ids(LIVE))
@@ -248,6 +250,7 @@ def test_shipped_ini_checks_against_local_servers(relay_bin, services, pgdb, tmp
 
 
 # ------------------------------------------------------------------------------- real tools
+@pytest.mark.build_independent
 def test_yamllint():
     files = sorted(DEPLOY.glob("*.yaml")) + sorted(DEPLOY.glob("*.yml"))
     assert len(files) >= 2, files
@@ -279,6 +282,7 @@ def shell_scripts():
     return out
 
 
+@pytest.mark.build_independent(seconds=2)
 def test_shellcheck_scripts():
     scripts = shell_scripts()
     rel = {str(p.relative_to(ROOT)) for p in scripts}
@@ -301,6 +305,7 @@ def compose_scripts():
     return out
 
 
+@pytest.mark.build_independent
 def test_shellcheck_compose_inline_scripts(tmp_path):
     scripts = compose_scripts()
     assert len(scripts) >= 4, scripts
@@ -387,6 +392,7 @@ def copies():
     return out
 
 
+@pytest.mark.build_independent
 def test_dockerfile_copies_exist():
     found = copies()
     assert found, "no COPY from the build context?"
@@ -398,6 +404,7 @@ def test_dockerfile_copies_exist():
                 assert not ignored(src), f"COPY {src}: excluded by Dockerfile.dockerignore"
 
 
+@pytest.mark.build_independent
 def test_dockerfile_healthcheck():
     """The final image has a HEALTHCHECK running a script COPY'd into it, with an interpreter
     the base image has (bash is Essential in Debian), and no curl/wget (purged from the image)."""
@@ -439,6 +446,7 @@ def build_packages_txt():
     return [line.split()[0] for line in text.splitlines() if line.strip() and not line.startswith("#")]
 
 
+@pytest.mark.build_independent
 def test_build_packages_agree():
     """The build dependencies are listed three times; the lists agree: scripts/packages.txt's
     build section, the Dockerfile's build stage and README's apt-get line."""
@@ -451,6 +459,7 @@ def test_build_packages_agree():
     assert m.group(1).replace("\\\n", " ").split() == listed, m.group(1)
 
 
+@pytest.mark.build_independent(seconds=8)
 def test_runtime_stage_has_the_relays_libraries(relay_bin):
     """Every shared library outbox-relay links (readelf NEEDED) comes from a package the
     Dockerfile's runtime stage installs, or one of their dependencies (apt-cache depends),
@@ -459,15 +468,23 @@ def test_runtime_stage_has_the_relays_libraries(relay_bin):
     runtime = stage_packages(sum(1 for w, _ in docker_instructions() if w == "FROM") - 1)
     assert "libjansson4" in runtime, runtime
     have = set(runtime) | {"libc6"}
-    for pkg in runtime:
-        r = subprocess.run(["apt-cache", "depends", pkg], capture_output=True, text=True)
-        have |= set(re.findall(r"^\s*Depends: (\S+)$", r.stdout, re.M))
+    # one apt-cache and one dpkg -S for all (each reads its whole database: seconds a call)
+    r = subprocess.run(["apt-cache", "depends", *runtime], capture_output=True, text=True,
+                       timeout=120)
+    have |= set(re.findall(r"^\s*Depends: (\S+)$", r.stdout, re.M))
     d = subprocess.run(["readelf", "-d", str(relay_bin)], capture_output=True, text=True, check=True)
-    for lib in re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", d.stdout):
-        if re.match(r"lib(asan|ubsan)\.", lib):
-            continue
-        r = subprocess.run(["dpkg", "-S", f"*/{lib}"], capture_output=True, text=True)
-        owners = {line.split(":")[0] for line in r.stdout.splitlines()}
+    libs = [lib for lib in re.findall(r"\(NEEDED\)\s+Shared library: \[(.+?)\]", d.stdout)
+            if not re.match(r"lib(asan|ubsan)\.", lib)]
+    assert libs, d.stdout
+    r = subprocess.run(["dpkg", "-S", *(f"*/{lib}" for lib in libs)], capture_output=True,
+                       text=True, timeout=120)
+    owners_of = {}   # library file name -> the packages holding a file of that name
+    for line in r.stdout.splitlines():
+        pkgs, _, path = line.partition(": ")
+        owners_of.setdefault(os.path.basename(path.strip()), set()).update(
+            p.strip().split(":")[0] for p in pkgs.split(","))
+    for lib in libs:
+        owners = owners_of.get(lib, set())
         assert owners & have, f"{lib} (package {owners or '?'}) is not in the runtime stage"
 
 
@@ -521,6 +538,7 @@ def test_healthcheck_against_real_relay(relay_bin, services, pgdb, tmp_path):
     assert r.returncode == 1 and "cannot connect" in r.stderr, r.stderr
 
 
+@pytest.mark.build_independent
 def test_healthcheck_refuses_non_200(tmp_path):
     _Status.code = 503
     srv = http.server.HTTPServer(("127.0.0.1", 0), _Status)
@@ -554,6 +572,7 @@ def tls_consistent(cfg):
                 assert params.get("sslrootcert"), f"[{sec}] sslmode={params['sslmode']} without sslrootcert"
 
 
+@pytest.mark.build_independent
 def test_k8s_sidecar_matches_its_ini():
     docs = list(yaml.safe_load_all(K8S.read_text()))
     dep = next(d for d in docs if d["kind"] == "Deployment")
@@ -614,6 +633,7 @@ def test_k8s_sidecar_matches_its_ini():
     assert str(pod["securityContext"]["runAsUser"]) == user
 
 
+@pytest.mark.build_independent
 def test_compose_matches_its_ini():
     compose = yaml.safe_load(COMPOSE.read_text())
     services = compose["services"]
@@ -660,6 +680,7 @@ def test_compose_matches_its_ini():
     assert dur_ms(relay["stop_grace_period"]) > dur_ms(cfg["relay"].get("shutdown_timeout", "10s"))
 
 
+@pytest.mark.build_independent
 def test_systemd_unit_matches_the_defaults():
     text = UNIT.read_text()
     exec_start = re.search(r"^ExecStart=(.+)$", text, re.M)[1].split()

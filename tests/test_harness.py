@@ -10,6 +10,7 @@ import pytest
 from conftest import run_prog, tail, wait_for
 
 
+@pytest.mark.build_independent
 def test_pg_select_and_pg_stat_statements(pgdb, services):
     with pgdb.connect() as c:
         assert c.execute("select 1").fetchone() == (1,)
@@ -27,6 +28,7 @@ def test_pg_select_and_pg_stat_statements(pgdb, services):
 _INNER_PGDB_TESTS = r"""
 import json
 import os
+import time
 
 OUT = os.environ["PGDB_PROBE_OUT"]
 seen = {}
@@ -72,9 +74,19 @@ def test_c_after_teardown(services):
         left = admin.execute("select datname from pg_database where datname = any(%s)",
                              ([seen["a"], seen["a2"], seen["b"]],)).fetchall()
     assert left == [], f"databases not dropped: {left}"
+    # the databases made ahead for later tests: dropped at the end of the session
+    import conftest
+    if conftest._DB_POOL is not None:
+        pool = conftest._DB_POOL
+        deadline = time.monotonic() + 60
+        while len(pool._ready) < pool.SIZE and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with open(OUT + ".pool", "w") as f:
+            json.dump(list(pool._ready), f)
 """
 
 
+@pytest.mark.build_independent(seconds=10)
 def test_pgdb_is_fresh_and_dropped(services, tmp_path):
     """The real pgdb (and pgdb2) fixture, driven by pytest itself in an inner session: each
     use gets a new empty database; at teardown — also of a failing test — its connections
@@ -115,15 +127,21 @@ def test_pgdb_is_fresh_and_dropped(services, tmp_path):
     names = json.loads(out.read_text())
     assert len(set(names.values())) == 3 and all(n.startswith("t_") for n in names.values()), \
         names
+    pooled = []   # the ones the session's pool had made ahead (none with OUTBOX_TEST_DB_POOL=0)
+    if os.environ.get("OUTBOX_TEST_DB_POOL", "1") != "0":
+        with open(f"{out}.pool") as f:
+            pooled = json.load(f)
+        assert len(pooled) == 2 and all(n.startswith("t_") for n in pooled), pooled
     # from outside: the databases are gone, and so is every session that was on them
     with services.pg_connect() as admin:
         assert admin.execute("select datname from pg_database where datname = any(%s)",
-                             (list(names.values()),)).fetchall() == []
+                             (list(names.values()) + pooled,)).fetchall() == []
         assert admin.execute("select pid, datname from pg_stat_activity"
                              " where datname = any(%s)",
                              (list(names.values()),)).fetchall() == []
 
 
+@pytest.mark.build_independent
 def test_psql_helper(pgdb):
     r = pgdb.psql("select 40 + 2", args=("-At",))
     assert r.stdout.strip() == "42"
@@ -131,6 +149,7 @@ def test_psql_helper(pgdb):
         pgdb.psql("select * from no_such_table")
 
 
+@pytest.mark.build_independent
 def test_rabbitmq_persistent_publish_with_confirms(amqp, services):
     ch = amqp.channel()
     q = "harness-" + services.rabbit_node.split("@")[0]
@@ -153,6 +172,7 @@ def test_rabbitmq_persistent_publish_with_confirms(amqp, services):
     ch.queue_delete(q)
 
 
+@pytest.mark.build_independent(seconds=4)
 def test_rabbitmqctl_reaches_private_node(services, amqp):
     ch = amqp.channel()
     q = "harness-ctl"
@@ -166,6 +186,7 @@ def test_rabbitmqctl_reaches_private_node(services, amqp):
     assert services.rabbit_node.split("@")[0] in r.stdout
 
 
+@pytest.mark.build_independent
 def test_guest_password_is_checked(services):
     bad = pika.URLParameters(services.amqp_url.replace("guest:guest", "guest:wrong"))
     with pytest.raises(pika.exceptions.ProbableAuthenticationError):
@@ -228,12 +249,14 @@ def _odbc_connect_and_catalog(conn_str):
         lib.SQLFreeHandle(1, env)
 
 
+@pytest.mark.build_independent
 def test_odbc_dsn_connects_through_psqlodbc(pgdb):
     dbms, catalog = _odbc_connect_and_catalog(pgdb.odbc)
     assert dbms == "PostgreSQL"
     assert catalog == pgdb.name
 
 
+@pytest.mark.build_independent
 def test_odbc_wrong_database_fails(services):
     with pytest.raises(AssertionError, match="SQLDriverConnect failed"):
         _odbc_connect_and_catalog(services.odbc_dsn("t_does_not_exist"))
@@ -268,6 +291,7 @@ def test_source_driver_sql_session(pgdb, build, backend):
         d.close()
 
 
+@pytest.mark.build_independent
 def test_run_prog_and_wait_for(tmp_path):
     r = run_prog(["sh", "-c", "echo out; echo err >&2; exit 3"], valgrind=False)
     assert (r.returncode, r.stdout, r.stderr) == (3, "out\n", "err\n")

@@ -268,6 +268,7 @@ def dry_run(build_dir, *targets):
     return r.stdout
 
 
+@pytest.mark.build_independent
 def test_default_target_needs_no_test_package(tmp_path):
     """`make` and `make all` build the library, the relay, outbox.pc, the man pages and the
     examples, and no test program: those need libcmocka-dev, a test-only package."""
@@ -286,6 +287,7 @@ def test_default_target_needs_no_test_package(tmp_path):
             assert f"> {b}/{o}" in out, f"`make {' '.join(targets)}` does not build {o}"
 
 
+@pytest.mark.build_independent
 def test_test_and_bench_targets_build_every_test_program(tmp_path):
     """`make test` builds every program the tests run (tests/c/*, tests/bench/*: the AMQP
     tests use amqp_probe); `make bench` builds the bench tools. (tests/odbcrec/recdrv.c is
@@ -325,6 +327,7 @@ def poisoned_cmocka(tmp_path):
     return d
 
 
+@pytest.mark.build_independent(seconds=30)
 def test_default_build_without_cmocka(tmp_path):
     """A real `make` into a fresh build directory with cmocka made unusable succeeds and
     produces everything that ships; building a test program the same way fails on cmocka."""
@@ -487,6 +490,7 @@ def man_ini_keys():
     return out
 
 
+@pytest.mark.build_independent
 def test_man_ini_documents_every_key_with_its_default():
     """outbox-relay.ini(5) has exactly the keys config/cfg.c accepts, section by section, each
     with the default the loader applies and config/README.md states."""

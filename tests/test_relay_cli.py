@@ -696,12 +696,10 @@ def broker_user(services):
     """A broker user with a distinctive password (guest:guest would hide a leak)."""
     user = "cli_" + secrets.token_hex(4)
     pw = "Br0ker-s3cr3t-" + secrets.token_hex(6)
-    r = services.rabbitmqctl("add_user", user, pw)
-    assert r.returncode == 0, r.stdout + r.stderr
-    r = services.rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
+    r = services.add_broker_user(user, pw)
     assert r.returncode == 0, r.stdout + r.stderr
     yield user, pw
-    services.rabbitmqctl("delete_user", user)
+    services.rabbitmqctl_later("delete_user", user)
 
 
 TS_RE = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")

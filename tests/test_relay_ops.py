@@ -135,12 +135,10 @@ def test_probes_answer_while_broker_hangs(services, pgdb, relay_bin, tmp_path):
 def broker_user(services):
     user = "ops_" + secrets.token_hex(4)
     pw = "Ops-s3cr3t-" + secrets.token_hex(6)
-    r = services.rabbitmqctl("add_user", user, pw)
-    assert r.returncode == 0, r.stdout + r.stderr
-    r = services.rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
+    r = services.add_broker_user(user, pw)
     assert r.returncode == 0, r.stdout + r.stderr
     yield user, pw
-    services.rabbitmqctl("delete_user", user)
+    services.rabbitmqctl_later("delete_user", user)
 
 
 def test_wrong_broker_password_logged_then_recovery(services, pgdb, relay_bin, tmp_path,

@@ -172,9 +172,8 @@ def test_broker_permissions_revoked_mid_run(services, pgdb, relay_bin, build, tm
     from relay_util import broker_connections
     n, keys = 20000, 100
     user, pw = f"relay-{secrets.token_hex(4)}", secrets.token_hex(8)
-    for args in (("add_user", user, pw), ("set_permissions", "-p", "/", user, ".*", ".*", ".*")):
-        p = services.rabbitmqctl(*args)
-        assert p.returncode == 0, p.stdout + p.stderr
+    p = services.add_broker_user(user, pw)
+    assert p.returncode == 0, p.stdout + p.stderr
     c = Case(services, pgdb, relay_bin, build, tmp_path, "brokerperm", reconnect_max="1s",
              sink={"url": f"amqp://{user}:{pw}@127.0.0.1:{services.amqp_port}/%2f",
                    "reconnect_max": "1s"})
@@ -205,7 +204,7 @@ def test_broker_permissions_revoked_mid_run(services, pgdb, relay_bin, build, tm
         if cleared:
             services.rabbitmqctl("set_permissions", "-p", "/", user, ".*", ".*", ".*")
         r.stop_clean()
-        services.rabbitmqctl("delete_user", user)
+        services.rabbitmqctl_later("delete_user", user)
     got = c.collect()
     dups, _ = delivery_report(got, n, keys)
     check_against_db(got, pgdb)

@@ -93,7 +93,7 @@ def test_broker_vhost_deleted_mid_run(services, pgdb, relay_bin, build, tmp_path
     finally:
         if r is not None:
             r.stop_clean()
-        services.rabbitmqctl("delete_user", user)
+        services.rabbitmqctl_later("delete_user", user)
     try:
         conn, ch = vhost_channel(services, vhost)
         try:
@@ -102,7 +102,7 @@ def test_broker_vhost_deleted_mid_run(services, pgdb, relay_bin, build, tmp_path
         finally:
             conn.close()
     finally:
-        services.rabbitmqctl("delete_vhost", vhost)
+        services.rabbitmqctl_later("delete_vhost", vhost)
     assert not deleted
     check_against_db(got, pgdb)
     expected = set(range(n)) - before
