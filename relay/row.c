@@ -51,10 +51,11 @@ row *row_new(const row_fields *f)
     row *r;
     char *cur;
     unsigned char *apart = NULL;
-    bool own_apart = !f->payload_release && f->payload.p && f->payload.len >= ROW_APART_MIN;
+    bool own_apart;
 
     if (!f || !f->message_id.p || f->message_id.len != 36)
         return NULL;
+    own_apart = !f->payload_release && f->payload.p && f->payload.len >= ROW_APART_MIN;
     if (add_len(&total, &f->exchange, 1) < 0 || add_len(&total, &f->routing_key, 1) < 0 ||
         add_len(&total, &f->partition_key, 0) < 0 || add_len(&total, &f->message_type, 0) < 0 ||
         add_len(&total, &f->content_type, 0) < 0 || add_len(&total, &f->correlation_id, 0) < 0 ||
