@@ -331,6 +331,16 @@ static void sink_on_result(void *ud, void *msg_ud, enum sink_outcome outcome, co
     schedule_kick(d);
 }
 
+/* A large row's body is written whole: its payload is let go (ledger_written), and the
+   bytes it frees let the next claim start. */
+static void sink_on_written(void *ud, void *msg_ud)
+{
+    drain *d = ud;
+    ledger_written(d->led, msg_ud);
+    sync_metrics(d);
+    schedule_kick(d);
+}
+
 static void sink_on_writable(void *ud)
 {
     drain *d = ud;
@@ -381,8 +391,12 @@ static void pump(drain *d)
         int rc = d->kops->publish(d->snk, ledger_row(e), e, err, sizeof err);
         if (rc == SINK_EAGAIN)
             break;
-        if (rc == SINK_QUEUED)
+        if (rc == SINK_QUEUED) {
             ledger_published(d->led, e, now);
+            /* written whole already: a large payload need not stay (on_written else) */
+            if (d->kops->writing != NULL && d->kops->writing(d->snk) != e)
+                ledger_written(d->led, e);
+        }
         else if (rc == SINK_EWAIT)
             ledger_wait(d->led, e);
         else if (rc == SINK_EREFUSED)
@@ -1292,7 +1306,8 @@ drain *drain_new(struct ev_loop *loop, const cfg *c, const cfg_outbox *ob, rbudg
         }
     }
     sink_cbs kcb = { .ud = d, .on_state = sink_on_state, .on_event = sink_on_event,
-                     .on_result = sink_on_result, .on_writable = sink_on_writable };
+                     .on_result = sink_on_result, .on_writable = sink_on_writable,
+                     .on_written = sink_on_written };
     if (d->kops->create(loop, ob->sink, d->conn_name, &kcb, &d->snk, e2, sizeof e2) != 0) {
         snprintf(err, errlen, "outbox=%s sink=%s: %s", ob->name, ob->sink_name, e2);
         d->sops->destroy(d->main.src);

@@ -19,7 +19,12 @@
  *  I1 every entry is in the global list of its state, and the id table maps
  *     its id to it and holds nothing else.
  *  I2 BUFFERED and INFLIGHT entries own their row; decided ones hold none
- *     (memory per row is freed as soon as the outcome is known).
+ *     (memory per row is freed as soon as the outcome is known). An in-flight
+ *     row whose payload is held apart (ROW_APART_MIN bytes or more) lets go of
+ *     it once the sink has written it whole (ledger_written): nothing reads it
+ *     again unless the row is republished, and such a row is given back instead
+ *     (I5). Only its headers then count in `bytes`: the byte budget bounds what
+ *     is buffered and being written, publish_window what is in flight.
  *  I3 a SENT outcome exists only for a row the sink acknowledged; the settle
  *     carries the lease token the ledger holds for it now (tokens are adopted
  *     when a claim leases a held row again), so a row is marked sent only
@@ -35,7 +40,11 @@
  *     rows still buffered are given back, later claims of them too — so no
  *     later row reaches the broker before a dead-letter transaction commits.
  *     After a connection or channel loss, unconfirmed rows go back to `wait`
- *     in id order and are republished before anything later of their key.
+ *     in id order and are republished before anything later of their key;
+ *     one whose payload was let go is given back to the table instead (like a
+ *     row in flight under a lapsed leadership), which holds its key's later
+ *     rows back as a failed row does, so the next claim brings it and them
+ *     again in id order, with the payload read anew under the new lease.
  *  I6 the heap holds exactly the publishable rows (I5 and I4's destination
  *     rule), ordered by id.
  *  I7 memory follows work in flight: entries are freed once settled, keys once
@@ -94,6 +103,7 @@ struct led_entry {
     uint8_t    klist, glist;
     bool       parked, old, resettle, acked, overtook;
     bool       ahead;        /* in flight when an earlier row of its key was refused */
+    bool       released;     /* in flight, its payload let go once written (I2) */
 };
 
 typedef struct pslot { uint64_t h; void *p; } pslot;
@@ -845,6 +855,18 @@ void ledger_published(ledger *l, led_entry *e, double now)
     }
 }
 
+void ledger_written(ledger *l, led_entry *e)
+{
+    if (e->state != LED_INFLIGHT || e->released || e->r == NULL)
+        return;
+    size_t before = src_row_bytes(e->r);
+    if (row_release_payload(e->r) == 0)
+        return;
+    e->released = true;
+    l->st.released++;
+    l->bytes -= before - src_row_bytes(e->r);
+}
+
 void ledger_wait(ledger *l, led_entry *e)
 {
     if (e->state != LED_BUFFERED || e->parked)
@@ -927,10 +949,11 @@ void ledger_result(ledger *l, led_entry *e, enum sink_outcome outcome, const cha
         l->st.given_back++;
         if (e->ahead)
             note_overtaken(l, e, NULL, true);
-        if (e->old || e->ahead ||
+        if (e->old || e->ahead || e->released ||
             (k != NULL && k->failed.head != NULL && k->failed.head->id < e->id)) {
             /* republishing it would put it ahead of an earlier row of its key that is
-               not through yet: give it back, the table's order takes over */
+               not through yet, or its payload is no longer held: give it back, the
+               table's order takes over */
             decide(l, e, SRC_UNCLAIM, 0, NULL);
         } else {
             /* keep the lease and publish it again, in id order within its key */
@@ -1113,6 +1136,10 @@ int ledger_check(const ledger *l, char *err, size_t errlen)
             bool owns = e->state == LED_BUFFERED || e->state == LED_INFLIGHT;
             if (owns != (e->r != NULL) || (e->r && (e->r->id != e->id || e->r->lease_token != e->token)))
                 FAIL("I2: id=%" PRId64 " state %d row %p", e->id, e->state, (void *)e->r);
+            if (e->r != NULL && (e->released != (e->r->payload_released != 0) ||
+                                 (e->released && e->state != LED_INFLIGHT)))
+                FAIL("I2: id=%" PRId64 " state %d holds a row whose payload was let go",
+                     e->id, e->state);
             if (e->state >= LED_OUTCOME && e->kind == SRC_SENT && !e->acked)
                 FAIL("I3: id=%" PRId64 " has a SENT outcome without a confirm", e->id);
             if ((e->k == NULL) != (e->klist == KL_NONE))

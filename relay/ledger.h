@@ -21,7 +21,8 @@
  * outstanding settle; LINGER: settled while a claim was running — kept until
  * that claim returns, because the claim may have read the table before the
  * settle committed (it may have re-leased the row, or claimed later rows of a
- * failed row's key). A row's payload is freed as soon as its outcome is known.
+ * failed row's key). A row's payload is freed as soon as its outcome is known, and a
+ * large one already once the sink has written it (ledger_written).
  *
  * See ledger.c for the invariants, checked by ledger_check().
  */
@@ -63,6 +64,7 @@ typedef struct ledger_stats {
     uint64_t dead;          /* dead-letter outcomes decided */
     uint64_t given_back;    /* in flight when a connection or channel was lost */
     uint64_t republished;   /* of those, published again from the ledger (lease kept) */
+    uint64_t released;      /* in-flight rows whose payload was freed once written */
     uint64_t expired;       /* buffered past their lease deadline: given back unpublished */
     uint64_t overtaken;     /* a later row of a key was (or may have been: its confirm was lost)
                                accepted while an earlier one was refused */
@@ -99,6 +101,11 @@ const row  *ledger_row(const led_entry *e);
 int64_t     ledger_id(const led_entry *e);
 double      ledger_published_at(const led_entry *e);
 void    ledger_published(ledger *l, led_entry *e, double now);
+/* The sink has written the in-flight row whole and reads its payload no more: a payload
+ * held apart from the row (ROW_APART_MIN bytes or more) is freed and stops counting in
+ * ledger_bytes. When such a row is lost (SINK_LOST) it is given back to the table instead
+ * of being republished from memory. */
+void    ledger_written(ledger *l, led_entry *e);
 /* The sink is checking the row's destination: set it (and its key) aside
  * until ledger_unpark(). */
 void    ledger_wait(ledger *l, led_entry *e);

@@ -199,7 +199,7 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
                 "# TYPE outbox_relay_rows_in_memory_limit gauge\n"
                 "outbox_relay_rows_in_memory_limit %zu\n",
             r->rows_in_memory, r->rows_in_memory_limit);
-    outbox_util_buf_printf(&b, "# HELP outbox_relay_bytes_in_memory Payload and header bytes of those rows (a running claim counts the bytes it asked for).\n"
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_bytes_in_memory Payload and header bytes of those rows (a running claim counts the bytes it asked for; a row in flight whose payload of 64 KiB or more was written to the broker counts its headers only).\n"
                 "# TYPE outbox_relay_bytes_in_memory gauge\n"
                 "outbox_relay_bytes_in_memory %zu\n"
                 "# HELP outbox_relay_bytes_in_memory_limit The process-wide limit on those bytes (max_bytes_in_memory).\n"
@@ -266,7 +266,7 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
     for (size_t i = 0; i < n; i++)
         outbox_util_buf_printf(&b, "outbox_relay_buffered{outbox=\"%s\"} %llu\n", m[i]->outbox,
                 (unsigned long long)m[i]->buffered);
-    outbox_util_buf_printf(&b, "# HELP outbox_relay_held_bytes Payload and header bytes of the outbox's buffered and in-flight rows.\n"
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_held_bytes Payload and header bytes of the outbox's buffered and in-flight rows (a payload of 64 KiB or more stops counting once written to the broker).\n"
                 "# TYPE outbox_relay_held_bytes gauge\n");
     for (size_t i = 0; i < n; i++)
         outbox_util_buf_printf(&b, "outbox_relay_held_bytes{outbox=\"%s\"} %llu\n", m[i]->outbox,

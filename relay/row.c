@@ -2,11 +2,15 @@
  * row.c — one claimed outbox row in one allocation (row.h).
  *
  * Layout: [struct row][message_id is inline][strings, each NUL-terminated][payload + NUL];
- * with a payload_owner the payload stays where it is and the block ends after the strings.
+ * with a payload_owner the payload stays where it is and the block ends after the strings,
+ * and a payload of ROW_APART_MIN bytes or more without one gets a buffer of its own (the
+ * same single copy), so that it can be freed before the row (row_release_payload).
  */
 #include "relay/row.h"
 
 #include <ctype.h>
+#include <stdbool.h>
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -46,17 +50,28 @@ row *row_new(const row_fields *f)
     size_t total = sizeof(row);
     row *r;
     char *cur;
+    unsigned char *apart = NULL;
+    bool own_apart;
 
     if (!f || !f->message_id.p || f->message_id.len != 36)
         return NULL;
+    own_apart = !f->payload_release && f->payload.p && f->payload.len >= ROW_APART_MIN;
     if (add_len(&total, &f->exchange, 1) < 0 || add_len(&total, &f->routing_key, 1) < 0 ||
         add_len(&total, &f->partition_key, 0) < 0 || add_len(&total, &f->message_type, 0) < 0 ||
         add_len(&total, &f->content_type, 0) < 0 || add_len(&total, &f->correlation_id, 0) < 0 ||
         add_len(&total, &f->headers_json, 0) < 0 ||
-        (!f->payload_release && add_len(&total, &f->payload, 1) < 0))
+        (!f->payload_release && !own_apart && add_len(&total, &f->payload, 1) < 0))
         return NULL;
-    if (!(r = malloc(total)))
+    if (own_apart) {
+        if (f->payload.len == SIZE_MAX || !(apart = malloc(f->payload.len + 1)))
+            return NULL;
+        memcpy(apart, f->payload.p, f->payload.len);
+        apart[f->payload.len] = '\0';
+    }
+    if (!(r = malloc(total))) {
+        free(apart);
         return NULL;
+    }
 
     r->id = f->id;
     r->lease_token = f->lease_token;
@@ -80,7 +95,12 @@ row *row_new(const row_fields *f)
     r->payload_withheld = f->payload.p ? 0 : f->payload_withheld;
     r->owner = NULL;
     r->release = NULL;
-    if (f->payload_release) {
+    r->payload_released = 0;
+    if (apart) {
+        r->payload = apart;
+        r->owner = apart;
+        r->release = free;
+    } else if (f->payload_release) {
         /* takes payload_owner over: the payload is read where it is */
         r->payload = (const unsigned char *)(f->payload.p ? f->payload.p : "");
         r->owner = f->payload_owner;
@@ -90,6 +110,22 @@ row *row_new(const row_fields *f)
     }
     r->bytes = r->payload_len + (r->headers_json ? strlen(r->headers_json) : 0);
     return r;   /* the caller owns the row */
+}
+
+size_t row_release_payload(row *r)
+{
+    size_t freed;
+
+    if (!r || !r->release || r->payload_released)
+        return 0;
+    freed = r->payload_len;
+    r->release(r->owner);
+    r->release = NULL;
+    r->owner = NULL;
+    r->payload = NULL;
+    r->payload_released = 1;
+    r->bytes -= freed;
+    return freed;
 }
 
 void row_free(row *r)

@@ -37,7 +37,14 @@ typedef struct row {
     size_t         payload_withheld; /* > 0: the payload, this many bytes, was larger than
                                         the claim's max_payload and left in the database
                                         (payload is then "", payload_len 0) */
+    int            payload_released; /* 1: row_release_payload freed the payload (payload
+                                        is NULL, payload_len still its size) */
 } row;
+
+/* A payload at least this large is held apart from the row's block (in its own buffer,
+   or in what payload_owner names), so that row_release_payload can free it while the
+   rest of the row stays where it is. */
+#define ROW_APART_MIN (64 * 1024)
 
 /* Field values for row_new(); each string is (ptr, len), ptr NULL = SQL NULL. */
 typedef struct row_field { const char *p; size_t len; } row_field;
@@ -60,5 +67,10 @@ typedef struct row_fields {
  * become "". */
 row *row_new(const row_fields *f);
 void row_free(row *r);
+/* Frees the payload when it is held apart from the row's block (see ROW_APART_MIN),
+   leaving every other field, payload_len included, as it was, and bytes counting the
+   headers only. Returns the bytes freed (0: the payload is part of the block, or gone
+   already). The row's address does not change. */
+size_t row_release_payload(row *r);
 
 #endif

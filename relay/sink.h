@@ -54,6 +54,12 @@ typedef struct sink_cbs {
     void (*on_result)(void *ud, void *msg_ud, enum sink_outcome outcome, const char *reason);
     /* Room again after publish returned SINK_EAGAIN (window/socket space freed). */
     void (*on_writable)(void *ud);
+    /* The message publish() accepted while its body was still being written (writing()
+       named it then) is now written whole: the sink reads its payload no more (the row's
+       other fields it may still read until on_result). Not called when the message's
+       writing stopped short (its on_result, SINK_LOST, follows). Never from inside
+       publish. May be NULL. */
+    void (*on_written)(void *ud, void *msg_ud);
 } sink_cbs;
 
 /* publish() return values */
@@ -77,8 +83,14 @@ typedef struct sink_ops {
     /* Closes the connection. Outstanding messages get no callback. */
     void (*destroy)(sink *s);
     void (*start)(sink *s);            /* begin connecting */
-    /* row stays owned by the caller and must stay valid until on_result. */
+    /* row stays owned by the caller and must stay valid until on_result; its payload
+       only until the body is written: when publish returns SINK_QUEUED and writing()
+       does not name msg_ud, at once; else at on_written. */
     int  (*publish)(sink *s, const row *r, void *msg_ud, char *err, size_t errlen);
+    /* The msg_ud of the accepted message whose body the sink is still writing (it still
+       reads that row's payload), NULL when none. NULL op: the sink reads every payload
+       until on_result. */
+    void *(*writing)(const sink *s);
     size_t (*in_flight)(const sink *s);
     /* Admin: blocking login + confirm.select + close, bounded by timeouts, to every
        address of the configuration. On failure err holds one line per problem

@@ -10,7 +10,7 @@ def test_ledger(build):
     r = run_prog([str(build / "tests" / "ledger_test")], timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
-    assert "10 test(s) run" in out
+    assert "11 test(s) run" in out
     assert "600 seeded runs ok" in out
 
 

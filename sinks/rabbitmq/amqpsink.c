@@ -522,6 +522,19 @@ static void nackt_cb(struct ev_loop *loop, ev_timer *w, int revents)
     LEAVE(s);
 }
 
+/* The message stream_pump has just written whole: its payload is the caller's again
+ * (on_written). False when the sink was destroyed meanwhile. */
+static bool notify_written(sink *s)
+{
+    void *ud = s->st.written_ud;
+
+    s->st.written_ud = NULL;
+    if (ud == NULL || s->cbs.on_written == NULL)
+        return true;
+    s->cbs.on_written(s->cbs.ud, ud);
+    return !s->dying;
+}
+
 static void wio_cb(struct ev_loop *loop, ev_io *w, int revents)
 {
     sink *s = w->data;
@@ -539,7 +552,7 @@ static void wio_cb(struct ev_loop *loop, ev_io *w, int revents)
         ev_timer_start(loop, &s->wretry);
     } else if (s->st.active) {
         stream_pump(s);
-        if (!s->st.active) /* written whole: the relay may publish again */
+        if (!s->st.active && notify_written(s)) /* written whole: the relay may publish again */
             (void)maybe_writable(s);
     } else {
         (void)maybe_writable(s);
@@ -1237,8 +1250,10 @@ static void stream_pump(sink *s)
         ring_msg *e = find_live(s, m->tag);
 
         m->active = false;
-        if (e != NULL)
+        if (e != NULL) {
             e->published_at = ev_now(s->loop);
+            m->written_ud = e->msg_ud; /* publish() clears it: writing() tells it there */
+        }
         s->want_writable = true; /* rows held back meanwhile: on_writable */
     }
 }
@@ -1309,9 +1324,21 @@ static int publish_stream(sink *s, const row *r, amqp_basic_properties_t *p, voi
     s->st.len = r->payload_len;
     s->st.off = 0;
     s->st.progress_at = ev_now(s->loop);
+    s->st.written_ud = NULL;
     stream_pump(s);
+    s->st.written_ud = NULL; /* written whole already: the caller asks writing() */
     amqpsink_wake_reader(s);
     return SINK_QUEUED;
+}
+
+static void *amqpsink_writing(const sink *s)
+{
+    const ring_msg *e;
+
+    if (!s->st.active)
+        return NULL;
+    e = &s->ring[s->st.tag & s->ring_mask];
+    return e->live && e->tag == s->st.tag ? e->msg_ud : NULL;
 }
 
 static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size_t errlen)
@@ -1322,6 +1349,11 @@ static int amqpsink_publish(sink *s, const row *r, void *msg_ud, char *err, size
     size_t est, nframes;
     int rc;
 
+    if (r->payload_released) {
+        /* the caller let go of it after an earlier publish: nothing to send */
+        snprintf(err, errlen, "payload no longer held by the relay");
+        return SINK_EREFUSED;
+    }
     /* Permanent problems first: the row can never be published. */
     if (r->payload_withheld > 0) {
         /* the claim left a payload over max_message_size in the database */
@@ -1470,6 +1502,7 @@ const sink_ops amqpsink_ops = {
     .start = amqpsink_start,
     .publish = amqpsink_publish,
     .in_flight = amqpsink_in_flight,
+    .writing = amqpsink_writing,
     .check = amqpsink_check,
     .quiesce = amqpsink_quiesce,
     .addresses = amqpsink_addresses,

@@ -93,6 +93,7 @@ typedef struct stream_msg {
     const uint8_t *body;   /* borrowed: the row's payload, valid until on_result */
     size_t len, off;       /* body bytes in all, and written so far */
     ev_tstamp progress_at; /* when the socket last took a frame of it */
+    void *written_ud;      /* its msg_ud once written whole outside publish(): on_written */
 } stream_msg;
 
 struct sink {

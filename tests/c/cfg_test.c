@@ -1141,7 +1141,28 @@ static void t_row(void **st)
     assert_string_equal(r->headers_json, "{\"a\":1}");
     assert_int_equal(r->payload_len, 4);
     assert_memory_equal(r->payload, payload, 4);
+    assert_int_equal(row_release_payload(r), 0);   /* small: part of the block, kept */
     row_free(r);
+
+    {   /* a payload of ROW_APART_MIN bytes or more is held apart: freed alone */
+        unsigned char *big = malloc(ROW_APART_MIN);
+        assert_non_null(big);
+        for (size_t i = 0; i < ROW_APART_MIN; i++)
+            big[i] = (unsigned char)(i * 7);
+        f.payload = (row_field){ (const char *)big, ROW_APART_MIN };
+        r = row_new(&f);
+        assert_non_null(r);
+        assert_memory_equal(r->payload, big, ROW_APART_MIN);
+        assert_int_equal(r->bytes, ROW_APART_MIN + 7);
+        free(big);
+        assert_int_equal(row_release_payload(r), ROW_APART_MIN);
+        assert_null(r->payload);
+        assert_int_equal(r->payload_len, ROW_APART_MIN);  /* still its size */
+        assert_int_equal(r->bytes, 7);                    /* its headers */
+        assert_string_equal(r->partition_key, "cust-1");
+        assert_int_equal(row_release_payload(r), 0);
+        row_free(r);
+    }
 
     f.payload = (row_field){ NULL, 0 };
     r = row_new(&f);

@@ -41,7 +41,19 @@
 
 static const char *const DESTS[] = { "q.a", "q.b", "missing" };
 
+/* A payload of this size is held apart from its row (row_release_payload frees it). */
+static const char BIG[ROW_APART_MIN];
+
+static row *mkrow_sized(int64_t id, int64_t token, const char *key, int dest, int attempts,
+                        bool big);
+
 static row *mkrow(int64_t id, int64_t token, const char *key, int dest, int attempts)
+{
+    return mkrow_sized(id, token, key, dest, attempts, false);
+}
+
+static row *mkrow_sized(int64_t id, int64_t token, const char *key, int dest, int attempts,
+                        bool big)
 {
     char mid[37];
     snprintf(mid, sizeof mid, "00000000-0000-4000-8000-%012llx", (unsigned long long)id);
@@ -52,7 +64,7 @@ static row *mkrow(int64_t id, int64_t token, const char *key, int dest, int atte
         .message_id = { mid, 36 }, .exchange = { ex, strlen(ex) },
         .routing_key = { rk, strlen(rk) },
         .partition_key = { key, key ? strlen(key) : 0 },
-        .payload = { "p", 1 },
+        .payload = { big ? BIG : "p", big ? sizeof BIG : 1 },
     };
     row *r = row_new(&f);
     assert_non_null(r);
@@ -237,6 +249,51 @@ static void test_channel_close_republishes_in_order(void **state)
     assert_int_equal(ledger_id(again[1]), 3);
     assert_int_equal(ledger_id(again[2]), 5);
     assert_int_equal(ledger_get_stats(l)->republished, 2);
+    ledger_free(l);
+}
+
+/* A large row's payload is let go once the sink has written it: only its headers count
+ * then. Lost with the connection, it is given back to the table (its payload is gone),
+ * and so are the later rows of its key; an earlier row of its key that kept its payload is
+ * republished from memory. A small row keeps its payload. */
+static void test_written_payload_released(void **state)
+{
+    (void)state;
+    ledger *l = mk(false, 5);
+    row *rows[4] = { mkrow(1, 1, "a", 0, 0), mkrow_sized(2, 1, "a", 0, 0, true),
+                     mkrow(3, 1, "a", 0, 0), mkrow_sized(4, 1, "b", 0, 0, true) };
+    claim(l, rows, 4, 100);
+    size_t all = ledger_bytes(l);
+    assert_true(all >= 2 * ROW_APART_MIN);
+    led_entry *out[8];
+    assert_int_equal(publish_all(l, 1, out, 8), 4);
+    ledger_written(l, out[0]);            /* small: kept */
+    check(l);
+    assert_int_equal(ledger_bytes(l), all);
+    ledger_written(l, out[1]);
+    ledger_written(l, out[3]);
+    check(l);
+    assert_int_equal(ledger_bytes(l), all - 2 * ROW_APART_MIN);
+    assert_null(ledger_row(out[1])->payload);
+    assert_int_equal(ledger_row(out[1])->payload_len, ROW_APART_MIN);  /* still its size */
+    assert_int_equal(ledger_get_stats(l)->released, 2);
+    ledger_written(l, out[1]);            /* twice: nothing more */
+    assert_int_equal(ledger_get_stats(l)->released, 2);
+    for (int i = 0; i < 4; i++) {
+        ledger_result(l, out[i], SINK_LOST, "connection lost", 2);
+        check(l);
+    }
+    led_entry *again[8];
+    assert_int_equal(publish_all(l, 2, again, 8), 1);   /* only 1: 2, 3 and 4 go back */
+    assert_int_equal(ledger_id(again[0]), 1);
+    assert_int_equal(ledger_get_stats(l)->republished, 1);
+    src_outcome v[8];
+    assert_int_equal(settle_all(l, v, 8), 3);
+    for (int i = 0; i < 3; i++) {
+        assert_int_equal(v[i].kind, SRC_UNCLAIM);
+        assert_true(v[i].id >= 2);
+    }
+    ledger_claim_failed(l);
     ledger_free(l);
 }
 
@@ -532,7 +589,8 @@ static void claim_exec(sim *s)
         TRACE(id, "t=%.2f claimed token %lld attempts %d", s->t, (long long)tok, r->attempts);
         char key[8];
         snprintf(key, sizeof key, "k%d", r->key);
-        s->claim_rows[s->claim_n++] = mkrow(id, tok, r->key >= 0 ? key : NULL, r->dest, r->attempts);
+        s->claim_rows[s->claim_n++] = mkrow_sized(id, tok, r->key >= 0 ? key : NULL, r->dest,
+                                                  r->attempts, id % 8 == 3);
     }
     s->claim = 2;
 }
@@ -695,6 +753,8 @@ static void sim_publish(sim *s, double now)
             d->refused_latest = false;
             TRACE(r->id, "t=%.2f published token %lld", now, (long long)r->lease_token);
             ledger_published(s->l, e, now);
+            if (chance(500))
+                ledger_written(s->l, e);   /* written whole (a large payload is let go) */
             s->ch[s->ch_n++] = (bmsg){ .e = e, .id = r->id };
         }
         sim_check(s);
@@ -927,6 +987,7 @@ int main(void)
         cmocka_unit_test(test_one_destination_at_a_time),
         cmocka_unit_test(test_refusal_blocks_key_until_settled),
         cmocka_unit_test(test_channel_close_republishes_in_order),
+        cmocka_unit_test(test_written_payload_released),
         cmocka_unit_test(test_readopted_rows),
         cmocka_unit_test(test_deadline_gives_back),
         cmocka_unit_test(test_expire_without_publishing),

@@ -638,6 +638,7 @@ int main(int argc, char **argv)
         }
         printf("check ok%s%s\n", err[0] ? ": " : "", err);
     }
+    memset(&cbs, 0, sizeof cbs);   /* callbacks not set here stay NULL (on_written) */
     cbs.ud = &d;
     cbs.on_state = on_state;
     cbs.on_event = on_event;
