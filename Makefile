@@ -177,7 +177,7 @@ FORMATTED := lib/util.c lib/outbox_util.h \
              sinks/rabbitmq/amqpconnect.c sinks/rabbitmq/amqpconnect.h \
              sinks/rabbitmq/amqpsink.c sinks/rabbitmq/amqpsink.h \
              sinks/rabbitmq/amqpwire.c sinks/rabbitmq/amqpxcheck.c sinks/rabbitmq/json.h \
-             sources/pg/pgsrc_rows.c sources/pg/pgsrc_hosts.c relay/looptime.c relay/looptime.h
+             sources/pg/pgsrc_rows.c sources/pg/pgsrc_hosts.c relay/looptime.c relay/looptime.h sources/odbc/odbcsrc_health.c
 .PHONY: format format-check
 format-check:
 	$(CLANG_FORMAT) --dry-run --Werror $(FORMATTED)

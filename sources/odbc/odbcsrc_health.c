@@ -30,16 +30,21 @@
 #include "relay/log.h"
 #include "sources/odbc/odbcsrc_health.h"
 
-#define HEALTH_SLOW_EVERY 10       /* ghost records, and parts that failed: every 10th round */
+#define HEALTH_SLOW_EVERY         10 /* ghost records, and parts that failed: every 10th round */
 #define ODBCSRC_HEALTH_TIMEOUT_MS 5000
 
-enum { HP_PAGES = 1u << 0, HP_ROWS = 1u << 1, HP_GHOSTS = 1u << 2, HP_VERSIONING = 1u << 3,
-       HP_VERSIONS = 1u << 4 };
+enum {
+    HP_PAGES = 1u << 0,
+    HP_ROWS = 1u << 1,
+    HP_GHOSTS = 1u << 2,
+    HP_VERSIONING = 1u << 3,
+    HP_VERSIONS = 1u << 4
+};
 
 static const struct {
-    unsigned    bit;
-    const char *what;    /* for log lines */
-    const char *needs;   /* what the login needs, and what is left out without it */
+    unsigned bit;
+    const char *what;  /* for log lines */
+    const char *needs; /* what the login needs, and what is left out without it */
 } parts[] = {
     { HP_PAGES, "rows and pages (sys.dm_db_partition_stats)",
       "VIEW DATABASE STATE (VIEW DATABASE PERFORMANCE STATE on SQL Server 2022 and later); "
@@ -52,7 +57,8 @@ static const struct {
       "outbox_relay_table_dead_tuples is left out" },
     { HP_VERSIONING, "the database's row versioning options (sys.databases)",
       "nothing more than a login; the version store is not watched" },
-    { HP_VERSIONS, "the version store and its oldest transaction "
+    { HP_VERSIONS,
+      "the version store and its oldest transaction "
       "(sys.dm_tran_version_store_space_usage, sys.dm_tran_active_snapshot_database_transactions)",
       "VIEW SERVER STATE (VIEW SERVER PERFORMANCE STATE on SQL Server 2022 and later); "
       "outbox_relay_version_store_bytes and xmin_horizon_age_seconds are left out and a "
@@ -104,11 +110,12 @@ static void ran(odbcsrc_health *hs, const odbcsrc_db *db, unsigned bit, int rc)
     if (hs->warned & bit)
         return;
     hs->warned |= bit;
-    log_ev(LOG_WARN, &(log_fields){ .event = "table_health_unavailable", .outbox = hs->outbox,
-                                    .error = db->err },
+    log_ev(LOG_WARN,
+           &(log_fields){
+               .event = "table_health_unavailable", .outbox = hs->outbox, .error = db->err },
            "outbox=%s: table health: cannot read %s: %s; it needs %s (tried again every %d "
-           "rounds of reads; the relay drains as before)", hs->outbox, parts[k].what, db->err,
-           parts[k].needs, HEALTH_SLOW_EVERY);
+           "rounds of reads; the relay drains as before)",
+           hs->outbox, parts[k].what, db->err, parts[k].needs, HEALTH_SLOW_EVERY);
 }
 
 /* Fetches the first row of h's first result set: 0, or -1 with db->err (none, or an
@@ -127,10 +134,10 @@ static int first_row(odbcsrc_db *db, SQLHSTMT h, const char *what)
 }
 
 /* A statement taking the quoted outbox table as @table, reading n integers of one row. */
-static int table_ints(odbcsrc_db *db, const sql_tsql_stmt *st, const char *what, int64_t *v,
-                      int n, bool *isnull)
+static int table_ints(odbcsrc_db *db, const sql_tsql_stmt *st, const char *what, int64_t *v, int n,
+                      bool *isnull)
 {
-    params ps = {0};
+    params ps = { 0 };
     const ost_val tv[] = { TV_S("table", db->qt) };
     char *sql = ost_tsql(db, st, tv, 1, &ps);
     int rc = -1;
@@ -159,7 +166,7 @@ static int versions(odbcsrc_health *hs, odbcsrc_db *db)
     static const char what[] = "table health: version store";
     char *sql = ost_sql_for(db, sql_tsql_health_versions.text);
     SQLHSTMT h = SQL_NULL_HSTMT;
-    outbox_util_buf t = {0};
+    outbox_util_buf t = { 0 };
     int rc = -1;
     if (!sql) {
         ost_err(db, "%s: out of memory", what);
@@ -202,12 +209,18 @@ enum { S_PAGES, S_ROWS, S_GHOSTS, S_VERSIONING, S_VERSIONS, S_COUNT };
 static bool applies(const odbcsrc_health *hs, int step, bool slow)
 {
     switch (step) {
-    case S_PAGES:      return slow || !(hs->failed & HP_PAGES);
-    case S_ROWS:       return !hs->pages_now && (slow || !(hs->failed & HP_ROWS));
-    case S_GHOSTS:     return slow;
-    case S_VERSIONING: return slow || !(hs->failed & HP_VERSIONING);
-    case S_VERSIONS:   return hs->versioning && (slow || !(hs->failed & HP_VERSIONS));
-    default:           return false;
+    case S_PAGES:
+        return slow || !(hs->failed & HP_PAGES);
+    case S_ROWS:
+        return !hs->pages_now && (slow || !(hs->failed & HP_ROWS));
+    case S_GHOSTS:
+        return slow;
+    case S_VERSIONING:
+        return slow || !(hs->failed & HP_VERSIONING);
+    case S_VERSIONS:
+        return hs->versioning && (slow || !(hs->failed & HP_VERSIONS));
+    default:
+        return false;
     }
 }
 
@@ -240,8 +253,7 @@ static int run_step(odbcsrc_health *hs, odbcsrc_db *db, int step)
         }
         return rc;
     case S_GHOSTS:
-        rc = table_ints(db, &sql_tsql_health_ghosts, "table health: ghost records", v, 1,
-                        &isnull);
+        rc = table_ints(db, &sql_tsql_health_ghosts, "table health: ghost records", v, 1, &isnull);
         ran(hs, db, HP_GHOSTS, rc);
         hs->have &= ~SRC_H_DEAD;
         if (rc == 0 && !isnull) {
@@ -287,9 +299,9 @@ int odbcsrc_health_read(odbcsrc_health *hs, odbcsrc_db *db, src_health *out)
     memset(out, 0, sizeof *out);
     out->horizon_xids = -1;
     out->last_autovacuum = -1;
-    out->horizon_known = true;     /* what the login cannot see is left out, not "unknown" */
+    out->horizon_known = true; /* what the login cannot see is left out, not "unknown" */
     if (db->dialect != OUTBOX_DIALECT_SQLSERVER) {
-        out->have = SRC_H_NONE;    /* PostgreSQL through ODBC: its health is libpq's */
+        out->have = SRC_H_NONE; /* PostgreSQL through ODBC: its health is libpq's */
         return 0;
     }
     /* Babelfish: a query timeout breaks the session (and a statement's first run in a
