@@ -114,6 +114,13 @@ def test_mssql_send_commit_stores_every_field(mssql):
     else:
         assert quote == 'a"b\\c/d', quote
     assert mssql.value(f"SELECT routing_key FROM {mssql.qt}") == "orders.created"
+    # each text in its own column: liboutbox binds a row's texts by position, and the
+    # columns of one type (nvarchar(255)) would take each other's values silently
+    assert mssql.value(f"SELECT exchange + N'|' + partition_key + N'|' + message_type + N'|' "
+                       f"+ content_type FROM {mssql.qt}") == \
+        "ex.orders|order-42|OrderCreated|application/octet-stream"
+    assert mssql.value(f"SELECT CASE WHEN correlation_id = N'corr-' + NCHAR(233) THEN 1 "
+                       f"ELSE 0 END FROM {mssql.qt}") == "1"
     delay = int(mssql.value(f"SELECT DATEDIFF(second, created_at, available_at) FROM {mssql.qt}"))
     assert 59 <= delay <= 61
 
