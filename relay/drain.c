@@ -80,6 +80,7 @@ struct drain {
     size_t    claim_bytes;       /* the running claim's byte limit (reserved), 0: none */
     double    claim_sent;        /* monotonic time the outstanding claim was sent */
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
+    double    claim_ended;       /* monotonic: when the last claim's answer came */
     bool      claim_short;       /* it brought fewer rows than asked: the backlog is drained */
     size_t    row_bytes;         /* the mean size of the rows the last claim brought, 0: none */
     double    settle_ended;      /* monotonic: when the last settle's answer came */
@@ -491,6 +492,7 @@ static void on_claimed(drain *d, const src_result *res)
         return;
     }
     d->m.claimed_rows += res->n_rows;
+    d->claim_ended = mono_now();
     if (res->n_rows > 0)
         d->active = true;
     /* cut by its byte limit (another row as large as its largest would not have fitted):
@@ -1040,19 +1042,17 @@ static bool main_request(drain *d, enum src_req req)
    wake-up would carry a row or two each: the claiming session busy most of the time and
    the database's CPU spent per claim, not per row. After a claim that found fewer rows
    than it asked for (nothing is waiting beyond what it took), the next claim that a
-   wake-up asks for therefore starts no sooner than claim_delay after that claim started,
-   and takes the rows committed meanwhile together: claims start at most once per
-   claim_delay while rows keep coming (the claim's own round trip counts in that wait,
-   not on top of it). The delay adapts to the rate by itself: a wake-up that comes more
-   than claim_delay after the last claim started (commits rarer than that) claims at
-   once, and so does a full claim's follow-up (a backlog). A row waits at most claim_delay
-   more. True while that wait runs (the timer then kicks again). */
+   wake-up asks for therefore waits until claim_delay after that claim's answer, and takes
+   the rows committed meanwhile together. A full claim (a backlog) is followed at once,
+   and after a quiet spell the first wake-up claims at once: a row waits at most
+   claim_delay more, and only while rows keep coming. True while that wait runs (the
+   timer then kicks again). */
 static bool claim_coalescing(drain *d)
 {
     double delay = (double)d->ob->claim_delay_ms / 1000.0;
     if (!d->claim_short || delay <= 0 || !d->want_claim)
         return false;
-    double left = d->claim_sent + delay - mono_now();
+    double left = d->claim_ended + delay - mono_now();
     if (left <= 0)
         return false;
     arm_coalesce(d, left);

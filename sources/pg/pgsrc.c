@@ -45,8 +45,7 @@ enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_P
    notification, and each costs its backend a wake-up and a read of the queue (~30 us, one
    per message at steady load). A claim that carries at least QUIET_ROWS rows makes the
    next claim UNLISTEN first; while not listening, every claim's answer wakes the drain
-   itself (it claims again claim_delay after the claim started, as a notification would
-   have made it), and
+   itself (it claims again claim_delay later, as a notification would have made it), and
    the second claim in a row that finds nothing makes the next one LISTEN first: that
    claim then takes whatever was committed before the LISTEN, and the notifications do the
    rest. (One empty claim is common in a stream of a few rows per claim_delay; after it the
