@@ -46,8 +46,8 @@ void pgsrc_oneline(const char *msg, char *out, size_t outlen);
 /* The stats row (sql_pg_stats, text format) into out; 0 or -1. */
 int pgsrc_parse_stats(const PGresult *r, src_stats *out);
 
-/* The oldest server the relay's statements run on: plan_cache_mode (the claims' custom
- * plans) and WITH ... AS MATERIALIZED came with PostgreSQL 12. */
+/* The oldest server the relay's statements run on: plan_cache_mode (set on the relay's
+ * sessions) and WITH ... AS MATERIALIZED came with PostgreSQL 12. */
 #define PGSRC_MIN_SERVER_VERSION 120000
 
 /* Whether a server of version_num (server_version_num, as PQserverVersion gives it; 0 when

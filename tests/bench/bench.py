@@ -1515,12 +1515,12 @@ def steady_sample(conn, port, seen, relay_pid):
     row = conn.execute(
         "select n_dead_tup, n_live_tup, pg_total_relation_size(relid), n_tup_ins, n_tup_del, "
         "(select count(*) from pg_stat_activity where backend_xmin is not null "
-        " and application_name = 'bench-report') "
+        " and application_name = 'bench-report'), vacuum_count + autovacuum_count "
         "from pg_stat_user_tables where relid = 'outbox.messages'::regclass").fetchone()
     m = scrape(port) or {}
     return {
         "t": time.time(), "dead": row[0], "live": row[1], "size": row[2], "ins": row[3],
-        "del": row[4],
+        "del": row[4], "vacuums": row[6],
         "pg_ticks": relay_backend_ticks(conn, seen), "relay_ticks": pid_ticks(relay_pid),
         "claims": msum(m, "outbox_relay_claims_total"),
         "claimed": msum(m, "outbox_relay_claimed_rows_total"),
@@ -1717,7 +1717,27 @@ def steady_report(r):
     c2 = block(B["held"] - first_min, B["held"])
     h = block(B["held"], B["recover"])
     rc = block(B["recover"], B["end"])
-    size0 = at(B["clean"])["size"]
+    # The table's flatness once the retention window has filled: at the start of the clean
+    # phase the table is nearly empty and then fills with the retained sent rows for the
+    # first `retention`, which says nothing about growth. The reference is the first
+    # sample after the first vacuum of the table that followed the first retention delete
+    # in the clean phase (then the table holds a retention window of rows and the space
+    # of the deleted ones is reusable); without such a vacuum, the first sample one
+    # cleanup interval (10 s) after retention began deleting.
+    cs = [x for x in S if B["clean"] <= x["t"] <= B["held"] + 0.5]
+    del0 = cs[0]["del"] if cs else 0
+    t_del = next((x["t"] for x in cs if x["del"] > del0), None)
+    ref, why = None, "retention deleted nothing in the clean phase"
+    if t_del is not None:
+        vac0 = next(x["vacuums"] for x in cs if x["t"] >= t_del)
+        ref = next((x for x in cs if x["t"] > t_del and x["vacuums"] > vac0), None)
+        why = "after the first retention delete and the vacuum that followed"
+        if ref is None:
+            ref = next((x for x in cs if x["t"] >= t_del + 10), None)
+            why = ("10 s after the first retention delete (no vacuum followed it in the "
+                   "clean phase)")
+    size0 = ref["size"] if ref is not None else None
+    t_ref = ref["t"] - B["warm"] if ref is not None else None
 
     def ratio(a, b):
         return None if a is None or not b else a / b
@@ -1753,9 +1773,17 @@ def steady_report(r):
           f"{ms_(c2['p99'])} / {ms_(c1['p99'])} ms = {v(ratio(c2['p99'], c1['p99']), 1.5)}")
     print(f"      relay / dual write: p50 {v(ratio(c['p50'], c['d50']), 2)}, "
           f"p99 {v(ratio(c['p99'], c['d99']), 2)}")
-    print(f"      table + indexes {size0 / 1048576:.1f} MiB at the start of the clean phase, "
-          f"{c['size'] / 1048576:.1f} MiB at its end (flat: {v(c['size'] / size0 if size0 else None, 1.25)});"
-          f" dead tuples at its end {c['dead']}")
+    start0 = at(B["clean"])["size"]
+    if size0:
+        print(f"      table + indexes {start0 / 1048576:.1f} MiB at the start of the clean phase "
+              f"(empty: the retention window then fills), {size0 / 1048576:.1f} MiB at "
+              f"t = {t_ref:.0f} s ({why}), {c['size'] / 1048576:.1f} MiB at its end "
+              f"(flat, end / t = {t_ref:.0f} s: {v(c['size'] / size0, 1.25)});"
+              f" dead tuples at its end {c['dead']}")
+    else:
+        print(f"      table + indexes {start0 / 1048576:.1f} MiB at the start of the clean phase, "
+              f"{c['size'] / 1048576:.1f} MiB at its end (flat: - : {why});"
+              f" dead tuples at its end {c['dead']}")
     print(f"    held horizon ({B['recover'] - B['held']:.0f} s): delivered {h['delivered']:.0f} of "
           f"{h['offered']:.0f} msg/s ({v(ratio(h['delivered'], h['offered']), 0.9, le=False)});"
           f" p50 {ms_(h['p50'])} ms, p99 {ms_(h['p99'])} ms; dual write p99 {ms_(h['d99'])} ms;"
