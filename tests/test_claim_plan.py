@@ -85,15 +85,8 @@ CASES = [
 @pytest.mark.parametrize("mode,stats", CASES)
 def test_claim_walks_pending_rows_in_order_under_stale_statistics(
         services, pgdb, relay_bin, tmp_path, mode, stats):
-    tag = uuid.uuid4().hex[:8]
-    table = f"stale_{tag}"
-    q = f"qstale-{tag}"
-    conn, ch = amqp_channel(services)
-    declare(ch, "", q, q)
-    cfg = write_config(tmp_path / "r.ini", services, pgdb, table=f"outbox.{table}",
-                       batch_size=str(BATCH), mode=mode)
-    init_schema(relay_bin, cfg)
-    qt = f'"outbox"."{table}"'
+    table, qt, q, conn, ch, cfg = relay_table(services, pgdb, relay_bin, tmp_path, "stale",
+                                              batch_size=str(BATCH), mode=mode)
     with psycopg.connect(pgdb.dsn, autocommit=True) as db:
         db.execute(f"ALTER TABLE {qt} SET (autovacuum_enabled = off)")
         if stats == "analyzed-all-sent":
@@ -125,9 +118,7 @@ def test_claim_walks_pending_rows_in_order_under_stale_statistics(
         conn.close()
     with psycopg.connect(pgdb.dsn, autocommit=True) as db:
         db.execute(f"ALTER DATABASE \"{pgdb.name}\" RESET ALL")
-    with open(services.pg_log, errors="replace") as f:
-        f.seek(log_from)
-        text = f.read()
+    text = server_log_since(services, log_from)
     claims = [p for p in logged_plans(text, "FOR UPDATE SKIP LOCKED") if table in p["Query Text"]]
     assert len(claims) >= 4, f"{len(claims)} claim plans in the server log"
     for p in claims:
@@ -151,6 +142,26 @@ def test_claim_walks_pending_rows_in_order_under_stale_statistics(
     assert_bounded(plan["Plan"], table)
 
 
+def relay_table(services, pgdb, relay_bin, tmp_path, prefix, **cfg):
+    """A fresh outbox table (init applied), its queue and the relay's config: (table, its
+    quoted name, queue, connection, channel, config path)."""
+    tag = uuid.uuid4().hex[:8]
+    table = f"{prefix}_{tag}"
+    q = f"q{prefix}-{tag}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    path = write_config(tmp_path / "r.ini", services, pgdb, table=f"outbox.{table}", **cfg)
+    init_schema(relay_bin, path)
+    return table, f'"outbox"."{table}"', q, conn, ch, path
+
+
+def server_log_since(services, offset):
+    """The PostgreSQL server log from byte offset on."""
+    with open(services.pg_log, errors="replace") as f:
+        f.seek(offset)
+        return f.read()
+
+
 def auto_explain_on(db, name):
     """The executed plan of every statement of database `name`'s new sessions, logged."""
     db.execute(f"ALTER DATABASE \"{name}\" SET session_preload_libraries = 'auto_explain'")
@@ -168,14 +179,8 @@ def auto_explain_on(db, name):
 @pytest.mark.parametrize("mode", ["leader", "competing"])
 def test_claim_generic_plan_made_on_a_nearly_empty_table_scans_no_table(
         services, pgdb, relay_bin, tmp_path, mode):
-    tag = uuid.uuid4().hex[:8]
-    table = f"tiny_{tag}"
-    q = f"qtiny-{tag}"
-    conn, ch = amqp_channel(services)
-    declare(ch, "", q, q)
-    cfg = write_config(tmp_path / "r.ini", services, pgdb, table=f"outbox.{table}", mode=mode)
-    init_schema(relay_bin, cfg)
-    qt = f'"outbox"."{table}"'
+    table, qt, q, conn, ch, cfg = relay_table(services, pgdb, relay_bin, tmp_path, "tiny",
+                                              mode=mode)
     with psycopg.connect(pgdb.dsn, autocommit=True) as db:
         db.execute(f"ALTER TABLE {qt} SET (autovacuum_enabled = off)")
         db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
@@ -194,9 +199,7 @@ def test_claim_generic_plan_made_on_a_nearly_empty_table_scans_no_table(
         db.execute(f"ALTER DATABASE \"{pgdb.name}\" RESET ALL")
         db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
                    "SELECT %s, 'k' || g, '\\x00' FROM generate_series(1, 5) g", (q,))
-    with open(services.pg_log, errors="replace") as f:
-        f.seek(log_from)
-        text = f.read()
+    text = server_log_since(services, log_from)
     claims = [p for p in logged_plans(text, "FOR UPDATE SKIP LOCKED") if table in p["Query Text"]]
     assert claims, "no claim plan in the server log"
     with psycopg.connect(pgdb.dsn) as db:
@@ -235,14 +238,8 @@ def test_claims_are_planned_once_per_session(services, pgdb, relay_bin, tmp_path
     """Under steady load each claim carries a few rows, and planning the claim cost more
     than running it: after the first few claims of a session, the relay's claims run on
     a plan made once (generic), not planned again at every execution."""
-    tag = uuid.uuid4().hex[:8]
-    table = f"once_{tag}"
-    q = f"qonce-{tag}"
-    conn, ch = amqp_channel(services)
-    declare(ch, "", q, q)
-    cfg = write_config(tmp_path / "r.ini", services, pgdb, table=f"outbox.{table}", mode=mode)
-    init_schema(relay_bin, cfg)
-    qt = f'"outbox"."{table}"'
+    table, qt, q, conn, ch, cfg = relay_table(services, pgdb, relay_bin, tmp_path, "once",
+                                              mode=mode)
     with psycopg.connect(pgdb.dsn, autocommit=True) as db:
         auto_explain_on(db, pgdb.name)
     log_from = services.pg_log.stat().st_size
@@ -262,9 +259,7 @@ def test_claims_are_planned_once_per_session(services, pgdb, relay_bin, tmp_path
         db.execute(f"ALTER DATABASE \"{pgdb.name}\" RESET ALL")
         owners = [o for (o,) in db.execute(f'SELECT DISTINCT owner FROM "outbox"."{table}_lease"')]
     assert len(owners) == 1, owners
-    with open(services.pg_log, errors="replace") as f:
-        f.seek(log_from)
-        text = f.read()
+    text = server_log_since(services, log_from)
     claims = [p for p in logged_plans(text, "FOR UPDATE SKIP LOCKED") if table in p["Query Text"]]
     assert len(claims) >= 12, f"{len(claims)} claim plans in the server log"
     kinds = "".join("g" if is_generic(p, owners[0]) else "c" for p in claims)

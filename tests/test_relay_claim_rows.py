@@ -15,7 +15,7 @@ import uuid
 import psycopg
 
 from relay_util import Relay, amqp_channel, consume, insert_rows, write_config
-from test_claim_plan import logged_plans
+from test_claim_plan import auto_explain_on, logged_plans, server_log_since
 from test_relay import init_schema
 
 MIB = 1 << 20
@@ -45,12 +45,7 @@ def test_claim_of_large_rows_asks_for_the_rows_that_fit(services, pgdb, relay_bi
     init_schema(relay_bin, cfg)
     insert_rows(pgdb, n, 4, routing_key=q, size=size, table=f"outbox.{table}")
     with psycopg.connect(pgdb.dsn, autocommit=True) as db:
-        db.execute(f"ALTER DATABASE \"{pgdb.name}\" SET session_preload_libraries = "
-                   "'auto_explain'")
-        for k, v in (("auto_explain.log_min_duration", "0"), ("auto_explain.log_analyze", "on"),
-                     ("auto_explain.log_timing", "off"), ("auto_explain.log_format", "json"),
-                     ("log_min_messages", "log")):
-            db.execute(f"ALTER DATABASE \"{pgdb.name}\" SET {k} = '{v}'")
+        auto_explain_on(db, pgdb.name)
     log_from = services.pg_log.stat().st_size
     r = Relay(relay_bin, cfg, tmp_path / "r.log")
     try:
@@ -62,9 +57,7 @@ def test_claim_of_large_rows_asks_for_the_rows_that_fit(services, pgdb, relay_bi
         with psycopg.connect(pgdb.dsn, autocommit=True) as db:
             db.execute(f"ALTER DATABASE \"{pgdb.name}\" RESET ALL")
     assert len(got) == n
-    with open(services.pg_log, errors="replace") as f:
-        f.seek(log_from)
-        text = f.read()
+    text = server_log_since(services, log_from)
     claims = [p for p in logged_plans(text, "FOR UPDATE SKIP LOCKED") if table in p["Query Text"]]
     looked = [candidates(p["Plan"]) for p in claims]
     leased = [p["Plan"].get("Actual Rows") for p in claims]
