@@ -7,7 +7,8 @@ as it tells its readers, the names are replaced here for a table of this test's 
 are per database and shared; logins are made per test and dropped after it.
 
 Babelfish refuses database permissions (GRANT VIEW DATABASE STATE: "not currently
-supported"; the file grants none, as the relay reads no dynamic management view) and
+supported"; the file grants none: the relay's table-health reads of dynamic management
+views are optional, and the file shows those grants as comments) and
 object ALTER permissions (outbox_admin's GRANT ALTER, for `dead retry`): that statement's
 refusal is asserted there, and every other statement must succeed."""
 import os
