@@ -8,6 +8,7 @@ import select
 import socket
 import subprocess
 import threading
+import time
 
 from conftest import prog_argv, run_prog, wait_for
 
@@ -113,6 +114,7 @@ class Proxy:
         self.holding = False
         self.stall = False      # stop reading what the client sends
         self.refuse = False
+        self.pace = 0           # > 0: client->broker bytes a second at most (a network's pace)
         self.accepted = 0
         self._cut = False
         self._stop = False
@@ -182,5 +184,7 @@ class Proxy:
                     if not data:
                         raise OSError("eof")
                     other.sendall(data)
+                    if self.pace > 0 and s is pair[0]:
+                        time.sleep(len(data) / self.pace)
                 except OSError:
                     self._close_pair(pair)

@@ -391,16 +391,17 @@ def test_full_socket_buffer_never_blocks_the_loop(sink):
 
 def test_large_messages_go_out_in_pieces_without_blocking_the_loop(sink):
     """Rows of 48 MiB (far over a socket's send buffer) between small ones, through a proxy
-    that drains the socket at a network's pace rather than loopback's: each row is written
-    as the socket drains, so the loop keeps its 100 ms tick (no two ticks 200 ms apart; a
-    sink writing such a row at once holds the loop until the peer has read all of it). Every
-    row is confirmed once and arrives whole, byte for byte, in publish order: the frames of
-    one message never mix with another's."""
+    that drains the socket at a network's pace (64 MiB/s) rather than loopback's: each row
+    is written as the socket drains, so the loop keeps its 100 ms tick (no two ticks 200 ms
+    apart; a sink writing such a row at once holds the loop until the peer has read all of
+    it). Every row is confirmed once and arrives whole, byte for byte, in publish order: the
+    frames of one message never mix with another's."""
     big = 48 << 20
     sizes = [64] * 3 + [big] + [64] * 3 + [big] + [64] * 3
     groups = [f"{sink.good},3", f"{sink.good},1,size={big}", f"{sink.good},3",
               f"{sink.good},1,size={big}", f"{sink.good},3"]
     p = sink.proxy()
+    p.pace = 64 << 20   # ~1.5 s for the two big rows: enough 100 ms ticks to judge the loop
     r = sink.run("--ticks", "--confirm-timeout", "60000", *groups, url=p.url(), timeout=300)
     assert r.rc == 0, r
     n = len(sizes)
