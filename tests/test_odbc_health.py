@@ -33,10 +33,10 @@ import uuid
 import pytest
 
 import tsql_check as tc
-from conftest import ROOT, _services_env, tsql_target, wait_for
+from conftest import ROOT, _services_env, wait_for
 from relay_util import (OdbcSql, Relay, consume, free_port, log_lines_at, wait_log_at,
                         write_config)
-from test_relay_sqlserver import TsqlOutbox, init_outbox, new_queue, stop_all
+from test_relay_sqlserver import init_outbox, new_queue, stop_all, tsql  # noqa: F401 (fixture)
 from test_tsql_capture import CONN, TABLE, Capture, build_driver
 
 SQLSERVER_ONLY = ("table_size_bytes", "table_used_bytes", "table_dead_tuples")
@@ -85,15 +85,6 @@ def refusals(services, mark):
         f.seek(mark)
         text = f.read().decode(errors="replace")
     return len(re.findall(r'ERROR:  relation "sys.dm_db_partition_stats" does not exist', text))
-
-
-@pytest.fixture
-def tsql(services, build):
-    t = TsqlOutbox(build, *tsql_target(services))
-    try:
-        yield t
-    finally:
-        t.drop()
 
 
 def test_health_on_the_tsql_engine(services, tsql, relay_bin, tmp_path):
