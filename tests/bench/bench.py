@@ -33,8 +33,13 @@ What it measures (every figure printed is a median over BENCH_ROUNDS rounds, min
    until its confirm), beside the broker's ceiling for the same message size measured by the
    probe in the same run (window 1000), BENCH_BIG_ROUNDS rounds of probe then relay: rate in
    msg/s and MiB/s, the relay/ceiling ratio (target >= 0.8) and the relay's peak RSS
-   (target <= 128 MiB). `make bench BENCH=big` (or BENCH=big in the environment) runs only
-   this; BENCH_BIG_ROWS=0 skips it.
+   (target <= 128 MiB). After each relay run, pg_read_probe reads the same rows on one
+   session (payloads in binary, batches of the relay's mean claim, nothing else running):
+   PostgreSQL's own read ceiling. The summary then gives the CPU each message cost the
+   broker, PostgreSQL, the relay and the bench's consumer, and the rate the machine's cores
+   allow at those costs, with the relay's own share at zero and at the lowest costs measured
+   in the run: what bounds the figure. `make bench BENCH=big` (or BENCH=big in the
+   environment) runs only this; BENCH_BIG_ROWS=0 skips it.
 5. Many outboxes: one relay with BENCH_MANY outboxes (default settings, one sink) spread over
    BENCH_MANY_DBS databases, BENCH_MANY_ROWS rows in each table: the time until every table
    is drained, then the relay's idle CPU over BENCH_MANY_IDLE_S seconds (user+sys, all
@@ -53,7 +58,9 @@ What it measures (every figure printed is a median over BENCH_ROUNDS rounds, min
    message of the relay's sessions (/proc/<pid>/stat of the backends whose application_name
    is outbox-relay), the relay's own CPU per message, rows per claim, claims per second,
    the table's dead and live tuples, its size with indexes, the backlog; then each phase
-   against its target. BENCH_ONLY=steady runs it alone; BENCH_STEADY=short is the quick
+   against its target. Before it, the floor any claim pays on this machine: the backend CPU
+   of a prepared empty statement's round trip and of a notification delivered to an idle
+   listener, each at 1,000 a second. BENCH_ONLY=steady runs it alone; BENCH_STEADY=short is the quick
    version (5 + 60 + 40 + 20 s, 10 s windows; full: 10 + 300 + 120 + 60 s, 30 s windows),
    BENCH_STEADY=off skips it.
 
@@ -668,6 +675,34 @@ def probe_run(svc, broker, conn, n, size=SIZE):
             "lat_mean": lat_mean}
 
 
+def pgread_run(svc, conn, batch_bytes):
+    """PostgreSQL's own ceiling for the big-message run: pg_read_probe reads the rows (their
+    payloads in binary, in id order, batches of batch_bytes) on one session, nothing else
+    running. The relay's claims carry the same payloads, one claim at a time."""
+    settle(svc)
+    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    x0 = other_xacts(conn)
+    a = Snapshot(svc)
+    try:
+        p = subprocess.run([str(BUILD / "tests/pg_read_probe"), svc.conninfo(),
+                            "outbox.messages", str(int(batch_bytes))],
+                           capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise BenchError(f"pg_read_probe did not finish within {TIMEOUT} s")
+    b = Snapshot(svc)
+    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    x1 = other_xacts(conn)
+    if p.returncode != 0:
+        raise BenchError(f"pg_read_probe failed: {p.stderr.strip()}")
+    side = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+    u = usage(a, b, side_secs=side)
+    u["pg_other_tps"] = (x1 - x0) / u["secs"]
+    rows = int(re.search(r"rows=(\d+)", p.stdout).group(1))
+    return {"rate": float(re.search(r"rate=([\d.]+)", p.stdout).group(1)), "cpu": u,
+            "rows": rows, "batches": int(re.search(r"batches=(\d+)", p.stdout).group(1)),
+            "pg_ms": 1000 * u["pg_s"] / rows if rows else None}
+
+
 # ------------------------------------------------------------------ one relay run
 def relay_run(svc, broker, conn, n, cfgs, timeout, windows):
     """Start one relay per config at once; wait until every row is marked sent."""
@@ -837,6 +872,36 @@ def big_bound(rl, mib):
         parts.append(f"{claims:.0f} claims (mean {ms(cmean)}, "
                      f"{BIG_ROWS / claims:.0f} rows each)")
     return "; ".join(parts) + f" | cores: {cores_line(cpu)}"
+
+
+def big_cpu_bound(rl, pr, gr):
+    """The machine's bound on the big-message run: the CPU each message costs the broker,
+    PostgreSQL, the relay and the bench's consumer, measured in the relay's runs, against the
+    cores there are; and the same with the lowest costs measured in this run (the broker's in
+    the ceiling run, PostgreSQL's in its own read): no relay that reads the payloads out of
+    PostgreSQL and publishes them through this broker on these cores goes faster."""
+    def per(runs, key, n):
+        return med(r["cpu"][key] * r["cpu"]["secs"] / n for r in runs if r["cpu"]["secs"])
+    n = BIG_ROWS
+    b, g, rel = per(rl, "broker", n), per(rl, "pg", n), per(rl, "relay", n)
+    t = per(rl, "tools", n)
+    bc = per(pr, "broker", n)
+    gc = med(x["pg_ms"] / 1000 for x in gr if x["pg_ms"])
+    mp = med(p["rate"] for p in pr)
+    rgr = med(x["rate"] for x in gr)
+    if None in (b, g, rel, t, bc, gc) or not mp:
+        return "CPU per message: -"
+    now_ = b + g + rel + t
+    low = min(b, bc) + min(g, gc) + rel + t
+    zero = b + g + t
+    return (f"CPU per message: broker {b * 1e3:.2f} ms (in the ceiling run {bc * 1e3:.2f}), "
+            f"PostgreSQL {g * 1e3:.2f} ms (in its own read {gc * 1e3:.2f}), relay {rel * 1e3:.2f}"
+            f" ms, bench consumer {t * 1e3:.2f} ms: {NCPU} cores allow at most "
+            f"{NCPU / now_:.0f} msg/s at the relay run's costs ({NCPU / now_ / mp:.2f} of the "
+            f"ceiling), {NCPU / zero:.0f} ({NCPU / zero / mp:.2f}) if the relay itself cost "
+            f"nothing, {NCPU / low:.0f} ({NCPU / low / mp:.2f}) at the lowest costs measured; "
+            f"PostgreSQL's own "
+            f"read on one session {f0(rgr)} msg/s ({rgr / mp:.2f} of the ceiling)")
 
 
 def relay_detail(r):
@@ -1047,7 +1112,7 @@ def main():
     ok = False
     results = {k: {"probe": [], "relay": []} for k in KEYS}
     backlog = many = None
-    big = {"probe": [], "relay": []}
+    big = {"probe": [], "relay": [], "pgread": []}
     competing = {"one": [], "two": []}
     try:
         init_cfg = write_cfg(tmp / "init.ini", svc, free_port(), name="bench-init")
@@ -1142,6 +1207,10 @@ def main():
                 rr = relay_run(svc, broker, conn, BIG_ROWS, [(cfg, port)], BACKLOG_TIMEOUT,
                                [1000])
                 big["relay"].append(rr)
+                # PostgreSQL's own read of the same rows, in batches of the relay's claims
+                per_claim = BIG_ROWS / rr["claims"] if rr["claims"] else 32
+                gr = pgread_run(svc, conn, max(per_claim, 1) * BIG_SIZE)
+                big["pgread"].append(gr)
                 ratio = rr["rate"] / pr["rate"] if rr["rate"] and pr["rate"] else None
                 print(f"  big messages, round {rnd + 1}: ceiling {f0(pr['rate'])} msg/s "
                       f"({f0(pr['rate'] * BIG_SIZE / 2**20)} MiB/s; {cores_line(pr['cpu'], 'probe')})"
@@ -1150,6 +1219,11 @@ def main():
                       f"{'-' if ratio is None else f'{ratio:.2f}'} | relay peak RSS "
                       f"{(rr['rss'] or 0) / 1024:.1f} MiB")
                 print(relay_detail(rr))
+                print(f"      PostgreSQL read ceiling {f0(gr['rate'])} msg/s (the same rows read "
+                      f"on one session, {gr['batches']} batches of {BIG_ROWS / gr['batches']:.0f}"
+                      f" rows, payloads in binary; {cores_line(gr['cpu'], 'probe')}); relay / "
+                      f"PostgreSQL read {rr['rate'] / gr['rate']:.2f}" if rr["rate"] and gr["rate"]
+                      else "      PostgreSQL read ceiling: -")
                 broker.reset()
                 conn.execute("truncate outbox.messages, outbox.messages_dead")
                 sys.stdout.flush()
@@ -1271,6 +1345,7 @@ def main():
               f"{'PASS' if rss and rss <= BIG_RSS_TARGET_KIB else 'ABOVE'}); duplicates "
               f"{sum(r['dups'] for r in rl)}{disturbed(rl + pr)}")
         print(f"    {big_bound(rl, mib)}")
+        print(f"    {big_cpu_bound(rl, pr, big['pgread'])}")
     runs = [r for k in KEYS for r in results[k]["relay"] + results[k]["probe"]]
     runs += competing["one"] + competing["two"] + ([backlog] if backlog else [])
     runs += big["relay"] + big["probe"]
@@ -1644,6 +1719,40 @@ def steady_run(svc, tmp):
             "cpu": u, "producer": out, "dual_error": dual.error}
 
 
+def steady_floor(svc, n=5000, rate=1000.0):
+    """What any claim costs PostgreSQL on this machine before its own work, measured on the
+    bench database before the steady run: the CPU a backend spends on one round trip of a
+    prepared empty statement, and on one notification delivered to an idle listener, each
+    at `rate` a second (a wake-up per statement, as a claim per commit would be)."""
+    def backend(c):
+        return c.execute("select pg_backend_pid()").fetchone()[0]
+
+    def paced(i, t0):
+        d = t0 + i / rate - time.monotonic()
+        if d > 0:
+            time.sleep(d)
+
+    with svc.pg(DB) as a, svc.pg(DB) as lis, svc.pg(DB) as b:
+        pid = backend(a)
+        c0, t0 = pid_ticks(pid), time.monotonic()
+        for i in range(n):
+            paced(i, t0)
+            a.execute("select 1", prepare=True)
+        rt = (pid_ticks(pid) - c0) / TICK / n
+        lis.execute("listen bench_floor")
+        lpid = backend(lis)
+        c0, t0 = pid_ticks(lpid), time.monotonic()
+        for i in range(n):
+            paced(i, t0)
+            b.execute("notify bench_floor")
+            if i % 50 == 0:
+                lis.pgconn.consume_input()
+                while lis.pgconn.notifies() is not None:
+                    pass
+        nt = (pid_ticks(lpid) - c0) / TICK / n
+    return {"round_trip": rt, "notify": nt}
+
+
 def steady_report(r):
     S, B, win = r["samples"], r["bounds"], r["win"]
     tick_us = 1e6 / TICK
@@ -1773,6 +1882,15 @@ def steady_report(r):
           f"{ms_(c2['p99'])} / {ms_(c1['p99'])} ms = {v(ratio(c2['p99'], c1['p99']), 1.5)}")
     print(f"      relay / dual write: p50 {v(ratio(c['p50'], c['d50']), 2)}, "
           f"p99 {v(ratio(c['p99'], c['d99']), 2)}")
+    fl = r.get("floor")
+    if fl:
+        rt, nt = fl["round_trip"] * 1e6, fl["notify"] * 1e6
+        print(f"      floor on this machine (measured before the run, {1000:.0f}/s each): a "
+              f"statement's round trip costs a PostgreSQL backend {rt:.0f} us of CPU, a "
+              f"notification delivered {nt:.0f} us; a claim at every commit (claim_delay = 0, "
+              f"what the latency target needs) costs at least {rt + nt:.0f} us a message before "
+              f"its own work, and the cost target leaves {100 - rt - nt:.0f} us for the "
+              f"claim's work, the mark and retention")
     start0 = at(B["clean"])["size"]
     if size0:
         print(f"      table + indexes {start0 / 1048576:.1f} MiB at the start of the clean phase "
@@ -1834,7 +1952,9 @@ def steady_main():
         subprocess.run([str(BUILD / "outbox-relay"), "init", "-c", str(init_cfg)], check=True,
                        stdout=subprocess.DEVNULL)
         print(f"bench: {version_line()}")
+        floor = steady_floor(svc)
         r = steady_run(svc, tmp)
+        r["floor"] = floor
         steady_report(r)
         ok = True
     finally:
