@@ -295,6 +295,14 @@ static void test_channel_close_republishes_in_order(void **state)
     ledger_free(l);
 }
 
+static int released;
+static void *released_owner;
+static void count_release(void *owner)
+{
+    released++;
+    released_owner = owner;
+}
+
 /* A large row's payload is let go once the sink has written it: only its headers count
  * then. Lost with the connection, it is given back to the table (its payload is gone),
  * and so are the later rows of its key; an earlier row of its key that kept its payload is
@@ -337,6 +345,29 @@ static void test_written_payload_released(void **state)
         assert_true(v[i].id >= 2);
     }
     ledger_claim_failed(l);
+    /* a payload in a buffer the row holds (row_fields.payload_owner) is let go once written
+       whatever its size, an empty one too: then the row holds none, and lost with the
+       connection it is given back like the large ones, never republished without it */
+    released = 0;
+    row_fields f = { .id = 9, .lease_token = 3, .created_at_us = 1,
+                     .message_id = { "00000000-0000-4000-8000-000000000009", 36 },
+                     .exchange = { "", 0 }, .routing_key = { "q.a", 3 }, .payload = { "", 0 },
+                     .payload_owner = &released, .payload_release = count_release };
+    row *empty[1] = { row_new(&f) };
+    assert_non_null(empty[0]);
+    claim(l, empty, 1, 100);
+    led_entry *e = ledger_next(l, 3);
+    assert_non_null(e);
+    assert_int_equal(ledger_id(e), 9);
+    ledger_published(l, e, 3);
+    ledger_written(l, e);
+    check(l);
+    assert_int_equal(released, 1);
+    assert_int_equal(ledger_get_stats(l)->released, 3);
+    ledger_result(l, e, SINK_LOST, "connection lost", 3);
+    check(l);
+    assert_null(ledger_next(l, 3));       /* given back, not republished */
+    assert_int_equal(ledger_get_stats(l)->republished, 1);
     ledger_free(l);
 }
 
@@ -426,14 +457,6 @@ static void test_expire_without_publishing(void **state)
 }
 
 /* Memory follows rows in flight: a long run leaves no keys, ids or table growth behind. */
-static int released;
-static void *released_owner;
-static void count_release(void *owner)
-{
-    released++;
-    released_owner = owner;
-}
-
 static void test_memory_follows_work_in_flight(void **state)
 {
     (void)state;
