@@ -673,7 +673,7 @@ static void on_health(drain *d, const src_health *h)
     double age = -1;
     char who[200] = "";
     /* SQL Server: the holder is the oldest transaction reading or making row versions */
-    bool versions = h->holder_kind != NULL && strcmp(h->holder_kind, "snapshot transaction") == 0;
+    bool versions = h->holder_kind != NULL && h->holder_versions;
 
     d->m.health_seen = 1;
     d->m.table_dead_tuples = h->dead_tuples;

@@ -860,8 +860,9 @@ void ledger_written(ledger *l, led_entry *e)
     if (e->state != LED_INFLIGHT || e->released || e->r == NULL)
         return;
     size_t before = src_row_bytes(e->r);
-    if (row_release_payload(e->r) == 0)
-        return;
+    (void)row_release_payload(e->r);
+    if (!e->r->payload_released)
+        return;    /* part of the row's block: it stays (an empty one let go frees 0 bytes) */
     e->released = true;
     l->st.released++;
     l->bytes -= before - src_row_bytes(e->r);

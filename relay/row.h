@@ -67,10 +67,11 @@ typedef struct row_fields {
  * become "". */
 row *row_new(const row_fields *f);
 void row_free(row *r);
-/* Frees the payload when it is held apart from the row's block (see ROW_APART_MIN),
-   leaving every other field, payload_len included, as it was, and bytes counting the
-   headers only. Returns the bytes freed (0: the payload is part of the block, or gone
-   already). The row's address does not change. */
+/* Frees the payload when it is held apart from the row's block (see ROW_APART_MIN, or
+   payload_owner, whatever the payload's size), leaving every other field, payload_len
+   included, as it was, and bytes counting the headers only. Returns the bytes freed:
+   0 when the payload is part of the block or gone already, and also when it was empty
+   (payload_released tells whether it was let go). The row's address does not change. */
 size_t row_release_payload(row *r);
 
 #endif

@@ -81,6 +81,9 @@ typedef struct src_health {
     /* the holder of the oldest xmin (the horizon), when there is one (kind != NULL);
        the strings are valid during the callback only */
     const char *holder_kind;     /* "session" or "replication slot"; NULL: none */
+    bool        holder_versions; /* the holder is the oldest transaction reading or making
+                                    row versions (SQL Server, below), not a session's
+                                    snapshot or a slot; holder_kind only names it */
     int         holder_pid;      /* session: its backend pid; slot: 0 */
     const char *holder_name;     /* session: application_name; slot: the slot's name */
     const char *holder_state;    /* session: state (e.g. "idle in transaction"); slot:
@@ -92,9 +95,9 @@ typedef struct src_health {
     /* SQL Server: the fields above hold ghost records (dead_tuples), rows (live_tuples),
        reserved pages in bytes (size_bytes), and the oldest transaction reading or making
        row versions, which holds the version store and the ghost records it may still
-       read (holder_kind "snapshot transaction", holder_pid its session id, holder_name
-       its program_name, holder_state its isolation, holder_xmin its transaction sequence
-       number); these are SQL Server's own: */
+       read (holder_versions set, holder_kind "snapshot transaction", holder_pid its
+       session id, holder_name its program_name, holder_state its isolation, holder_xmin
+       its transaction sequence number); these are SQL Server's own: */
     int64_t     used_bytes;      /* used pages in bytes */
     int64_t     version_store_bytes; /* the version store's size for the database */
     unsigned    have;            /* the values this read gives (SRC_H_*); 0: SRC_H_POSTGRES */

@@ -176,11 +176,13 @@ def test_bytes_in_flight_pass_the_budget_while_memory_stays_within_it(services, 
         assert hwm <= bound, f"peak RSS {hwm / 1024:.1f} MiB > {bound / 1024:.1f} MiB"
 
 
-def _closed_mid_drain(services, pgdb, relay_bin, tmp_path, tag, **ob):
-    """400 rows of 512 KiB over 8 keys; the relay's broker connection is closed from inside
-    the broker 3 times, each after 40 MiB received on it. Returns (deliveries, relay log,
-    closes, metrics)."""
-    n, keys, size, window = 400, 8, 512 << 10, 1000
+def _closed_mid_drain(services, pgdb, relay_bin, tmp_path, tag, n=400, keys=8, small=(),
+                      close_after=40 * MIB, **ob):
+    """n rows of 512 KiB over `keys` keys (the seqs in `small`: 100 bytes, their payload kept
+    until the confirm); the relay's broker connection is closed from inside the broker 3
+    times, each after close_after bytes received on it. Returns the deliveries."""
+    size, window = 512 << 10, 1000
+    small = set(small)
     name = f"bytes-{tag}"
     q = f"qlost-{tag}-{uuid.uuid4().hex[:6]}"
     conn, ch = amqp_channel(services)
@@ -189,9 +191,9 @@ def _closed_mid_drain(services, pgdb, relay_bin, tmp_path, tag, **ob):
     r = _relay(services, pgdb, relay_bin, tmp_path, tag, reconnect_max="1s", **ob)
     try:
         r.wait_log(r"became the active relay", timeout=60)
-        closer = BrokerCloser(services, f"outbox-relay {name}/main", 3, 40 * MIB,
+        closer = BrokerCloser(services, f"outbox-relay {name}/main", 3, close_after,
                               str(tmp_path / f"{tag}.closer"), "fault test")
-        insert_rows(pgdb, n, keys, routing_key=q, size=size)
+        insert_rows(pgdb, n, keys, routing_key=q, size=size, bad=small, bad_size=100)
         closes = closer.wait()
         wait_for(lambda: _sent(pgdb) == n, 240, interval=0.2, desc="every row marked sent")
         text = r.text()
@@ -212,7 +214,7 @@ def _closed_mid_drain(services, pgdb, relay_bin, tmp_path, tag, **ob):
           f"{len(got)} deliveries of {n} rows, {dups} duplicates; confirms lost "
           f"{lost:.0f}; relayed {relayed:.0f}")
     assert len(closes) == 3, f"the broker closed the relay's connection {len(closes)}x, not 3x"
-    assert sum(closes) < n * size, f"faults should happen mid-drain: {closes}"
+    assert sum(closes) < (n - len(small)) * size, f"faults should happen mid-drain: {closes}"
     assert lost > 0, "no confirm was lost: the closes missed the rows in flight"
     assert dups <= len(closes) * window
     assert not log_lines_at(text, r"out of turn|order_violation"), text[-3000:]
@@ -234,3 +236,15 @@ def test_large_rows_lost_with_the_connection_come_back_whole_odbc(services, pgdb
         pytest.skip("no psqlODBC connection string for this database")
     _closed_mid_drain(services, pgdb, relay_bin, tmp_path, "lostodbc", source="sqlserver",
                       conninfo=pgdb.odbc, poll_interval="200ms")
+
+
+def test_small_rows_behind_a_large_one_of_their_key_keep_its_order(services, pgdb, relay_bin,
+                                                                   tmp_path):
+    """Each key's rows go large, small, small, large...: a large row's payload is let go once
+    written, the small rows behind it (published while it waits for its confirm) keep theirs.
+    Lost with the connection, the large row is given back, and the small ones behind it with
+    it, not republished ahead of it from memory: first deliveries keep per-key order."""
+    n, keys = 600, 6
+    small = [s for s in range(n) if (s // keys) % 3 != 0]
+    _closed_mid_drain(services, pgdb, relay_bin, tmp_path, "lostmix", n=n, keys=keys,
+                      small=small, close_after=20 * MIB)

@@ -341,6 +341,7 @@ int odbcsrc_health_read(odbcsrc_health *hs, odbcsrc_db *db, src_health *out)
     out->version_store_bytes = hs->have & SRC_H_VSTORE ? hs->vstore : -1;
     if (hs->holder && (hs->have & SRC_H_HORIZON_S)) {
         out->holder_kind = "snapshot transaction";
+        out->holder_versions = true;
         out->holder_pid = hs->holder_sid;
         out->holder_name = hs->holder_name;
         out->holder_state = hs->holder_state;

@@ -24,6 +24,10 @@
  *      stay within the limit plus the largest such excess, never their sum;
  *   B7 a member refused bytes waits and is woken by the next release; once
  *      everything is released, each member gets bytes when it asks again.
+ * Bytes are also released while the rows stay held, as when the sink has written
+ * a large row whole and its payload is let go until the confirm: the member
+ * stays busy (its rows count), B5-B7 hold, and a whole turn ends once its
+ * member holds no bytes.
  * tests/test_unit_relay.py runs it; a failing seed is printed (BUDGET_SEED=N
  * reruns it alone).
  */
@@ -296,6 +300,8 @@ typedef struct bsim {
     rb_member m[MAXM];
     bool      in[MAXM];
     size_t    held[MAXM];      /* bytes of the rows it holds */
+    size_t    rows[MAXM];      /* the rows it holds (in flight ones whose payload was let
+                                  go included: they hold rows, not their bytes) */
     size_t    over[MAXM];      /* of those, what a row that came alone put past the limit */
     size_t    asked[MAXM];     /* a running claim's byte limit, 0: none */
     bool      whole[MAXM];     /* ... and whether its first row comes whatever its size */
@@ -313,13 +319,13 @@ static void bjoin(size_t i)
 {
     rbudget_join(&B.b, &B.m[i], wake_b, (void *)(uintptr_t)i);
     B.in[i] = true;
-    B.held[i] = B.asked[i] = B.over[i] = 0;
+    B.held[i] = B.asked[i] = B.over[i] = B.rows[i] = 0;
 }
 
 static void bhold(size_t i)
 {
     size_t bytes = B.held[i] + B.asked[i];
-    rbudget_hold(&B.b, &B.m[i], bytes > 0 ? 1 : 0, bytes);
+    rbudget_hold(&B.b, &B.m[i], B.rows[i] + (B.asked[i] > 0 ? 1 : 0), bytes);
 }
 
 static void bcheck(void)
@@ -329,6 +335,11 @@ static void bcheck(void)
         if (!B.in[i])
             continue;
         assert_int_equal(B.m[i].held_bytes, B.held[i] + B.asked[i]);
+        assert_true(B.rows[i] > 0 || B.held[i] == 0);
+        if (B.rows[i] > 0)
+            assert_true(B.m[i].held > 0 && B.b.n_busy > 0);   /* its rows keep it busy */
+        if (B.b.whole == &B.m[i])
+            assert_true(B.m[i].held_bytes > 0 || B.m[i].whole_claiming);
         used += B.m[i].held_bytes;
         over = B.over[i] > over ? B.over[i] : over;
     }
@@ -363,11 +374,12 @@ static size_t bclaim(size_t i)
 /* Member i's claim returns rows of the given sizes, cut as a source cuts them. */
 static size_t bclaim_done(size_t i, const size_t *sizes, size_t n)
 {
-    size_t got = 0, max = B.asked[i];
+    size_t got = 0, max = B.asked[i], nrows = 0;
     for (size_t k = 0; k < n; k++) {
         if (got + sizes[k] > max && !(k == 0 && B.whole[i]))
             break;
         got += sizes[k];
+        nrows++;
     }
     /* a row that came alone past the bytes asked for: what it put past the limit */
     size_t left = B.b.limit_bytes > B.b.used_bytes - B.asked[i] ?
@@ -375,13 +387,16 @@ static size_t bclaim_done(size_t i, const size_t *sizes, size_t n)
     if (got > max && got > left)
         B.over[i] = got - left;
     B.held[i] += got;
+    B.rows[i] += nrows;
     B.asked[i] = 0;
     bhold(i);
     rbudget_claim_done(&B.b, &B.m[i]);
     return got;
 }
 
-static void brelease(size_t i, size_t n)
+/* n of member i's bytes go; keep_rows: its rows stay held (payloads let go once written,
+   their confirms still to come), else rows go with them (one, or all with the last byte). */
+static void brelease_rows(size_t i, size_t n, bool keep_rows)
 {
     bool waited[MAXM];
     unsigned before[MAXM];
@@ -393,11 +408,18 @@ static void brelease(size_t i, size_t n)
     B.over[i] = B.over[i] > n ? B.over[i] - n : 0;
     if (B.held[i] == 0)
         B.over[i] = 0;
+    if (!keep_rows)
+        B.rows[i] = B.held[i] == 0 ? 0 : B.rows[i] > 1 ? B.rows[i] - 1 : 1;
     bhold(i);
     if (n > 0)
         for (size_t j = 0; j < MAXM; j++)
             if (waited[j])
                 assert_true(B.woken[j] > before[j]);            /* B7 */
+}
+
+static void brelease(size_t i, size_t n)
+{
+    brelease_rows(i, n, false);
 }
 
 static void test_bytes_shares_and_oversized_rows(void **state)
@@ -501,6 +523,21 @@ static void test_bytes_one_whole_row_at_a_time(void **state)
     bclaim_done(third, &row, 1);
     bcheck();
     assert_true(B.b.used_bytes <= 64 * MIB + row);
+    /* past the limit with it, the turn stays third's until the sink has written the row
+       and its payload is let go: third holds its row (awaiting the confirm) and no bytes,
+       the turn is free and those refused it are woken; third stays busy */
+    if (B.b.used_bytes > 64 * MIB) {
+        size_t fourth = (who + 3) % 4;
+        assert_ptr_equal(B.b.whole, &B.m[third]);
+        assert_int_equal(bclaim(fourth), 0);
+        w = B.woken[fourth];
+        brelease_rows(third, row, true);
+        bcheck();
+        assert_null(B.b.whole);
+        assert_true(B.woken[fourth] > w);
+        assert_int_equal(B.m[third].held, 1);
+        assert_int_equal(B.m[third].held_bytes, 0);
+    }
     for (size_t i = 0; i < 4; i++)
         rbudget_leave(&B.b, &B.m[i]);
     assert_null(B.b.whole);
@@ -528,8 +565,17 @@ static void run_bytes_seed(uint64_t seed)
                     sizes[k] = 1 + rnd(scale);
                 bclaim_done(i, sizes, n);
             }
-        } else if (ev < 98) {
+        } else if (ev < 88) {
             if (B.held[i] > 0)
+                brelease(i, rnd(3) == 0 ? B.held[i] : 1 + rnd(B.held[i]));
+        } else if (ev < 94) {
+            /* written whole: payload bytes go, the rows stay until their confirms */
+            if (B.held[i] > 0)
+                brelease_rows(i, rnd(3) == 0 ? B.held[i] : 1 + rnd(B.held[i]), true);
+        } else if (ev < 98) {
+            if (B.held[i] == 0 && B.rows[i] > 0)
+                brelease(i, 0);              /* the confirms of rows written whole */
+            else if (B.held[i] > 0)
                 brelease(i, rnd(3) == 0 ? B.held[i] : 1 + rnd(B.held[i]));
         } else if (B.asked[i] == 0) {
             rbudget_unwait(&B.b, &B.m[i]);

@@ -26,7 +26,14 @@
  * corr-<i>, type type.<i%3>, content_type application/x-test, created_at
  * (1700000000+i) s + 123456 us, headers GOOD_HEADERS with "idx":i, payload
  * byte j = (i*7 + j*13) & 0xff (NULs included). A LOST result is retried (as
- * the relay would) unless --no-retry. A SINK_EWAIT row (its exchange is being
+ * the relay would) unless --no-retry. As the relay does, the driver lets a
+ * payload go (row_release_payload: one of ROW_APART_MIN bytes or more is freed)
+ * once the sink no longer reads it: when publish() queued it and writing() does
+ * not name it, or at on_written; a LOST row whose payload was let go is made
+ * anew before it is published again (the relay claims it again). The driver
+ * checks on_written's contract: only for a message writing() named when
+ * publish() queued it, at most once, before its result, never after destroy,
+ * and before an ACK of such a message (a broker confirms only what it got whole). A SINK_EWAIT row (its exchange is being
  * checked) is set aside and put back at the front of the queue by the next
  * on_writable; the rows behind it go on meanwhile. Output, one line each, flushed:
  *   state UP|DOWN|BLOCKED <msg>
@@ -35,7 +42,8 @@
  *   ewait <i>                     (publish said SINK_EWAIT; the row waits)
  *   summary total=.. acked=.. returned=.. nacked=.. rejected=.. lost=.. eperm=..
  *           refused=.. ewait=.. max_in_flight=.. ups=.. downs=.. blocked=..
- *           queued_while_blocked=.. in_flight=.. eagain=.. max_burst=.. secs=..
+ *           queued_while_blocked=.. in_flight=.. eagain=.. max_burst=.. written=..
+ *           remade=.. secs=..
  *   (max_burst: the most payload bytes publish() queued in one turn of the loop)
  * Exit 0 when every message got a final result, 2 on timeout, 1 on usage errors.
  */
@@ -74,6 +82,13 @@ static const char *const bad_headers[] = {
 typedef struct msg {
     int        idx;
     row       *r;         /* owned */
+    int        streamed;  /* writing() named it when publish() queued it: on_written due */
+    int        written;   /* on_written came */
+    /* what the row is made of, to make it anew (make_msg_row) */
+    const char *tag;
+    char       ex[256], rk[256];
+    size_t     size, bighdr;
+    int        nohdr;
     int        state;     /* 0 pending, 1 in flight, 2 done, 3 waiting (EWAIT),
                              4 refused, published again at retry_at */
     double     retry_at;
@@ -110,9 +125,13 @@ typedef struct drv {
     int            *scratch;         /* n + 1: rebuilding pending */
     int             n_waiting;
     int             c_refused, c_ewait;
+    int             c_written;       /* on_written calls */
+    int             c_remade;        /* LOST rows made anew: their payload was let go */
     double          retry_refused;   /* s; 0: REFUSED is final */
     ev_timer        refused_t;
 } drv;
+
+static row *make_msg_row(const msg *m);
 
 /* No default: -Wswitch names an outcome or state added to relay/sink.h and not here. */
 static const char *outcome_name(enum sink_outcome o)
@@ -197,11 +216,24 @@ static void pump(drv *d)
             exit(3);
         }
         m->state = 1;
+        m->written = 0;
+        m->streamed = d->ops->writing != NULL && d->ops->writing(d->s) == m;
+        if (d->ops->writing != NULL && !m->streamed) {
+            void *w = d->ops->writing(d->s);
+
+            if (w != NULL) {
+                printf("error: writing() names message %d after %d was queued\n",
+                       ((msg *)w)->idx, m->idx);
+                exit(3);
+            }
+            /* written whole in publish(): the relay lets its payload go at once */
+            (void)row_release_payload(m->r);
+        }
         if (ev_iteration(d->loop) != d->burst_iter) {
             d->burst_iter = ev_iteration(d->loop);
             d->burst = 0;
         }
-        d->burst += m->r->payload_len;
+        d->burst += m->r->payload_len;   /* payload_len stays when the payload is let go */
         if (d->burst > d->max_burst)
             d->max_burst = d->burst;
         if (d->sink_state == SINK_BLOCKED)
@@ -265,6 +297,10 @@ static void on_result(void *ud, void *msg_ud, enum sink_outcome outcome, const c
         printf("error: ACK with a reason\n");
         exit(3);
     }
+    if (outcome == SINK_ACK && m->streamed && !m->written) {
+        printf("error: message %d confirmed before on_written\n", m->idx);
+        exit(3);
+    }
     printf("result %d %s %s\n", m->idx, outcome_name(outcome), reason ? reason : "");
     switch (outcome) {
     case SINK_ACK:      d->c_ack++;  break;
@@ -276,6 +312,18 @@ static void on_result(void *ud, void *msg_ud, enum sink_outcome outcome, const c
     }
     if (outcome == SINK_LOST && d->retry_lost) {
         m->state = 0;
+        if (m->r->payload_released) {
+            /* its payload was let go: the relay gives such a row back and claims it again */
+            row *again = make_msg_row(m);
+
+            if (again == NULL) {
+                printf("error: out of memory making row %d again\n", m->idx);
+                exit(3);
+            }
+            row_free(m->r);
+            m->r = again;
+            d->c_remade++;
+        }
         d->pending[d->ptail++ % d->pcap] = m->idx;
     } else {
         m->state = 2;
@@ -293,6 +341,25 @@ static void on_result(void *ud, void *msg_ud, enum sink_outcome outcome, const c
         return;
     }
     pump(d);
+}
+
+static void on_written(void *ud, void *msg_ud)
+{
+    drv *d = ud;
+    msg *m = msg_ud;
+
+    if (d->destroyed) {
+        printf("error: on_written after destroy\n");
+        exit(3);
+    }
+    if (m->state != 1 || !m->streamed || m->written) {
+        printf("error: on_written for message %d (state %d, named by writing() %d, "
+               "written already %d)\n", m->idx, m->state, m->streamed, m->written);
+        exit(3);
+    }
+    m->written = 1;
+    d->c_written++;
+    (void)row_release_payload(m->r);   /* the sink reads it no more */
 }
 
 static void tick_cb(struct ev_loop *loop, ev_timer *w, int revents)
@@ -404,6 +471,25 @@ static row *make_row(int i, const char *tag, const char *ex, const char *rk, siz
     f.payload = (row_field){ (const char *)pl, size };
     r = row_new(&f);
     free(pl);
+    return r;
+}
+
+/* Message m's row, made from what the command line said of it. */
+static row *make_msg_row(const msg *m)
+{
+    row *r;
+    char *h;
+
+    if (m->bighdr == 0)
+        return make_row(m->idx, m->tag, m->ex, m->rk, m->size, m->hdr, m->nohdr);
+    h = malloc(m->bighdr + 16);     /* row_new copies it */
+    if (h == NULL)
+        return NULL;
+    memcpy(h, "{\"big\": \"", 9);
+    memset(h + 9, 'x', m->bighdr);
+    memcpy(h + 9 + m->bighdr, "\"}", 3);
+    r = make_row(m->idx, m->tag, m->ex, m->rk, m->size, h, m->nohdr);
+    free(h);
     return r;
 }
 
@@ -598,20 +684,18 @@ int main(int argc, char **argv)
                     snprintf(m->hdr, sizeof m->hdr, "%s", bad_headers[hdr]);
                 else
                     snprintf(m->hdr, sizeof m->hdr, GOOD_HEADERS_FMT, i);
-                if (bighdr > 0) {      /* row_new copies it */
-                    char *h = malloc(bighdr + 16);
-                    if (h == NULL) {
-                        free(g);
-                        goto out;
-                    }
-                    memcpy(h, "{\"big\": \"", 9);
-                    memset(h + 9, 'x', bighdr);
-                    memcpy(h + 9 + bighdr, "\"}", 3);
-                    m->r = make_row(i, tag, ex, rk, size, h, nohdr);
-                    free(h);
-                } else {
-                    m->r = make_row(i, tag, ex, rk, size, m->hdr, nohdr);
+                if (strlen(ex) >= sizeof m->ex || strlen(rk) >= sizeof m->rk) {
+                    fprintf(stderr, "exchange or routing key too long for the driver\n");
+                    free(g);
+                    goto out;
                 }
+                m->tag = tag;
+                snprintf(m->ex, sizeof m->ex, "%s", ex);
+                snprintf(m->rk, sizeof m->rk, "%s", rk);
+                m->size = size;
+                m->bighdr = bighdr;
+                m->nohdr = nohdr;
+                m->r = make_msg_row(m);
                 if (m->r == NULL) {
                     fprintf(stderr, "row_new failed\n");
                     free(g);
@@ -638,12 +722,13 @@ int main(int argc, char **argv)
         }
         printf("check ok%s%s\n", err[0] ? ": " : "", err);
     }
-    memset(&cbs, 0, sizeof cbs);   /* callbacks not set here stay NULL (on_written) */
+    memset(&cbs, 0, sizeof cbs);
     cbs.ud = &d;
     cbs.on_state = on_state;
     cbs.on_event = on_event;
     cbs.on_result = on_result;
     cbs.on_writable = on_writable;
+    cbs.on_written = on_written;
     if (d.ops->create(d.loop, &c, "sink_amqp_test", &cbs, &d.s, err, sizeof err) != 0) {
         printf("create failed: %s\n", err);
         goto out;
@@ -670,11 +755,12 @@ int main(int argc, char **argv)
     printf("summary total=%d acked=%d returned=%d nacked=%d rejected=%d lost=%d eperm=%d "
            "refused=%d ewait=%d "
            "max_in_flight=%zu ups=%d downs=%d blocked=%d queued_while_blocked=%d in_flight=%zu "
-           "eagain=%d max_burst=%zu secs=%.3f\n",
+           "eagain=%d max_burst=%zu written=%d remade=%d secs=%.3f\n",
            d.n, d.c_ack, d.c_ret, d.c_nack, d.c_rej, d.c_lost, d.c_eperm, d.c_refused,
            d.c_ewait, d.max_in_flight,
            d.ups, d.downs, d.blocks, d.queued_while_blocked,
-           d.s ? d.ops->in_flight(d.s) : (size_t)0, d.eagain, d.max_burst, ev_time() - t0);
+           d.s ? d.ops->in_flight(d.s) : (size_t)0, d.eagain, d.max_burst, d.c_written,
+           d.c_remade, ev_time() - t0);
     rc = d.timed_out ? 2 : 0;
     ev_timer_stop(d.loop, &d.rate_t);
     ev_timer_stop(d.loop, &d.timeout_t);
