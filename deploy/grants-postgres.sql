@@ -35,6 +35,7 @@
 --                    `dead retry` re-inserts with OVERRIDING SYSTEM VALUE: INSERT is enough.
 --                    Leadership is a lease row in outbox.messages_lease (SELECT, INSERT,
 --                    UPDATE: take and renew it); wake-ups use LISTEN, which needs no grant.
+--                    SELECT on the outbox's id sequence: where claims may start (below).
 --   Neither role may create, alter, drop or truncate anything. `outbox-relay init` (DDL) is
 --   run by the table owner / migration role, not by these roles.
 
@@ -64,6 +65,15 @@ GRANT INSERT ON TABLE outbox.messages TO outbox_producer;
 GRANT SELECT, UPDATE, DELETE, INSERT ON TABLE outbox.messages TO outbox_relay;
 GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE outbox.messages_dead TO outbox_relay;
 GRANT SELECT, INSERT, UPDATE ON TABLE outbox.messages_lease TO outbox_relay;
+
+-- The claims' floor: a few times a second the relay reads the id sequence's last value
+-- (pg_sequence_last_value) and which transactions hold the outbox's ROW EXCLUSIVE lock
+-- (pg_locks, readable by every role), to find where its claims may start instead of the
+-- table's first row (their cost then does not grow with the rows marked since the last
+-- vacuum). SELECT on the sequence reads it and changes nothing. Without it the relay logs
+-- once (event claim_floor_unavailable) and its claims start from the first row. The
+-- sequence of another table S.T is S.T_id_seq: `SELECT pg_get_serial_sequence('S.T', 'id')`.
+GRANT SELECT ON SEQUENCE outbox.messages_id_seq TO outbox_relay;
 
 -- Table health (`/metrics`: outbox_relay_table_*, outbox_relay_xmin_horizon_*, and the WARN
 -- naming whoever holds the xmin horizon back): the dead/live tuple counts and last autovacuum

@@ -229,10 +229,18 @@ char *sql_pg_lead(const sql_pg_names *n)
    reads and sorts the whole backlog (150,000 rows: 0.1-0.4 s a claim, more than the
    query timeout on a loaded server). Each step of the walk asks for one row, which
    the planner can never believe to be fewer than there are: the ordered index scan
-   with its LIMIT 1 is then its cheapest plan, stale statistics or not. */
+   with its LIMIT 1 is then its cheapest plan, stale statistics or not.
+   The walk starts at $9, a lower bound below which no row is pending or can become
+   pending (sql_pg_floor_probe; 0: the table's start): pending_idx keeps an entry for every
+   row marked since the table was last vacuumed, at the low end of the index, and with the
+   xmin horizon held back none of them can go; a walk from the start crosses them all. The
+   bound is read through a subquery so that the planner estimates the claim alike whatever
+   its value: otherwise each value plans better than the generic plan, and a claim would be
+   planned at every execution again (plan_cache_mode = auto keeps a generic plan only when
+   it costs no more than the plans made with the values). */
 #define SQL_PG_WALK(T, GUARD)                                                              \
-    "w(id) AS ((SELECT p.id FROM " T " p WHERE p.sent_at IS NULL AND " GUARD " "           \
-    "ORDER BY p.id LIMIT 1) UNION ALL SELECT (SELECT p.id FROM " T " p "                  \
+    "w(id) AS ((SELECT p.id FROM " T " p WHERE p.sent_at IS NULL AND p.id >= (SELECT $9::bigint) " \
+    "AND " GUARD " ORDER BY p.id LIMIT 1) UNION ALL SELECT (SELECT p.id FROM " T " p "                  \
     "WHERE p.sent_at IS NULL AND p.id > w.id ORDER BY p.id LIMIT 1) FROM w "              \
     "WHERE w.id IS NOT NULL)"
 
@@ -280,13 +288,8 @@ char *sql_pg_lead(const sql_pg_names *n)
     P ".partition_key >= " K " AND (" P ".partition_key, " P ".id) < (" K ", " ID ") "     \
     "AND " P ".sent_at IS NULL AND " P ".id < " ID
 
-static char *claim(const sql_pg_names *n, bool competing, bool sized, bool sliced)
+static char *claim(const sql_pg_names *n, bool competing, bool sliced)
 {
-    static const char ret_plain[] =
-        "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
-        "m.message_type, m.content_type, m.correlation_id, m.headers::text, m.payload, "
-        "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
-        "(extract(epoch from now() - m.created_at) * 1000000)::bigint, NULL::bigint";
     static const char ret_sized[] =
         "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
         "m.message_type, m.content_type, m.correlation_id, m.headers::text, "
@@ -301,11 +304,11 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized, bool slice
         "m.attempts, (extract(epoch from m.created_at) * 1000000)::bigint, "
         "(extract(epoch from now() - m.created_at) * 1000000)::bigint, "
         "CASE WHEN " SQL_PG_LEFT_OUT("m") " THEN octet_length(m.payload)::bigint END";
-    const char *ret = sliced ? ret_sliced : sized ? ret_sized : ret_plain;
-    /* sized: the candidates carry their size, the rows leased are the prefix b */
-    const char *sz = sized ? ", " SQL_PG_CLAIMED_BYTES("m") " AS sz" : "";
-    const char *bytes = sized ? ", " SQL_PG_BYTE_PREFIX("c") : " ";
-    const char *from = sized ? "b" : "c";
+    const char *ret = sliced ? ret_sliced : ret_sized;
+    /* the candidates carry their size, the rows leased are the prefix b */
+    const char *sz = ", " SQL_PG_CLAIMED_BYTES("m") " AS sz";
+    const char *bytes = ", " SQL_PG_BYTE_PREFIX("c");
+    const char *from = "b";
     if (!competing)
         /* The claim commits durably, as marks do: a claim a crashed server forgot leaves
            the relay holding rows whose leases are gone; they are claimed and published
@@ -332,7 +335,7 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized, bool slice
             "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
             "lease_until = now() + $4::float8 * interval '1 millisecond' "
             "FROM %6$s WHERE m.id = %6$s.id %3$s",
-            n->table, n->lease, ret, sized ? ", x.sz" : "", bytes, from, sz);
+            n->table, n->lease, ret, ", x.sz", bytes, from, sz);
     return fmt(
         "WITH RECURSIVE " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
         SQL_PG_WALK("%1$s", "($5::bigint >= 0)") ", "
@@ -365,22 +368,34 @@ static char *claim(const sql_pg_names *n, bool competing, bool sized, bool slice
         "lease_until = now() + $4::float8 * interval '1 millisecond' "
         "FROM %6$s WHERE m.id = %6$s.id %2$s",
         n->table, ret, n->lease, sz, bytes, from,
-        sized ? ", c0.sz" : "", sized ? ", x.sz" : "");
-}
-
-char *sql_pg_claim(const sql_pg_names *n, bool competing)
-{
-    return claim(n, competing, false, false);
+        ", c0.sz", ", x.sz");
 }
 
 char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing)
 {
-    return claim(n, competing, true, false);
+    return claim(n, competing, false);
 }
 
 char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing)
 {
-    return claim(n, competing, true, true);
+    return claim(n, competing, true);
+}
+
+/* The floor probe (see sql_pg.h): $1 the floor in use, $2 the lock holders the previous probe
+   saw (text[] of virtualtransaction, NULL: none), $3 the table's quoted name. The lowest
+   pending id is looked for from the floor in use: no row below it is pending. */
+char *sql_pg_floor_probe(const sql_pg_names *n)
+{
+    return fmt("SELECT (SELECT p.id FROM %s p WHERE p.sent_at IS NULL AND p.id >= $1::bigint "
+               "ORDER BY p.id LIMIT 1), pg_sequence_last_value(q.seq), "
+               "(SELECT s.seqcache FROM pg_catalog.pg_sequence s WHERE s.seqrelid = q.seq), "
+               "(SELECT array_agg(l.virtualtransaction)::text FROM pg_catalog.pg_locks l "
+               "WHERE l.locktype = 'relation' AND l.relation = $3::regclass "
+               "AND l.mode = 'RowExclusiveLock' AND l.granted), "
+               "NOT EXISTS (SELECT 1 FROM pg_catalog.pg_locks l WHERE l.locktype = 'relation' "
+               "AND l.relation = $3::regclass AND l.virtualtransaction = ANY ($2::text[])) "
+               "FROM (SELECT pg_catalog.pg_get_serial_sequence($3::text, 'id')::regclass AS seq) q",
+               n->table);
 }
 
 /* The payload is read whole once (the concatenation makes an in-memory copy of it: a

@@ -37,18 +37,17 @@ void sql_pg_names_init(const cfg_outbox *ob, sql_pg_names *n);
 /* Leadership: $1 owner, $2 epoch held (0 none), $3 lease ms.
    -> our epoch (NULL: not leader), holder before, its epoch, row leases released. */
 char *sql_pg_lead(const sql_pg_names *n);
-/* Claim: $1 limit, $2 owner, $3 token, $4 lease ms, $5 epoch (leader mode; 0: unfenced).
-   -> id, message_id, exchange, routing_key, partition_key, message_type, content_type,
-      correlation_id, headers (text), payload, attempts, created_at (µs since the epoch),
-      age (µs), and NULL (the size of a payload left out: see sql_pg_claim_bytes). */
-char *sql_pg_claim(const sql_pg_names *n, bool competing);
-/* The claim within a byte limit: as sql_pg_claim, and $6 max bytes (0: no limit), $7
+/* The claim, within a byte limit: $1 limit, $2 owner, $3 token, $4 lease ms, $5 epoch
+   (leader mode; 0: unfenced), $6 max bytes (0: no limit), $7
    first row whatever its size (boolean): the rows leased are the prefix, in id order,
    whose payload + headers text bytes (src_row_bytes) sum to at most $6, or that first
    row alone (src_claim_args.max_bytes, first_whole); $8 the largest payload returned
    (0: no limit): a larger one is left in the database, its column NULL and the last
    column its size (else NULL), and the row counts for its headers only within $6
-   (src_claim_args.max_payload). Same result columns. */
+   (src_claim_args.max_payload); $9 where its walk starts (see sql_pg_floor_probe).
+   -> id, message_id, exchange, routing_key, partition_key, message_type, content_type,
+      correlation_id, headers (text), payload, attempts, created_at (µs since the epoch),
+      age (µs), and the size of a payload left out (else NULL). */
 char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing);
 /* Payloads over this many bytes are read in slices of this size (sql_pg_claim_sliced,
    sql_pg_payload_slices). */
@@ -58,6 +57,22 @@ char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing);
    as for one over $8. Same parameters, same result columns, same byte limit (such a row
    counts whole). */
 char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing);
+/* Every claim's $9: its walk over the pending rows starts at this id (0: the table's start).
+ *
+ * The floor probe finds a start below which no row is pending and none can become pending,
+ * so that a claim does not cross the index entries of the rows marked since the last vacuum
+ * (all of them while the xmin horizon is held back). Probe k (one statement) returns the
+ * lowest pending id m_k from the floor in use, the id sequence's last value lv_k and its cache
+ * size, the transactions that hold the table's ROW EXCLUSIVE lock W_k (every producer that
+ * drew an id and has not ended: an INSERT takes the lock before it draws its id), and whether
+ * all of W_(k-1) have ended. Once probe k-1 saw every transaction of W_(k-2) ended, the floor
+ * min(m_k, lv_(k-3) + 1) is safe: a row below it that is not visible to probe k was written by
+ * a transaction that took the lock after probe k-2 read the locks, so it drew its id after
+ * probe k-3 read the sequence, above lv_(k-3) (a sequence caching one value at a time gives
+ * ids in the order they are drawn; with a larger cache the probe keeps no floor). A row
+ * inserted with an explicit id below the floor (a dead row retried) is found once a later
+ * probe sees it pending. */
+char *sql_pg_floor_probe(const sql_pg_names *n);
 /* A claimed row's payload in slices: $1 id, $2 slice bytes, $3 the claim's lease token.
    -> one row per slice, in order: its 1-based offset (int), the slice (bytea). No row
    when the row is gone or no longer under that lease. */

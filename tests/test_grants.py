@@ -3,6 +3,7 @@ the producer role may only INSERT; the relay role may read/update/delete the out
 into it (dead retry) and select/insert/delete dead rows — and nothing else."""
 import secrets
 import subprocess
+import time
 
 import psycopg
 import pytest
@@ -252,3 +253,44 @@ def test_relay_role_names_who_holds_the_xmin_horizon(granted, services, pgdb, re
     assert "permission denied" not in log, log[-3000:]
     assert "cannot see other roles' transactions" not in log, log[-3000:]
     r.assert_clean_exit(rc)
+
+
+def test_relay_without_the_sequence_grant_says_so_once_and_drains(
+        granted, services, pgdb, relay_bin, amqp, tmp_path):
+    """Without SELECT on the outbox's id sequence the relay cannot keep its claims' floor:
+    it says so once (claim_floor_unavailable, naming the refusal) and claims from the first
+    row, delivering everything."""
+    import uuid
+
+    from conftest import wait_for
+    from relay_util import Relay, write_config
+
+    with pgdb.connect() as su:
+        su.execute("REVOKE SELECT ON SEQUENCE outbox.messages_id_seq FROM outbox_relay")
+    p = granted("outbox_producer")
+    relay_user = granted.login("outbox_relay")
+    q = f"grants-{uuid.uuid4().hex[:8]}"
+    ch = amqp.channel()
+    ch.queue_declare(q, durable=True)
+    cfg = write_config(tmp_path / "relay.ini", services, pgdb,
+                       conninfo=granted.conninfo(relay_user), poll_interval="200ms",
+                       claim_delay="0")
+    r = Relay(relay_bin, cfg, tmp_path / "relay.log")
+    try:
+        for i in range(30):
+            p.execute(f"INSERT INTO {T} (message_id, routing_key, partition_key, payload) "
+                      "VALUES (gen_random_uuid(), %s, %s, 'x')", (q, f"k{i % 3}"))
+            time.sleep(0.05)
+        with pgdb.connect() as su:
+            wait_for(lambda: su.execute(f"SELECT count(*) FROM {T} WHERE sent_at IS NOT NULL")
+                     .fetchone()[0] == 30, timeout=30, desc=f"30 rows marked; log:\n{r.text()[-2000:]}")
+    finally:
+        rc = r.stop()
+        with pgdb.connect() as su:
+            su.execute("GRANT SELECT ON SEQUENCE outbox.messages_id_seq TO outbox_relay")
+    r.assert_clean_exit(rc)
+    from relay_util import log_lines_at
+    warned = log_lines_at(r.text(), r"claims start from the table's first row", levels=("WARN",))
+    assert len(warned) == 1 and "permission denied for sequence" in warned[0], warned
+    assert not log_lines_at(r.text(), r"claims start from the table's first row",
+                            levels=("INFO", "ERROR"))

@@ -39,7 +39,7 @@
 
 enum phase { PH_IDLE = 0, PH_BACKOFF, PH_CONNECTING, PH_SETUP, PH_UP };
 enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_PREPARE, Q_REQ,
-           Q_REQ_LISTEN, Q_LOAD };
+           Q_REQ_LISTEN, Q_REQ_FLOOR, Q_LOAD };
 
 /* While claims keep finding rows the claiming session does not need each commit's
    notification, and each costs its backend a wake-up and a read of the queue (~30 us, one
@@ -52,9 +52,23 @@ enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_P
    next claim comes claim_delay later as it would have, without a LISTEN and an UNLISTEN.) */
 #define QUIET_ROWS 4
 #define QUIET_EMPTY 2
-/* The claims' parameters ($1..$8 of sql_pg_claim and sql_pg_claim_competing). */
-#define CLAIM_NPARAMS 8
+/* The claims' parameters ($1..$9 of sql_pg_claim_sliced); the last is the floor. */
+#define CLAIM_NPARAMS 9
+#define CLAIM_FLOOR 8
+/* The floor probe (sql_pg_floor_probe) runs before a claim at most this often; the first
+   probe FLOOR_FULL_S after the last one that did looks for the lowest pending row from the
+   table's start, which finds a row written below the floor with an explicit id
+   (outbox-relay dead retry keeps the ids). */
+#define FLOOR_PROBE_S 0.25
+#define FLOOR_FULL_S 5.0
 enum { LS_OFF = 0, LS_ON, LS_QUIET };
+
+/* One floor probe's answer (sql_pg_floor_probe). */
+typedef struct floor_probe {
+    int64_t m, lv;            /* lowest pending id (m_none: none), the sequence's last value */
+    bool    m_none, ended;    /* ended: every lock holder of the probe before had ended */
+    char   *w;                /* the lock holders (text[]), NULL none */
+} floor_probe;
 
 /* The requests' statements are prepared once per session, at their first use (not
    through a pooler, whose server sessions are shared; not during setup, which must not
@@ -81,7 +95,7 @@ struct source {
     bool      prepared[ST_COUNT]; /* this session has the statement prepared */
     int       prep_st;        /* Q_REQ_PREPARE: the statement, then run with these: */
     int       prep_n, prep_fmt;
-    char     *prep_vals[8];
+    char     *prep_vals[CLAIM_NPARAMS];   /* as many as the claims have, the most of any request */
 
     PGconn   *conn;
     int       phase;          /* enum phase */
@@ -113,8 +127,17 @@ struct source {
     int       listen;         /* LS_*: this session's LISTEN (QUIET_ROWS) */
     bool      unlisten_next, listen_next;   /* the next claim sends UNLISTEN / LISTEN first */
     int       quiet_empty;    /* LS_QUIET: claims in a row that found nothing */
-    char     *lq_vals[CLAIM_NPARAMS];     /* Q_REQ_LISTEN: the claim's values, sent after it */
+    char     *lq_vals[CLAIM_NPARAMS];     /* Q_REQ_LISTEN, Q_REQ_FLOOR: the claim's values */
     const char *lq_sql;
+    /* The claims' floor (sql_pg_floor_probe): their walk starts there. Per session. */
+    char     *sql_floor;
+    int64_t   floor_id;       /* the claims' $9: 0 the table's start */
+    bool      floor_off;      /* the probe cannot run on this session: no floor */
+    bool      floor_warned;   /* said once per process why there is no floor */
+    double    floor_due;      /* ev_now() of the next probe */
+    double    floor_full_due; /* ev_now() of the next probe from the table's start */
+    unsigned  fp_n;           /* probes answered on this session */
+    floor_probe fp[4];        /* the last four answered, probe k at k % 4 */
     int       server_pid;     /* pg_backend_pid() seen at setup */
 
     /* A conninfo naming several hosts: the one the next connect starts with (0: the
@@ -128,6 +151,8 @@ struct source {
 /* ------------------------------------------------------------ helpers */
 
 static void prep_clear(source *s);
+static void floor_reset(source *s);
+static void floor_done(source *s, PGresult *r);
 
 static void lq_clear(source *s);
 
@@ -150,6 +175,9 @@ static void src_free(source *s)
     free(s->sql_stats);
     free(s->sql_health);
     free(s->sql_slices);
+    free(s->sql_floor);
+    for (size_t i = 0; i < sizeof s->fp / sizeof s->fp[0]; i++)
+        free(s->fp[i].w);
     prep_clear(s);
     free(s->sql_claim_competing);
     free(s);
@@ -642,6 +670,10 @@ static void q_done(source *s)
         listen_done(s, r);
         return;
     }
+    if (op == Q_REQ_FLOOR) {
+        floor_done(s, r);
+        return;
+    }
     if (!result_ok(r)) {
         char msg[600];
         snprintf(msg, sizeof msg, "connection setup failed: %s", result_error(r, err, sizeof err));
@@ -757,6 +789,7 @@ static void on_connected(source *s)
     memset(s->prepared, 0, sizeof s->prepared);
     s->listen = LS_OFF;
     s->unlisten_next = s->listen_next = false;
+    floor_reset(s);
     setup_step(s, Q_SET_TIMEOUT);
 }
 
@@ -1008,6 +1041,7 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
     s->sql_stats = sql_pg_stats(&s->names, false);
     s->sql_health = sql_pg_health();
     s->sql_slices = sql_pg_payload_slices(&s->names);
+    s->sql_floor = sql_pg_floor_probe(&s->names);
     if (!s->sql_slices || !s->sql_lead || !s->sql_claim || !s->sql_claim_competing || !s->sql_settle ||
         !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats || !s->sql_health)
         goto oom;
@@ -1197,28 +1231,55 @@ static void lq_clear(source *s)
     s->lq_sql = NULL;
 }
 
-/* The claim's UNLISTEN or LISTEN (QUIET_ROWS), then the claim with copies of its values. */
-static int listen_then_claim(source *s, const char *sql, const char *const vals[CLAIM_NPARAMS])
+/* A statement that goes first on the claim's session (the floor probe, UNLISTEN or LISTEN)
+   keeps copies of the claim's values meanwhile. */
+static int lq_stash(source *s, const char *sql, const char *const vals[CLAIM_NPARAMS])
 {
     lq_clear(s);
     for (int k = 0; k < CLAIM_NPARAMS; k++) {
         if (vals[k] != NULL && (s->lq_vals[k] = dupstr(vals[k])) == NULL) {
             lq_clear(s);
-            return req_send(s, sql, CLAIM_NPARAMS, vals, 1);   /* no memory to spare: the claim alone */
+            return -1;
         }
     }
     s->lq_sql = sql;
-    if (q_send(s, Q_REQ_LISTEN, s->listen_next ? "LISTEN " OUTBOX_NOTIFY_CHANNEL
-                                              : "UNLISTEN " OUTBOX_NOTIFY_CHANNEL,
-               0, NULL, 0) < 0) {
-        char one[256];
-        lq_clear(s);
-        pgsrc_oneline(PQerrorMessage(s->conn), one, sizeof one);
-        req_defer(s, -1, one[0] ? one : "send failed");
-        s->qop = Q_NONE;
-        ev_timer_stop(s->loop, &s->deadline);
-    }
     return 0;
+}
+
+static void lq_send_failed(source *s)
+{
+    char one[256];
+    lq_clear(s);
+    pgsrc_oneline(PQerrorMessage(s->conn), one, sizeof one);
+    req_defer(s, -1, one[0] ? one : "send failed");
+    s->qop = Q_NONE;
+    ev_timer_stop(s->loop, &s->deadline);
+}
+
+/* The stashed claim's next statement: its UNLISTEN or LISTEN (QUIET_ROWS), else the claim
+   itself, with the floor as it is now (binary results: payloads as they are). */
+static void lq_next(source *s)
+{
+    if (s->unlisten_next || s->listen_next) {
+        if (q_send(s, Q_REQ_LISTEN, s->listen_next ? "LISTEN " OUTBOX_NOTIFY_CHANNEL
+                                                  : "UNLISTEN " OUTBOX_NOTIFY_CHANNEL,
+                   0, NULL, 0) < 0)
+            lq_send_failed(s);
+        return;
+    }
+    const char *sql = s->lq_sql;
+    char *v[CLAIM_NPARAMS];
+    char fl[24];
+    const char *cv[CLAIM_NPARAMS];
+    memcpy(v, s->lq_vals, sizeof v);
+    memset(s->lq_vals, 0, sizeof s->lq_vals);
+    s->lq_sql = NULL;
+    snprintf(fl, sizeof fl, "%" PRId64, s->floor_id);
+    for (int k = 0; k < CLAIM_NPARAMS; k++)
+        cv[k] = k == CLAIM_FLOOR ? fl : v[k];
+    (void)req_send(s, sql, CLAIM_NPARAMS, cv, 1);
+    for (int k = 0; k < CLAIM_NPARAMS; k++)
+        free(v[k]);
 }
 
 /* The claim's UNLISTEN or LISTEN is done (or failed: then so does the claim, and the next
@@ -1238,14 +1299,89 @@ static void listen_done(source *s, PGresult *r)
         s->listen = LS_QUIET;
     s->quiet_empty = 0;
     s->listen_next = s->unlisten_next = false;
-    const char *sql = s->lq_sql;
-    char *v[CLAIM_NPARAMS];
-    memcpy(v, s->lq_vals, sizeof v);
-    memset(s->lq_vals, 0, sizeof s->lq_vals);
-    s->lq_sql = NULL;
-    (void)req_send(s, sql, CLAIM_NPARAMS, (const char *const *)v, 1);
-    for (int k = 0; k < CLAIM_NPARAMS; k++)
-        free(v[k]);
+    lq_next(s);
+}
+
+/* ---------- the claims' floor (sql_pg_floor_probe) */
+
+static void floor_reset(source *s)
+{
+    s->floor_id = 0;
+    s->floor_off = false;
+    s->floor_due = s->floor_full_due = 0;
+    s->fp_n = 0;
+    for (size_t i = 0; i < sizeof s->fp / sizeof s->fp[0]; i++) {
+        free(s->fp[i].w);
+        s->fp[i].w = NULL;
+    }
+}
+
+static bool floor_probe_due(source *s)
+{
+    return !s->floor_off && ev_now(s->loop) >= s->floor_due;
+}
+
+static void floor_send(source *s)
+{
+    char fl[24];
+    double now = ev_now(s->loop);
+    bool full = now >= s->floor_full_due;
+    snprintf(fl, sizeof fl, "%" PRId64, full ? 0 : s->floor_id);
+    const char *vals[3] = { fl, s->fp_n > 0 ? s->fp[(s->fp_n - 1) % 4].w : NULL, s->names.table };
+    s->floor_due = now + FLOOR_PROBE_S;
+    if (full)
+        s->floor_full_due = now + FLOOR_FULL_S;
+    if (q_send(s, Q_REQ_FLOOR, s->sql_floor, 3, vals, 0) < 0)
+        lq_send_failed(s);
+}
+
+/* No floor on this session (the claims walk from the table's start, as they are correct to):
+   said once per process at WARN, as an operator can give the relay what it needs. */
+static void floor_off(source *s, const char *why)
+{
+    s->floor_off = true;
+    s->floor_id = 0;
+    if (!s->floor_warned) {
+        s->floor_warned = true;
+        log_ev(LOG_WARN, &(log_fields){ .event = "claim_floor_unavailable", .outbox = s->name },
+               "outbox=%s: claims start from the table's first row, so their cost grows with "
+               "the rows marked since the last vacuum: %s", s->name, why);
+    }
+}
+
+/* Probe k answered. Once probe k-1 saw every lock holder of probe k-2 ended, the floor is
+   min(m_k, lv_(k-3) + 1) (see sql_pg_floor_probe); the claim then goes on. */
+static void floor_done(source *s, PGresult *r)
+{
+    char err[300];
+    if (!result_ok(r) || PQntuples(r) != 1 || PQnfields(r) != 5) {
+        char why[400];
+        snprintf(why, sizeof why, "the floor probe failed (%s)",
+                 result_ok(r) ? "unexpected result" : result_error(r, err, sizeof err));
+        floor_off(s, why);
+    } else if (PQgetisnull(r, 0, 2) || strcmp(PQgetvalue(r, 0, 2), "1") != 0) {
+        floor_off(s, PQgetisnull(r, 0, 2)
+                         ? "the id column has no sequence"
+                         : "the id sequence caches more than one value per session, so ids "
+                           "need not follow the order they were drawn in");
+    } else {
+        unsigned k = s->fp_n++;
+        floor_probe *p = &s->fp[k % 4];
+        free(p->w);
+        p->m_none = PQgetisnull(r, 0, 0);
+        p->m = p->m_none ? 0 : strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+        p->lv = PQgetisnull(r, 0, 1) ? 0 : strtoll(PQgetvalue(r, 0, 1), NULL, 10);
+        p->w = PQgetisnull(r, 0, 3) ? NULL : dupstr(PQgetvalue(r, 0, 3));
+        p->ended = strcmp(PQgetvalue(r, 0, 4), "t") == 0;
+        if (!PQgetisnull(r, 0, 3) && p->w == NULL) {
+            floor_reset(s);      /* out of memory: start over, without a floor meanwhile */
+        } else if (k >= 3 && s->fp[(k - 1) % 4].ended) {
+            int64_t f = s->fp[(k - 3) % 4].lv + 1;
+            s->floor_id = !p->m_none && p->m < f ? p->m : f;
+        }
+    }
+    PQclear(r);
+    lq_next(s);
 }
 
 static int pgsrc_lead(source *s, const src_lead_args *a)
@@ -1273,15 +1409,22 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     snprintf(tok, sizeof tok, "%" PRId64, a->lease_token);
     snprintf(lease, sizeof lease, "%" PRId64, a->lease_ms);
     snprintf(ep, sizeof ep, "%" PRId64, a->competing ? 0 : a->epoch);
+    char fl[24];
+    snprintf(fl, sizeof fl, "%" PRId64, s->floor_id);
     const char *vals[CLAIM_NPARAMS] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
-                           a->first_whole ? "true" : "false", maxpay};
+                           a->first_whole ? "true" : "false", maxpay, fl};
     s->claim_token = a->lease_token;
     s->crows.max_payload = a->max_payload > INT64_MAX ? 0 : a->max_payload;
     const char *sql = a->competing ? s->sql_claim_competing : s->sql_claim;
-    if (s->unlisten_next || s->listen_next)
-        return listen_then_claim(s, sql, vals);
-    /* binary results: payload as is */
-    return req_send(s, sql, CLAIM_NPARAMS, vals, 1);
+    bool probe = floor_probe_due(s);
+    /* binary results: payloads as they are */
+    if ((!probe && !s->unlisten_next && !s->listen_next) || lq_stash(s, sql, vals) < 0)
+        return req_send(s, sql, CLAIM_NPARAMS, vals, 1);   /* (no memory to spare: alone) */
+    if (probe)
+        floor_send(s);
+    else
+        lq_next(s);
+    return 0;
 }
 
 static int pgsrc_settle(source *s, const src_outcome *v, size_t n)

@@ -1546,6 +1546,7 @@ STMT_KINDS = (
     ("lead", re.compile(r"name = 'leader'\), up AS")),
     ("stats", re.compile(r"min\(created_at\) AS oldest")),
     ("health", re.compile(r"pg_stat_user_tables s")),
+    ("floor", re.compile(r"pg_sequence_last_value")),
     ("listen", re.compile(r"^\s*(UN)?LISTEN", re.I)),
     ("setup", re.compile(r"statement_timeout|plan_cache_mode|to_regclass|pg_backend_pid",
                          re.I)),

@@ -1,0 +1,203 @@
+"""The claims' floor: a claim walks the pending rows from a lower bound below which no row is
+pending or can become pending, so that its cost does not grow with the rows marked since
+the table was last vacuumed (all of them, while a long transaction holds the xmin horizon
+back: each marked row leaves an entry in the pending rows' index that vacuum cannot take).
+
+The floor is moved by a probe the relay runs before a claim a few times a second: it may
+only pass a row once no producer that could still commit a row below it is running (the
+table's ROW EXCLUSIVE lock holders, which an INSERT takes before it draws its id). These
+tests check both sides on a real server: the cost while the horizon is held, and that a
+producer's row committed late (after rows with higher ids were claimed and published) is
+claimed at once and before its key's later rows."""
+import re
+import threading
+import time
+import uuid
+
+from conftest import wait_for
+from relay_util import LiveConsumer, Relay, amqp_channel, declare, free_port, write_config
+from test_claim_plan import server_log_since
+from test_relay import init_schema
+
+CLAIM_SQL = "WITH RECURSIVE f(partition_key%"
+
+
+def start(relay_bin, tmp_path, services, pgdb, **ob):
+    port = free_port()
+    cfg = write_config(tmp_path / "r.ini", services, pgdb,
+                       relay={"name": "floor", "http_listen": f"127.0.0.1:{port}"},
+                       poll_interval="5s", **ob)
+    init_schema(relay_bin, cfg)
+    return cfg, port
+
+
+def insert(c, q, key, seq):
+    return c.execute("INSERT INTO outbox.messages (message_id, routing_key, partition_key, "
+                     "headers, payload) VALUES (gen_random_uuid(), %s, %s, "
+                     "jsonb_build_object('seq', %s::text), 'x') RETURNING id",
+                     (q, key, seq)).fetchone()[0]
+
+
+def claim_stats(c):
+    """(buffers read or hit, calls) of the relay's claims in this database since the reset."""
+    return c.execute(
+        "SELECT coalesce(sum(s.shared_blks_hit + s.shared_blks_read), 0), "
+        "coalesce(sum(s.calls), 0) FROM pg_stat_statements s JOIN pg_database d "
+        "ON d.oid = s.dbid WHERE d.datname = current_database() AND s.query LIKE %s",
+        (CLAIM_SQL,)).fetchone()
+
+
+def test_claims_do_not_cross_the_rows_marked_while_the_horizon_is_held(
+        services, pgdb, relay_bin, tmp_path):
+    """20,000 rows drained while a REPEATABLE READ transaction holds the horizon: each
+    marked row keeps its entry in the pending rows' index. The claims after it, one per
+    commit, read a few dozen buffers each, not every one of those entries and their rows
+    (a walk from the table's first row: about 20,000 buffers a claim)."""
+    q = f"qfloor-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    cfg, port = start(relay_bin, tmp_path, services, pgdb, claim_delay="0")
+    with pgdb.connect() as c:
+        c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+    holder = pgdb.connect(autocommit=False)
+    holder.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+    holder.execute("SELECT count(*) FROM outbox.messages").fetchone()   # its snapshot
+    r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
+    try:
+        cons = LiveConsumer(services, q)
+        n = 20_000
+        with pgdb.connect() as c:
+            c.execute("INSERT INTO outbox.messages (message_id, routing_key, partition_key, "
+                      "headers, payload) SELECT gen_random_uuid(), %s, 'k' || (g %% 100), "
+                      "jsonb_build_object('seq', g::text), 'x' FROM generate_series(1, %s) g",
+                      (q, n))
+            assert cons.wait_distinct(n, 120), f"{len(cons.seen)} of {n} arrived"
+            wait_for(lambda: c.execute("SELECT count(*) FROM outbox.messages "
+                                       "WHERE sent_at IS NULL").fetchone()[0] == 0, 60,
+                     desc="every row marked")
+            c.execute("SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database "
+                      "WHERE datname = current_database()), 0)")
+            for i in range(60):
+                insert(c, q, f"k{i % 7}", n + 1 + i)
+                time.sleep(0.03)
+            assert cons.wait_distinct(n + 60, 30), f"{len(cons.seen)} of {n + 60} arrived"
+            hits, calls = claim_stats(c)
+            # the horizon was held throughout: the index entries were all there
+            dead = c.execute("SELECT n_dead_tup FROM pg_stat_user_tables "
+                             "WHERE relid = 'outbox.messages'::regclass").fetchone()[0]
+        cons.stop(idle=0)
+    finally:
+        holder.rollback()
+        holder.close()
+        r.assert_clean_exit(r.stop())
+        conn.close()
+    assert dead >= n, f"{dead} dead rows: the horizon was not held"
+    assert calls >= 10, f"{calls} claims"
+    print(f"claims: {hits / calls:.0f} buffers a claim over {calls} claims, {dead} dead rows")
+    assert hits / calls < 1000, f"{hits / calls:.0f} buffers a claim over {calls} claims"
+
+
+def test_a_row_committed_late_is_claimed_at_once_and_before_its_keys_later_rows(
+        services, pgdb, relay_bin, tmp_path):
+    """A producer's transaction draws an id and stays open for 3 s while other rows are
+    committed, claimed and published (the floor moves meanwhile: the claims' logged
+    parameters show it). When it commits, its row is claimed within a claim or two, not
+    left below the floor, and before the row of its key committed right after it."""
+    q = f"qfloor-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    cfg, port = start(relay_bin, tmp_path, services, pgdb)
+    with pgdb.connect() as c:
+        c.execute(f"ALTER DATABASE \"{pgdb.name}\" SET log_min_duration_statement = 0")
+    log_from = services.pg_log.stat().st_size
+    r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
+    late = pgdb.connect(autocommit=False)
+    stream_stop, taker_stop = threading.Event(), threading.Event()
+    arrived = []                                   # (seq, time taken from the queue)
+
+    def take():
+        c2, ch2 = amqp_channel(services)
+        for method, props, _body in ch2.consume(q, auto_ack=True, inactivity_timeout=0.05):
+            if method is not None:
+                arrived.append((int(props.headers["seq"]), time.monotonic()))
+            elif taker_stop.is_set():
+                break
+        ch2.cancel()
+        c2.close()
+
+    def stream():
+        with pgdb.connect() as c:
+            i = 1
+            while not stream_stop.is_set():
+                insert(c, q, f"k{i % 5}", i)
+                i += 1
+                time.sleep(0.01)
+    taker = threading.Thread(target=take, daemon=True)
+    streamer = threading.Thread(target=stream, daemon=True)
+    taker.start()
+    try:
+        late_id = insert(late, q, "late", 0)            # drawn now, committed in 3 s
+        streamer.start()
+        time.sleep(3)
+        late.commit()
+        t_commit = time.monotonic()
+        with pgdb.connect() as c:
+            after_id = insert(c, q, "late", 1_000_000)
+        time.sleep(2)
+        stream_stop.set()
+        streamer.join(10)
+        with pgdb.connect() as c:
+            wait_for(lambda: c.execute("SELECT count(*) FROM outbox.messages "
+                                       "WHERE sent_at IS NULL").fetchone()[0] == 0, 30,
+                     desc="every row marked")
+            total = c.execute("SELECT count(*) FROM outbox.messages").fetchone()[0]
+        wait_for(lambda: len(arrived) >= total, 30, desc="every row taken from the queue")
+    finally:
+        stream_stop.set()
+        taker_stop.set()
+        taker.join(10)
+        late.rollback()
+        late.close()
+        r.assert_clean_exit(r.stop())
+        conn.close()
+        with pgdb.connect() as c:
+            c.execute(f"ALTER DATABASE \"{pgdb.name}\" RESET log_min_duration_statement")
+    seqs = [s for s, _ in arrived]
+    assert len(set(seqs)) == total, f"{len(set(seqs))} of {total} rows arrived"
+    assert seqs.index(0) < seqs.index(1_000_000), "the late row came after its key's next row"
+    at = dict(reversed(arrived))
+    assert at[0] - t_commit < 1.0, f"the late row arrived {at[0] - t_commit:.2f} s after commit"
+    assert late_id < after_id
+    # the floor moved while rows streamed (else this test shows nothing)
+    text = server_log_since(services, log_from)
+    floors = [int(m) for m in re.findall(r"parameters: \$1 = '\d+', .*?\$9 = '(\d+)'", text)]
+    assert floors and max(floors) > late_id, f"floors {sorted(set(floors))[-5:]}"
+
+
+def test_a_sequence_caching_several_values_keeps_no_floor(services, pgdb, relay_bin, tmp_path):
+    """Ids drawn from a sequence that caches values per session need not follow the order
+    they were drawn in, so no floor is safe: the relay says so once and its claims start
+    from the first row (they all carry $9 = 0), delivering everything."""
+    q = f"qfloor-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    cfg, port = start(relay_bin, tmp_path, services, pgdb, claim_delay="0")
+    with pgdb.connect() as c:
+        c.execute("ALTER SEQUENCE outbox.messages_id_seq CACHE 10")
+    r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
+    try:
+        cons = LiveConsumer(services, q)
+        with pgdb.connect() as c:
+            for i in range(40):
+                insert(c, q, f"k{i % 3}", i)
+                time.sleep(0.03)
+        assert cons.wait_distinct(40, 30), f"{len(cons.seen)} of 40 arrived"
+        cons.stop(idle=0)
+    finally:
+        r.assert_clean_exit(r.stop())
+        conn.close()
+    from relay_util import log_lines_at
+    warned = log_lines_at(r.text(), r"claims start from the table's first row", levels=("WARN",))
+    assert len(warned) == 1 and "caches more than one value" in warned[0], warned
+    assert not log_lines_at(r.text(), r"claims start from the table's first row",
+                            levels=("INFO", "ERROR"))
