@@ -1043,7 +1043,8 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
     s->sql_slices = sql_pg_payload_slices(&s->names);
     s->sql_floor = sql_pg_floor_probe(&s->names);
     if (!s->sql_slices || !s->sql_lead || !s->sql_claim || !s->sql_claim_competing || !s->sql_settle ||
-        !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats || !s->sql_health)
+        !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats || !s->sql_health ||
+        !s->sql_floor)
         goto oom;
     s->backoff_ms = BACKOFF_MIN_MS;
     s->rng = outbox_util_seed(s);
