@@ -205,7 +205,10 @@ def test_leader_failover_through_transaction_pooling(services, pgdb, pgb, relay_
     b.wait_log("became the active relay", timeout=20)
     took = time.monotonic() - t0
     if fault == "sigstop":
-        time.sleep(max(0.0, LEASE + 5 - (time.monotonic() - t0)))
+        # frozen past its lease until the standby publishes in its place (waiting on that,
+        # not on a fixed time), then woken mid-drain: it must find itself fenced
+        wait_for(lambda: (b.metric("outbox_relay_relayed_total") or 0) >= 100, 20,
+                 interval=0.02, desc="the new leader publishing")
         t_wake = time.time()
         os.kill(a.proc.pid, signal.SIGCONT)
         wait_log_at(a, "lost leadership", timeout=15)   # fenced: a WARN
