@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scripts/test.sh — every test, in one command, on a fresh Debian 12 machine (as root).
 #   1. install the Debian packages of scripts/packages.txt (apt-get update + install, only if missing)
-#   2. start the private PostgreSQL / RabbitMQ (scripts/services.sh start)
+#   2. start the private PostgreSQL / RabbitMQ (scripts/services.sh start; in `all` mode in the
+#      background while the builds compile, the instrumented run's services after the plain run's)
 #   3. make test; make SANITIZER=address+undefined test (one build with both AddressSanitizer
 #      and UBSan: the whole suite once more, instrumented), at the same time, each against its
 #      own private services (OUTBOX_TEST_PARALLEL=0: one after the other)
@@ -53,13 +54,30 @@ stop_services() {
     started_here=0
 }
 trap stop_services EXIT
-say "starting services"
-if ! scripts/services.sh start; then
-    echo "test.sh: scripts/services.sh start failed"
-    stop_services
-    echo "0 passed, 1 failed, 0 skipped"
-    exit 1
+PARALLEL=${OUTBOX_TEST_PARALLEL:-1}
+if [[ $MODE == all && $PARALLEL == 1 ]]; then
+    # the two runs build while the services start (a build needs none); each run's tests
+    # wait for them (wait_started)
+    say "starting services (in the background, while the builds compile)"
+    (scripts/services.sh start >"$LOGDIR/start.log" 2>&1; echo $? >"$LOGDIR/start.rc") &
+else
+    say "starting services"
+    if ! scripts/services.sh start; then
+        echo "test.sh: scripts/services.sh start failed"
+        stop_services
+        echo "0 passed, 1 failed, 0 skipped"
+        exit 1
+    fi
 fi
+# wait_started RCFILE DEADLINE: waits for a background services.sh start to end (until
+# $SECONDS reaches DEADLINE); its exit status, 124 when it had not ended by then
+wait_started() {
+    while [[ ! -s $1 ]]; do
+        ((SECONDS < $2)) || return 124
+        sleep 0.2
+    done
+    return "$(cat "$1")"
+}
 
 # ------------------------------------------------------------------ test runs
 total_passed=0
@@ -102,25 +120,59 @@ run_step format format-check   # the files the Makefile lists in FORMATTED follo
 # run at the same time (OUTBOX_TEST_PARALLEL=0: one after the other), the instrumented one
 # against its own private PostgreSQL and RabbitMQ (.services-san/); their logs are shown one
 # after the other.
-PARALLEL=${OUTBOX_TEST_PARALLEL:-1}
 SAN_SVC=$ROOT/.services-san
 stop_san_services() { OUTBOX_SERVICES_DIR=$SAN_SVC scripts/services.sh stop >"$LOGDIR/stop-san.log" 2>&1 || true; }
 
 if [[ $MODE == all && $PARALLEL == 1 ]]; then
     say "plain and asan+ubsan at the same time (own services each)"
     trap 'stop_services; stop_san_services' EXIT
-    if ! OUTBOX_SERVICES_DIR=$SAN_SVC scripts/services.sh start; then
-        echo "test.sh: scripts/services.sh start ($SAN_SVC) failed"
-        echo "0 passed, 1 failed, 0 skipped"
-        exit 1
-    fi
     # the build-independent tests (pytest marker build_independent: nothing of the build runs
     # in them) are dealt out between the two runs, each runs once (tests/conftest.py)
-    (OUTBOX_TEST_SHARE=0/2 timeout -k 15 "$STEP_TIMEOUT" make test PYTEST_ARGS="--durations=30" >"$LOGDIR/plain.log" 2>&1; echo $? >"$LOGDIR/plain.rc") &
+    # each run: its build, then (its services up) its tests. The plain run's services
+    # start first and the instrumented run's once they are up: two starts at once could
+    # pick the same free ports, each before the other listens.
+    (log=$LOGDIR/plain.log
+     deadline=$((SECONDS + STEP_TIMEOUT))
+     timeout -k 15 "$STEP_TIMEOUT" make all test-programs >"$log" 2>&1
+     rc=$?
+     svc_rc=0
+     wait_started "$LOGDIR/start.rc" "$deadline" || svc_rc=$?
+     cat "$LOGDIR/start.log" >>"$log"
+     if ((svc_rc != 0)); then
+         echo "test.sh: scripts/services.sh start failed (exit $svc_rc)" >>"$log"
+         rc=1
+     fi
+     left=$((deadline - SECONDS))
+     if ((rc == 0)); then
+         OUTBOX_TEST_SHARE=0/2 timeout -k 15 "$((left > 1 ? left : 1))" make test PYTEST_ARGS="--durations=30" >>"$log" 2>&1
+         rc=$?
+     fi
+     echo "$rc" >"$LOGDIR/plain.rc") &
     p1=$!
     (export OUTBOX_SERVICES_DIR=$SAN_SVC
-     OUTBOX_TEST_SHARE=1/2 timeout -k 15 "$STEP_TIMEOUT" make SANITIZER=address+undefined test PYTEST_ARGS="--durations=30" >"$LOGDIR/asan+ubsan.log" 2>&1
-     echo $? >"$LOGDIR/asan+ubsan.rc") &
+     log=$LOGDIR/asan+ubsan.log
+     deadline=$((SECONDS + STEP_TIMEOUT))
+     (svc_rc=0
+      wait_started "$LOGDIR/start.rc" "$deadline" || svc_rc=$?
+      if ((svc_rc == 0)); then
+          scripts/services.sh start >"$LOGDIR/start-san.log" 2>&1 || svc_rc=$?
+      fi
+      echo "$svc_rc" >"$LOGDIR/start-san.rc") &
+     timeout -k 15 "$STEP_TIMEOUT" make SANITIZER=address+undefined all test-programs >"$log" 2>&1
+     rc=$?
+     svc_rc=0
+     wait_started "$LOGDIR/start-san.rc" "$deadline" || svc_rc=$?
+     cat "$LOGDIR/start-san.log" >>"$log" 2>/dev/null
+     if ((svc_rc != 0)); then
+         echo "test.sh: scripts/services.sh start ($SAN_SVC) failed (exit $svc_rc)" >>"$log"
+         rc=1
+     fi
+     left=$((deadline - SECONDS))
+     if ((rc == 0)); then
+         OUTBOX_TEST_SHARE=1/2 timeout -k 15 "$((left > 1 ? left : 1))" make SANITIZER=address+undefined test PYTEST_ARGS="--durations=30" >>"$log" 2>&1
+         rc=$?
+     fi
+     echo "$rc" >"$LOGDIR/asan+ubsan.rc") &
     p2=$!
     wait "$p1" "$p2"
     for name in plain asan+ubsan; do

@@ -179,26 +179,36 @@ def declare(ch, exchange, queue, routing_key, bind=True, **qargs):
         ch.queue_bind(queue=queue, exchange=exchange, routing_key=routing_key)
 
 
+ACK_EVERY = 200   # consume(): messages taken per acknowledgement (one ack each: 2.5 x slower)
+
+
 def consume(ch, queue, count, timeout=60, idle=0.0):
     """Reads messages until `count` arrived (or `timeout`), then keeps listening `idle` more
     seconds so that extra copies (duplicates) would be seen too. Returns [(props, body, t)].
-    Each message is acked as it is taken; deliveries prefetched but not taken are requeued
-    when the consumer is cancelled, so a later consume() sees them."""
+    The messages taken are acked together (`multiple`: every ACK_EVERY, whenever the queue
+    is idle, and before returning); deliveries prefetched but not taken are requeued when
+    the consumer is cancelled, so a later consume() sees them."""
     got = []
     deadline = time.monotonic() + timeout
     reached = None
+    last, pending = None, 0     # the last delivery taken and not acked yet; how many
     ch.basic_qos(prefetch_count=2000)
     for method, props, body in ch.consume(queue, auto_ack=False, inactivity_timeout=0.1):
         now = time.monotonic()
         if method is not None:
             got.append((props, body, now))
-            ch.basic_ack(method.delivery_tag)
+            last, pending = method.delivery_tag, pending + 1
+        if pending and (pending >= ACK_EVERY or method is None):
+            ch.basic_ack(last, multiple=True)   # every delivery up to `last`: all taken
+            pending = 0
         if reached is None and len(got) >= count:
             reached = now
         if reached is not None and now - reached >= idle:
             break
         if now > deadline:
             break
+    if pending:
+        ch.basic_ack(last, multiple=True)
     ch.cancel()  # nacks (requeues) what was delivered but not taken
     return got
 

@@ -655,10 +655,10 @@ def test_blocked_longer_than_confirm_timeout(services, pgdb, relay_bin, build, t
 def test_notify_wakeups_after_db_reconnect(services, pgdb, relay_bin, build, tmp_path):
     """After its sessions were terminated the relay must LISTEN again. The poll alone would
     deliver too (it backs off from 50 ms after each claim that found rows, up to
-    poll_interval), so the test waits until the poll has backed off to gaps of >= 2 s
-    between claims (claims_total), writes the rows right after a poll's claim, and requires
-    them delivered before half the poll's next gap (which doubles): only a NOTIFY wakes the
-    relay that early."""
+    poll_interval), so the test waits until the poll has backed off to gaps of >= 1.5 s
+    between claims (claims_total: the 1.6 s one), writes the rows right after a poll's
+    claim, and requires them delivered before half the poll's next gap (which doubles): only
+    a NOTIFY wakes the relay that early."""
     from relay_util import insert_rows
     c = Case(services, pgdb, relay_bin, build, tmp_path, "relisten", poll_interval="30s",
              reconnect_max="1s")
@@ -669,7 +669,7 @@ def test_notify_wakeups_after_db_reconnect(services, pgdb, relay_bin, build, tmp
     def claims():
         return r.metric("outbox_relay_claims_total")
 
-    def after_a_long_gap(min_gap=2.0, timeout=40):
+    def after_a_long_gap(min_gap=1.5, timeout=40):
         """Waits for a claim that came >= min_gap after the one before it (a poll that has
         backed off); returns (its time, that gap)."""
         deadline = time.monotonic() + timeout

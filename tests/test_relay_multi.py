@@ -68,13 +68,14 @@ def marks(pgdb, since=None):
     return psql_rows(pgdb, sql)
 
 
-def relay(relay_bin, tmp_path, services, pgdb, name, sink=None, **kw):
+def relay(relay_bin, tmp_path, services, pgdb, name, sink=None, relay_keys=None, **kw):
     port = free_port()
     kw.setdefault("lease", f"{LEASE:g}s")
     kw.setdefault("poll_interval", f"{POLL:g}s")
     kw.setdefault("batch_size", "100")
     cfg = write_config(tmp_path / f"{name}.ini", services, pgdb,
-                       relay={"name": name, "http_listen": f"127.0.0.1:{port}"},
+                       relay=dict({"name": name, "http_listen": f"127.0.0.1:{port}"},
+                                  **(relay_keys or {})),
                        sink=dict({"publish_window": str(WINDOW)}, **(sink or {})), **kw)
     return Relay(relay_bin, cfg, tmp_path / f"{name}.log", http_port=port), cfg
 
@@ -118,8 +119,12 @@ def test_leader_frozen_or_killed_is_replaced(services, pgdb, relay_bin, build, t
     b.wait_log("became the active relay", timeout=20)
     took = time.monotonic() - t0
     if fault == "sigstop":
-        # frozen for lease + 5 s in all, then woken: it must find itself fenced
-        time.sleep(max(0.0, LEASE + 5 - (time.monotonic() - t0)))
+        # frozen past its lease until the standby publishes in its place, or has nothing
+        # left to publish (the leader may have published every row before it froze):
+        # waiting on that, not on a fixed time; then woken, it must find itself fenced
+        wait_for(lambda: (b.metric("outbox_relay_relayed_total") or 0) >= 100 or not int(
+            psql_rows(pgdb, "SELECT count(*) FROM outbox.messages WHERE sent_at IS NULL")
+            [0][0]), 30, interval=0.05, desc="the new leader publishing")
         t_wake = time.time()
         os.kill(a.proc.pid, signal.SIGCONT)
         wait_log_at(a, "lost leadership", timeout=15)   # fenced: a WARN
@@ -161,9 +166,12 @@ def test_leader_database_path_cut_stops_publishing(services, pgdb, relay_bin, bu
     a = b = None
     try:
         dsn_a = pgdb.dsn.replace(f"port={services.pg_port}", f"port={proxy.port}")
+        # its database path still cut when it is stopped at the end, the leader waits out
+        # its shutdown_timeout on the hung requests: 2 s, not the 10 s of the others
         a, cfg = relay(relay_bin, tmp_path, services, pgdb, "ra", conninfo=dsn_a,
                        query_timeout="20s", batch_size="1000",
-                       sink={"publish_window": str(window_a)})
+                       sink={"publish_window": str(window_a)},
+                       relay_keys={"shutdown_timeout": "2s"})
         init_schema(relay_bin, cfg)
         a.wait_log("became the active relay")
         a.wait_log("sink=main: connected")

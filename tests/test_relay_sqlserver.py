@@ -438,7 +438,11 @@ def test_sqlserver_leader_takeover(services, tsql, relay_bin, build, tmp_path):
         t0 = time.monotonic()
         b.wait_log("became the active relay", timeout=30)
         took = time.monotonic() - t0
-        time.sleep(max(0.0, LEASE + 3 - (time.monotonic() - t0)))
+        # frozen past its lease until the standby publishes in its place, or has nothing left
+        # to publish (the leader may have published every row before it froze): waiting on
+        # that, not on a fixed time; then woken, it must find itself fenced
+        wait_for(lambda: relayed(b) >= WINDOW or tsql.counts()[1] == 0, 30, interval=0.05,
+                 desc="the new leader publishing")
         t_wake = db_now(tsql)       # the marks' clock: the database's, not this host's
         os.kill(a.proc.pid, signal.SIGCONT)
         wait_log_at(a, "lost leadership", timeout=20)     # fenced: a WARN

@@ -992,14 +992,18 @@ def test_leadership_lease_renewal_takeover_and_epoch_fencing(src, drivers):
     new epoch that releases the row leases; the old holder's renewal, claims and retention
     are fenced by the epoch."""
     init_schema(drivers)
-    # Babelfish compiles each batch anew: a lead takes up to ~0.8 s there, and the first
-    # claim of a session (its parser still cold for the claim's window functions and derived
-    # tables) 2-7 s on a loaded machine, so a short lease can expire between two of the
-    # test's steps; the rules tested do not depend on its length
-    lease = 15000 if getattr(src, "engine", "") == "babelfish" else 1500
+    # Babelfish compiles each batch anew: a lead takes up to ~0.8 s there, so a 1.5 s lease
+    # can expire between two of the test's steps; the rules tested do not depend on its
+    # length. The first claim of a session (its parser still cold for the claim's window
+    # functions and derived tables) took 2-7 s there on a loaded machine, a second one
+    # 0.02-0.1 s: A claims once from the empty table before it leads, so that the claim the
+    # lease must outlast is a warm one
+    lease = 6000 if getattr(src, "engine", "") == "babelfish" else 1500
+    a, b = started(drivers), started(drivers)
+    st, rows = a.claim(2, 98, owner="A", lease_ms=600000)
+    assert st["ok"] == 0 and rows == [], (st, rows)
     ids = src.insert(4)
     src.set_lease(ids[3], 77, 3600)               # a crashed leader's row lease
-    a, b = started(drivers), started(drivers)
     st, _ = a.request(f"lead A 0 {lease}")
     assert (st["ok"], st["leader"], st["newly"]) == (0, "1", "1"), st
     e1 = int(st["epoch"])
@@ -1244,10 +1248,11 @@ def test_a_stalled_source_does_not_stall_another_in_the_same_process(src, driver
     mine = src.sessions() - before
     two.start_up()
     # Babelfish compiles a session's first claim batch for a second or more: the second
-    # source claims once before the lock (nothing there), and the lock is held longer (6 s)
-    # with a bound of 3 s, still half of what a stalled claim would wait
+    # source claims once before the lock (nothing there; a warm claim takes 0.02-0.1 s
+    # there), and the lock is held longer (4 s) with a bound of 2 s, still half of what a
+    # stalled claim would wait
     babelfish = getattr(src, "engine", "") == "babelfish"
-    hold_s, bound_ms = (6, 3000) if babelfish else (3, 1500)
+    hold_s, bound_ms = (4, 2000) if babelfish else (3, 1500)
     if babelfish:
         st2, rows2 = two.claim(10, 98, owner="second", timeout=30)
         assert st2["ok"] == 0 and rows2 == [], st2
