@@ -239,8 +239,9 @@ char *sql_pg_lead(const sql_pg_names *n)
    planned at every execution again (plan_cache_mode = auto keeps a generic plan only when
    it costs no more than the plans made with the values). */
 #define SQL_PG_WALK(T, GUARD)                                                              \
-    "w(id) AS ((SELECT p.id FROM " T " p WHERE p.sent_at IS NULL AND p.id >= (SELECT $9::bigint) " \
-    "AND " GUARD " ORDER BY p.id LIMIT 1) UNION ALL SELECT (SELECT p.id FROM " T " p "                  \
+    "w(id) AS ((SELECT p.id FROM " T " p WHERE p.sent_at IS NULL "                         \
+    "AND p.id >= (SELECT $9::bigint) AND " GUARD " ORDER BY p.id LIMIT 1) "                \
+    "UNION ALL SELECT (SELECT p.id FROM " T " p "                                          \
     "WHERE p.sent_at IS NULL AND p.id > w.id ORDER BY p.id LIMIT 1) FROM w "              \
     "WHERE w.id IS NOT NULL)"
 
@@ -305,10 +306,9 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
         "(extract(epoch from now() - m.created_at) * 1000000)::bigint, "
         "CASE WHEN " SQL_PG_LEFT_OUT("m") " THEN octet_length(m.payload)::bigint END";
     const char *ret = sliced ? ret_sliced : ret_sized;
-    /* the candidates carry their size, the rows leased are the prefix b */
-    const char *sz = ", " SQL_PG_CLAIMED_BYTES("m") " AS sz";
-    const char *bytes = ", " SQL_PG_BYTE_PREFIX("c");
-    const char *from = "b";
+    /* The candidates carry their size (SZ), and the rows leased are their prefix within
+       the byte limit (the CTE b). */
+#define SZ ", " SQL_PG_CLAIMED_BYTES("m") " AS sz"
     if (!competing)
         /* The claim commits durably, as marks do: a claim a crashed server forgot leaves
            the relay holding rows whose leases are gone; they are claimed and published
@@ -326,21 +326,21 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
             SQL_PG_WALK("%1$s", "($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f "
                         "WHERE f.name = 'leader' AND f.owner = $2::text "
                         "AND f.epoch = $5::bigint AND f.expires_at > now()))") ", "
-            "c AS (SELECT x.id%4$s FROM w, LATERAL (SELECT m.id%7$s FROM %1$s m "
+            "c AS (SELECT x.id, x.sz FROM w, LATERAL (SELECT m.id" SZ " FROM %1$s m "
             "WHERE m.id = w.id AND m.sent_at IS NULL AND m.available_at <= now() "
             "AND (m.lease_until IS NULL OR m.lease_until < now()) "
             "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM f "
             "WHERE f.partition_key = m.partition_key AND f.first_failed < m.id)) "
-            "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint)%5$s"
+            "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint), " SQL_PG_BYTE_PREFIX("c")
             "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
             "lease_until = now() + $4::float8 * interval '1 millisecond' "
-            "FROM %6$s WHERE m.id = %6$s.id %3$s",
-            n->table, n->lease, ret, ", x.sz", bytes, from, sz);
+            "FROM b WHERE m.id = b.id %3$s",
+            n->table, n->lease, ret);
     return fmt(
         "WITH RECURSIVE " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
         SQL_PG_WALK("%1$s", "($5::bigint >= 0)") ", "
-        "c0 AS (SELECT x.id, x.partition_key%8$s FROM w, LATERAL (SELECT m.id, "
-        "m.partition_key%4$s FROM %1$s m WHERE m.id = w.id AND m.sent_at IS NULL "
+        "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "
+        "m.partition_key" SZ " FROM %1$s m WHERE m.id = w.id AND m.sent_at IS NULL "
         "AND m.available_at <= now() AND (m.lease_until IS NULL OR m.lease_until < now()) "
         "AND " SQL_PG_MY_KEY("m") " "
         /* the key's first pending row, when it comes before this one */
@@ -362,13 +362,14 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
         "AND NOT coalesce(p.lease_owner = $2::text AND p.lease_until >= now(), false) "
         "AND p.id NOT IN (SELECT id FROM c0) ORDER BY p.partition_key, p.id LIMIT 1) AS gap "
         "FROM k), "
-        "c AS (SELECT c0.id%7$s FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key "
-        "WHERE c0.partition_key IS NULL OR g.gap IS NULL OR c0.id < g.gap)%5$s"
+        "c AS (SELECT c0.id, c0.sz FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key "
+        "WHERE c0.partition_key IS NULL OR g.gap IS NULL OR c0.id < g.gap), "
+        SQL_PG_BYTE_PREFIX("c")
         "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
         "lease_until = now() + $4::float8 * interval '1 millisecond' "
-        "FROM %6$s WHERE m.id = %6$s.id %2$s",
-        n->table, ret, n->lease, sz, bytes, from,
-        ", c0.sz", ", x.sz");
+        "FROM b WHERE m.id = b.id %2$s",
+        n->table, ret, n->lease);
+#undef SZ
 }
 
 char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing)

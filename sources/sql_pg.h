@@ -70,8 +70,8 @@ char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing);
  * a transaction that took the lock after probe k-2 read the locks, so it drew its id after
  * probe k-3 read the sequence, above lv_(k-3) (a sequence caching one value at a time gives
  * ids in the order they are drawn; with a larger cache the probe keeps no floor). A row
- * inserted with an explicit id below the floor (a dead row retried) is found once a later
- * probe sees it pending. */
+ * inserted with an explicit id below the floor (a dead row retried) is found by a probe whose
+ * $1 is 0 (the relay sends one every few seconds): its m is then the lowest pending id. */
 char *sql_pg_floor_probe(const sql_pg_names *n);
 /* A claimed row's payload in slices: $1 id, $2 slice bytes, $3 the claim's lease token.
    -> one row per slice, in order: its 1-based offset (int), the slice (bytea). No row
