@@ -640,36 +640,45 @@ def write_cfg(path, svc, port, name=None, mode=None, defaults=False):
 
 
 # ------------------------------------------------------------------ one probe run
-def probe_run(svc, broker, conn, n, size=SIZE):
-    broker.reset()
-    settle(svc)
-    w = Watcher(svc, n)
+def tool_run(svc, conn, argv, on_fail=lambda: None):
+    """Runs one of the bench's own tools (argv) to its end: its stdout, and the cores each
+    process used meanwhile (usage(), the tool's own CPU as the side). on_fail runs before a
+    BenchError for a tool that failed or outran TIMEOUT."""
+    name = pathlib.Path(argv[0]).name
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     x0 = other_xacts(conn)
     a = Snapshot(svc)
     try:
-        p = subprocess.run([str(BUILD / "tests/amqp_probe"), svc.amqp_url, QUEUE, str(n),
-                            str(WINDOW), str(size)], capture_output=True, text=True,
+        p = subprocess.run([str(x) for x in argv], capture_output=True, text=True,
                            timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        stop(w.p)
-        raise BenchError(f"amqp_probe did not finish within {TIMEOUT} s")
+        on_fail()
+        raise BenchError(f"{name} did not finish within {TIMEOUT} s")
     b = Snapshot(svc)
     ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
     x1 = other_xacts(conn)
     if p.returncode != 0:
-        stop(w.p)
-        raise BenchError(f"amqp_probe failed: {p.stderr.strip()}")
+        on_fail()
+        raise BenchError(f"{name} failed: {p.stderr.strip()}")
+    side = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+    u = usage(a, b, side_secs=side)
+    u["pg_other_tps"] = (x1 - x0) / u["secs"]
+    return p.stdout, u
+
+
+def probe_run(svc, broker, conn, n, size=SIZE):
+    broker.reset()
+    settle(svc)
+    w = Watcher(svc, n)
+    out, u = tool_run(svc, conn, [BUILD / "tests/amqp_probe", svc.amqp_url, QUEUE, n, WINDOW,
+                                  size], on_fail=lambda: stop(w.p))
     rate, t1, t2, full = w.result(10)
     if not full:
         raise BenchError(f"probe: {w.error or 'the queue never held every message'}")
-    probe_cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
-    own = float(re.search(r"rate=([\d.]+)", p.stdout).group(1))
-    m = re.search(r"blocked=([\d.]+)", p.stdout)
+    own = float(re.search(r"rate=([\d.]+)", out).group(1))
+    m = re.search(r"blocked=([\d.]+)", out)
     blocked = float(m.group(1)) if m else 0.0
-    u = usage(a, b, side_secs=probe_cpu)
-    u["pg_other_tps"] = (x1 - x0) / u["secs"]
-    m = re.search(r"lat_mean_ms=([\d.]+)", p.stdout)
+    m = re.search(r"lat_mean_ms=([\d.]+)", out)
     lat_mean = float(m.group(1)) / 1000 if m else None
     return {"rate": rate, "own": own, "cpu": u, "blocked": blocked > 0, "blocked_s": blocked,
             "lat_mean": lat_mean}
@@ -680,26 +689,11 @@ def pgread_run(svc, conn, batch_bytes):
     payloads in binary, in id order, batches of batch_bytes) on one session, nothing else
     running. The relay's claims carry the same payloads, one claim at a time."""
     settle(svc)
-    ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    x0 = other_xacts(conn)
-    a = Snapshot(svc)
-    try:
-        p = subprocess.run([str(BUILD / "tests/pg_read_probe"), svc.conninfo(),
-                            "outbox.messages", str(int(batch_bytes))],
-                           capture_output=True, text=True, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        raise BenchError(f"pg_read_probe did not finish within {TIMEOUT} s")
-    b = Snapshot(svc)
-    ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
-    x1 = other_xacts(conn)
-    if p.returncode != 0:
-        raise BenchError(f"pg_read_probe failed: {p.stderr.strip()}")
-    side = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
-    u = usage(a, b, side_secs=side)
-    u["pg_other_tps"] = (x1 - x0) / u["secs"]
-    rows = int(re.search(r"rows=(\d+)", p.stdout).group(1))
-    return {"rate": float(re.search(r"rate=([\d.]+)", p.stdout).group(1)), "cpu": u,
-            "rows": rows, "batches": int(re.search(r"batches=(\d+)", p.stdout).group(1)),
+    out, u = tool_run(svc, conn, [BUILD / "tests/pg_read_probe", svc.conninfo(),
+                                  "outbox.messages", int(batch_bytes)])
+    rows = int(re.search(r"rows=(\d+)", out).group(1))
+    return {"rate": float(re.search(r"rate=([\d.]+)", out).group(1)), "cpu": u,
+            "rows": rows, "batches": int(re.search(r"batches=(\d+)", out).group(1)),
             "pg_ms": 1000 * u["pg_s"] / rows if rows else None}
 
 
