@@ -121,6 +121,28 @@ run_step format format-check   # the files the Makefile lists in FORMATTED follo
 # against its own private PostgreSQL and RabbitMQ (.services-san/); their logs are shown one
 # after the other.
 SAN_SVC=$ROOT/.services-san
+# run_suite NAME SHARE STARTED [MAKE VARIABLES...]: one of the two runs: its build, then, once
+# its services are up (STARTED.rc and STARTED.log: their background start), its tests with
+# OUTBOX_TEST_SHARE=SHARE; its log in $LOGDIR/NAME.log, its exit status in $LOGDIR/NAME.rc.
+run_suite() {
+    local name=$1 share=$2 started=$3
+    shift 3
+    local log=$LOGDIR/$name.log deadline=$((SECONDS + STEP_TIMEOUT)) rc svc_rc=0 left
+    timeout -k 15 "$STEP_TIMEOUT" make "$@" all test-programs >"$log" 2>&1
+    rc=$?
+    wait_started "$started.rc" "$deadline" || svc_rc=$?
+    cat "$started.log" >>"$log" 2>/dev/null
+    if ((svc_rc != 0)); then
+        echo "test.sh: scripts/services.sh start (${OUTBOX_SERVICES_DIR:-.services}) failed (exit $svc_rc)" >>"$log"
+        rc=1
+    fi
+    left=$((deadline - SECONDS))
+    if ((rc == 0)); then
+        OUTBOX_TEST_SHARE=$share timeout -k 15 "$((left > 1 ? left : 1))" make "$@" test PYTEST_ARGS="--durations=30" >>"$log" 2>&1
+        rc=$?
+    fi
+    echo "$rc" >"$LOGDIR/$name.rc"
+}
 stop_san_services() { OUTBOX_SERVICES_DIR=$SAN_SVC scripts/services.sh stop >"$LOGDIR/stop-san.log" 2>&1 || true; }
 
 if [[ $MODE == all && $PARALLEL == 1 ]]; then
@@ -131,48 +153,16 @@ if [[ $MODE == all && $PARALLEL == 1 ]]; then
     # each run: its build, then (its services up) its tests. The plain run's services
     # start first and the instrumented run's once they are up: two starts at once could
     # pick the same free ports, each before the other listens.
-    (log=$LOGDIR/plain.log
-     deadline=$((SECONDS + STEP_TIMEOUT))
-     timeout -k 15 "$STEP_TIMEOUT" make all test-programs >"$log" 2>&1
-     rc=$?
-     svc_rc=0
-     wait_started "$LOGDIR/start.rc" "$deadline" || svc_rc=$?
-     cat "$LOGDIR/start.log" >>"$log"
-     if ((svc_rc != 0)); then
-         echo "test.sh: scripts/services.sh start failed (exit $svc_rc)" >>"$log"
-         rc=1
-     fi
-     left=$((deadline - SECONDS))
-     if ((rc == 0)); then
-         OUTBOX_TEST_SHARE=0/2 timeout -k 15 "$((left > 1 ? left : 1))" make test PYTEST_ARGS="--durations=30" >>"$log" 2>&1
-         rc=$?
-     fi
-     echo "$rc" >"$LOGDIR/plain.rc") &
+    (run_suite plain 0/2 "$LOGDIR/start") &
     p1=$!
     (export OUTBOX_SERVICES_DIR=$SAN_SVC
-     log=$LOGDIR/asan+ubsan.log
-     deadline=$((SECONDS + STEP_TIMEOUT))
      (svc_rc=0
-      wait_started "$LOGDIR/start.rc" "$deadline" || svc_rc=$?
+      wait_started "$LOGDIR/start.rc" "$((SECONDS + STEP_TIMEOUT))" || svc_rc=$?
       if ((svc_rc == 0)); then
           scripts/services.sh start >"$LOGDIR/start-san.log" 2>&1 || svc_rc=$?
       fi
       echo "$svc_rc" >"$LOGDIR/start-san.rc") &
-     timeout -k 15 "$STEP_TIMEOUT" make SANITIZER=address+undefined all test-programs >"$log" 2>&1
-     rc=$?
-     svc_rc=0
-     wait_started "$LOGDIR/start-san.rc" "$deadline" || svc_rc=$?
-     cat "$LOGDIR/start-san.log" >>"$log" 2>/dev/null
-     if ((svc_rc != 0)); then
-         echo "test.sh: scripts/services.sh start ($SAN_SVC) failed (exit $svc_rc)" >>"$log"
-         rc=1
-     fi
-     left=$((deadline - SECONDS))
-     if ((rc == 0)); then
-         OUTBOX_TEST_SHARE=1/2 timeout -k 15 "$((left > 1 ? left : 1))" make SANITIZER=address+undefined test PYTEST_ARGS="--durations=30" >>"$log" 2>&1
-         rc=$?
-     fi
-     echo "$rc" >"$LOGDIR/asan+ubsan.rc") &
+     run_suite asan+ubsan 1/2 "$LOGDIR/start-san" SANITIZER=address+undefined) &
     p2=$!
     wait "$p1" "$p2"
     for name in plain asan+ubsan; do

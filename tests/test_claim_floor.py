@@ -22,13 +22,18 @@ from test_relay import init_schema
 CLAIM_SQL = "WITH RECURSIVE f(partition_key%"
 
 
-def start(relay_bin, tmp_path, services, pgdb, **ob):
+def prepare(relay_bin, tmp_path, services, pgdb, **ob):
+    """A queue for the test and the relay's config (schema made): (queue, the broker
+    connection that declared it, config path, http port)."""
+    q = f"qfloor-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
     port = free_port()
     cfg = write_config(tmp_path / "r.ini", services, pgdb,
                        relay={"name": "floor", "http_listen": f"127.0.0.1:{port}"},
                        poll_interval="5s", **ob)
     init_schema(relay_bin, cfg)
-    return cfg, port
+    return q, conn, cfg, port
 
 
 def insert(c, q, key, seq):
@@ -53,10 +58,7 @@ def test_claims_do_not_cross_the_rows_marked_while_the_horizon_is_held(
     marked row keeps its entry in the pending rows' index. The claims after it, one per
     commit, read a few dozen buffers each, not every one of those entries and their rows
     (a walk from the table's first row: about 20,000 buffers a claim)."""
-    q = f"qfloor-{uuid.uuid4().hex[:6]}"
-    conn, ch = amqp_channel(services)
-    declare(ch, "", q, q)
-    cfg, port = start(relay_bin, tmp_path, services, pgdb, claim_delay="0")
+    q, conn, cfg, port = prepare(relay_bin, tmp_path, services, pgdb, claim_delay="0")
     with pgdb.connect() as c:
         c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
     holder = pgdb.connect(autocommit=False)
@@ -103,10 +105,7 @@ def test_a_row_committed_late_is_claimed_at_once_and_before_its_keys_later_rows(
     committed, claimed and published (the floor moves meanwhile: the claims' logged
     parameters show it). When it commits, its row is claimed within a claim or two, not
     left below the floor, and before the row of its key committed right after it."""
-    q = f"qfloor-{uuid.uuid4().hex[:6]}"
-    conn, ch = amqp_channel(services)
-    declare(ch, "", q, q)
-    cfg, port = start(relay_bin, tmp_path, services, pgdb)
+    q, conn, cfg, port = prepare(relay_bin, tmp_path, services, pgdb)
     with pgdb.connect() as c:
         c.execute(f"ALTER DATABASE \"{pgdb.name}\" SET log_min_duration_statement = 0")
     log_from = services.pg_log.stat().st_size
@@ -178,10 +177,7 @@ def test_a_sequence_caching_several_values_keeps_no_floor(services, pgdb, relay_
     """Ids drawn from a sequence that caches values per session need not follow the order
     they were drawn in, so no floor is safe: the relay says so once and its claims start
     from the first row (they all carry $9 = 0), delivering everything."""
-    q = f"qfloor-{uuid.uuid4().hex[:6]}"
-    conn, ch = amqp_channel(services)
-    declare(ch, "", q, q)
-    cfg, port = start(relay_bin, tmp_path, services, pgdb, claim_delay="0")
+    q, conn, cfg, port = prepare(relay_bin, tmp_path, services, pgdb, claim_delay="0")
     with pgdb.connect() as c:
         c.execute("ALTER SEQUENCE outbox.messages_id_seq CACHE 10")
     r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
