@@ -279,15 +279,20 @@ char *sql_pg_lead(const sql_pg_names *n)
     "ORDER BY p.partition_key, p.id LIMIT 1) q)"
 
 /* Row P (an alias) is a pending row of key K before id ID: the range of
-   (partition_key, id) from (K, lowest) up to (K, ID), which key_idx reads from the key's
-   first row on and ends at ID. The last condition repeats the range's end for a session
-   where sorts are allowed (through a pooler, or through psqlODBC, the relay sets nothing
-   on its session): there a plan on pending_idx reads the pending rows below ID, no more
-   (as the form key = K did). The failed keys' lookup has no such bound: there, with
-   statistics that saw nothing pending, each of its steps may read the pending rows. */
+   (partition_key, id) from (K, the claims' floor $9) up to (K, ID), which key_idx reads
+   from there and ends at ID. It starts at the floor, not at the key's first entry: no row
+   below the floor is pending, and key_idx keeps an entry for each of the key's rows marked
+   since the last vacuum, below the floor (all of them while the xmin horizon is held back;
+   a lookup from the key's first entry crosses them all). The last conditions repeat the
+   range's ends for a session where sorts are allowed (through a pooler, or through
+   psqlODBC, the relay sets nothing on its session): there a plan on pending_idx reads the
+   pending rows between the floor and ID, no more (as the form key = K did). The failed
+   keys' lookup has no such bound: there, with statistics that saw nothing pending, each of
+   its steps may read the pending rows. */
 #define SQL_PG_KEY_BEFORE(P, K, ID)                                                        \
-    P ".partition_key >= " K " AND (" P ".partition_key, " P ".id) < (" K ", " ID ") "     \
-    "AND " P ".sent_at IS NULL AND " P ".id < " ID
+    "(" P ".partition_key, " P ".id) >= (" K ", (SELECT $9::bigint)) "                     \
+    "AND (" P ".partition_key, " P ".id) < (" K ", " ID ") "                               \
+    "AND " P ".sent_at IS NULL AND " P ".id >= (SELECT $9::bigint) AND " P ".id < " ID
 
 static char *claim(const sql_pg_names *n, bool competing, bool sliced)
 {
