@@ -58,9 +58,15 @@ enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_P
 /* The floor probe (sql_pg_floor_probe) runs before a claim at most this often; the first
    probe FLOOR_FULL_S after the last one that did looks for the lowest pending row from the
    table's start, which finds a row written below the floor with an explicit id
-   (outbox-relay dead retry keeps the ids). */
+   (outbox-relay dead retry keeps the ids). That probe crosses the pending rows' index
+   entries of every row marked since the last vacuum (all of them while the xmin horizon is
+   held back: over 100 ms seen), and the claim waits behind it, so the next one comes no
+   sooner than FLOOR_FULL_SHARE times as long as it took after it began: such probes take at
+   most 1/FLOOR_FULL_SHARE of the session's time, and a claim waits behind a slow one rarely
+   enough to leave the 99th percentile of the latency alone. */
 #define FLOOR_PROBE_S 0.25
 #define FLOOR_FULL_S 5.0
+#define FLOOR_FULL_SHARE 1000.0
 enum { LS_OFF = 0, LS_ON, LS_QUIET };
 
 /* One floor probe's answer (sql_pg_floor_probe). */
@@ -136,6 +142,7 @@ struct source {
     bool      floor_warned;   /* said once per process why there is no floor */
     double    floor_due;      /* ev_now() of the next probe */
     double    floor_full_due; /* ev_now() of the next probe from the table's start */
+    double    floor_full_at;  /* ev_now() when the one outstanding began (0: none is) */
     unsigned  fp_n;           /* probes answered on this session */
     floor_probe fp[4];        /* the last four answered, probe k at k % 4 */
     int       server_pid;     /* pg_backend_pid() seen at setup */
@@ -1309,7 +1316,7 @@ static void floor_reset(source *s)
 {
     s->floor_id = 0;
     s->floor_off = false;
-    s->floor_due = s->floor_full_due = 0;
+    s->floor_due = s->floor_full_due = s->floor_full_at = 0;
     s->fp_n = 0;
     for (size_t i = 0; i < sizeof s->fp / sizeof s->fp[0]; i++) {
         free(s->fp[i].w);
@@ -1330,8 +1337,10 @@ static void floor_send(source *s)
     snprintf(fl, sizeof fl, "%" PRId64, full ? 0 : s->floor_id);
     const char *vals[3] = { fl, s->fp_n > 0 ? s->fp[(s->fp_n - 1) % 4].w : NULL, s->names.table };
     s->floor_due = now + FLOOR_PROBE_S;
-    if (full)
+    if (full) {
         s->floor_full_due = now + FLOOR_FULL_S;
+        s->floor_full_at = now;
+    }
     if (q_send(s, Q_REQ_FLOOR, s->sql_floor, 3, vals, 0) < 0)
         lq_send_failed(s);
 }
@@ -1355,6 +1364,12 @@ static void floor_off(source *s, const char *why)
 static void floor_done(source *s, PGresult *r)
 {
     char err[300];
+    if (s->floor_full_at > 0) {
+        double next = s->floor_full_at + (ev_now(s->loop) - s->floor_full_at) * FLOOR_FULL_SHARE;
+        if (next > s->floor_full_due)
+            s->floor_full_due = next;
+        s->floor_full_at = 0;
+    }
     if (!result_ok(r) || PQntuples(r) != 1 || PQnfields(r) != 5) {
         char why[400];
         snprintf(why, sizeof why, "the floor probe failed (%s)",
