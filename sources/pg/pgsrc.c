@@ -1337,12 +1337,12 @@ static void floor_send(source *s)
     snprintf(fl, sizeof fl, "%" PRId64, full ? 0 : s->floor_id);
     const char *vals[3] = { fl, s->fp_n > 0 ? s->fp[(s->fp_n - 1) % 4].w : NULL, s->names.table };
     s->floor_due = now + FLOOR_PROBE_S;
-    if (full) {
+    if (full)
         s->floor_full_due = now + FLOOR_FULL_S;
-        s->floor_full_at = now;
-    }
     if (q_send(s, Q_REQ_FLOOR, s->sql_floor, 3, vals, 0) < 0)
         lq_send_failed(s);
+    else if (full)
+        s->floor_full_at = now;
 }
 
 /* No floor on this session (the claims walk from the table's start, as they are correct to):
