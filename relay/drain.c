@@ -4,8 +4,9 @@
  * ledger (relay/ledger.c), which owns every row's life and its invariants.
  *
  * Two database connections per outbox, each running one request at a time:
- * `main` holds leadership and runs claims, stats and the table's health; `settler`
- * applies outcomes and runs retention. Claims and settles overlap, so the publish window stays
+ * `main` holds leadership and runs claims and nothing else, so that no slower statement
+ * ever runs in front of a claim; `settler` applies outcomes and runs the backlog and
+ * table-health reads and retention. Claims and settles overlap, so the publish window stays
  * full while the database commits. kick() starts whatever each can run next;
  * pump() publishes what the ledger allows while the sink takes it.
  *
@@ -801,11 +802,12 @@ static void src_on_done(void *ud, const src_result *res)
     sconn *c = ud;
     drain *d = c->d;
     c->busy = false;
-    /* a table-health read that fails (a table without statistics yet, a role that may not
-       read them) leaves the metrics as they were: it must not hold back the claims that
-       share its connection; a failed retention pass backs off on its own (cleanup_failed)
-       and must not hold back the settles on its connection either */
-    if (res->ok != 0 && res->req != SRC_REQ_HEALTH && res->req != SRC_REQ_CLEANUP)
+    /* a backlog or table-health read that fails (a table without statistics yet, a role
+       that may not read them, a timeout) leaves the metrics as they were and is tried again
+       at its next turn: it must not hold back the settles that share its connection; a
+       failed retention pass backs off on its own (cleanup_failed) and must not either */
+    if (res->ok != 0 && res->req != SRC_REQ_HEALTH && res->req != SRC_REQ_CLEANUP &&
+        res->req != SRC_REQ_STATS)
         hold_after_failure(c);
     else if (res->ok == 0)
         c->fail_delay_ms = 0;
@@ -974,7 +976,9 @@ static bool main_request(drain *d, enum src_req req);
    settles and before retention (which can run pass after pass in a catch-up): with the
    xmin horizon held back they take tens of ms (they count pending rows through an index
    that keeps an entry for every row marked since the last vacuum: 170 ms seen), and a
-   claim that a commit asks for meanwhile would wait for them. */
+   claim that a commit asks for meanwhile would wait for them. A mark waits for them
+   instead, as it does for a retention pass: a row confirmed then keeps its place in the
+   publish window that much longer. */
 static bool start_read(drain *d, enum src_req req)
 {
     sconn *c = &d->settler;
