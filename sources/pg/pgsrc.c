@@ -61,12 +61,14 @@ enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_P
    (outbox-relay dead retry keeps the ids). That probe crosses the pending rows' index
    entries of every row marked since the last vacuum (all of them while the xmin horizon is
    held back: over 100 ms seen), and the claim waits behind it, so the next one comes no
-   sooner than FLOOR_FULL_SHARE times as long as it took after it began: such probes take at
-   most 1/FLOOR_FULL_SHARE of the session's time, and a claim waits behind a slow one rarely
-   enough to leave the 99th percentile of the latency alone. */
+   sooner than FLOOR_FULL_SHARE times as long as it took after it began, nor later than
+   FLOOR_FULL_MAX_S: such probes take at most 1/FLOOR_FULL_SHARE of the session's time
+   (until they take over 60 ms), and a claim waits behind a slow one rarely enough to leave
+   the 99th percentile of the latency alone. */
 #define FLOOR_PROBE_S 0.25
 #define FLOOR_FULL_S 5.0
 #define FLOOR_FULL_SHARE 1000.0
+#define FLOOR_FULL_MAX_S 60.0
 enum { LS_OFF = 0, LS_ON, LS_QUIET };
 
 /* One floor probe's answer (sql_pg_floor_probe). */
@@ -1341,8 +1343,10 @@ static void floor_send(source *s)
         s->floor_full_due = now + FLOOR_FULL_S;
     if (q_send(s, Q_REQ_FLOOR, s->sql_floor, 3, vals, 0) < 0)
         lq_send_failed(s);
-    else if (full)
-        s->floor_full_at = now;
+    else if (full) {
+        ev_now_update(s->loop);    /* timed from its sending, not from this loop turn's start */
+        s->floor_full_at = ev_now(s->loop);
+    }
 }
 
 /* No floor on this session (the claims walk from the table's start, as they are correct to):
@@ -1365,9 +1369,9 @@ static void floor_done(source *s, PGresult *r)
 {
     char err[300];
     if (s->floor_full_at > 0) {
-        double next = s->floor_full_at + (ev_now(s->loop) - s->floor_full_at) * FLOOR_FULL_SHARE;
-        if (next > s->floor_full_due)
-            s->floor_full_due = next;
+        double took = ev_now(s->loop) - s->floor_full_at;
+        double wait = took * FLOOR_FULL_SHARE < FLOOR_FULL_S ? FLOOR_FULL_S : took * FLOOR_FULL_SHARE;
+        s->floor_full_due = s->floor_full_at + (wait > FLOOR_FULL_MAX_S ? FLOOR_FULL_MAX_S : wait);
         s->floor_full_at = 0;
     }
     if (!result_ok(r) || PQntuples(r) != 1 || PQnfields(r) != 5) {
