@@ -106,13 +106,15 @@ def test_claims_do_not_cross_the_rows_marked_while_the_horizon_is_held(
     assert hits / calls < 500, f"{hits / calls:.0f} buffers a claim over {calls} claims"
 
 
+@pytest.mark.parametrize("mode", ["leader", "competing"])
 def test_a_row_committed_late_is_claimed_at_once_and_before_its_keys_later_rows(
-        services, pgdb, relay_bin, tmp_path):
+        services, pgdb, relay_bin, tmp_path, mode):
     """A producer's transaction draws an id and stays open for 3 s while other rows are
     committed, claimed and published (the floor moves meanwhile: the claims' logged
     parameters show it). When it commits, its row is claimed within a claim or two, not
-    left below the floor, and before the row of its key committed right after it."""
-    q, conn, cfg, port = prepare(relay_bin, tmp_path, services, pgdb)
+    left below the floor, and before the row of its key committed right after it. In
+    competing mode the claim's lookups of a key's earlier rows start at the floor too."""
+    q, conn, cfg, port = prepare(relay_bin, tmp_path, services, pgdb, mode=mode)
     with pgdb.connect() as c:
         c.execute(f"ALTER DATABASE \"{pgdb.name}\" SET log_min_duration_statement = 0")
     log_from = services.pg_log.stat().st_size
