@@ -45,6 +45,17 @@ def insert(c, q, key, seq):
                      (q, key, seq)).fetchone()[0]
 
 
+def trickle(services, pgdb, q, n, pause):
+    """n rows over 3 keys, one commit each `pause` seconds apart, all taken from the queue."""
+    cons = LiveConsumer(services, q)
+    with pgdb.connect() as c:
+        for i in range(n):
+            insert(c, q, f"k{i % 3}", i)
+            time.sleep(pause)
+    assert cons.wait_distinct(n, 30), f"{len(cons.seen)} of {n} arrived"
+    cons.stop(idle=0)
+
+
 def claim_stats(c, mode):
     """(buffers read or hit, calls) of the relay's claims in this database since the reset."""
     return c.execute(
@@ -191,13 +202,7 @@ def test_a_sequence_caching_several_values_keeps_no_floor(services, pgdb, relay_
         c.execute("ALTER SEQUENCE outbox.messages_id_seq CACHE 10")
     r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
     try:
-        cons = LiveConsumer(services, q)
-        with pgdb.connect() as c:
-            for i in range(40):
-                insert(c, q, f"k{i % 3}", i)
-                time.sleep(0.03)
-        assert cons.wait_distinct(40, 30), f"{len(cons.seen)} of 40 arrived"
-        cons.stop(idle=0)
+        trickle(services, pgdb, q, 40, 0.03)
     finally:
         r.assert_clean_exit(r.stop())
         conn.close()

@@ -4,10 +4,9 @@ pending rows through an index that keeps an entry for every row marked since the
 vacuum (tens to hundreds of ms each), and a claim that a commit asks for meanwhile would
 wait behind them: every message committed during such a read would arrive late."""
 import re
-import time
 
-from relay_util import LiveConsumer, Relay
-from test_claim_floor import insert, prepare
+from relay_util import Relay
+from test_claim_floor import prepare, trickle
 from test_claim_plan import server_log_since
 
 # a statement run, in the server's log: its session's pid
@@ -26,13 +25,7 @@ def test_stats_and_health_never_run_on_the_claiming_session(services, pgdb, rela
     log_from = services.pg_log.stat().st_size
     r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
     try:
-        cons = LiveConsumer(services, q)
-        with pgdb.connect() as c:
-            for i in range(40):
-                insert(c, q, f"k{i % 3}", i)
-                time.sleep(0.1)       # 4 s: several health reads, and stats after claims
-        assert cons.wait_distinct(40, 30), f"{len(cons.seen)} of 40 arrived"
-        cons.stop(idle=0)
+        trickle(services, pgdb, q, 40, 0.1)   # 4 s: several health reads, stats after claims
     finally:
         r.assert_clean_exit(r.stop())
         conn.close()
