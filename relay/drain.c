@@ -52,6 +52,11 @@ typedef struct sconn {
     log_limit     down_log;      /* its failures, rate-limited (relay/log.h) */
 } sconn;
 
+/* The most ids of rows already held that a claim is told it may pass over
+   (src_claim_args.held): under a steady stream those are a few dozen (published, waiting
+   for a confirm or a mark); with more held, the claim looks at the rest itself. */
+#define CLAIM_HELD_MAX 64
+
 struct drain {
     struct ev_loop   *loop;
     const cfg        *c;
@@ -78,6 +83,7 @@ struct drain {
     double    leader_until;      /* monotonic: we may act as leader until then */
     double    lead_sent;         /* monotonic time the outstanding lead request was sent */
     size_t    claim_asked;
+    int64_t   claim_held[CLAIM_HELD_MAX];   /* the running claim's src_claim_args.held */
     size_t    claim_bytes;       /* the running claim's byte limit (reserved), 0: none */
     double    claim_sent;        /* monotonic time the outstanding claim was sent */
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
@@ -1070,6 +1076,8 @@ static bool main_request(drain *d, enum src_req req)
             .owner = d->owner,
             .epoch = d->ob->mode == CFG_MODE_LEADER ? d->epoch : 0,
             .competing = d->ob->mode == CFG_MODE_COMPETING,
+            .held = d->claim_held,
+            .n_held = ledger_held_ids(d->led, d->claim_sent, d->claim_held, CLAIM_HELD_MAX),
         };
         d->claim_asked = a.max_rows;
         d->claim_bytes = bytes;

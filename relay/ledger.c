@@ -757,6 +757,26 @@ void ledger_claim_failed(ledger *l)
     claim_over(l);
 }
 
+/* Rows whose lease may be gone or going are left out: past their deadline, and any
+   outcome but SENT (its settle gives the row back). Rows in flight from before a lost
+   leadership or claiming session (whose leases a new leader releases) are never held while
+   a claim starts: the drain claims only once they are through (ledger_n_old). A row given
+   back while the claim runs is not taken by it then, and its key's later rows that it
+   takes are given back (the key's failed list): the next claim brings them in order. */
+size_t ledger_held_ids(const ledger *l, double now, int64_t *out, size_t max)
+{
+    /* the oldest first: a claim's walk meets the lowest ids first */
+    static const int lists[] = { GL_SETTLING, GL_PENDING, GL_INFLIGHT, GL_PARKED, GL_BUFFERED };
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof lists / sizeof lists[0]; i++) {
+        for (const led_entry *e = l->gl[lists[i]].head; e != NULL && n < max; e = e->ln[1].next) {
+            if (e->deadline > now && (e->state < LED_OUTCOME || e->kind == SRC_SENT))
+                out[n++] = e->id;
+        }
+    }
+    return n;
+}
+
 static void log_expired(ledger *l, size_t expired)
 {
     if (expired == 0)

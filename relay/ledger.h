@@ -85,6 +85,10 @@ void    ledger_claim_started(ledger *l);
  * blocked behind an earlier failed row are given back. */
 void    ledger_claimed(ledger *l, row **rows, size_t n, double deadline);
 void    ledger_claim_failed(ledger *l);
+/* Up to max ids, into out, of the rows held under a lease that is ours and still live at
+ * `now` (src_claim_args.held): buffered, in flight, or confirmed and waiting for their
+ * mark. Returns how many. */
+size_t  ledger_held_ids(const ledger *l, double now, int64_t *out, size_t max);
 
 /* --- publishing --- */
 /* The next row to publish (lowest id among those allowed now), or NULL. Rows

@@ -173,6 +173,12 @@ typedef struct src_claim_args {
                                  still holds an unexpired leadership lease (fencing) */
     bool        competing;    /* claim a key's rows only from its first pending row on,
                                  and only when no other instance holds that one */
+    /* Rows this relay holds under a lease of its own that is still live (n_held of them,
+       borrowed for the call): the claim would not take them anyway, and a source may pass
+       over them without looking (the PostgreSQL claim does, within its index walk). A
+       hint: ignoring it changes nothing but the claim's cost. */
+    const int64_t *held;
+    size_t      n_held;
 } src_claim_args;
 
 /* Leadership is a lease row per outbox (<table>_lease, name 'leader': owner,

@@ -133,7 +133,7 @@ def test_claim_walks_pending_rows_in_order_under_stale_statistics(
         db.execute("PREPARE claim AS " + claims[0]["Query Text"])
         lease = "30000"   # a live membership in competing mode
         plan = db.execute(f"EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) EXECUTE claim({BATCH}, "
-                          f"'plan-probe', 1, {lease}, 0, 0, true, 0, 0)").fetchone()[0][0]
+                          f"'plan-probe', 1, {lease}, 0, 0, true, 0, 0, NULL)").fetchone()[0][0]
         generic = db.execute("SELECT generic_plans FROM pg_prepared_statements "
                              "WHERE name = 'claim'").fetchone()[0]
         db.rollback()
@@ -208,7 +208,7 @@ def test_claim_generic_plan_made_on_a_nearly_empty_table_scans_no_table(
         db.execute("SET plan_cache_mode = 'force_generic_plan'")
         db.execute("PREPARE claim AS " + claims[0]["Query Text"])
         plan = db.execute(f"EXPLAIN (FORMAT JSON) EXECUTE claim({BATCH}, 'plan-probe', 1, "
-                          "30000, 0, 0, true, 0, 0)").fetchone()[0][0]["Plan"]
+                          "30000, 0, 0, true, 0, 0, NULL)").fetchone()[0][0]["Plan"]
         db.rollback()
 
     def seq_scans(node):

@@ -583,11 +583,12 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool fir
         const size_t nv = sizeof v / sizeof v[0];
         sql = ost_tsql(db, st, v, competing ? nv - 1 : nv, &ps);
     } else {
-        /* the walk from the table's start ($9 = 0): this path keeps no floor */
-        const pgv v[9] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
-                           PV_I(competing ? 0 : epoch), PV_I(bytes),
-                           PV_S(first_whole ? "true" : "false"), PV_I(maxpay), PV_I(0) };
-        sql = ost_pg_stmt(db, sql_pg_claim_bytes(&db->conf->pgn, competing), v, 9, &ps);
+        /* the walk from the table's start ($9 = 0): this path keeps no floor, nor passes
+           over the rows it holds ($10 NULL) */
+        const pgv v[10] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
+                            PV_I(competing ? 0 : epoch), PV_I(bytes),
+                            PV_S(first_whole ? "true" : "false"), PV_I(maxpay), PV_I(0), PV_NUL };
+        sql = ost_pg_stmt(db, sql_pg_claim_bytes(&db->conf->pgn, competing), v, 10, &ps);
     }
     if (!sql)
         goto done;

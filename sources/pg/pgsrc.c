@@ -52,8 +52,8 @@ enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_P
    next claim comes claim_delay later as it would have, without a LISTEN and an UNLISTEN.) */
 #define QUIET_ROWS 4
 #define QUIET_EMPTY 2
-/* The claims' parameters ($1..$9 of sql_pg_claim_sliced); the last is the floor. */
-#define CLAIM_NPARAMS 9
+/* The claims' parameters ($1..$10 of sql_pg_claim_sliced); $9 is the floor. */
+#define CLAIM_NPARAMS 10
 #define CLAIM_FLOOR 8
 /* The floor probe (sql_pg_floor_probe) runs before a claim at most this often; the first
    probe FLOOR_FULL_S after the last one that did looks for the lowest pending row from the
@@ -1431,15 +1431,21 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     snprintf(ep, sizeof ep, "%" PRId64, a->competing ? 0 : a->epoch);
     char fl[24];
     snprintf(fl, sizeof fl, "%" PRId64, s->floor_id);
+    char *held = NULL;       /* NULL (none) as well when there is no memory to spare */
+    (void)sql_pg_id_array(a->held, a->n_held, &held);
     const char *vals[CLAIM_NPARAMS] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
-                           a->first_whole ? "true" : "false", maxpay, fl};
+                           a->first_whole ? "true" : "false", maxpay, fl, held};
     s->claim_token = a->lease_token;
     s->crows.max_payload = a->max_payload > INT64_MAX ? 0 : a->max_payload;
     const char *sql = a->competing ? s->sql_claim_competing : s->sql_claim;
     bool probe = floor_probe_due(s);
     /* binary results: payloads as they are */
-    if ((!probe && !s->unlisten_next && !s->listen_next) || lq_stash(s, sql, vals) < 0)
-        return req_send(s, sql, CLAIM_NPARAMS, vals, 1);   /* (no memory to spare: alone) */
+    if ((!probe && !s->unlisten_next && !s->listen_next) || lq_stash(s, sql, vals) < 0) {
+        rc = req_send(s, sql, CLAIM_NPARAMS, vals, 1);   /* (no memory to spare: alone) */
+        free(held);
+        return rc;
+    }
+    free(held);
     if (probe)
         floor_send(s);
     else

@@ -559,7 +559,7 @@ static int pick(int n) { return (int)(rnd() % (uint64_t)n); }
    payload go, or never lost one so, would test nothing of it). */
 static struct {
     uint64_t released, lost_released, refused_released, streamed, rewritten, stops, expired,
-             lapses_released;
+             lapses_released, held_passed;
 } cover;
 
 #define SIM_ROWS   160
@@ -569,6 +569,7 @@ static struct {
 #define SIM_LEASE  6.0
 #define SIM_MARGIN 1.0
 #define SIM_MAXATT 3
+#define SIM_HELD   16         /* the most ids a claim is told it may pass over */
 
 enum { R_PENDING, R_SENT, R_DEAD };
 enum { F_OK, F_POISON, F_FLAKY, F_MISSING };
@@ -587,6 +588,7 @@ typedef struct dbrow {
     int     refusals;         /* every refusal, blame for a channel close included */
     bool    hidden_refusal;   /* refused by the broker, but the connection died before
                                  the ledger heard of it (nobody can count what follows) */
+    long    given_back;   /* the step a settle gave it back (released its lease), 0: never */
     int     enqueued;     /* copies in the queue */
     int     allowance;    /* copies explained by losses it was unconfirmed for */
 } dbrow;
@@ -608,6 +610,10 @@ typedef struct sim {
     double  claim_deadline;
     row    *claim_rows[SIM_BATCH];
     size_t  claim_n, claim_max;
+    long    claim_started;    /* the step it started */
+    double  claim_t;          /* and when */
+    int64_t held[SIM_HELD];   /* ledger_held_ids at the claim's start: it passes over them */
+    size_t  held_n;
     /* settle */
     int     settle;           /* 0 none, 1 started, 2 executed */
     src_outcome sv[4 * (SIM_WINDOW + 2 * SIM_BATCH) + 8];
@@ -694,12 +700,30 @@ static bool db_claimable(sim *s, int id)
     return true;
 }
 
+static bool claim_passes_over(sim *s, int id)
+{
+    for (size_t i = 0; i < s->held_n; i++) {
+        if (s->held[i] != id)
+            continue;
+        /* a row the ledger says it holds under a live lease of ours is one the claim would
+           not take, unless the ledger gave it back since (a settle released it while the
+           claim ran: the ledger then keeps its key's later rows from this claim back) or
+           its lease ran out (beyond the margin a real claim's timeout keeps within) */
+        if (db_claimable(s, id) && s->rows[id].given_back < s->claim_started &&
+            s->t < s->claim_t + SIM_MARGIN)
+            SIM_FAIL(s, "id=%d: held (ledger_held_ids) but claimable", id);
+        cover.held_passed++;
+        return true;
+    }
+    return false;
+}
+
 static void claim_exec(sim *s)
 {
     int64_t tok = ++s->next_token;
     s->claim_n = 0;
     for (int id = 1; id <= s->n_rows && s->claim_n < s->claim_max; id++) {
-        if (!db_claimable(s, id))
+        if (claim_passes_over(s, id) || !db_claimable(s, id))
             continue;
         dbrow *r = &s->rows[id];
         r->token = tok;
@@ -727,6 +751,8 @@ static void settle_exec(sim *s)
             continue;
         s->s_applied++;
         r->token = 0;
+        if (o->kind != SRC_SENT)
+            r->given_back = s->steps;
         switch (o->kind) {
         case SRC_SENT:
             if (!r->acked_ever)
@@ -952,6 +978,9 @@ static void sim_step(sim *s, bool faults)
             (s->claim_max = sim_claim_size(s)) > 0) {
             s->claim = 1;
             s->claim_deadline = s->t + SIM_LEASE - SIM_MARGIN;
+            s->claim_started = s->steps;
+            s->claim_t = s->t;
+            s->held_n = ledger_held_ids(s->l, s->t, s->held, SIM_HELD);
             ledger_claim_started(s->l);
         } else if (s->claim == 1) {
             claim_exec(s);
@@ -1174,12 +1203,13 @@ static void test_randomized(void **state)
     printf("large payloads let go once written: %llu (%llu of them lost with the connection "
            "and given back, %llu nacked or returned, %llu in flight at a leadership lapse), "
            "%llu stream steps, %llu "
-           "repeated on_written, %llu graceful stops, %llu rows expired unpublished\n",
+           "repeated on_written, %llu graceful stops, %llu rows expired unpublished, %llu held rows "
+           "a claim passed over\n",
            (unsigned long long)cover.released, (unsigned long long)cover.lost_released,
            (unsigned long long)cover.refused_released,
            (unsigned long long)cover.lapses_released, (unsigned long long)cover.streamed,
            (unsigned long long)cover.rewritten, (unsigned long long)cover.stops,
-           (unsigned long long)cover.expired);
+           (unsigned long long)cover.expired, (unsigned long long)cover.held_passed);
 }
 
 int main(void)

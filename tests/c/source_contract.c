@@ -20,10 +20,12 @@
  *   start | stop (destroy the source; prints STOPPED ms=N)
  *   lead OWNER [EPOCH [LEASE_MS]]
  *   claim MAX LEASE_MS TOKEN OWNER [EPOCH [competing]] [bytes=N [whole]] [maxpay=N]
+ *         [held=ID,ID...]
  *               bytes=N: the claim's byte limit (src_claim_args.max_bytes), whole:
  *               its first row whatever its size (first_whole); maxpay=N: payloads
  *               larger than N bytes stay in the database (max_payload; the row prints
- *               "withheld":SIZE)
+ *               "withheld":SIZE); held: the ids the claim may pass over (held, at most
+ *               64)
  *   caps        prints CAPS claims_bytes=0|1 (the source honours a byte limit)
  *   drain BATCH LEASE_MS TOKEN OWNER    claim until a claim returns nothing
  *   settle ID:TOKEN:KIND:BACKOFF_MS[:REASON_HEX] ...  (KIND S sent, R retry,
@@ -710,8 +712,23 @@ static void source_command(slot *s, char *line, char *arg)
         src_claim_args c = { 0 };
         char owner[256], mode[16] = "";
         long long mx, lease, token, ep = 0;
-        char *opt = strstr(arg, "maxpay=");
+        int64_t held[64];
+        char *opt = strstr(arg, "held=");
         if (opt != NULL) {      /* the very last */
+            char *p = opt + 5;
+            while (c.n_held < sizeof held / sizeof held[0]) {
+                char *end;
+                long long v = strtoll(p, &end, 10);
+                if (end == p)
+                    break;
+                held[c.n_held++] = v;
+                p = end + (*end == ',');
+            }
+            c.held = held;
+            *opt = '\0';
+        }
+        opt = strstr(arg, "maxpay=");
+        if (opt != NULL) {      /* last but held */
             c.max_payload = (size_t)strtoull(opt + 7, NULL, 10);
             *opt = '\0';
         }

@@ -80,10 +80,10 @@ static void t_statements(void **state)
     assert_string_equal(n.dead, "\"app\".\"outbox_dead\"");
     assert_string_equal(n.lease, "\"app\".\"outbox_lease\"");
     check_stmt(sql_pg_lead(&n), 3);
-    check_stmt(sql_pg_claim_bytes(&n, false), 9);
-    check_stmt(sql_pg_claim_bytes(&n, true), 9);
-    check_stmt(sql_pg_claim_sliced(&n, false), 9);
-    check_stmt(sql_pg_claim_sliced(&n, true), 9);
+    check_stmt(sql_pg_claim_bytes(&n, false), 10);
+    check_stmt(sql_pg_claim_bytes(&n, true), 10);
+    check_stmt(sql_pg_claim_sliced(&n, false), 10);
+    check_stmt(sql_pg_claim_sliced(&n, true), 10);
     check_stmt(sql_pg_floor_probe(&n), 3);
     for (int on_sent = 0; on_sent < 2; on_sent++) {
         check_stmt(sql_pg_settle_sent(&n, on_sent), 2);
