@@ -758,9 +758,10 @@ void ledger_claim_failed(ledger *l)
 }
 
 /* Rows whose lease may be gone or going are left out: past their deadline, and any
-   outcome but SENT (its settle gives the row back). Rows in flight from before a lost
-   leadership or claiming session (whose leases a new leader releases) are never held while
-   a claim starts: the drain claims only once they are through (ledger_n_old). A row given
+   outcome but SENT (its settle gives the row back). Rows leased under a leadership or
+   claiming session since lost (whose leases a new leader releases) are never held while a
+   claim starts: the drain claims only once those in flight are through (ledger_n_old), and
+   forgets the rows of a claim answered after its leadership lapsed. A row given
    back while the claim runs is not taken by it then, and its key's later rows that it
    takes are given back (the key's failed list): the next claim brings them in order. */
 size_t ledger_held_ids(const ledger *l, double now, int64_t *out, size_t max)

@@ -132,8 +132,11 @@ def test_claim_walks_pending_rows_in_order_under_stale_statistics(
         db.execute("SET plan_cache_mode = 'force_generic_plan'")
         db.execute("PREPARE claim AS " + claims[0]["Query Text"])
         lease = "30000"   # a live membership in competing mode
+        # held: as many ids as the relay passes at most (none of them a row here)
+        held = "'{" + ",".join(str(-i) for i in range(1, 65)) + "}'"
         plan = db.execute(f"EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) EXECUTE claim({BATCH}, "
-                          f"'plan-probe', 1, {lease}, 0, 0, true, 0, 0, NULL)").fetchone()[0][0]
+                          f"'plan-probe', 1, {lease}, 0, 0, true, 0, 0, {held})"
+                          ).fetchone()[0][0]
         generic = db.execute("SELECT generic_plans FROM pg_prepared_statements "
                              "WHERE name = 'claim'").fetchone()[0]
         db.rollback()
