@@ -60,7 +60,8 @@ What it measures (every figure printed is a median over BENCH_ROUNDS rounds, min
    the table's dead and live tuples, its size with indexes, the backlog; then each phase
    against its target. Before it, the floor any claim pays on this machine: the backend CPU
    of a prepared empty statement's round trip and of a notification delivered to an idle
-   listener, each at 1,000 a second. BENCH_ONLY=steady runs it alone; BENCH_STEADY=short is the quick
+   listener, each at 1,000 a second; after it, what a claim that takes nothing costs (its
+   plan started and ended) against a trivial statement sent alike. BENCH_ONLY=steady runs it alone; BENCH_STEADY=short is the quick
    version (5 + 60 + 40 + 20 s, 10 s windows; full: 10 + 300 + 120 + 60 s, 30 s windows),
    BENCH_STEADY=off skips it.
 
@@ -1748,6 +1749,41 @@ def steady_floor(svc, n=5000, rate=1000.0):
     return {"round_trip": rt, "notify": nt}
 
 
+def steady_empty_claim(svc, n=3000, rate=1000.0):
+    """What a claim costs PostgreSQL when it takes nothing, against a trivial statement, both
+    prepared and sent alike (EXECUTE, the generic plan, the relay's session settings), at `rate`
+    a second: the start and end of the claim's plan. The leader-mode claim's text comes from
+    pg_stat_statements after the run. None when it is not there."""
+    with svc.pg(DB) as c:
+        texts = [q for (q,) in c.execute("select query from pg_stat_statements "
+                                         "where dbid = (select oid from pg_database "
+                                         "where datname = current_database())")
+                 if stmt_kind(q) == "claim" and "member:" not in q]
+    if not texts:
+        return None
+    with svc.pg(DB) as c:
+        for k, v in (("enable_sort", "off"), ("enable_seqscan", "off"), ("jit", "off"),
+                     ("plan_cache_mode", "force_generic_plan")):
+            c.execute(f"set {k} = '{v}'")
+        c.execute("prepare nothing as select 1")
+        c.execute("prepare claim as " + texts[0])
+        pid = c.execute("select pg_backend_pid()").fetchone()[0]
+        cost = {}
+        for name, sql in (("trivial", "execute nothing"),
+                          ("claim", "execute claim(0, 'bench-probe', 1, 1000, 0, 0, false, 0, "
+                                    "0, NULL)")):
+            for _ in range(20):
+                c.execute(sql)
+            c0, t0 = pid_ticks(pid), time.monotonic()
+            for i in range(n):
+                d = t0 + i / rate - time.monotonic()
+                if d > 0:
+                    time.sleep(d)
+                c.execute(sql)
+            cost[name] = (pid_ticks(pid) - c0) / TICK / n
+    return cost
+
+
 def steady_report(r):
     S, B, win = r["samples"], r["bounds"], r["win"]
     tick_us = 1e6 / TICK
@@ -1886,6 +1922,11 @@ def steady_report(r):
               f"what the latency target needs) costs at least {rt + nt:.0f} us a message before "
               f"its own work, and the cost target leaves {100 - rt - nt:.0f} us for the "
               f"claim's work, the mark and retention")
+    ec = r.get("empty_claim")
+    if ec:
+        print(f"      a claim that takes nothing (its plan started and ended, measured after the "
+              f"run, {1000:.0f}/s) costs a backend {ec['claim'] * 1e6:.0f} us of CPU, a trivial "
+              f"statement sent alike {ec['trivial'] * 1e6:.0f} us")
     start0 = at(B["clean"])["size"]
     if size0:
         print(f"      table + indexes {start0 / 1048576:.1f} MiB at the start of the clean phase "
@@ -1950,6 +1991,10 @@ def steady_main():
         floor = steady_floor(svc)
         r = steady_run(svc, tmp)
         r["floor"] = floor
+        try:
+            r["empty_claim"] = steady_empty_claim(svc)
+        except psycopg.Error as e:
+            print(f"bench: no empty-claim figure: {str(e).strip()}")
         steady_report(r)
         ok = True
     finally:
