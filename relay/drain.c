@@ -84,7 +84,6 @@ struct drain {
     double    lead_sent;         /* monotonic time the outstanding lead request was sent */
     size_t    claim_asked;
     int64_t   claim_held[CLAIM_HELD_MAX];   /* the running claim's src_claim_args.held */
-    int64_t   claim_epoch;       /* the leadership the running claim was fenced on (0: none) */
     size_t    claim_bytes;       /* the running claim's byte limit (reserved), 0: none */
     double    claim_sent;        /* monotonic time the outstanding claim was sent */
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
@@ -533,9 +532,10 @@ static void on_claimed(drain *d, const src_result *res)
         res->rows[i]->origin_mono = d->claim_sent - (double)res->rows[i]->age_us / 1e6;
     ledger_claimed(d->led, res->rows, res->n_rows, d->claim_deadline);   /* takes the rows */
     free(res->rows);
-    if (d->ob->mode == CFG_MODE_LEADER && (!d->leader || d->epoch != d->claim_epoch))
+    if (d->ob->mode == CFG_MODE_LEADER && !d->leader)
         /* leased under a leadership that lapsed while the claim ran (its answer came after
-           the lease's local deadline): whoever leads next, this relay too, releases those
+           the lease's local deadline; no lead request can run meanwhile, it shares the
+           claim's connection): whoever leads next, this relay too, releases those
            leases, so the rows are forgotten as lose_leadership forgot the others, never
            published under a lease that is gone nor passed over by a later claim as held */
         ledger_drop_buffered(d->led);
@@ -1087,7 +1087,6 @@ static bool main_request(drain *d, enum src_req req)
             .n_held = ledger_held_ids(d->led, d->claim_sent, d->claim_held, CLAIM_HELD_MAX),
         };
         d->claim_asked = a.max_rows;
-        d->claim_epoch = a.epoch;
         d->claim_bytes = bytes;
         ledger_claim_started(d->led);
         rc = d->sops->claim(c->src, &a);

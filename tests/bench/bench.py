@@ -1715,37 +1715,38 @@ def steady_run(svc, tmp):
             "cpu": u, "producer": out, "dual_error": dual.error}
 
 
+def backend_pid(c):
+    return c.execute("select pg_backend_pid()").fetchone()[0]
+
+
+def backend_cpu(pid, n, rate, step):
+    """The CPU seconds backend `pid` spends per step(i), for i in 0..n-1 called `rate` times
+    a second (a wake-up each, as a claim per commit would be)."""
+    c0, t0 = pid_ticks(pid), time.monotonic()
+    for i in range(n):
+        d = t0 + i / rate - time.monotonic()
+        if d > 0:
+            time.sleep(d)
+        step(i)
+    return (pid_ticks(pid) - c0) / TICK / n
+
+
 def steady_floor(svc, n=5000, rate=1000.0):
     """What any claim costs PostgreSQL on this machine before its own work, measured on the
     bench database before the steady run: the CPU a backend spends on one round trip of a
     prepared empty statement, and on one notification delivered to an idle listener, each
-    at `rate` a second (a wake-up per statement, as a claim per commit would be)."""
-    def backend(c):
-        return c.execute("select pg_backend_pid()").fetchone()[0]
-
-    def paced(i, t0):
-        d = t0 + i / rate - time.monotonic()
-        if d > 0:
-            time.sleep(d)
-
+    at `rate` a second."""
     with svc.pg(DB) as a, svc.pg(DB) as lis, svc.pg(DB) as b:
-        pid = backend(a)
-        c0, t0 = pid_ticks(pid), time.monotonic()
-        for i in range(n):
-            paced(i, t0)
-            a.execute("select 1", prepare=True)
-        rt = (pid_ticks(pid) - c0) / TICK / n
+        rt = backend_cpu(backend_pid(a), n, rate, lambda i: a.execute("select 1", prepare=True))
         lis.execute("listen bench_floor")
-        lpid = backend(lis)
-        c0, t0 = pid_ticks(lpid), time.monotonic()
-        for i in range(n):
-            paced(i, t0)
+
+        def notify(i):
             b.execute("notify bench_floor")
             if i % 50 == 0:
                 lis.pgconn.consume_input()
                 while lis.pgconn.notifies() is not None:
                     pass
-        nt = (pid_ticks(lpid) - c0) / TICK / n
+        nt = backend_cpu(backend_pid(lis), n, rate, notify)
     return {"round_trip": rt, "notify": nt}
 
 
@@ -1767,20 +1768,13 @@ def steady_empty_claim(svc, n=3000, rate=1000.0):
             c.execute(f"set {k} = '{v}'")
         c.execute("prepare nothing as select 1")
         c.execute("prepare claim as " + texts[0])
-        pid = c.execute("select pg_backend_pid()").fetchone()[0]
         cost = {}
         for name, sql in (("trivial", "execute nothing"),
                           ("claim", "execute claim(0, 'bench-probe', 1, 1000, 0, 0, false, 0, "
                                     "0, NULL)")):
             for _ in range(20):
                 c.execute(sql)
-            c0, t0 = pid_ticks(pid), time.monotonic()
-            for i in range(n):
-                d = t0 + i / rate - time.monotonic()
-                if d > 0:
-                    time.sleep(d)
-                c.execute(sql)
-            cost[name] = (pid_ticks(pid) - c0) / TICK / n
+            cost[name] = backend_cpu(backend_pid(c), n, rate, lambda i: c.execute(sql))
     return cost
 
 
