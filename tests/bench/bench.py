@@ -60,10 +60,11 @@ What it measures (every figure printed is a median over BENCH_ROUNDS rounds, min
    the table's dead and live tuples, its size with indexes, the backlog; then each phase
    against its target. Before it, the floor any claim pays on this machine: the backend CPU
    of a prepared empty statement's round trip and of a notification delivered to an idle
-   listener, each at 1,000 a second; after it, what a claim that takes nothing costs (its
-   plan started and ended) against a trivial statement sent alike. BENCH_ONLY=steady runs it alone; BENCH_STEADY=short is the quick
-   version (5 + 60 + 40 + 20 s, 10 s windows; full: 10 + 300 + 120 + 60 s, 30 s windows),
-   BENCH_STEADY=off skips it.
+   listener, each at 1,000 a second; after it, what a claim costs against a trivial
+   statement sent alike: one that takes nothing (its plan started and ended), and one that
+   takes a row, as it commits (waiting for the WAL flush) and as it would without waiting.
+   BENCH_ONLY=steady runs it alone; BENCH_STEADY=short is the quick version (5 + 60 + 40 +
+   20 s, 10 s windows; full: 10 + 300 + 120 + 60 s, 30 s windows), BENCH_STEADY=off skips it.
 
 Before each timed run the bench waits (at most 3 s) until the broker and PostgreSQL are idle,
 so a checkpoint or a purge does not land in the next measurement. A run is flagged
@@ -1750,11 +1751,13 @@ def steady_floor(svc, n=5000, rate=1000.0):
     return {"round_trip": rt, "notify": nt}
 
 
-def steady_empty_claim(svc, n=3000, rate=1000.0):
-    """What a claim costs PostgreSQL when it takes nothing, against a trivial statement, both
-    prepared and sent alike (EXECUTE, the generic plan, the relay's session settings), at `rate`
-    a second: the start and end of the claim's plan. The leader-mode claim's text comes from
-    pg_stat_statements after the run. None when it is not there."""
+def steady_claim_cost(svc, n=3000, rate=1000.0):
+    """What a claim costs PostgreSQL beyond a trivial statement, all prepared and sent alike
+    (EXECUTE, the generic plan, the relay's session settings), at `rate` a second: one that
+    takes nothing (the start and end of its plan), and one that takes a row of its own
+    (rows written for it after the run), as its commit waits for the WAL flush and as it would
+    without waiting. The leader-mode claim's text comes from pg_stat_statements after the
+    run. None when it is not there."""
     with svc.pg(DB) as c:
         texts = [q for (q,) in c.execute("select query from pg_stat_statements "
                                          "where dbid = (select oid from pg_database "
@@ -1768,13 +1771,31 @@ def steady_empty_claim(svc, n=3000, rate=1000.0):
             c.execute(f"set {k} = '{v}'")
         c.execute("prepare nothing as select 1")
         c.execute("prepare claim as " + texts[0])
+        # rows for the claims that take one, each claim's walk starting at the next
+        first = c.execute(
+            "with i as (insert into outbox.messages (routing_key, partition_key, payload) "
+            "select 'bench-probe', 'probe-' || (g %% 1000), convert_to(repeat('x', 200), "
+            "'UTF8') from generate_series(1, %s) g returning id) select min(id) from i",
+            (2 * (n + 20),)).fetchone()[0]
+        at = [first]
+
+        def take(i):
+            got = c.execute(f"execute claim(1, 'bench-probe', 1, 60000, 0, 0, false, 0, "
+                            f"{int(at[0])}, NULL)").fetchall()
+            if len(got) != 1:
+                raise BenchError(f"the one-row claim took {len(got)} rows")
+            at[0] = got[0][0] + 1
         cost = {}
-        for name, sql in (("trivial", "execute nothing"),
-                          ("claim", "execute claim(0, 'bench-probe', 1, 1000, 0, 0, false, 0, "
-                                    "0, NULL)")):
-            for _ in range(20):
-                c.execute(sql)
-            cost[name] = backend_cpu(backend_pid(c), n, rate, lambda i: c.execute(sql))
+        for name, step in (("trivial", lambda i: c.execute("execute nothing")),
+                           ("claim", lambda i: c.execute(
+                               "execute claim(0, 'bench-probe', 1, 1000, 0, 0, false, 0, "
+                               "0, NULL)")),
+                           ("one", take), ("one_nowait", take)):
+            if name == "one_nowait":
+                c.execute("set synchronous_commit = off")
+            for i in range(20):
+                step(i)
+            cost[name] = backend_cpu(backend_pid(c), n, rate, step)
     return cost
 
 
@@ -1916,11 +1937,17 @@ def steady_report(r):
               f"what the latency target needs) costs at least {rt + nt:.0f} us a message before "
               f"its own work, and the cost target leaves {100 - rt - nt:.0f} us for the "
               f"claim's work, the mark and retention")
-    ec = r.get("empty_claim")
+    ec = r.get("claim_cost")
     if ec:
-        print(f"      a claim that takes nothing (its plan started and ended, measured after the "
-              f"run, {1000:.0f}/s) costs a backend {ec['claim'] * 1e6:.0f} us of CPU, a trivial "
-              f"statement sent alike {ec['trivial'] * 1e6:.0f} us")
+        one = ec["one"] * 1e6
+        print(f"      a claim (measured after the run, {1000:.0f}/s) costs a backend "
+              f"{ec['claim'] * 1e6:.0f} us of CPU when it takes nothing (its plan started and "
+              f"ended; a trivial statement sent alike {ec['trivial'] * 1e6:.0f} us), "
+              f"{one:.0f} us when it takes a row ({ec['one_nowait'] * 1e6:.0f} us if its commit "
+              f"did not wait for the WAL flush)")
+        if fl:
+            print(f"      so a claim at every commit costs at least {one + nt:.0f} us a message "
+                  f"with its notification, before the mark (target <= 100)")
     start0 = at(B["clean"])["size"]
     if size0:
         print(f"      table + indexes {start0 / 1048576:.1f} MiB at the start of the clean phase "
@@ -1986,9 +2013,9 @@ def steady_main():
         r = steady_run(svc, tmp)
         r["floor"] = floor
         try:
-            r["empty_claim"] = steady_empty_claim(svc)
-        except psycopg.Error as e:
-            print(f"bench: no empty-claim figure: {str(e).strip()}")
+            r["claim_cost"] = steady_claim_cost(svc)
+        except (psycopg.Error, BenchError) as e:
+            print(f"bench: no claim-cost figures: {str(e).strip()}")
         steady_report(r)
         ok = True
     finally:
