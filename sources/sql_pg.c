@@ -396,10 +396,14 @@ char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing)
 
 /* The floor probe (see sql_pg.h): $1 the floor in use, $2 the lock holders the previous probe
    saw (text[] of virtualtransaction, NULL: none), $3 the table's quoted name. The lowest
-   pending id is looked for from the floor in use: no row below it is pending. */
+   pending id is looked for from the floor in use: no row below it is pending. The floor is
+   read through a subquery, as in the claim's walk (SQL_PG_WALK), so that the planner
+   estimates the probe alike whatever its value and the prepared probe keeps its generic
+   plan. */
 char *sql_pg_floor_probe(const sql_pg_names *n)
 {
-    return fmt("SELECT (SELECT p.id FROM %s p WHERE p.sent_at IS NULL AND p.id >= $1::bigint "
+    return fmt("SELECT (SELECT p.id FROM %s p WHERE p.sent_at IS NULL "
+               "AND p.id >= (SELECT $1::bigint) "
                "ORDER BY p.id LIMIT 1), pg_sequence_last_value(q.seq), "
                "(SELECT s.seqcache FROM pg_catalog.pg_sequence s WHERE s.seqrelid = q.seq), "
                "(SELECT array_agg(l.virtualtransaction)::text FROM pg_catalog.pg_locks l "

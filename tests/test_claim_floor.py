@@ -191,6 +191,12 @@ def test_a_row_committed_late_is_claimed_at_once_and_before_its_keys_later_rows(
     text = server_log_since(services, log_from)
     floors = [int(m) for m in re.findall(r"parameters: \$1 = '\d+', .*?\$9 = '(\d+)'", text)]
     assert floors and max(floors) > late_id, f"floors {sorted(set(floors))[-5:]}"
+    # the probe that moves it is prepared once per session and then executed by its name,
+    # not parsed and planned anew before every claim it precedes
+    probe = r"SELECT \(SELECT p\.id FROM \S+ p WHERE p\.sent_at IS NULL AND p\.id >= "
+    named = re.findall(r"execute outbox_relay_floor: " + probe, text)
+    unnamed = re.findall(r"execute <unnamed>: " + probe, text)
+    assert len(named) >= 3 and not unnamed, f"{len(named)} named, {len(unnamed)} unnamed probes"
 
 
 def test_a_sequence_caching_several_values_keeps_no_floor(services, pgdb, relay_bin, tmp_path):
