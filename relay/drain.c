@@ -106,9 +106,10 @@ struct drain {
     bool      health_due;
     bool      horizon_held;      /* a held-back xmin horizon was reported (WARN), not ended */
     bool      horizon_blind_logged; /* "cannot see other sessions" was logged */
-    char      horizon_holder[200];  /* who held it, for the "ended" line */
-    char      slot_xmin[160];    /* a slot holding the horizon: its name and xmin ... */
-    double    slot_since;        /* ... and since when (monotonic) this relay has seen it */
+    char      horizon_holder[200];  /* who held it, for the "ended" line ... */
+    char      horizon_warned[240];  /* ... and its holder_key then */
+    char      holder_key[240];   /* the horizon's holder at the last read: who, and its xmin ... */
+    double    holder_since;      /* ... and since when (monotonic) it has held that xmin */
     double    poll_delay;        /* adaptive: grows while claims come back empty */
 
     bool      stopping;
@@ -694,82 +695,97 @@ static void on_health(drain *d, const src_health *h)
     d->m.table_live_tuples = h->live_tuples;
     d->m.table_size_bytes = h->size_bytes;
     d->m.last_autovacuum_ts = h->last_autovacuum;
-    d->m.horizon_xids = h->horizon_known || h->holder_kind != NULL ? h->horizon_xids : -1;
+    d->m.horizon_xids = h->horizon_xids;
     d->m.table_used_bytes = h->used_bytes;
     d->m.version_store_bytes = h->version_store_bytes;
     d->m.health_have = h->have;
     if (h->holder_kind == NULL) {
-        age = 0;
-        d->slot_xmin[0] = '\0';
-    } else if (versions) {
-        age = h->holder_age_s;
-        snprintf(who, sizeof who, "session %d (program_name \"%s\", %s)", h->holder_pid,
-                 h->holder_name ? h->holder_name : "", h->holder_state ? h->holder_state : "");
-        d->slot_xmin[0] = '\0';
-    } else if (h->holder_pid > 0) {
-        age = h->holder_age_s;
-        snprintf(who, sizeof who, "pid %d (application_name \"%s\", state \"%s\")",
-                 h->holder_pid, h->holder_name ? h->holder_name : "",
-                 h->holder_state ? h->holder_state : "");
-        d->slot_xmin[0] = '\0';
+        age = 0;    /* the last holder stays known: a session between statements holds none */
     } else {
-        /* a replication slot: the database does not say since when; count from the
-           first time this relay saw it hold this very xmin */
-        char key[160];
-        snprintf(key, sizeof key, "%s/%s", h->holder_name ? h->holder_name : "",
-                 h->holder_xmin ? h->holder_xmin : "");
-        if (strcmp(key, d->slot_xmin) != 0) {
-            snprintf(d->slot_xmin, sizeof d->slot_xmin, "%s", key);
-            d->slot_since = now;
+        /* Since when the holder has held this very xmin: what the database says when this
+           relay first sees it hold it (a transaction's or a prepared transaction's start),
+           else from that first sight (a slot; a walsender, whose xmin is its standby's
+           feedback; a role that may not see when other roles' transactions began). A
+           holder whose xmin moved on (the walsender's next feedback, a READ COMMITTED
+           session's next statement) has held the new one since now. */
+        bool session = strcmp(h->holder_kind, "session") == 0 || versions;
+        const char *name = h->holder_name ? h->holder_name : "";
+        const char *state = h->holder_state ? h->holder_state : "";
+        const char *xmin = h->holder_xmin ? h->holder_xmin : "";
+        char id[160], key[sizeof d->holder_key];
+        snprintf(id, sizeof id, "%s/%d/%s/", h->holder_kind, h->holder_pid, session ? "" : name);
+        snprintf(key, sizeof key, "%s%s", id, xmin);
+        if (strcmp(key, d->holder_key) != 0) {
+            bool moved = strncmp(key, d->holder_key, strlen(id)) == 0;
+            d->holder_since = !moved && h->holder_age_s >= 0 ? now - h->holder_age_s : now;
+            snprintf(d->holder_key, sizeof d->holder_key, "%s", key);
         }
-        age = now - d->slot_since;
-        snprintf(who, sizeof who, "replication slot \"%s\" (%s, xmin %s)",
-                 h->holder_name ? h->holder_name : "", h->holder_state ? h->holder_state : "",
-                 h->holder_xmin ? h->holder_xmin : "?");
+        age = now - d->holder_since;
+        if (versions)
+            snprintf(who, sizeof who, "session %d (program_name \"%s\", %s)", h->holder_pid,
+                     name, state);
+        else if (strcmp(h->holder_kind, "replication slot") == 0)
+            snprintf(who, sizeof who, "replication slot \"%s\" (%s, xmin %s)", name, state,
+                     xmin[0] ? xmin : "?");
+        else if (strcmp(h->holder_kind, "prepared transaction") == 0)
+            snprintf(who, sizeof who, "prepared transaction \"%s\" (%s, transaction %s)", name,
+                     state, xmin[0] ? xmin : "?");
+        else if (state[0])
+            snprintf(who, sizeof who, "pid %d (application_name \"%s\", state \"%s\")",
+                     h->holder_pid, name, state);
+        else
+            snprintf(who, sizeof who, "pid %d (application_name \"%s\")", h->holder_pid, name);
     }
     if (!h->horizon_known && !d->horizon_blind_logged) {
         d->horizon_blind_logged = true;
         log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_unknown", .outbox = d->ob->name },
-               "outbox=%s: table health: the relay's database role cannot see other roles' "
-               "transactions, so a long transaction holding back the vacuum of %s would go "
-               "unnoticed; grant it pg_read_all_stats (or pg_monitor)", d->ob->name,
-               d->ob->table);
+               "outbox=%s: table health: the relay's database role cannot see when other "
+               "roles' transactions began, nor their state or walsenders: a transaction "
+               "holding back the vacuum of %s is timed from when the relay first sees it, and "
+               "a standby's feedback goes unnoticed; grant it pg_read_all_stats (or "
+               "pg_monitor)", d->ob->name, d->ob->table);
     }
-    d->m.horizon_age_s = h->horizon_known || h->holder_kind != NULL ? age : -1;
-    if (age >= warn_s && who[0] != '\0') {
-        if (!d->horizon_held) {
-            d->horizon_held = true;
-            snprintf(d->horizon_holder, sizeof d->horizon_holder, "%s", who);
-            if (versions) {
-                log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_held",
-                                                .outbox = d->ob->name, .error = who },
-                       "outbox=%s: a transaction has held the version store for %.0f s: %s; "
-                       "SQL Server keeps every row version and ghost record it may read, so "
-                       "ghost records of %s (%" PRId64 " at the last count, %" PRId64 " rows "
-                       "now) and the version store (%" PRId64 " bytes) grow and claims slow "
-                       "down; end that transaction", d->ob->name, age, who, d->ob->table,
-                       h->dead_tuples, h->live_tuples, h->version_store_bytes);
-            } else {
-                log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_held",
-                                                .outbox = d->ob->name, .error = who },
-                       "outbox=%s: the database's xmin horizon has been held back for %.0f s "
-                       "(%" PRId64 " transactions) by %s: vacuum cannot remove dead rows of %s "
-                       "(%" PRId64 " dead, %" PRId64 " live now) and claims slow down as they "
-                       "pile up; %s", d->ob->name, age, h->horizon_xids, who, d->ob->table,
-                       h->dead_tuples, h->live_tuples,
-                       h->holder_pid > 0 ? "end that transaction"
-                                         : "advance or drop the slot (or its standby's feedback)");
-            }
-        }
-    } else if (d->horizon_held) {
+    d->m.horizon_age_s = age;
+    bool over = age >= warn_s && who[0] != '\0';
+    if (d->horizon_held && (!over || strcmp(d->holder_key, d->horizon_warned) != 0)) {
+        /* it let go, or another holder (held long enough too: its WARN follows) */
         d->horizon_held = false;
         log_ev(LOG_INFO, &(log_fields){ .event = "xmin_horizon_released", .outbox = d->ob->name,
                                         .error = d->horizon_holder },
-               "outbox=%s: the database's %s is no longer held back (it was by %s; "
-               "now %s); %" PRId64 " dead rows in %s", d->ob->name,
+               "outbox=%s: the database's %s is no longer held back by %s (now %s); "
+               "%" PRId64 " dead rows in %s", d->ob->name,
                versions || (h->have & SRC_H_VSTORE) ? "version store" : "xmin horizon",
-               d->horizon_holder,
-               who[0] ? who : "nothing holds it", h->dead_tuples, d->ob->table);
+               d->horizon_holder, who[0] ? who : "nothing holds it", h->dead_tuples,
+               d->ob->table);
+    }
+    if (over && !d->horizon_held) {
+        d->horizon_held = true;
+        snprintf(d->horizon_holder, sizeof d->horizon_holder, "%s", who);
+        snprintf(d->horizon_warned, sizeof d->horizon_warned, "%s", d->holder_key);
+        if (versions) {
+            log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_held",
+                                            .outbox = d->ob->name, .error = who },
+                   "outbox=%s: a transaction has held the version store for %.0f s: %s; "
+                   "SQL Server keeps every row version and ghost record it may read, so "
+                   "ghost records of %s (%" PRId64 " at the last count, %" PRId64 " rows "
+                   "now) and the version store (%" PRId64 " bytes) grow and claims slow "
+                   "down; end that transaction", d->ob->name, age, who, d->ob->table,
+                   h->dead_tuples, h->live_tuples, h->version_store_bytes);
+        } else {
+            const char *act =
+                strcmp(h->holder_kind, "replication slot") == 0
+                    ? "advance or drop the slot (or its standby's feedback)"
+                : strcmp(h->holder_kind, "prepared transaction") == 0
+                    ? "COMMIT PREPARED or ROLLBACK PREPARED it"
+                    : "end that transaction";
+            log_ev(LOG_WARN, &(log_fields){ .event = "xmin_horizon_held",
+                                            .outbox = d->ob->name, .error = who },
+                   "outbox=%s: the database's xmin horizon has been held back for %.0f s "
+                   "(%" PRId64 " transactions) by %s: vacuum cannot remove dead rows of %s "
+                   "(%" PRId64 " dead, %" PRId64 " live now), so the table and its indexes "
+                   "grow while it lasts; %s", d->ob->name, age, h->horizon_xids, who,
+                   d->ob->table, h->dead_tuples, h->live_tuples, act);
+        }
     }
 }
 

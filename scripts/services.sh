@@ -171,6 +171,7 @@ listen_addresses = '127.0.0.1'
 port = $PG_PORT
 unix_socket_directories = '$PG_SOCK'
 max_connections = 200
+max_prepared_transactions = 10   # the health tests prepare one (it holds the xmin horizon)
 shared_preload_libraries = 'pg_stat_statements'
 fsync = off                      # test cluster: survives process crashes, not OS crashes
 full_page_writes = off

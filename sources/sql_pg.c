@@ -539,12 +539,25 @@ char *sql_pg_stats(const sql_pg_names *n, bool full)
 
 /* The table's health, read every health_interval: dead and live tuples (estimates of the
  * statistics system), table + indexes + TOAST size, last autovacuum (Unix time), whether
- * this role sees other sessions' snapshots, and the holder of the oldest xmin that can
- * hold back the vacuum of this table: a session of this database (or a walsender, whose
- * xmin is a standby's with hot_standby_feedback) other than this one, or a replication
- * slot's xmin. A logical slot's catalog_xmin holds back only the system catalogs, not
- * this table, and is left out. Other roles' backend_xmin is NULL unless this role has
- * pg_read_all_stats (or pg_monitor): the fifth column says whether it can see them.
+ * this role sees when other roles' transactions began, and the holder of the oldest xmin
+ * that can hold back the vacuum of this table, the one furthest behind in transaction IDs:
+ *  - a session of this database other than this one, through its snapshot (backend_xmin)
+ *    or its own transaction ID (backend_xid: a transaction that wrote and stays open, even
+ *    one in READ COMMITTED between statements, holds no snapshot but holds the horizon);
+ *  - a walsender, whose xmin is a standby's with hot_standby_feedback;
+ *  - a prepared transaction of this database (pg_prepared_xacts), which holds its ID until
+ *    COMMIT PREPARED or ROLLBACK PREPARED, with no session at all;
+ *  - a replication slot's xmin. A logical slot's catalog_xmin holds back only the system
+ *    catalogs, not this table, and is left out.
+ * Its seconds: how long a session has held its xmin, as far as the database says: since
+ * its transaction began, or, running a statement without a transaction ID, since that
+ * statement began (in READ COMMITTED each statement takes a new snapshot; in REPEATABLE
+ * READ this says less than the truth the first time); how long a prepared transaction has
+ * been prepared; -1 where the database does not say (a walsender, whose xmin moves with
+ * its standby's feedback; a slot) and NULL where this role may not see it (another role's
+ * xact_start and state, without pg_read_all_stats or pg_monitor: the fifth column).
+ * The relay then counts from when it first saw the holder keep this very xmin. Other
+ * roles' backend_xmin, backend_xid and application_name are visible to every role.
  * $1 is the table's quoted, qualified name (sql_pg_names.table), read as a regclass: the
  * name travels as a value, never pasted into the statement's text. */
 char *sql_pg_health(void)
@@ -556,15 +569,23 @@ char *sql_pg_health(void)
         "h.kind, h.pid, h.name, h.state, h.secs, h.xids, h.xmin "
         "FROM pg_stat_user_tables s LEFT JOIN LATERAL (SELECT * FROM ("
         "SELECT 'session'::text AS kind, a.pid, a.application_name AS name, a.state, "
-        "greatest(extract(epoch from now() - coalesce(a.xact_start, a.query_start, "
-        "a.backend_start)), 0)::float8 AS secs, age(a.backend_xmin)::bigint AS xids, "
-        "a.backend_xmin::text AS xmin FROM pg_stat_activity a "
-        "WHERE a.backend_xmin IS NOT NULL AND a.pid <> pg_backend_pid() "
+        "CASE WHEN a.backend_type = 'walsender' THEN -1 ELSE greatest(extract(epoch from "
+        "now() - CASE WHEN a.backend_xid IS NULL AND a.state = 'active' THEN a.query_start "
+        "ELSE a.xact_start END), 0) END::float8 AS secs, "
+        "greatest(age(a.backend_xmin), age(a.backend_xid))::bigint AS xids, "
+        "(CASE WHEN a.backend_xmin IS NULL OR age(a.backend_xid) > age(a.backend_xmin) "
+        "THEN a.backend_xid ELSE a.backend_xmin END)::text AS xmin FROM pg_stat_activity a "
+        "WHERE (a.backend_xmin IS NOT NULL OR a.backend_xid IS NOT NULL) "
+        "AND a.pid <> pg_backend_pid() "
         "AND (a.datname = current_database() OR a.backend_type = 'walsender') "
+        "UNION ALL SELECT 'prepared transaction', 0, t.gid, 'prepared by ' || t.owner, "
+        "greatest(extract(epoch from now() - t.prepared), 0)::float8, "
+        "age(t.transaction)::bigint, t.transaction::text FROM pg_prepared_xacts t "
+        "WHERE t.database = current_database() "
         "UNION ALL SELECT 'replication slot', 0, r.slot_name::text, "
         "CASE WHEN r.active THEN 'active' ELSE 'inactive' END, -1, age(r.xmin)::bigint, "
         "r.xmin::text FROM pg_replication_slots r WHERE r.xmin IS NOT NULL) x "
-        "ORDER BY x.xids DESC, x.secs DESC LIMIT 1) h ON true "
+        "ORDER BY x.xids DESC, x.secs DESC NULLS LAST LIMIT 1) h ON true "
         "WHERE s.relid = $1::regclass");
 }
 
