@@ -58,6 +58,7 @@
 #include "relay/ledger.h"
 
 #include <inttypes.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -592,7 +593,11 @@ static void note_overtaken(ledger *l, led_entry *later, const led_entry *earlier
 /* A failed attempt of e (its row still attached): retry with back-off, or dead-letter. */
 static void attempt_failed(ledger *l, led_entry *e, const char *reason)
 {
-    int attempts = e->r->attempts + 1;
+    /* a count outside 0..INT_MAX - 1 (a row written by hand) is taken as its nearest bound:
+       INT_MAX + 1 would be negative, and the row retried forever instead of dead-lettered
+       (the settles count alike: sql_pg.c and sql_tsql.c, ATTEMPT_NEXT) */
+    int prior = e->r->attempts < 0 ? 0 : e->r->attempts;
+    int attempts = prior == INT_MAX ? INT_MAX : prior + 1;
     char why[700];
     l->st.failed++;
     if (attempts >= l->cfg.max_attempts) {

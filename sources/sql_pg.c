@@ -450,6 +450,12 @@ char *sql_pg_settle_sent(const sql_pg_names *n, int on_sent)
                "SELECT count(*) FROM s", n->table);
 }
 
+/* A row's attempts after one more failed (A: its count now): a count outside 0..2^31 - 2
+   (written by hand) is taken as its nearest bound, so the sum never overflows the column
+   (an error would fail the whole settle, every row in it, again and again), as the
+   ledger counts (ledger.c, attempt_failed). */
+#define SQL_PG_ATTEMPT_NEXT(A) "(least(greatest(" A ", 0), 2147483646) + 1)"
+
 char *sql_pg_settle(const sql_pg_names *n, int on_sent)
 {
     char sent[512];
@@ -469,7 +475,8 @@ char *sql_pg_settle(const sql_pg_names *n, int on_sent)
         "FROM unnest($1::bigint[], $2::bigint[], $3::int[], $4::bigint[], $5::text[]) "
         "AS x(id, token, kind, backoff, reason) ORDER BY id), "
         "s AS (%2$s), "
-        "r AS (UPDATE %1$s m SET attempts = m.attempts + 1, last_error = u.reason, "
+        "r AS (UPDATE %1$s m SET attempts = " SQL_PG_ATTEMPT_NEXT("m.attempts") ", "
+        "last_error = u.reason, "
         "available_at = now() + u.backoff::float8 * interval '1 millisecond', "
         "lease_owner = NULL, lease_token = NULL, lease_until = NULL "
         "FROM u WHERE u.kind = %4$d AND m.id = u.id AND m.lease_token = u.token RETURNING m.id), "
@@ -481,7 +488,7 @@ char *sql_pg_settle(const sql_pg_names *n, int on_sent)
         "m.message_type, m.content_type, m.correlation_id, m.headers, m.payload, m.created_at, "
         "m.available_at, m.attempts, u.reason), "
         "i AS (INSERT INTO %3$s (id, " OUTBOX_PRODUCER_COLS ", available_at, attempts, reason) "
-        "SELECT id, " OUTBOX_PRODUCER_COLS ", available_at, attempts + 1, "
+        "SELECT id, " OUTBOX_PRODUCER_COLS ", available_at, " SQL_PG_ATTEMPT_NEXT("attempts") ", "
         "coalesce(reason, 'dead-lettered') FROM d "
         "ON CONFLICT (id) DO UPDATE SET message_id = EXCLUDED.message_id, "
         "exchange = EXCLUDED.exchange, routing_key = EXCLUDED.routing_key, "

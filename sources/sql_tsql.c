@@ -303,8 +303,15 @@ STMT0(sql_tsql_settle_delete,
     "DELETE m FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token "
     "WHERE o.kind = 0; SET @n = @n + @@ROWCOUNT; ");
 
+/* A row's attempts after one more failed (A: its count now): a count outside 0..2^31 - 2
+   (written by hand) is taken as its nearest bound, so the sum never overflows int (the
+   error would roll back the whole settle, every row in it, again and again), as the ledger
+   counts (ledger.c, attempt_failed). */
+#define SQL_TSQL_ATTEMPT_NEXT(A)                                                           \
+    "(CASE WHEN " A " < 0 THEN 1 WHEN " A " >= 2147483647 THEN 2147483647 ELSE " A " + 1 END)"
+
 STMT0(sql_tsql_settle_tail,
-    "UPDATE m SET attempts = m.attempts + 1, last_error = o.reason, "
+    "UPDATE m SET attempts = " SQL_TSQL_ATTEMPT_NEXT("m.attempts") ", last_error = o.reason, "
     "available_at = DATEADD(millisecond, CAST(o.backoff_ms AS int), SYSUTCDATETIME()), "
     "lease_owner = NULL, lease_token = NULL, lease_until = NULL "
     "FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token WHERE o.kind = 1; "
@@ -333,7 +340,8 @@ STMT0(sql_tsql_settle_tail,
     "DELETE x FROM {D} x JOIN @d d ON d.id = x.id; "
     "INSERT INTO {D} (id, " OUTBOX_PRODUCER_COLS ", attempts, reason) "
     "SELECT d.id, d.message_id, d.exchange, d.routing_key, d.partition_key, d.message_type, "
-    "d.content_type, d.correlation_id, d.headers, d.payload, d.created_at, d.attempts + 1, "
+    "d.content_type, d.correlation_id, d.headers, d.payload, d.created_at, "
+    SQL_TSQL_ATTEMPT_NEXT("d.attempts") ", "
     "COALESCE(o.reason, N'dead-lettered') FROM @d d JOIN @o o ON o.id = d.id; "
     TXN_COMMIT
     "SELECT @n");

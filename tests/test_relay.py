@@ -363,6 +363,40 @@ def test_missing_exchange_refused_without_closing_the_channel(services, pgdb, re
     conn.close()
 
 
+def test_rows_counting_attempts_at_the_limits(services, pgdb, relay_bin, build, tmp_path):
+    """Rows written by hand with `attempts` at the int column's limits: one at 2147483647 that
+    cannot be published is dead-lettered at its first failure (its count stays at the limit:
+    one more would overflow, in the relay's count or in the settle's, and a settle that fails
+    holds back the marks of every row in it, forever), one at -2147483648 is published like
+    any other, and the other keys' rows flow and are all marked."""
+    q = f"qlim-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    cfg = write_config(tmp_path / "lim.ini", services, pgdb, max_attempts="3",
+                       retry_backoff="200ms", retry_backoff_max="400ms")
+    init_schema(relay_bin, cfg)
+    run_producer(build, pgdb.dsn, pgdb.name, count=60, keys=4, routing_key=q, prefix="good")
+    with pgdb.connect() as c:
+        c.execute("INSERT INTO outbox.messages (exchange, routing_key, partition_key, payload, "
+                  f"attempts) VALUES ('missing-{q}', 'nowhere', 'lim', 'bad|0', 2147483647), "
+                  f"('', '{q}', 'lim', 'low|1', -2147483648)")
+    r = Relay(relay_bin, cfg, tmp_path / "lim.log")
+    try:
+        got = consume(ch, q, 61, timeout=30, idle=1.0)
+        wait_for(lambda: psql_rows(pgdb, "select count(*) from outbox.messages "
+                                         "where sent_at is null")[0][0] == 0, 20,
+                 desc="every publishable row marked, the other one dead-lettered")
+        dead = psql_rows(pgdb, "select attempts, reason from outbox.messages_dead")
+    finally:
+        rc = r.stop()
+        conn.close()
+    assert len(got) == 61, f"got {len(got)}"
+    assert dead == [(2147483647, dead[0][1])], dead
+    assert "after 2147483647 attempts" in dead[0][1], dead
+    assert "out of range" not in r.text(), r.text()[-3000:]
+    r.assert_clean_exit(rc)
+
+
 def test_database_name_mismatch(services, pgdb, relay_bin, build, tmp_path):
     q = f"qdb-{uuid.uuid4().hex[:6]}"
     conn, ch = amqp_channel(services)

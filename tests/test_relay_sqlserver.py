@@ -471,6 +471,37 @@ def test_sqlserver_leader_takeover(services, tsql, relay_bin, build, tmp_path):
 
 
 # ---------------------------------------------------------------------------- 5. poison rows, CLI
+def test_sqlserver_rows_counting_attempts_at_the_limits(services, tsql, relay_bin, build,
+                                                       tmp_path):
+    """Rows written by hand with `attempts` at int's limits: one at 2147483647 that cannot be
+    routed is dead-lettered at its first failure with its count at the limit (one more would
+    overflow, in the relay's count or in the settle's, and a settle that fails rolls back the
+    marks of every row in it, forever), one at -2147483648 is published like any other, and
+    the other keys' rows flow and are all marked."""
+    q, conn, ch = new_queue(services, "lim")
+    nowhere = f"nowhere-{uuid.uuid4().hex[:8]}"
+    start, cfg = make_relay(relay_bin, tmp_path, services, tsql, "lim", max_attempts="3",
+                            retry_backoff="200ms", retry_backoff_max="400ms")
+    init_outbox(relay_bin, cfg)
+    tsql.produce(60, 4, q, start=0)
+    tsql.produce(1, 4, nowhere, start=60)
+    tsql.sql.run(f"UPDATE {tsql.qt} SET attempts = 2147483647 WHERE routing_key = N'{nowhere}'")
+    tsql.sql.run(f"UPDATE {tsql.qt} SET attempts = -2147483648 "
+                 f"WHERE JSON_VALUE(headers, '$.seq') = '7'")
+    r = start()
+    try:
+        got = consume(ch, q, 60, timeout=60, idle=1.0)
+        tsql.wait_all_sent(60, timeout=30)
+        dead = tsql.sql.rows(f"SELECT attempts, reason FROM {tsql.q('messages_dead')}")
+    finally:
+        stop_all(r)
+        conn.close()
+    assert len(got) == 60, f"got {len(got)}"
+    assert [int(a) for a, _ in dead] == [2147483647], dead
+    assert "after 2147483647 attempts" in dead[0][1], dead
+    assert "out of range" not in r.text() and "overflow" not in r.text(), r.text()[-3000:]
+
+
 def test_sqlserver_poison_rows_and_cli(services, tsql, relay_bin, build, tmp_path):
     """Two poison rows among good ones: an unroutable message (the broker returns it:
     mandatory) and a row whose headers are a nested JSON object (never publishable). Both
