@@ -56,6 +56,10 @@ typedef struct sconn {
    (src_claim_args.held): under a steady stream those are a few dozen (published, waiting
    for a confirm or a mark); with more held, the claim looks at the rest itself. */
 #define CLAIM_HELD_MAX 64
+/* The most tokens of failed claims kept (src_claim_args.lost): each until its lease would
+   have run out. A failure that is not a lost answer (a server error rolls the claim back)
+   is kept too, harmlessly; past this many within one lease, the oldest goes. */
+#define CLAIM_LOST_MAX 16
 
 struct drain {
     struct ev_loop   *loop;
@@ -84,6 +88,10 @@ struct drain {
     double    lead_sent;         /* monotonic time the outstanding lead request was sent */
     size_t    claim_asked;
     int64_t   claim_held[CLAIM_HELD_MAX];   /* the running claim's src_claim_args.held */
+    int64_t   claim_token;       /* the running claim's lease token */
+    int64_t   lost[CLAIM_LOST_MAX];         /* src_claim_args.lost, oldest first ... */
+    double    lost_until[CLAIM_LOST_MAX];   /* ... each until (monotonic) its lease ends */
+    size_t    n_lost;
     size_t    claim_bytes;       /* the running claim's byte limit (reserved), 0: none */
     double    claim_sent;        /* monotonic time the outstanding claim was sent */
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
@@ -503,6 +511,39 @@ static void arm_poll(drain *d)
     ev_timer_start(d->loop, &d->poll_timer);
 }
 
+/* The running claim failed without an answer: it may have committed all the same (the
+   answer lost with the connection; a timeout the server did not act on), leasing rows this
+   relay never got under its token until the lease runs out. Later claims take them back
+   (src_claim_args.lost), so that no later row of their keys goes first. */
+static void claim_lost(drain *d)
+{
+    if (d->n_lost == CLAIM_LOST_MAX) {
+        memmove(d->lost, d->lost + 1, (CLAIM_LOST_MAX - 1) * sizeof d->lost[0]);
+        memmove(d->lost_until, d->lost_until + 1, (CLAIM_LOST_MAX - 1) * sizeof d->lost_until[0]);
+        d->n_lost--;
+    }
+    d->lost[d->n_lost] = d->claim_token;
+    /* its lease ends at most lease after its commit, which came before the failure was
+       known, or not at all (a server cancels a statement it timed out, and rolls back one
+       whose connection it lost before its commit) */
+    d->lost_until[d->n_lost] = mono_now() + d->ob->lease_ms / 1000.0 + 1.0;
+    d->n_lost++;
+}
+
+/* The failed claims' tokens whose leases may still be live, for the next claim. */
+static size_t claims_lost(drain *d, double now)
+{
+    size_t k = 0;
+    while (k < d->n_lost && d->lost_until[k] <= now)
+        k++;
+    if (k > 0) {
+        memmove(d->lost, d->lost + k, (d->n_lost - k) * sizeof d->lost[0]);
+        memmove(d->lost_until, d->lost_until + k, (d->n_lost - k) * sizeof d->lost_until[0]);
+        d->n_lost -= k;
+    }
+    return d->n_lost;
+}
+
 static void on_claimed(drain *d, const src_result *res)
 {
     double max_poll = poll_s(d), min_poll = max_poll < 0.05 ? max_poll : 0.05;
@@ -510,6 +551,7 @@ static void on_claimed(drain *d, const src_result *res)
     histogram_observe(&d->m.claim_latency, ev_now(d->loop) - d->main.req_started);
     if (res->ok != 0) {
         ledger_claim_failed(d->led);
+        claim_lost(d);
         d->want_claim = true;
         return;
     }
@@ -1095,12 +1137,14 @@ static bool main_request(drain *d, enum src_req req)
             .first_whole = whole,
             .max_payload = d->ob->sink->max_message_size,
             .lease_ms = d->resigned ? 0 : d->ob->lease_ms,
-            .lease_token = new_token(d),
+            .lease_token = d->claim_token = new_token(d),
             .owner = d->owner,
             .epoch = d->ob->mode == CFG_MODE_LEADER ? d->epoch : 0,
             .competing = d->ob->mode == CFG_MODE_COMPETING,
             .held = d->claim_held,
             .n_held = ledger_held_ids(d->led, d->claim_sent, d->claim_held, CLAIM_HELD_MAX),
+            .lost = d->lost,
+            .n_lost = claims_lost(d, d->claim_sent),
         };
         d->claim_asked = a.max_rows;
         d->claim_bytes = bytes;

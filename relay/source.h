@@ -179,6 +179,15 @@ typedef struct src_claim_args {
        hint: ignoring it changes nothing but the claim's cost. */
     const int64_t *held;
     size_t      n_held;
+    /* The tokens of this relay's earlier claims that failed without an answer, whose
+       leases have not run out yet (n_lost of them, borrowed for the call): such a claim
+       may have committed (its answer lost with the connection, a timeout the server did
+       not act on), leasing rows this relay never got. The claim takes rows leased under
+       these tokens as if their lease had ended, and in competing mode counts them as
+       not ours for its per-key check: otherwise later claims would pass over them (a live
+       lease) and take later rows of their keys first. Every source must honour it. */
+    const int64_t *lost;
+    size_t      n_lost;
 } src_claim_args;
 
 /* Leadership is a lease row per outbox (<table>_lease, name 'leader': owner,

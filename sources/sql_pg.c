@@ -252,6 +252,14 @@ char *sql_pg_lead(const sql_pg_names *n)
     "WHERE p.sent_at IS NULL AND p.id > w.id AND " SQL_PG_HELD("p") " "                    \
     "ORDER BY p.id LIMIT 1) FROM w WHERE w.id IS NOT NULL)"
 
+/* Row M was leased by one of this relay's claims that failed without an answer ($11, the
+   tokens of src_claim_args.lost): such a claim may have committed, and the relay never got
+   its rows. A claim takes them as if their lease had ended (SQL_PG_CLAIMABLE), and the
+   competing claim's per-key check counts them as not ours. */
+#define SQL_PG_LOST(M) M ".lease_token = ANY (coalesce($11::bigint[], '{}'))"
+#define SQL_PG_CLAIMABLE(M)                                                                \
+    "(" M ".lease_until IS NULL OR " M ".lease_until < now() OR " SQL_PG_LOST(M) ")"
+
 #define SQL_PG_STR_(x) #x
 #define SQL_PG_STR(x) SQL_PG_STR_(x)
 /* sql_pg_claim_sliced: a payload over SQL_PG_SLICE_BYTES (and within $8) is left out of the
@@ -340,7 +348,7 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
                         "AND f.epoch = $5::bigint AND f.expires_at > now()))") ", "
             "c AS (SELECT x.id, x.sz FROM w, LATERAL (SELECT m.id" SZ " FROM %1$s m "
             "WHERE m.id = w.id AND m.sent_at IS NULL AND m.available_at <= now() "
-            "AND (m.lease_until IS NULL OR m.lease_until < now()) "
+            "AND " SQL_PG_CLAIMABLE("m") " "
             "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM f "
             "WHERE f.partition_key = m.partition_key AND f.first_failed < m.id)) "
             "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint), " SQL_PG_BYTE_PREFIX("c")
@@ -353,7 +361,7 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
         SQL_PG_WALK("%1$s", "($5::bigint >= 0)") ", "
         "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "
         "m.partition_key" SZ " FROM %1$s m WHERE m.id = w.id AND m.sent_at IS NULL "
-        "AND m.available_at <= now() AND (m.lease_until IS NULL OR m.lease_until < now()) "
+        "AND m.available_at <= now() AND " SQL_PG_CLAIMABLE("m") " "
         "AND " SQL_PG_MY_KEY("m") " "
         /* the key's first pending row, when it comes before this one */
         "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.available_at, "
@@ -371,7 +379,8 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
         "GROUP BY partition_key), "
         "g AS MATERIALIZED (SELECT k.partition_key, (SELECT p.id FROM %1$s p "
         "WHERE " SQL_PG_KEY_BEFORE("p", "k.partition_key", "k.last") " "
-        "AND NOT coalesce(p.lease_owner = $2::text AND p.lease_until >= now(), false) "
+        "AND NOT coalesce(p.lease_owner = $2::text AND p.lease_until >= now() "
+        "AND NOT " SQL_PG_LOST("p") ", false) "
         "AND p.id NOT IN (SELECT id FROM c0) ORDER BY p.partition_key, p.id LIMIT 1) AS gap "
         "FROM k), "
         "c AS (SELECT c0.id, c0.sz FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key "

@@ -46,7 +46,9 @@ char *sql_pg_lead(const sql_pg_names *n);
    column its size (else NULL), and the row counts for its headers only within $6
    (src_claim_args.max_payload); $9 where its walk starts (see sql_pg_floor_probe); $10 ids
    it passes over (bigint[], NULL: none): rows the relay holds under a live lease of its own
-   (src_claim_args.held), which it would not take anyway.
+   (src_claim_args.held), which it would not take anyway; $11 the tokens of the relay's
+   claims that failed without an answer (bigint[], NULL: none; src_claim_args.lost): rows
+   leased under them are taken as if their lease had ended.
    -> id, message_id, exchange, routing_key, partition_key, message_type, content_type,
       correlation_id, headers (text), payload, attempts, created_at (µs since the epoch),
       age (µs), and the size of a payload left out (else NULL). */

@@ -161,6 +161,13 @@ static const char lead_text[] =
 static const sql_tsql_param lead_p[] = { P_NAME("owner"), P_INT("lease"), P_BIGINT("mine") };
 STMT(sql_tsql_lead, lead_text, lead_p);
 
+/* Row P (a prefix: "m." or "") may be taken: no live lease, or one of this relay's claims
+   that failed without an answer leased it (@lost: their tokens, ",t1,t2,", from
+   src_claim_args.lost; such a claim may have committed, and the relay never got its rows). */
+#define CLAIMABLE(P)                                                                       \
+    "(" P "lease_until IS NULL OR " P "lease_until < SYSUTCDATETIME() OR CHARINDEX(N',' + "  \
+    "CAST(" P "lease_token AS nvarchar(20)) + N',', @lost) > 0)"
+
 /* Claim (leader or unfenced): @epoch 0 is unfenced, else the leader row must be ours
    and is held to the batch's commit (a takeover's lead waits for the claim in flight). At
    most @limit rows, the prefix of them in id order within the byte limit (WITHIN_BYTES).
@@ -173,7 +180,8 @@ STMT(sql_tsql_lead, lead_text, lead_p);
 static const char claim_text[] =
     "SET NOCOUNT ON; "
     "DECLARE @limit int = ?, @epoch bigint = ?, @owner nvarchar(255) = ?, @token bigint = ?, "
-    "@lease_ms int = ?, @max_bytes bigint = ?, @first_whole int = ?, @max_payload bigint = ?; "
+    "@lease_ms int = ?, @max_bytes bigint = ?, @first_whole int = ?, @max_payload bigint = ?, "
+    "@lost nvarchar(max) = ?; "
     "DECLARE @f TABLE (partition_key nvarchar(255) NOT NULL PRIMARY KEY, "
     "first_failed bigint NOT NULL); "
     "DECLARE @c0 TABLE (id bigint NOT NULL PRIMARY KEY, sz bigint NOT NULL); "
@@ -188,8 +196,7 @@ static const char claim_text[] =
     "AND p.partition_key IS NOT NULL GROUP BY p.partition_key; "
     "INSERT INTO @c0 (id, sz) SELECT TOP (@limit) m.id, " CLAIMED_BYTES("m") " "
     "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
-    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
-    "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
+    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() AND " CLAIMABLE("m.") " "
     "AND NOT EXISTS (SELECT 1 FROM @f k WHERE k.partition_key = m.partition_key "
     "AND k.first_failed < m.id) ORDER BY m.id; "
     "DELETE FROM @c0 WHERE id NOT IN (SELECT z.id FROM (SELECT c.id, " RUN_OVER("c") " "
@@ -197,22 +204,22 @@ static const char claim_text[] =
     "UPDATE {T} WITH (ROWLOCK) SET lease_owner = @owner, lease_token = @token, "
     "lease_until = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()) "
     CLAIMED_OUTPUT
-    "WHERE sent_at IS NULL AND (lease_until IS NULL OR lease_until < SYSUTCDATETIME()) "
-    "AND id IN (SELECT id FROM @c0); "
+    "WHERE sent_at IS NULL AND " CLAIMABLE("") " AND id IN (SELECT id FROM @c0); "
     "END "
     TXN_COMMIT
     CLAIMED_SELECT;
 static const sql_tsql_param claim_p[] = { P_INT("limit"), P_BIGINT("epoch"), P_NAME("owner"),
                                           P_BIGINT("token"), P_INT("lease_ms"),
                                           P_BIGINT("max_bytes"), P_INT("first_whole"),
-                                          P_BIGINT("max_payload") };
+                                          P_BIGINT("max_payload"), P_TEXT("lost") };
 STMT(sql_tsql_claim, claim_text, claim_p);
 
 /* Competing-mode claim (see sql_pg_claim), within the byte limit as the claim above. */
 static const char claim_competing_text[] =
     "SET NOCOUNT ON; "
     "DECLARE @owner nvarchar(255) = ?, @lease_ms int = ?, @limit int = ?, @token bigint = ?, "
-    "@max_bytes bigint = ?, @first_whole int = ?, @max_payload bigint = ?; "
+    "@max_bytes bigint = ?, @first_whole int = ?, @max_payload bigint = ?, "
+    "@lost nvarchar(max) = ?; "
     /* membership (see sources/sql_pg.h): renew ours, else reuse an expired member
        row, else insert one; a lease of 0 withdraws it. By primary key only (the
        name LIKE a constant prefix is a seek). Each statement commits on its own, before
@@ -239,8 +246,7 @@ static const char claim_competing_text[] =
     "INSERT INTO @c0 (id, partition_key, sz) SELECT TOP (@limit) m.id, m.partition_key, "
     CLAIMED_BYTES("m") " "
     "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
-    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() "
-    "AND (m.lease_until IS NULL OR m.lease_until < SYSUTCDATETIME()) "
+    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() AND " CLAIMABLE("m.") " "
     "AND (m.partition_key IS NULL OR (CHECKSUM(m.partition_key) & 2147483647) % @n = @r) "
     "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT TOP (1) h.id, "
     "h.lease_owner, h.lease_until, h.available_at FROM {T} h WITH (NOLOCK) "
@@ -253,7 +259,7 @@ static const char claim_competing_text[] =
     "INSERT INTO @g (partition_key, gap) SELECT k.partition_key, (SELECT TOP (1) p.id "
     "FROM {T} p WITH (NOLOCK) WHERE p.partition_key = k.partition_key "
     "AND p.sent_at IS NULL AND (p.lease_owner IS NULL OR p.lease_owner <> @owner "
-    "OR p.lease_until IS NULL OR p.lease_until < SYSUTCDATETIME()) "
+    "OR " CLAIMABLE("p.") ") "
     "AND p.id NOT IN (SELECT id FROM @c0) ORDER BY p.id) "
     "FROM (SELECT DISTINCT partition_key FROM @c0 WHERE partition_key IS NOT NULL) k; "
     "DELETE c FROM @c0 c JOIN @g g ON g.partition_key = c.partition_key WHERE c.id > g.gap; "
@@ -263,15 +269,14 @@ static const char claim_competing_text[] =
     "UPDATE {T} WITH (ROWLOCK) SET lease_owner = @owner, lease_token = @token, "
     "lease_until = @until "
     CLAIMED_OUTPUT
-    "WHERE sent_at IS NULL AND (lease_until IS NULL OR lease_until < SYSUTCDATETIME()) "
-    "AND id IN (SELECT id FROM @c0); "
+    "WHERE sent_at IS NULL AND " CLAIMABLE("") " AND id IN (SELECT id FROM @c0); "
     TXN_COMMIT
     CLAIMED_SELECT;
 static const sql_tsql_param claim_competing_p[] = { P_NAME("owner"), P_INT("lease_ms"),
                                                     P_INT("limit"), P_BIGINT("token"),
                                                     P_BIGINT("max_bytes"),
                                                     P_INT("first_whole"),
-                                                    P_BIGINT("max_payload") };
+                                                    P_BIGINT("max_payload"), P_TEXT("lost") };
 STMT(sql_tsql_claim_competing, claim_competing_text, claim_competing_p);
 
 /* Settle: head + (mark | delete) + tail, for at most SQL_TSQL_MAX_ROWS outcomes, in the

@@ -19,7 +19,7 @@ import psycopg
 import pytest
 
 from conftest import wait_for
-from relay_util import (BlackholeProxy, BrokerCloser, Relay, amqp_channel, check_against_db, consume,
+from relay_util import (BlackholeProxy, BrokerCloser, LostAnswerProxy, Relay, amqp_channel, check_against_db, consume,
                         declare, delivery_report, free_port, log_events, log_lines_at, order_report, pg_ctl, proc_cpu_seconds,
                         queue_depth, run_producer, services_start, wait_log_at, write_config)
 from test_relay import init_schema
@@ -235,6 +235,39 @@ def test_postgres_restart_mid_drain(services, pgdb, relay_bin, build, tmp_path, 
         "the reconnect after the restart must say after how many failures: " + text[-3000:]
     assert dups <= 2 * c.window, f"{dups} duplicates > 2 x window {c.window} x 1 fault"
     assert max(copies.values()) <= 2, "a row was published more than once more for one fault"
+
+
+@pytest.mark.parametrize("mode", ["leader", "competing"])
+def test_a_claim_whose_answer_is_lost_keeps_key_order(services, pgdb, relay_bin, build,
+                                                      tmp_path, mode):
+    """The claiming connection breaks after a claim reached the server and before its answer
+    came back (a network fault, a failover): the server runs the claim and commits it,
+    leasing 100 rows the relay never got. The relay's next claims take them back by that
+    claim's token, so no later row of their keys is published before them, and they do not
+    wait for their lease (20 s) to run out."""
+    stmt = b"outbox_relay_claim" + (b"_competing" if mode == "competing" else b"")
+    proxy = LostAnswerProxy(services.pg_port, stmt, after=3)
+    n, keys = 3000, 30
+    dsn = (f"host=127.0.0.1 port={proxy.port} user={services.pg_user} dbname={pgdb.name} "
+           "connect_timeout=10")
+    c = Case(services, pgdb, relay_bin, build, tmp_path, f"lost{mode[0]}", conninfo=dsn,
+             mode=mode, batch_size="100", lease="20s", reconnect_max="1s")
+    c.produce(n, keys, size=64, batch=1000)
+    r = c.start()
+    try:
+        took = c.wait_all_sent(n, timeout=15)
+        text = r.text()
+    finally:
+        try:
+            stop_clean(r)
+        finally:
+            proxy.close()
+    got = c.collect()
+    dups, copies = delivery_report(got, n, keys)      # first deliveries in key order
+    print(f"lost claim answer ({mode}): all {n} sent {took:.1f} s after, {dups} duplicates")
+    assert proxy.swallowed == 1, "no claim's answer was lost: the test shows nothing"
+    assert log_lines_at(text, r"database unavailable|connection"), text[-3000:]
+    assert dups == 0, f"{dups} duplicates: the lost claim's rows were never published before"
 
 
 # ---------------------------------------------------------------------------- 3

@@ -1434,6 +1434,29 @@ def test_claim_passes_over_held_rows(src, drivers, competing):
     assert all(state[i]["token"] is not None for i in ids + more), "every row leased once"
 
 
+@pytest.mark.parametrize("competing", [False, True], ids=["leader", "competing"])
+def test_claim_takes_back_the_rows_of_a_claim_whose_answer_was_lost(src, drivers, competing):
+    """A claim that failed without an answer may have committed (its answer lost with the
+    connection, a timeout the server did not act on): its rows stay leased to this relay,
+    which never got them. Given that claim's token (src_claim_args.lost), the next claim takes
+    them as if their lease had ended, in id order with the rest: without it, that claim would
+    pass over them (a live lease) and take later rows of their keys first."""
+    init_schema(drivers)
+    d = started(drivers)
+    mode = " 0 competing" if competing else ""
+    ids = src.insert(6, partition_key=lambda i: f"k{i % 2}")
+    st, rows = d.request("claim 2 600000 7 relay-a" + mode)      # its answer is "lost"
+    assert st["ok"] == 0 and ids_of(rows) == ids[:2], (st, rows)
+    st, rows = d.request("claim 10 600000 8 relay-a" + mode + " lost=99,7")
+    assert st["ok"] == 0 and ids_of(rows) == ids, (st, rows)
+    state = src.rows()
+    assert all(state[i]["token"] == 8 for i in ids), state
+    # a token that leased nothing of these changes nothing
+    more = src.insert(2, partition_key=lambda i: f"k{i % 2}")
+    st, rows = d.request("claim 10 600000 9 relay-a" + mode + " lost=7")
+    assert st["ok"] == 0 and ids_of(rows) == more, (st, rows)
+
+
 def test_claim_counts_non_ascii_headers_within_the_limit(src, drivers):
     """Headers count as the UTF-8 text the relay receives. SQL Server keeps them as UTF-16
     (nvarchar): its claim counts ASCII text exactly and other text by an upper bound (3/2

@@ -39,6 +39,8 @@ typedef struct odbc_req {
     size_t  max_bytes;     /* CLAIM: 0 none */
     bool    first_whole;   /* CLAIM */
     size_t  max_payload;   /* CLAIM: 0 none */
+    int64_t *lost;         /* CLAIM: a copy of src_claim_args.lost */
+    size_t  n_lost;
     src_outcome *outcomes; /* SETTLE: a copy (reasons owned) */
     size_t  n_outcomes;
     int64_t retention_ms;  /* CLEANUP */
@@ -86,6 +88,7 @@ struct source {
 static void req_clear(odbc_req *r)
 {
     free(r->owner);
+    free(r->lost);
     for (size_t i = 0; i < r->n_outcomes; i++)
         free((char *)r->outcomes[i].reason);
     free(r->outcomes);
@@ -197,8 +200,8 @@ static odbc_event *execute_once(wstate *w, const odbc_req *r)
     case SRC_REQ_CLAIM:
         rc = odbcsrc_db_claim(db, r->max_rows, r->max_bytes, r->first_whole, r->max_payload,
                               r->lease_ms,
-                              r->token, r->owner, r->epoch, r->competing, &e->res.rows,
-                              &e->res.n_rows);
+                              r->token, r->owner, r->epoch, r->competing, r->lost, r->n_lost,
+                              &e->res.rows, &e->res.n_rows);
         break;
     case SRC_REQ_SETTLE:
         rc = odbcsrc_db_settle(db, r->outcomes, r->n_outcomes, &e->res.n_applied);
@@ -582,6 +585,15 @@ static int odbcsrc_claim(source *s, const src_claim_args *a)
     r.owner = strdup(a->owner ? a->owner : "");
     if (!r.owner)
         return -1;
+    if (a->n_lost > 0) {
+        r.lost = malloc(a->n_lost * sizeof *r.lost);
+        if (!r.lost) {
+            req_clear(&r);
+            return -1;
+        }
+        memcpy(r.lost, a->lost, a->n_lost * sizeof *r.lost);
+        r.n_lost = a->n_lost;
+    }
     return submit(s, &r);
 }
 

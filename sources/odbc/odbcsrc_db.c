@@ -552,10 +552,11 @@ static row_field fld(const outbox_util_buf *b, bool isnull)
 
 int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool first_whole,
                      size_t max_payload, int64_t lease_ms, int64_t token, const char *owner, int64_t epoch,
-                     bool competing, row ***rows_out, size_t *n_out)
+                     bool competing, const int64_t *lost, size_t n_lost, row ***rows_out,
+                     size_t *n_out)
 {
     enum { NTXT = 8 };
-    outbox_util_buf txt[NTXT], pay = {0};
+    outbox_util_buf txt[NTXT], pay = {0}, lt = {0};
     bool tnull[NTXT], pnull = false;
     row **rows = NULL;
     size_t n = 0, cap = 0;
@@ -572,6 +573,22 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool fir
     const int64_t bytes = max_bytes > (size_t)INT64_MAX ? 0 : (int64_t)max_bytes;
     /* a payload larger than this stays in the database (0: none does) */
     const int64_t maxpay = max_payload > (size_t)INT64_MAX ? 0 : (int64_t)max_payload;
+    /* the tokens of the relay's claims that failed without an answer
+       (src_claim_args.lost): T-SQL ",t1,t2," (matched by CHARINDEX), PostgreSQL an array */
+    if (is_tsql(db)) {
+        outbox_util_buf_put(&lt, ",", 1);
+        for (size_t i = 0; i < n_lost; i++)
+            outbox_util_buf_printf(&lt, "%" PRId64 ",", lost[i]);
+    } else if (n_lost > 0) {
+        outbox_util_buf_put(&lt, "{", 1);
+        for (size_t i = 0; i < n_lost; i++)
+            outbox_util_buf_printf(&lt, "%s%" PRId64, i ? "," : "", lost[i]);
+        outbox_util_buf_put(&lt, "}", 1);
+    }
+    if (lt.failed) {
+        ost_err(db, "claim: out of memory");
+        goto done;
+    }
     if (is_tsql(db)) {
         const sql_tsql_stmt *st = competing ? &sql_tsql_claim_competing : &sql_tsql_claim;
         const int64_t limit = (int64_t)(max_rows > INT32_MAX ? INT32_MAX : max_rows);
@@ -579,16 +596,18 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool fir
         const ost_val v[] = { TV_I("limit", limit), TV_S("owner", me), TV_I("token", token),
                               TV_I("lease_ms", lease_ms), TV_I("max_bytes", bytes),
                               TV_I("first_whole", first_whole ? 1 : 0),
-                              TV_I("max_payload", maxpay), TV_I("epoch", epoch) };
+                              TV_I("max_payload", maxpay), TV_S("lost", lt.p),
+                              TV_I("epoch", epoch) };
         const size_t nv = sizeof v / sizeof v[0];
         sql = ost_tsql(db, st, v, competing ? nv - 1 : nv, &ps);
     } else {
         /* the walk from the table's start ($9 = 0): this path keeps no floor, nor passes
            over the rows it holds ($10 NULL) */
-        const pgv v[10] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
+        const pgv v[11] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
                             PV_I(competing ? 0 : epoch), PV_I(bytes),
-                            PV_S(first_whole ? "true" : "false"), PV_I(maxpay), PV_I(0), PV_NUL };
-        sql = ost_pg_stmt(db, sql_pg_claim_bytes(&db->conf->pgn, competing), v, 10, &ps);
+                            PV_S(first_whole ? "true" : "false"), PV_I(maxpay), PV_I(0), PV_NUL,
+                            lt.p ? PV_BIG(lt.p) : PV_NUL };
+        sql = ost_pg_stmt(db, sql_pg_claim_bytes(&db->conf->pgn, competing), v, 11, &ps);
     }
     if (!sql)
         goto done;
@@ -673,6 +692,7 @@ done:
     for (int i = 0; i < NTXT; i++)
         free(txt[i].p);
     free(pay.p);
+    outbox_util_buf_free(&lt);
     return rc;
 }
 
@@ -869,7 +889,8 @@ int odbcsrc_db_warm(odbcsrc_db *db)
     for (int step = 0; rc == 0 && step < 3; step++) {
         row **rows = NULL;
         size_t n = 0;
-        int r = step < 2 ? odbcsrc_db_claim(db, 0, 0, false, 0, 0, 0, "", 0, step == 1, &rows, &n)
+        int r = step < 2 ? odbcsrc_db_claim(db, 0, 0, false, 0, 0, 0, "", 0, step == 1, NULL, 0,
+                                            &rows, &n)
                          : settle_tsql(db, NULL, 0, &cnt);
         for (size_t i = 0; i < n; i++)
             row_free(rows[i]);

@@ -106,7 +106,8 @@ int  odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t l
  * and the first row whatever its size when first_whole (src_claim_args). */
 int  odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool first_whole,
                       size_t max_payload, int64_t lease_ms, int64_t token, const char *owner, int64_t epoch,
-                      bool competing, row ***rows, size_t *n_rows);
+                      bool competing, const int64_t *lost, size_t n_lost, row ***rows,
+                      size_t *n_rows);
 /* Settles the outcomes v[0..n) in one statement; *applied the rows it changed. */
 int  odbcsrc_db_settle(odbcsrc_db *db, const src_outcome *v, size_t n, size_t *applied);
 int  odbcsrc_db_cleanup(odbcsrc_db *db, int64_t retention_ms, size_t limit, const char *owner,

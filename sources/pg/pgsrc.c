@@ -53,7 +53,7 @@ enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_P
 #define QUIET_ROWS 4
 #define QUIET_EMPTY 2
 /* The claims' parameters ($1..$10 of sql_pg_claim_sliced); $9 is the floor. */
-#define CLAIM_NPARAMS 10
+#define CLAIM_NPARAMS 11
 #define CLAIM_FLOOR 8
 /* The floor probe (sql_pg_floor_probe) runs before a claim at most this often. The floor
    trails the pending rows by about three probes (it moves past ids only once the next
@@ -1486,8 +1486,14 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     snprintf(fl, sizeof fl, "%" PRId64, s->floor_id);
     char *held = NULL;       /* NULL (none) as well when there is no memory to spare */
     (void)sql_pg_id_array(a->held, a->n_held, &held);
+    char *lost = NULL;       /* not a hint: without them the claim may not run */
+    if (sql_pg_id_array(a->lost, a->n_lost, &lost) < 0) {
+        free(held);
+        req_defer(s, -1, "out of memory");
+        return 0;
+    }
     const char *vals[CLAIM_NPARAMS] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
-                           a->first_whole ? "true" : "false", maxpay, fl, held};
+                           a->first_whole ? "true" : "false", maxpay, fl, held, lost};
     s->claim_token = a->lease_token;
     s->crows.max_payload = a->max_payload > INT64_MAX ? 0 : a->max_payload;
     const char *sql = a->competing ? s->sql_claim_competing : s->sql_claim;
@@ -1496,9 +1502,11 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
     if ((!probe && !s->unlisten_next && !s->listen_next) || lq_stash(s, sql, vals) < 0) {
         rc = req_send(s, sql, CLAIM_NPARAMS, vals, 1);   /* (no memory to spare: alone) */
         free(held);
+        free(lost);
         return rc;
     }
     free(held);
+    free(lost);
     if (probe)
         floor_send(s);
     else

@@ -1781,7 +1781,7 @@ def steady_claim_cost(svc, n=3000, rate=1000.0):
 
         def take(i):
             got = c.execute(f"execute claim(1, 'bench-probe', 1, 60000, 0, 0, false, 0, "
-                            f"{int(at[0])}, NULL)").fetchall()
+                            f"{int(at[0])}, NULL, NULL)").fetchall()
             if len(got) != 1:
                 raise BenchError(f"the one-row claim took {len(got)} rows")
             at[0] = got[0][0] + 1
@@ -1789,7 +1789,7 @@ def steady_claim_cost(svc, n=3000, rate=1000.0):
         for name, step in (("trivial", lambda i: c.execute("execute nothing")),
                            ("claim", lambda i: c.execute(
                                "execute claim(0, 'bench-probe', 1, 1000, 0, 0, false, 0, "
-                               "0, NULL)")),
+                               "0, NULL, NULL)")),
                            ("one", take), ("one_nowait", take)):
             if name == "one_nowait":
                 c.execute("set synchronous_commit = off")

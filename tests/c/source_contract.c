@@ -20,12 +20,13 @@
  *   start | stop (destroy the source; prints STOPPED ms=N)
  *   lead OWNER [EPOCH [LEASE_MS]]
  *   claim MAX LEASE_MS TOKEN OWNER [EPOCH [competing]] [bytes=N [whole]] [maxpay=N]
- *         [held=ID,ID...]
+ *         [held=ID,ID...] [lost=TOKEN,TOKEN...]
  *               bytes=N: the claim's byte limit (src_claim_args.max_bytes), whole:
  *               its first row whatever its size (first_whole); maxpay=N: payloads
  *               larger than N bytes stay in the database (max_payload; the row prints
  *               "withheld":SIZE); held: the ids the claim may pass over (held, at most
- *               64)
+ *               64); lost: tokens of claims that failed without an answer (lost, at
+ *               most 16)
  *   caps        prints CAPS claims_bytes=0|1 (the source honours a byte limit)
  *   drain BATCH LEASE_MS TOKEN OWNER    claim until a claim returns nothing
  *   settle ID:TOKEN:KIND:BACKOFF_MS[:REASON_HEX] ...  (KIND S sent, R retry,
@@ -105,6 +106,21 @@ struct app {
     SQLHENV env;
     SQLHDBC dbc;
 };
+
+/* "ID,ID,..." (at most max of them) into out; returns how many. */
+static size_t id_list(const char *p, int64_t *out, size_t max)
+{
+    size_t n = 0;
+    while (n < max) {
+        char *end;
+        long long v = strtoll(p, &end, 10);
+        if (end == p)
+            break;
+        out[n++] = v;
+        p = end + (*end == ',');
+    }
+    return n;
+}
 
 static int64_t mono_ms(void)
 {
@@ -712,23 +728,21 @@ static void source_command(slot *s, char *line, char *arg)
         src_claim_args c = { 0 };
         char owner[256], mode[16] = "";
         long long mx, lease, token, ep = 0;
-        int64_t held[64];
-        char *opt = strstr(arg, "held=");
+        int64_t held[64], lost[16];
+        char *opt = strstr(arg, "lost=");
         if (opt != NULL) {      /* the very last */
-            char *p = opt + 5;
-            while (c.n_held < sizeof held / sizeof held[0]) {
-                char *end;
-                long long v = strtoll(p, &end, 10);
-                if (end == p)
-                    break;
-                held[c.n_held++] = v;
-                p = end + (*end == ',');
-            }
+            c.n_lost = id_list(opt + 5, lost, sizeof lost / sizeof lost[0]);
+            c.lost = lost;
+            *opt = '\0';
+        }
+        opt = strstr(arg, "held=");
+        if (opt != NULL) {      /* last but lost */
+            c.n_held = id_list(opt + 5, held, sizeof held / sizeof held[0]);
             c.held = held;
             *opt = '\0';
         }
         opt = strstr(arg, "maxpay=");
-        if (opt != NULL) {      /* last but held */
+        if (opt != NULL) {      /* before held and lost */
             c.max_payload = (size_t)strtoull(opt + 7, NULL, 10);
             *opt = '\0';
         }

@@ -80,10 +80,10 @@ static void t_statements(void **state)
     assert_string_equal(n.dead, "\"app\".\"outbox_dead\"");
     assert_string_equal(n.lease, "\"app\".\"outbox_lease\"");
     check_stmt(sql_pg_lead(&n), 3);
-    check_stmt(sql_pg_claim_bytes(&n, false), 10);
-    check_stmt(sql_pg_claim_bytes(&n, true), 10);
-    check_stmt(sql_pg_claim_sliced(&n, false), 10);
-    check_stmt(sql_pg_claim_sliced(&n, true), 10);
+    check_stmt(sql_pg_claim_bytes(&n, false), 11);
+    check_stmt(sql_pg_claim_bytes(&n, true), 11);
+    check_stmt(sql_pg_claim_sliced(&n, false), 11);
+    check_stmt(sql_pg_claim_sliced(&n, true), 11);
     check_stmt(sql_pg_floor_probe(&n), 3);
     for (int on_sent = 0; on_sent < 2; on_sent++) {
         check_stmt(sql_pg_settle_sent(&n, on_sent), 2);
@@ -200,10 +200,10 @@ static void t_tsql_parameter_tables(void **state)
         if (tsql_check(*st, why, sizeof why) < 0)
             fail_msg("%s", why);
     assert_true(n >= 15);
-    assert_int_equal(sql_tsql_claim.n_params, 8);
+    assert_int_equal(sql_tsql_claim.n_params, 9);
     /* the check is not vacuous: epoch and token swapped in the claim's table, a
        table one entry short, a size that differs from the declaration */
-    sql_tsql_param swapped[8];
+    sql_tsql_param swapped[9];
     memcpy(swapped, sql_tsql_claim.params, sizeof swapped);
     sql_tsql_param x = swapped[1];
     swapped[1] = swapped[3];
@@ -214,12 +214,12 @@ static void t_tsql_parameter_tables(void **state)
     assert_int_equal(tsql_check(&bad, why, sizeof why), -1);
     assert_non_null(strstr(why, "marker 2"));
     bad = sql_tsql_claim;
-    bad.n_params = 7;
+    bad.n_params = 8;
     assert_int_equal(tsql_check(&bad, why, sizeof why), -1);
     memcpy(swapped, sql_tsql_claim.params, sizeof swapped);
     swapped[2].size = 0;   /* owner as nvarchar(max): declared nvarchar(255) */
     bad.params = swapped;
-    bad.n_params = 8;
+    bad.n_params = 9;
     assert_int_equal(tsql_check(&bad, why, sizeof why), -1);
 }
 
