@@ -78,11 +78,12 @@ GRANT SELECT ON SEQUENCE outbox.messages_id_seq TO outbox_relay;
 -- Table health (`/metrics`: outbox_relay_table_*, outbox_relay_xmin_horizon_*, and the WARN
 -- naming whoever holds the xmin horizon back): the dead/live tuple counts and last autovacuum
 -- (pg_stat_user_tables), the size (pg_total_relation_size) and pg_replication_slots need no
--- grant. Which session holds the horizon back (pg_stat_activity.backend_xmin, xact_start,
--- state) is hidden for other roles' sessions unless the relay is a member of
+-- grant. Which session holds the horizon back (pg_stat_activity.backend_xmin, backend_xid)
+-- every role sees; when its transaction began, its state and walsenders (a standby's
+-- feedback) are hidden for other roles' sessions unless the relay is a member of
 -- pg_read_all_stats, a built-in role that reads statistics and activity only (it is part of
--- pg_monitor; it changes nothing). Without it the relay logs once that it cannot see the
--- holder and exports the horizon's age as -1. Granting a built-in role is cluster-wide and
+-- pg_monitor; it changes nothing). Without it the relay logs once that it cannot see them
+-- and times a holder from when it first sees it. Granting a built-in role is cluster-wide and
 -- needs a superuser (or, on PostgreSQL 15, a role with CREATEROLE).
 GRANT pg_read_all_stats TO outbox_relay;
 

@@ -108,16 +108,19 @@ static void health(outbox_util_buf *b, ob_metrics *const *m, size_t n)
         { "table_last_autovacuum_timestamp_seconds", "Unix time of the outbox table's last "
           "autovacuum; 0 never (PostgreSQL).", offsetof(ob_metrics, last_autovacuum_ts), 1,
           SRC_H_VACUUM },
-        { "xmin_horizon_age_seconds", "How long the oldest transaction holding the database's "
-          "xmin horizon back (so that vacuum cannot remove the outbox's dead rows) has been "
-          "open; 0 none; -1 unknown (a replication slot holds it, or the relay's role cannot "
-          "see other sessions: grant pg_read_all_stats). SQL Server, with "
+        { "xmin_horizon_age_seconds", "How long the holder of the database's xmin horizon (the "
+          "oldest transaction's snapshot or transaction ID, a prepared transaction or a "
+          "replication slot, whose xmin vacuum may not pass to remove the outbox's dead rows) "
+          "has held it: from its transaction's start, else (a slot, a walsender, a role "
+          "without pg_read_all_stats) from when the relay first saw it; 0 none; -1 no "
+          "table-health read yet. SQL Server, with "
           "READ_COMMITTED_SNAPSHOT or SNAPSHOT isolation on: how long the instance's oldest "
           "transaction reading or making row versions (which holds the version store and "
           "the ghost records it may read) has been open; 0 none.",
           offsetof(ob_metrics, horizon_age_s), 1, SRC_H_HORIZON_S },
         { "xmin_horizon_age_xids", "Age in transaction IDs of the database's xmin horizon "
-          "(sessions and replication slots); -1 unknown (PostgreSQL).",
+          "(sessions, prepared transactions and replication slots); 0 none; -1 no table-health "
+          "read yet (PostgreSQL).",
           offsetof(ob_metrics, horizon_xids), 0, SRC_H_HORIZON_XIDS },
         { "version_store_bytes", "SQL Server, with READ_COMMITTED_SNAPSHOT or SNAPSHOT "
           "isolation on: the version store's size for the outbox's database (in tempdb).",
