@@ -56,10 +56,6 @@ typedef struct sconn {
    (src_claim_args.held): under a steady stream those are a few dozen (published, waiting
    for a confirm or a mark); with more held, the claim looks at the rest itself. */
 #define CLAIM_HELD_MAX 64
-/* The most tokens of failed claims kept (src_claim_args.lost): each until its lease would
-   have run out. A failure that is not a lost answer (a server error rolls the claim back)
-   is kept too, harmlessly; past this many within one lease, the oldest goes. */
-#define CLAIM_LOST_MAX 16
 
 struct drain {
     struct ev_loop   *loop;
@@ -89,9 +85,13 @@ struct drain {
     size_t    claim_asked;
     int64_t   claim_held[CLAIM_HELD_MAX];   /* the running claim's src_claim_args.held */
     int64_t   claim_token;       /* the running claim's lease token */
-    int64_t   lost[CLAIM_LOST_MAX];         /* src_claim_args.lost, oldest first ... */
-    double    lost_until[CLAIM_LOST_MAX];   /* ... each until (monotonic) its lease ends */
-    size_t    n_lost;
+    /* the tokens of claims that failed without an answer (src_claim_args.lost), oldest
+       first, each kept until (monotonic) its lease would have run out: as many as claims
+       fail within one lease. A failure that is not a lost answer (a server error rolls the
+       claim back, a claim never sent) is kept too, harmlessly. */
+    int64_t  *lost;              /* owned */
+    double   *lost_until;        /* owned */
+    size_t    n_lost, lost_cap;
     size_t    claim_bytes;       /* the running claim's byte limit (reserved), 0: none */
     double    claim_sent;        /* monotonic time the outstanding claim was sent */
     double    claim_deadline;    /* monotonic: rows of the running claim publish before this */
@@ -511,25 +511,6 @@ static void arm_poll(drain *d)
     ev_timer_start(d->loop, &d->poll_timer);
 }
 
-/* The running claim failed without an answer: it may have committed all the same (the
-   answer lost with the connection; a timeout the server did not act on), leasing rows this
-   relay never got under its token until the lease runs out. Later claims take them back
-   (src_claim_args.lost), so that no later row of their keys goes first. */
-static void claim_lost(drain *d)
-{
-    if (d->n_lost == CLAIM_LOST_MAX) {
-        memmove(d->lost, d->lost + 1, (CLAIM_LOST_MAX - 1) * sizeof d->lost[0]);
-        memmove(d->lost_until, d->lost_until + 1, (CLAIM_LOST_MAX - 1) * sizeof d->lost_until[0]);
-        d->n_lost--;
-    }
-    d->lost[d->n_lost] = d->claim_token;
-    /* its lease ends at most lease after its commit, which came before the failure was
-       known, or not at all (a server cancels a statement it timed out, and rolls back one
-       whose connection it lost before its commit) */
-    d->lost_until[d->n_lost] = mono_now() + d->ob->lease_ms / 1000.0 + 1.0;
-    d->n_lost++;
-}
-
 /* The failed claims' tokens whose leases may still be live, for the next claim. */
 static size_t claims_lost(drain *d, double now)
 {
@@ -542,6 +523,40 @@ static size_t claims_lost(drain *d, double now)
         d->n_lost -= k;
     }
     return d->n_lost;
+}
+
+/* The running claim failed without an answer: it may have committed all the same (the
+   answer lost with the connection; a timeout the server did not act on), leasing rows this
+   relay never got under its token until the lease runs out. Later claims take them back
+   (src_claim_args.lost), so that no later row of their keys goes first. */
+static void claim_lost(drain *d)
+{
+    (void)claims_lost(d, mono_now());
+    if (d->n_lost == d->lost_cap) {
+        size_t cap = d->lost_cap ? 2 * d->lost_cap : 8;
+        int64_t *t = realloc(d->lost, cap * sizeof *t);
+        if (t != NULL)
+            d->lost = t;
+        double *u = t != NULL ? realloc(d->lost_until, cap * sizeof *u) : NULL;
+        if (u != NULL)
+            d->lost_until = u;
+        if (t == NULL || u == NULL) {
+            /* no memory to spare: the oldest goes (its rows come back when its lease ends,
+               after later rows of their keys, as before the relay kept them) */
+            if (d->n_lost == 0)
+                return;
+            memmove(d->lost, d->lost + 1, (d->n_lost - 1) * sizeof d->lost[0]);
+            memmove(d->lost_until, d->lost_until + 1, (d->n_lost - 1) * sizeof d->lost_until[0]);
+            d->n_lost--;
+        } else
+            d->lost_cap = cap;
+    }
+    d->lost[d->n_lost] = d->claim_token;
+    /* its lease ends at most lease after its commit, which came before the failure was
+       known, or not at all (a server cancels a statement it timed out, and rolls back one
+       whose connection it lost before its commit) */
+    d->lost_until[d->n_lost] = mono_now() + d->ob->lease_ms / 1000.0 + 1.0;
+    d->n_lost++;
 }
 
 static void on_claimed(drain *d, const src_result *res)
@@ -742,24 +757,24 @@ static void on_health(drain *d, const src_health *h)
     d->m.version_store_bytes = h->version_store_bytes;
     d->m.health_have = h->have;
     if (h->holder_kind == NULL) {
-        age = 0;    /* the last holder stays known: a session between statements holds none */
+        age = 0;    /* the last holder stays known: seen again with the same xmin (a session
+                       between statements holds none), it has held it since then */
     } else {
         /* Since when the holder has held this very xmin: what the database says when this
-           relay first sees it hold it (a transaction's or a prepared transaction's start),
-           else from that first sight (a slot; a walsender, whose xmin is its standby's
-           feedback; a role that may not see when other roles' transactions began). A
-           holder whose xmin moved on (the walsender's next feedback, a READ COMMITTED
-           session's next statement) has held the new one since now. */
+           relay first sees it hold it (a transaction's or a prepared transaction's start; a
+           READ COMMITTED statement's start), else from that first sight (a slot; a
+           walsender, whose xmin is its standby's feedback; a role that may not see when
+           other roles' transactions began): a holder whose xmin moved on (the walsender's
+           next feedback) has held the new one since then. */
         bool session = strcmp(h->holder_kind, "session") == 0 || versions;
         const char *name = h->holder_name ? h->holder_name : "";
         const char *state = h->holder_state ? h->holder_state : "";
         const char *xmin = h->holder_xmin ? h->holder_xmin : "";
-        char id[160], key[sizeof d->holder_key];
-        snprintf(id, sizeof id, "%s/%d/%s/", h->holder_kind, h->holder_pid, session ? "" : name);
-        snprintf(key, sizeof key, "%s%s", id, xmin);
+        char key[sizeof d->holder_key];
+        snprintf(key, sizeof key, "%s/%d/%s/%s", h->holder_kind, h->holder_pid,
+                 session ? "" : name, xmin);
         if (strcmp(key, d->holder_key) != 0) {
-            bool moved = strncmp(key, d->holder_key, strlen(id)) == 0;
-            d->holder_since = !moved && h->holder_age_s >= 0 ? now - h->holder_age_s : now;
+            d->holder_since = h->holder_age_s >= 0 ? now - h->holder_age_s : now;
             snprintf(d->holder_key, sizeof d->holder_key, "%s", key);
         }
         age = now - d->holder_since;
@@ -1517,6 +1532,8 @@ void drain_free(drain *d)
     d->sops->destroy(d->main.src);
     d->sops->destroy(d->settler.src);
     ledger_free(d->led);
+    free(d->lost);
+    free(d->lost_until);
     free(d);
 }
 

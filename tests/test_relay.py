@@ -368,7 +368,9 @@ def test_rows_counting_attempts_at_the_limits(services, pgdb, relay_bin, build, 
     cannot be published is dead-lettered at its first failure (its count stays at the limit:
     one more would overflow, in the relay's count or in the settle's, and a settle that fails
     holds back the marks of every row in it, forever), one at -2147483648 is published like
-    any other, and the other keys' rows flow and are all marked."""
+    any other, one at -2147483648 that cannot be published counts from 0 and is dead-lettered
+    after max_attempts (not retried some 2^31 times), and the other keys' rows flow and are
+    all marked."""
     q = f"qlim-{uuid.uuid4().hex[:6]}"
     conn, ch = amqp_channel(services)
     declare(ch, "", q, q)
@@ -379,20 +381,22 @@ def test_rows_counting_attempts_at_the_limits(services, pgdb, relay_bin, build, 
     with pgdb.connect() as c:
         c.execute("INSERT INTO outbox.messages (exchange, routing_key, partition_key, payload, "
                   f"attempts) VALUES ('missing-{q}', 'nowhere', 'lim', 'bad|0', 2147483647), "
-                  f"('', '{q}', 'lim', 'low|1', -2147483648)")
+                  f"('', '{q}', 'lim', 'low|1', -2147483648), "
+                  f"('missing-{q}', 'nowhere', 'neg', 'bad|2', -2147483648)")
     r = Relay(relay_bin, cfg, tmp_path / "lim.log")
     try:
         got = consume(ch, q, 61, timeout=30, idle=1.0)
         wait_for(lambda: psql_rows(pgdb, "select count(*) from outbox.messages "
                                          "where sent_at is null")[0][0] == 0, 20,
                  desc="every publishable row marked, the other one dead-lettered")
-        dead = psql_rows(pgdb, "select attempts, reason from outbox.messages_dead")
+        dead = psql_rows(pgdb, "select attempts, reason from outbox.messages_dead "
+                               "order by attempts")
     finally:
         rc = r.stop()
         conn.close()
     assert len(got) == 61, f"got {len(got)}"
-    assert dead == [(2147483647, dead[0][1])], dead
-    assert "after 2147483647 attempts" in dead[0][1], dead
+    assert [a for a, _ in dead] == [3, 2147483647], dead
+    assert "after 3 attempts" in dead[0][1] and "after 2147483647 attempts" in dead[1][1], dead
     assert "out of range" not in r.text(), r.text()[-3000:]
     r.assert_clean_exit(rc)
 

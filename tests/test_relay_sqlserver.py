@@ -476,29 +476,36 @@ def test_sqlserver_rows_counting_attempts_at_the_limits(services, tsql, relay_bi
     """Rows written by hand with `attempts` at int's limits: one at 2147483647 that cannot be
     routed is dead-lettered at its first failure with its count at the limit (one more would
     overflow, in the relay's count or in the settle's, and a settle that fails rolls back the
-    marks of every row in it, forever), one at -2147483648 is published like any other, and
-    the other keys' rows flow and are all marked."""
+    marks of every row in it, forever), one at -2147483648 is published like any other, one
+    at -2147483648 that cannot be routed counts from 0 and is dead-lettered after
+    max_attempts, and the other keys' rows flow and are all marked."""
     q, conn, ch = new_queue(services, "lim")
     nowhere = f"nowhere-{uuid.uuid4().hex[:8]}"
     start, cfg = make_relay(relay_bin, tmp_path, services, tsql, "lim", max_attempts="3",
                             retry_backoff="200ms", retry_backoff_max="400ms")
     init_outbox(relay_bin, cfg)
     tsql.produce(60, 4, q, start=0)
-    tsql.produce(1, 4, nowhere, start=60)
-    tsql.sql.run(f"UPDATE {tsql.qt} SET attempts = 2147483647 WHERE routing_key = N'{nowhere}'")
+    tsql.produce(2, 4, nowhere, start=60)
+    tsql.sql.run(f"UPDATE {tsql.qt} SET attempts = 2147483647 WHERE routing_key = N'{nowhere}' "
+                 f"AND JSON_VALUE(headers, '$.seq') = '60'")
+    tsql.sql.run(f"UPDATE {tsql.qt} SET attempts = -2147483648 WHERE routing_key = N'{nowhere}' "
+                 f"AND JSON_VALUE(headers, '$.seq') = '61'")
     tsql.sql.run(f"UPDATE {tsql.qt} SET attempts = -2147483648 "
                  f"WHERE JSON_VALUE(headers, '$.seq') = '7'")
     r = start()
     try:
         got = consume(ch, q, 60, timeout=60, idle=1.0)
         tsql.wait_all_sent(60, timeout=30)
-        dead = tsql.sql.rows(f"SELECT attempts, reason FROM {tsql.q('messages_dead')}")
+        wait_for(lambda: len(tsql.sql.rows(f"SELECT id FROM {tsql.q('messages_dead')}")) == 2,
+                 30, interval=0.2, desc="both unroutable rows dead-lettered")
+        dead = tsql.sql.rows(f"SELECT attempts, reason FROM {tsql.q('messages_dead')} "
+                             "ORDER BY attempts")
     finally:
         stop_all(r)
         conn.close()
     assert len(got) == 60, f"got {len(got)}"
-    assert [int(a) for a, _ in dead] == [2147483647], dead
-    assert "after 2147483647 attempts" in dead[0][1], dead
+    assert [int(a) for a, _ in dead] == [3, 2147483647], dead
+    assert "after 3 attempts" in dead[0][1] and "after 2147483647 attempts" in dead[1][1], dead
     assert "out of range" not in r.text() and "overflow" not in r.text(), r.text()[-3000:]
 
 

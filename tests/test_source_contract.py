@@ -1457,6 +1457,23 @@ def test_claim_takes_back_the_rows_of_a_claim_whose_answer_was_lost(src, drivers
     assert st["ok"] == 0 and ids_of(rows) == more, (st, rows)
 
 
+def test_a_competing_claim_holds_a_key_back_behind_a_lost_row_it_cannot_take(src, drivers):
+    """A row of a lost claim that this claim cannot take (locked: the lost claim's own
+    statement, still running on a server that did not cancel it) is not ours: the competing
+    claim takes none of its key's later rows, and the other keys' rows as ever."""
+    init_schema(drivers)
+    d = started(drivers)
+    ids = src.insert(6, partition_key=lambda i: f"k{i % 2}")   # k0: ids 0, 2, 4; k1: 1, 3, 5
+    st, rows = d.request("claim 1 600000 7 relay-a 0 competing")        # its answer "lost"
+    assert st["ok"] == 0 and ids_of(rows) == ids[:1], (st, rows)
+    release = src.lock_rows(ids[:1])
+    try:
+        st, rows = d.request("claim 10 600000 8 relay-a 0 competing lost=7")
+    finally:
+        release()
+    assert st["ok"] == 0 and ids_of(rows) == [ids[1], ids[3], ids[5]], (st, rows)
+
+
 def test_claim_counts_non_ascii_headers_within_the_limit(src, drivers):
     """Headers count as the UTF-8 text the relay receives. SQL Server keeps them as UTF-16
     (nvarchar): its claim counts ASCII text exactly and other text by an upper bound (3/2
