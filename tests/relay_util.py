@@ -1,6 +1,7 @@
 """Helpers for the relay's integration tests: config files, a relay process
 wrapper (optionally under valgrind), the liboutbox producer and an AMQP consumer."""
 import os
+import random
 import re
 import signal
 import socket
@@ -13,7 +14,33 @@ import pika
 VALGRIND = os.environ.get("OUTBOX_VALGRIND") == "1"
 
 
+def _ephemeral_ports():
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            lo, hi = (int(x) for x in f.read().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port():
+    """A port nothing listens on, for a server a test starts: drawn from 30000-32767, below
+    the kernel's ephemeral range (32768-60999 by default) and above services.sh's ports
+    (20000-29999). A port bind(0) hands out is an ephemeral one: any outgoing connection may
+    take it before the test's server binds it (seen: a relay's http_listen refused with
+    EADDRINUSE while the other build's tests ran beside it)."""
+    lo, hi = 30000, 32767
+    elo, ehi = _ephemeral_ports()
+    if not (hi < elo or lo > ehi):
+        lo = hi + 1                      # the range overlaps the ephemeral one: bind(0)
+    for _ in range(200 if lo <= hi else 0):
+        p = random.randint(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+            return p
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
