@@ -473,128 +473,11 @@ def delivery_report(got, count, keys, start=0):
     return len(got) - len(copies), copies
 
 
-class LostAnswerProxy:
-    """A TCP proxy 127.0.0.1:port -> 127.0.0.1:target_port to PostgreSQL that loses the answer
-    of one statement: the `after`-th Bind of the prepared statement named `statement` (the
-    extended protocol's Bind message names it) goes to the server, which runs it and commits,
-    but its answer never reaches the client, whose connection is closed `drop_after` seconds
-    later; the server's side stays open meanwhile (the server never notices, as with a
-    network fault between the two). Every other connection, and this one until then,
-    forwards both ways. `swallowed`: how many answers it lost (0 or 1)."""
-
-    def __init__(self, target_port, statement, after=1, drop_after=0.5):
-        import threading
-        self._threading = threading
-        self.target_port = target_port
-        self.marker = b"\x00" + statement + b"\x00"
-        self.after = after
-        self.drop_after = drop_after
-        self.binds = 0
-        self.swallowed = 0
-        self.lsock = socket.socket()
-        self.lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.lsock.bind(("127.0.0.1", 0))
-        self.lsock.listen(64)
-        self.port = self.lsock.getsockname()[1]
-        self.lock = threading.Lock()
-        self.socks = []
-        self.closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while not self.closed:
-            try:
-                c, _ = self.lsock.accept()
-            except OSError:
-                return
-            try:
-                s = socket.create_connection(("127.0.0.1", self.target_port), timeout=5)
-                s.settimeout(None)
-            except OSError:
-                c.close()
-                continue
-            with self.lock:
-                self.socks += [c, s]
-            self._threading.Thread(target=self._pump, args=(c, s), daemon=True).start()
-
-    def _binds(self, data):
-        """The Binds of the statement in data (a message starts 'B', 4 length bytes, the
-        portal's name: empty, then the statement's name)."""
-        n, i = 0, data.find(self.marker)
-        while i >= 0:
-            if i >= 5 and data[i - 5:i - 4] == b"B":
-                n += 1
-            i = data.find(self.marker, i + 1)
-        return n
-
-    def _pump(self, c, s):
-        import select
-        lost_at = None
-        while not self.closed:
-            if lost_at is not None and time.monotonic() - lost_at > self.drop_after:
-                c.close()             # the client sees its connection end, no answer
-                t_end = time.monotonic() + 2
-                while not self.closed and time.monotonic() < t_end:
-                    try:               # the server's side: read and dropped, then closed
-                        r, _, _ = select.select([s], [], [], 0.05)
-                        if r and not s.recv(65536):
-                            break
-                    except (OSError, ValueError):
-                        break
-                s.close()
-                return
-            try:
-                r, _, _ = select.select([c, s], [], [], 0.05)
-            except (OSError, ValueError):
-                break
-            for sk in r:
-                try:
-                    data = sk.recv(65536)
-                except OSError:
-                    data = b""
-                if not data:
-                    for x in (c, s):
-                        try:
-                            x.close()
-                        except OSError:
-                            pass
-                    return
-                if sk is s and lost_at is not None:
-                    continue          # the lost answer
-                if sk is c and lost_at is None:
-                    with self.lock:
-                        k = self._binds(data)
-                        lose = k > 0 and self.binds < self.after <= self.binds + k
-                        self.binds += k
-                        if lose:
-                            self.swallowed += 1
-                    if lose:
-                        lost_at = time.monotonic()
-                try:
-                    (s if sk is c else c).sendall(data)
-                except OSError:
-                    return
-
-    def close(self):
-        self.closed = True
-        try:
-            self.lsock.close()
-        except OSError:
-            pass
-        with self.lock:
-            for x in self.socks:
-                try:
-                    x.close()
-                except OSError:
-                    pass
-            self.socks.clear()
-
-
-class BlackholeProxy:
-    """A TCP proxy 127.0.0.1:port -> 127.0.0.1:target_port for simulating a silent network
-    partition: blackhole() makes every existing connection stop forwarding in both directions
-    while its sockets stay open (no FIN, no RST: the peers see silence); connections made
-    afterwards forward normally. close() ends everything."""
+class _TcpProxy:
+    """A TCP proxy 127.0.0.1:port -> 127.0.0.1:target_port: each connection accepted gets its
+    own connection to the target and a thread running self._pump(entry), entry being
+    [client, server, state dict]. close() ends everything. A subclass sets its own
+    attributes before calling __init__ (the accepting thread starts there)."""
 
     def __init__(self, target_port, port=0):
         import threading
@@ -629,6 +512,101 @@ class BlackholeProxy:
                 self.n_accepted += 1
             self._threading.Thread(target=self._pump, args=(entry,), daemon=True).start()
 
+    @staticmethod
+    def _close(*socks):
+        for x in socks:
+            try:
+                x.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self.closed = True
+        self._close(self.lsock)
+        with self.lock:
+            for c, s, _ in self.conns:
+                self._close(c, s)
+            self.conns.clear()
+
+
+class LostAnswerProxy(_TcpProxy):
+    """A proxy to PostgreSQL that loses the answer of one statement: the `after`-th Bind of
+    the prepared statement named `statement` (the extended protocol's Bind message names it)
+    goes to the server, which runs it and commits, but its answer never reaches the client,
+    whose connection is closed `drop_after` seconds later; the server's side stays open
+    meanwhile (the server never notices, as with a network fault between the two). Every
+    other connection, and this one until then, forwards both ways. `swallowed`: how many
+    answers it lost (0 or 1)."""
+
+    def __init__(self, target_port, statement, after=1, drop_after=0.5):
+        self.marker = b"\x00" + statement + b"\x00"
+        self.after = after
+        self.drop_after = drop_after
+        self.binds = 0
+        self.swallowed = 0
+        super().__init__(target_port)
+
+    def _binds(self, data):
+        """The Binds of the statement in data (a message starts 'B', 4 length bytes, the
+        portal's name: empty, then the statement's name)."""
+        n, i = 0, data.find(self.marker)
+        while i >= 0:
+            if i >= 5 and data[i - 5:i - 4] == b"B":
+                n += 1
+            i = data.find(self.marker, i + 1)
+        return n
+
+    def _pump(self, entry):
+        import select
+        c, s, _ = entry
+        lost_at = None
+        while not self.closed:
+            if lost_at is not None and time.monotonic() - lost_at > self.drop_after:
+                c.close()             # the client sees its connection end, no answer
+                t_end = time.monotonic() + 2
+                while not self.closed and time.monotonic() < t_end:
+                    try:               # the server's side: read and dropped, then closed
+                        r, _, _ = select.select([s], [], [], 0.05)
+                        if r and not s.recv(65536):
+                            break
+                    except (OSError, ValueError):
+                        break
+                s.close()
+                return
+            try:
+                r, _, _ = select.select([c, s], [], [], 0.05)
+            except (OSError, ValueError):
+                break
+            for sk in r:
+                try:
+                    data = sk.recv(65536)
+                except OSError:
+                    data = b""
+                if not data:
+                    self._close(c, s)
+                    return
+                if sk is s and lost_at is not None:
+                    continue          # the lost answer
+                if sk is c and lost_at is None:
+                    with self.lock:
+                        k = self._binds(data)
+                        lose = k > 0 and self.binds < self.after <= self.binds + k
+                        self.binds += k
+                        if lose:
+                            self.swallowed += 1
+                    if lose:
+                        lost_at = time.monotonic()
+                try:
+                    (s if sk is c else c).sendall(data)
+                except OSError:
+                    return
+
+
+class BlackholeProxy(_TcpProxy):
+    """A proxy for simulating a silent network partition: blackhole() makes every existing
+    connection stop forwarding in both directions while its sockets stay open (no FIN, no
+    RST: the peers see silence); connections made afterwards forward normally."""
+
     def _pump(self, entry):
         import select
         c, s, st = entry
@@ -647,11 +625,7 @@ class BlackholeProxy:
                     data = b""
                 if not data:
                     st["dead"] = True
-                    for x in (c, s):
-                        try:
-                            x.close()
-                        except OSError:
-                            pass
+                    self._close(c, s)
                     return
                 try:
                     peer[sk].sendall(data)
@@ -667,21 +641,6 @@ class BlackholeProxy:
             for e in live:
                 e[2]["dead"] = True
             return len(live)
-
-    def close(self):
-        self.closed = True
-        try:
-            self.lsock.close()
-        except OSError:
-            pass
-        with self.lock:
-            for c, s, _ in self.conns:
-                for x in (c, s):
-                    try:
-                        x.close()
-                    except OSError:
-                        pass
-            self.conns.clear()
 
 
 # ---------------------------------------------------------------------------- drain-order helpers

@@ -1164,6 +1164,18 @@ static void q_deadline(source *s)
     deadline_set(s, s->cfg.query_timeout_ms + slack);
 }
 
+/* Prepares statement i (n parameters) on this session; op completes it. */
+static int send_prepare(source *s, int op, int i, int n)
+{
+    if (!PQsendPrepare(s->conn, st_name[i], st_sql(s, i), n, NULL))
+        return -1;
+    s->qop = op;
+    if (q_flush(s) < 0)
+        return -1;
+    q_deadline(s);
+    return 0;
+}
+
 static int send_prepared(source *s, int op, int i, int n, const char *const *vals, int fmt)
 {
     if (!PQsendQueryPrepared(s->conn, st_name[i], n, vals, NULL, NULL, fmt))
@@ -1199,13 +1211,7 @@ static int req_query(source *s, const char *sql, int n, const char *const *vals,
     s->prep_n = n;
     s->prep_st = i;
     s->prep_fmt = fmt;
-    if (!PQsendPrepare(s->conn, st_name[i], sql, n, NULL))
-        return -1;
-    s->qop = Q_REQ_PREPARE;
-    if (q_flush(s) < 0)
-        return -1;
-    q_deadline(s);
-    return 0;
+    return send_prepare(s, Q_REQ_PREPARE, i, n);
 }
 
 /* The statement of the request in flight is prepared (or failed: then so does the
@@ -1362,13 +1368,7 @@ static int floor_query(source *s)
         return q_send(s, Q_REQ_FLOOR, s->sql_floor, 3, vals, 0);
     if (s->prepared[ST_FLOOR])
         return send_prepared(s, Q_REQ_FLOOR, ST_FLOOR, 3, vals, 0);
-    if (!PQsendPrepare(s->conn, st_name[ST_FLOOR], s->sql_floor, 3, NULL))
-        return -1;
-    s->qop = Q_FLOOR_PREPARE;
-    if (q_flush(s) < 0)
-        return -1;
-    q_deadline(s);
-    return 0;
+    return send_prepare(s, Q_FLOOR_PREPARE, ST_FLOOR, 3);
 }
 
 /* The probe is prepared (or failed: then so does the probe, with the server's error). */
