@@ -110,6 +110,7 @@ struct drain {
     bool      cleanup_due;
     int64_t   cleanup_backoff_ms; /* retention failing: the wait before its next try; 0: not */
     log_limit cleanup_log;       /* a failing retention: logged once per episode */
+    log_limit req_log[METRICS_DB_REQUESTS]; /* the other requests' failures, by kind */
     bool      stats_due;
     bool      health_due;
     bool      horizon_held;      /* a held-back xmin horizon was reported (WARN), not ended */
@@ -883,6 +884,42 @@ static void cleanup_ok(drain *d)
            "outbox=%s: retention resumed", d->ob->name);
 }
 
+_Static_assert(SRC_REQ_HEALTH == METRICS_DB_REQUESTS && SRC_REQ_LEAD == 1,
+               "ob_metrics.db_errors is indexed by enum src_req less one");
+
+/* A failed request is counted by kind and logged at WARN, saying what it holds back; an
+   identical failure again is logged once a minute with its count (relay/log.h), and the
+   first success after failures at INFO. Retention logs its own (cleanup_failed). */
+static void request_logged(drain *d, const src_result *res)
+{
+    static const char *const what[METRICS_DB_REQUESTS] = {
+        "leadership renewal", "claim", "settle", "retention", "backlog read",
+        "table health read"
+    };
+    static const char *const then[METRICS_DB_REQUESTS] = {
+        "; the lease runs out unless a renewal succeeds in time",
+        "; retried with back-off",
+        "; its outcomes are kept and retried with back-off: until it succeeds, rows the "
+        "broker confirmed are not marked sent",
+        "", "; the backlog gauges keep their last values", "; the table's gauges keep their "
+        "last values"
+    };
+    if (res->req < SRC_REQ_LEAD || res->req > SRC_REQ_HEALTH)
+        return;
+    size_t k = (size_t)res->req - 1;
+    log_fields f = { .event = "database_error", .outbox = d->ob->name, .error = res->error };
+    if (res->ok != 0) {
+        d->m.db_errors[k]++;
+        if (res->req != SRC_REQ_CLEANUP)
+            log_fail(&d->req_log[k], LOG_WARN, &f, "outbox=%s: %s failed: %s%s", d->ob->name,
+                     what[k], res->error ? res->error : "unknown error", then[k]);
+    } else if (d->req_log[k].failures > 0) {
+        f.error = NULL;
+        log_ok(&d->req_log[k], LOG_INFO, &f, "outbox=%s: %s succeeded again", d->ob->name,
+               what[k]);
+    }
+}
+
 static void src_on_done(void *ud, const src_result *res)
 {
     sconn *c = ud;
@@ -891,11 +928,13 @@ static void src_on_done(void *ud, const src_result *res)
     /* a backlog or table-health read that fails (a table without statistics yet, a role
        that may not read them, a timeout) leaves the metrics as they were and is tried again
        at its next turn: it must not hold back the settles that share its connection; a
-       failed retention pass backs off on its own (cleanup_failed) and must not either */
-    if (res->ok != 0 && res->req != SRC_REQ_HEALTH && res->req != SRC_REQ_CLEANUP &&
-        res->req != SRC_REQ_STATS)
+       failed retention pass backs off on its own (cleanup_failed) and must not either;
+       nor does their success end a settle's back-off */
+    bool read = res->req == SRC_REQ_HEALTH || res->req == SRC_REQ_CLEANUP ||
+                res->req == SRC_REQ_STATS;
+    if (res->ok != 0 && !read)
         hold_after_failure(c);
-    else if (res->ok == 0)
+    else if (res->ok == 0 && !read)
         c->fail_delay_ms = 0;
     switch (res->req) {
     case SRC_REQ_LEAD:
@@ -944,10 +983,7 @@ static void src_on_done(void *ud, const src_result *res)
     default:
         break;
     }
-    if (res->ok != 0 && res->error != NULL && res->req != SRC_REQ_CLEANUP)
-        log_ev(LOG_WARN, &(log_fields){ .event = "database_error", .outbox = d->ob->name,
-                                        .error = res->error },
-               "outbox=%s: database request failed: %s", d->ob->name, res->error);
+    request_logged(d, res);
     schedule_kick(d);
 }
 
@@ -1204,8 +1240,11 @@ static bool claim_coalescing(drain *d)
 static void kick(drain *d)
 {
     sconn *st = &d->settler, *mc = &d->main;
+    /* After a failed settle the reads due go first: a settle that fails again and again
+       (a permission, a full disk) must not keep the backlog gauges and the table's health
+       at their last values, which the alerts on a stuck outbox read. */
     if (ledger_n_pending(d->led) > 0 && st->up && !st->busy && !st->holding &&
-        !settle_gathering(d))
+        !settle_gathering(d) && (st->fail_delay_ms == 0 || !(d->stats_due || d->health_due)))
         start_settle(d);
     if (st->up && !st->busy && !st->holding && d->stats_due && !d->stopping) {
         d->stats_due = false;

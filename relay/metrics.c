@@ -53,7 +53,10 @@ static void hist_plain(outbox_util_buf *b, const char *name, const char *help,
                            h->sum, name, (unsigned long long)h->count);
 }
 
-typedef uint64_t (*u64_get)(const ob_metrics *);
+/* The request label of outbox_relay_database_errors_total, in enum src_req's order. */
+static const char *const db_request_names[METRICS_DB_REQUESTS] = {
+    "lead", "claim", "settle", "retention", "stats", "health"
+};
 
 static void counter(outbox_util_buf *b, ob_metrics *const *m, size_t n, const char *name,
                     const char *help, size_t off)
@@ -231,6 +234,16 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
     counter(&b, m, n, "claims_total", "Claim queries run.", OFF(claims));
     counter(&b, m, n, "claimed_rows_total", "Rows leased by claims.", OFF(claimed_rows));
     counter(&b, m, n, "lease_lost_total", "Outcomes not applied because the lease had moved on.", OFF(lease_lost));
+    outbox_util_buf_printf(&b, "# HELP outbox_relay_database_errors_total Database requests that "
+                "failed, by request: lead (leadership), claim, settle (marks, retries, dead "
+                "letters), retention, stats (backlog), health (table health). A failed connection "
+                "counts once, for the request it failed.\n"
+                "# TYPE outbox_relay_database_errors_total counter\n");
+    for (size_t i = 0; i < n; i++)
+        for (size_t k = 0; k < METRICS_DB_REQUESTS; k++)
+            outbox_util_buf_printf(&b, "outbox_relay_database_errors_total{outbox=\"%s\","
+                                   "request=\"%s\"} %llu\n", m[i]->outbox, db_request_names[k],
+                                   (unsigned long long)m[i]->db_errors[k]);
     gauge_int(&b, m, n, "backlog", "Pending rows (sent_at IS NULL) at the last stats query; -1 unknown.", OFF(backlog), 0);
     outbox_util_buf_printf(&b, "# HELP outbox_relay_oldest_pending_age_seconds Age of the oldest pending row.\n"
                 "# TYPE outbox_relay_oldest_pending_age_seconds gauge\n");

@@ -27,6 +27,8 @@ typedef struct loop_metrics {
     uint64_t  blocked;       /* turns longer than the WARN threshold (wall) */
 } loop_metrics;
 
+#define METRICS_DB_REQUESTS 6
+
 typedef struct ob_metrics {
     const char *outbox;      /* borrowed from the config */
     const char *sink;
@@ -43,6 +45,9 @@ typedef struct ob_metrics {
     uint64_t claims;
     uint64_t claimed_rows;
     uint64_t lease_lost;     /* settles whose token no longer matched */
+    /* database requests that failed, by kind: enum src_req's order (relay/source.h) less
+       one; metrics.c names them */
+    uint64_t db_errors[METRICS_DB_REQUESTS];
     int64_t  backlog;        /* from the last stats query; -1 unknown */
     double   oldest_pending_s;
     int64_t  dead_rows;

@@ -16,8 +16,8 @@ import pytest
 
 from conftest import run_prog, wait_for
 from relay_util import (ANY_LEVEL, BlackholeProxy, BrokerTlsListener, Relay, SilentListener,
-                        amqp_channel, consume, declare, free_port, insert_rows, log_lines_at,
-                        make_pki, wait_log_at, write_config)
+                        amqp_channel, consume, declare, free_port, insert_rows, log_events,
+                        log_lines_at, make_pki, wait_log_at, write_config)
 
 SLOW = 4 if os.environ.get("OUTBOX_VALGRIND") == "1" else \
     2 if "build-" in os.environ.get("OUTBOX_BUILD", "") else 1   # valgrind / sanitizer builds
@@ -311,3 +311,50 @@ def test_log_limit_unit(build, tmp_path):
         obj = json.loads(ln)
         assert isinstance(obj, dict) and {"ts", "level", "msg"} <= set(obj), ln
         assert all(v not in ("", None) for v in obj.values()), ln
+
+
+def test_a_settle_failing_again_and_again_shows_in_the_metrics(services, pgdb, relay_bin,
+                                                                build, tmp_path):
+    """Every settle fails (the database refuses the marks: a full disk, here a trigger that
+    raises its error) while claims and publishes succeed: the rows are published and never
+    marked. The backlog gauges must still be read (the alerts on a stuck outbox fire on them;
+    the settle retried first every time held the reads behind it and left them at 0), the
+    failures counted by request, the WARN logged once (not every retry) saying what it holds
+    back, and the recovery logged once the database accepts the marks again."""
+    from test_relay_faults import Case
+    c = Case(services, pgdb, relay_bin, build, tmp_path, "settlefail")
+    tab = pgdb.connect()
+    tab.autocommit = True
+    r = c.start()
+    try:
+        r.wait_log("became the active relay")
+        wait_for(lambda: r.metric("outbox_relay_backlog") == 0, 40, desc="backlog read once")
+        tab.execute("""create function outbox.diskfull() returns trigger language plpgsql
+            as $$ begin if new.sent_at is not null and old.sent_at is null then
+            raise exception using errcode = '53100',
+            message = 'could not extend file "base/1/2": No space left on device';
+            end if; return new; end $$""")
+        tab.execute("create trigger diskfull before update on outbox.messages "
+                    "for each row execute function outbox.diskfull()")
+        c.produce(100, 10, size=64, batch=100)
+        wait_for(lambda: r.metric("outbox_relay_backlog") >= 100
+                 and r.metric("outbox_relay_oldest_pending_age_seconds") > 5, 40,
+                 desc="the backlog gauges read while every settle fails")
+        text = r.metrics()
+        m = re.search(r'^outbox_relay_database_errors_total\{outbox="main",request="settle"\} '
+                      r'(\d+)$', text, re.M)
+        assert m and int(m.group(1)) >= 3, text
+        assert r.metric("outbox_relay_relayed_total") == 0
+        warns = [msg for lvl, msg in log_events(r.text())
+                 if lvl == "WARN" and "settle failed" in msg]
+        assert warns and "No space left on device" in warns[0] and \
+            "not marked sent" in warns[0], warns
+        assert len(warns) == 1, warns   # identical repeats: once a minute with their count
+        tab.execute("drop trigger diskfull on outbox.messages")
+        c.wait_all_sent(100, timeout=30)
+        r.wait_log("settle succeeded again after")
+    finally:
+        tab.execute("drop trigger if exists diskfull on outbox.messages")
+        r.stop_clean()
+    got = c.collect()
+    assert len({p.message_id for p, _, _ in got}) == 100
