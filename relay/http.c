@@ -2,6 +2,7 @@
 #include "relay/http.h"
 
 #include <errno.h>
+#include <stdbool.h>
 #include <ev.h>
 #include <fcntl.h>
 #include <netdb.h>
@@ -15,6 +16,14 @@
 
 #define HTTP_MAX_REQ 4096
 #define HTTP_DEADLINE 5.0
+/* Clients served at once: past it the oldest is closed for the newest (a scraper or a probe
+   is served; idle connections, a port scanner's, cannot take every descriptor the relay's
+   own connections need). */
+#define HTTP_MAX_CLIENTS 64
+/* accept() failing for a reason of the process or the system (out of descriptors, of
+   memory): the listening socket stays readable, so accepting pauses this long instead of
+   trying again at every turn of the loop. */
+#define HTTP_ACCEPT_PAUSE 1.0
 
 typedef struct http_client {
     struct http_client *next;
@@ -32,8 +41,12 @@ struct http_server {
     struct ev_loop *loop;
     int             fd;
     ev_io           accept_io;
+    ev_timer        accept_pause;   /* accept() failed: accept_io stopped until it fires */
+    log_limit       accept_log;
+    bool            paused;         /* accepting paused since the last accept */
     http_handlers   h;
-    http_client    *clients;
+    http_client    *clients;        /* newest first */
+    size_t          n_clients;
 };
 
 static void client_close(http_client *c)
@@ -45,6 +58,7 @@ static void client_close(http_client *c)
     for (http_client **pp = &s->clients; *pp; pp = &(*pp)->next)
         if (*pp == c) {
             *pp = c->next;
+            s->n_clients--;
             break;
         }
     free(c->resp);
@@ -153,18 +167,51 @@ static void client_timeout_cb(struct ev_loop *loop, ev_timer *w, int revents)
     client_close(w->data);
 }
 
+static void close_oldest(http_server *s)
+{
+    http_client *oldest = s->clients;
+    while (oldest->next != NULL)
+        oldest = oldest->next;
+    client_close(oldest);
+}
+
 static void accept_cb(struct ev_loop *loop, ev_io *w, int revents)
 {
     (void)revents;
     http_server *s = w->data;
+    bool evicted = false;
     for (;;) {
         int fd = accept4(s->fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
         if (fd < 0) {
-            if (errno != EAGAIN && errno != EINTR && errno != ECONNABORTED)
-                log_ev(LOG_WARN, &(log_fields){ .event = "http_error", .error = strerror(errno) },
-                       "http: accept: %s", strerror(errno));
+            int e = errno;
+            if (e == EAGAIN || e == EINTR || e == ECONNABORTED)
+                return;
+            const char *why = strerror(e);
+            log_fields f = { .event = "http_error", .error = why };
+            if ((e == EMFILE || e == ENFILE) && s->n_clients > 0 && !evicted) {
+                /* out of descriptors with clients open: the oldest makes room */
+                log_fail(&s->accept_log, LOG_WARN, &f, "http: accept: %s; closing the oldest "
+                         "client for each new one", why);
+                close_oldest(s);
+                evicted = true;
+                continue;
+            }
+            log_fail(&s->accept_log, LOG_WARN, &f, "http: accept: %s; not accepting for %.0f s",
+                     why, HTTP_ACCEPT_PAUSE);
+            s->paused = true;
+            ev_io_stop(loop, &s->accept_io);
+            ev_timer_set(&s->accept_pause, HTTP_ACCEPT_PAUSE, 0.);
+            ev_timer_start(loop, &s->accept_pause);
             return;
         }
+        evicted = false;
+        if (s->paused) {
+            s->paused = false;
+            log_ok(&s->accept_log, LOG_INFO, &(log_fields){ .event = "http_error" },
+                   "http: accepting again");
+        }
+        if (s->n_clients >= HTTP_MAX_CLIENTS)
+            close_oldest(s);
         http_client *c = calloc(1, sizeof *c);
         if (c == NULL) {
             close(fd);
@@ -174,6 +221,7 @@ static void accept_cb(struct ev_loop *loop, ev_io *w, int revents)
         c->fd = fd;
         c->next = s->clients;
         s->clients = c;
+        s->n_clients++;
         ev_io_init(&c->io, client_cb, fd, EV_READ);
         c->io.data = c;
         ev_io_start(loop, &c->io);
@@ -181,6 +229,13 @@ static void accept_cb(struct ev_loop *loop, ev_io *w, int revents)
         c->timer.data = c;
         ev_timer_start(loop, &c->timer);
     }
+}
+
+static void accept_pause_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    (void)revents;
+    http_server *s = w->data;
+    ev_io_start(loop, &s->accept_io);
 }
 
 http_server *http_start(struct ev_loop *loop, const char *listen_addr, const http_handlers *h,
@@ -239,6 +294,8 @@ http_server *http_start(struct ev_loop *loop, const char *listen_addr, const htt
     ev_io_init(&s->accept_io, accept_cb, fd, EV_READ);
     s->accept_io.data = s;
     ev_io_start(loop, &s->accept_io);
+    ev_timer_init(&s->accept_pause, accept_pause_cb, HTTP_ACCEPT_PAUSE, 0.);
+    s->accept_pause.data = s;
     return s;
 }
 
@@ -249,6 +306,7 @@ void http_stop(http_server *s)
     while (s->clients)
         client_close(s->clients);
     ev_io_stop(s->loop, &s->accept_io);
+    ev_timer_stop(s->loop, &s->accept_pause);
     close(s->fd);
     free(s);
 }

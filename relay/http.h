@@ -1,6 +1,7 @@
 /*
  * http.h — a tiny HTTP/1.0 server on the loop for /metrics, /healthz, /readyz.
- * One request per connection, 4 KiB request limit, 5 s deadline per client.
+ * One request per connection, 4 KiB request limit, 5 s deadline per client, 64 clients at
+ * once (a new one closes the oldest; so does one that finds the descriptors used up).
  */
 #ifndef RELAY_HTTP_H
 #define RELAY_HTTP_H

@@ -130,6 +130,46 @@ def test_probes_answer_while_broker_hangs(services, pgdb, relay_bin, tmp_path):
     assert warn, text[-3000:]
 
 
+def test_idle_http_clients_cannot_use_up_the_descriptors(services, pgdb, relay_bin, tmp_path):
+    """Idle TCP clients on http_listen (a port scanner, a stuck scraper) with the relay's
+    descriptor limit nearly reached: accept() fails with EMFILE while the listening socket
+    stays readable. The relay closes its oldest HTTP client to make room (and never holds more
+    than 64), so /metrics still answers, and the failure is logged once, not at every turn of
+    the loop (which spun, logging 300,000 lines a second)."""
+    import resource
+    import socket
+    if os.environ.get("OUTBOX_VALGRIND") == "1":
+        pytest.skip("valgrind keeps descriptors of its own under the process's limit")
+    port = free_port()
+    cfg = config(tmp_path, services, pgdb, "fds", relay={"http_listen": f"127.0.0.1:{port}"})
+    init(relay_bin, cfg)
+    r = Relay(relay_bin, cfg, tmp_path / "fds.log", http_port=port)
+    socks = []
+    try:
+        wait_for(lambda: timed_get(port, "/healthz")[0] == 200, 20 * SLOW, desc="/healthz",
+                 ignore=(OSError, http.client.HTTPException))
+        n_fds = len(os.listdir(f"/proc/{r.proc.pid}/fd"))
+        hard = resource.prlimit(r.proc.pid, resource.RLIMIT_NOFILE)[1]
+        resource.prlimit(r.proc.pid, resource.RLIMIT_NOFILE, (n_fds + 16, hard))
+        for _ in range(300):
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=0.5))
+            except OSError:
+                pass
+        time.sleep(1)
+        st, body, dt = timed_get(port, "/metrics")
+        assert st == 200 and metric(body, "outbox_relay_source_up") == 1, (st, dt)
+        assert len(os.listdir(f"/proc/{r.proc.pid}/fd")) <= n_fds + 16
+        lines = [(lvl, m) for lvl, m in log_events(r.text()) if "http: accept" in m]
+        assert lines and lines[0][0] == "WARN" and "closing the oldest client" in lines[0][1], \
+            lines[:5]
+        assert len(lines) <= 2, f"{len(lines)} lines: {lines[:5]}"
+    finally:
+        for so in socks:
+            so.close()
+        r.stop_clean()
+
+
 # ---------------------------------------------------------------------------- broker failures
 @pytest.fixture
 def broker_user(services):
