@@ -70,7 +70,7 @@ def unit():
     for line in UNIT_FILE.read_text().splitlines():
         k, sep, v = line.partition("=")
         if sep and not line.startswith("#"):
-            keys.setdefault(k.strip(), v.strip())
+            keys.setdefault(k.strip(), v.strip().replace("$$", "$"))   # systemd's "$$"
     return keys
 
 
@@ -580,7 +580,7 @@ def test_installed_unit(installed):
 def exec_condition():
     m = re.search(r"^ExecCondition=(.+)$", UNIT.read_text(), re.M)
     assert m, "the unit has no ExecCondition"
-    return shlex.split(m[1])
+    return shlex.split(m[1].replace("$$", "$"))   # systemd's "$$" is a dollar sign
 
 
 def configured(services, dbname):
@@ -631,6 +631,9 @@ def test_shipped_config_keeps_the_service_down_until_configured(installed, syste
     ini.write_text(configured(services, pgdb.name))
     r = run([*cond[:-1], ini])
     assert r.returncode == 0, (cond, r.returncode, r.stderr)
+    # a relay.ini the service cannot read fails the unit (1-254 would skip it quietly)
+    r = run([*cond[:-1], tmp_path / "missing.ini"])
+    assert r.returncode == 255, (cond, r.returncode, r.stderr)
     r = run([RELAY, "init", "-c", ini], timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr + ini.read_text()
     r = run([RELAY, "check", "-c", ini], timeout=120)

@@ -9,5 +9,6 @@ s|/usr/local/bin/outbox-relay|/usr/bin/outbox-relay|g
 s|^Documentation=.*|Documentation=man:outbox-relay(1) man:outbox-relay.ini(5)|
 /^ExecStart=/i\
 # Skipped (not failed) while relay.ini has no [outbox.NAME] section: the package installs it\
-# with every setting commented out.\
-ExecCondition=/bin/grep -Eqi '^[[:space:]]*[[][[:space:]]*outbox[.]' /etc/outbox-relay/relay.ini
+# with every setting commented out. A relay.ini the service cannot read (missing, or its\
+# mode) fails the unit instead (exit 255), as the relay would.\
+ExecCondition=/bin/sh -c 'grep -Eqi "^[[:space:]]*[[][[:space:]]*outbox[.]" "$$1" || { test -r "$$1" \&\& exit 1; exit 255; }' sh /etc/outbox-relay/relay.ini
