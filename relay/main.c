@@ -661,6 +661,7 @@ static int cmd_dead(const char *path, const char *only, int argc, char **argv)
         return EXIT_USAGE;
     }
     int failed = 0, matched = 0;
+    size_t total = 0;   /* rows retried or purged, over the outboxes */
     for (size_t i = 0; i < c->n_outboxes; i++) {
         const cfg_outbox *ob = &c->outboxes[i];
         if (only != NULL && strcmp(only, ob->name) != 0)
@@ -686,9 +687,16 @@ static int cmd_dead(const char *path, const char *only, int argc, char **argv)
             fprintf(stderr, "%s: [outbox.%s] dead %s: %s\n", path, ob->name, verb, err);
             failed++;
         }
+        total += affected;
     }
     if (only != NULL && matched == 0) {
         fprintf(stderr, "%s: no [outbox.%s] section\n", path, only);
+        failed++;
+    }
+    /* a mistyped id must not pass for done */
+    if (failed == 0 && n_ids > 0 && total < n_ids) {
+        fprintf(stderr, "outbox-relay dead %s: %zu of the %zu ids given matched no dead row "
+                "(outbox-relay dead list shows them)\n", verb, n_ids - total, n_ids);
         failed++;
     }
     free(ids);

@@ -441,9 +441,11 @@ def test_dead_retry_and_purge(dead_setup, relay_bin, pgdb):
     assert back[0][:6] == (1002, mids[1002], 0, None, None, "q"), back
     assert bytes(back[0][6]) == b"dead-1002"
 
+    # an id that matches no dead row (mistyped) fails the command, the others are done
     r = cli(relay_bin, "dead", "-c", cfg, "purge", "-o", "main", "1001", "99999")
-    assert r.returncode == 0, r.stderr
+    assert r.returncode == 1, (r.stdout, r.stderr)
     assert "outbox.main: 1 dead row(s) purged" in r.stdout, r.stdout
+    assert "dead purge: 1 of the 2 ids given matched no dead row" in r.stderr, r.stderr
     assert dead_ids() == [1003]
     assert dead_ids("outbox.other_dead") == [2001]
 
