@@ -149,6 +149,26 @@ static int log_file_writable(const char *path, char *err, size_t errlen)
     return 0;
 }
 
+/* Could this user write to log_file, without creating it (check): the file, or where it
+   would be made. -1 with errno set when not. */
+static int log_file_may_write(const char *path)
+{
+    if (access(path, W_OK) == 0)
+        return 0;
+    if (errno != ENOENT)
+        return -1;
+    char *dir = strdup(path);
+    if (dir == NULL)
+        return -1;
+    char *slash = strrchr(dir, '/');
+    const char *d = slash == NULL ? "." : slash == dir ? "/" : (*slash = '\0', dir);
+    int rc = access(d, W_OK | X_OK);
+    int e = errno;
+    free(dir);
+    errno = e;
+    return rc;
+}
+
 /* Keys that take effect only at start: the file's value is reported and the running
    one kept, so every drain goes on with one identity and the probes stay where they are.
    Returns -1 (out of memory) or 0. */
@@ -466,6 +486,12 @@ static int cmd_check(const char *path)
     if (c == NULL)
         return EXIT_USAGE;
     int problems = 0;
+    if (c->relay.log_file != NULL && log_file_may_write(c->relay.log_file) != 0) {
+        /* run would log to stderr instead (ERROR log_open_failed) */
+        fprintf(stderr, "%s: [relay] log_file: cannot open \"%s\" for writing: %s\n", path,
+                c->relay.log_file, strerror(errno));
+        problems++;
+    }
     for (size_t i = 0; i < c->n_outboxes; i++) {
         const cfg_outbox *ob = &c->outboxes[i];
         char err[1024] = "";

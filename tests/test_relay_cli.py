@@ -138,6 +138,24 @@ def test_check_good_config_ok(services, pgdb, relay_bin, tmp_path):
     assert "1 outbox" in out[0] and "1 sink" in out[0], out
 
 
+def test_check_log_file_that_cannot_be_opened(services, pgdb, relay_bin, tmp_path):
+    """`run` would log to stderr instead of log_file (ERROR log_open_failed): `check` says so
+    before, and creates nothing; a log_file it may create passes."""
+    cfg = write_config(tmp_path / "good.ini", services, pgdb,
+                       relay={"log_file": str(tmp_path / "no-such-dir" / "relay.log")})
+    init(relay_bin, cfg)
+    r = cli(relay_bin, "check", "-c", cfg)
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    err = lines(r.stderr)
+    assert err == [f'{cfg}: [relay] log_file: cannot open "{tmp_path}/no-such-dir/relay.log" '
+                   'for writing: No such file or directory'], err
+    ok = write_config(tmp_path / "ok.ini", services, pgdb,
+                      relay={"log_file": str(tmp_path / "relay.log")})
+    r = cli(relay_bin, "check", "-c", ok)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert not (tmp_path / "relay.log").exists(), "check created log_file"
+
+
 def test_check_wrong_broker_password(services, pgdb, relay_bin, tmp_path):
     cfg = write_config(tmp_path / "good.ini", services, pgdb)
     init(relay_bin, cfg)
