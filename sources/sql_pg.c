@@ -633,7 +633,8 @@ char *sql_pg_dead_purge(const sql_pg_names *n)
 char *sql_pg_tables_exist(void)
 {
     return fmt("SELECT (to_regclass($1::text) IS NOT NULL)::int, "
-               "(to_regclass($2::text) IS NOT NULL)::int");
+               "(to_regclass($2::text) IS NOT NULL)::int, "
+               "(to_regclass($3::text) IS NOT NULL)::int");
 }
 
 /* ------------------------------------------------------------ ODBC markers */

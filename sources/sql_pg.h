@@ -99,7 +99,8 @@ char *sql_pg_dead_list(const sql_pg_names *n);
 /* $1 ids (array; NULL: all). -> command count. */
 char *sql_pg_dead_retry(const sql_pg_names *n);
 char *sql_pg_dead_purge(const sql_pg_names *n);
-/* $1, $2 the two tables' names. -> 1/0 each: the table exists. */
+/* $1, $2, $3 the outbox, dead-letter and leadership lease tables' names. -> 1/0 each: the
+   table exists. */
 char *sql_pg_tables_exist(void);
 
 /* The connected database's name. */

@@ -317,7 +317,10 @@ STMT0(sql_tsql_settle_delete,
 
 STMT0(sql_tsql_settle_tail,
     "UPDATE m SET attempts = " SQL_TSQL_ATTEMPT_NEXT("m.attempts") ", last_error = o.reason, "
-    "available_at = DATEADD(millisecond, CAST(o.backoff_ms AS int), SYSUTCDATETIME()), "
+    /* DATEADD takes an int: the back-off (up to retry_backoff_max, 30 days) in minutes,
+       then the rest in milliseconds, as liboutbox's delay */
+    "available_at = DATEADD(millisecond, CAST(o.backoff_ms % 60000 AS int), "
+    "DATEADD(minute, CAST(o.backoff_ms / 60000 AS int), SYSUTCDATETIME())), "
     "lease_owner = NULL, lease_token = NULL, lease_until = NULL "
     "FROM {T} m JOIN @o o ON m.id = o.id AND m.lease_token = o.token WHERE o.kind = 1; "
     "SET @n = @n + @@ROWCOUNT; "
@@ -441,12 +444,14 @@ static const char dead_purge_text[] =
     "SELECT @purged";
 STMT(sql_tsql_dead_purge, dead_purge_text, dead_move_p);
 
-/* -> 1/0 each: the table exists. */
+/* -> 1/0 each: the outbox, dead-letter and leadership lease table exists. */
 static const char tables_exist_text[] =
-    "DECLARE @outbox nvarchar(255) = ?, @dead nvarchar(255) = ?; "
+    "DECLARE @outbox nvarchar(255) = ?, @dead nvarchar(255) = ?, @lease nvarchar(255) = ?; "
     "SELECT CASE WHEN OBJECT_ID(@outbox, N'U') IS NULL THEN 0 ELSE 1 END, "
-    "CASE WHEN OBJECT_ID(@dead, N'U') IS NULL THEN 0 ELSE 1 END";
-static const sql_tsql_param tables_exist_p[] = { P_NAME("outbox"), P_NAME("dead") };
+    "CASE WHEN OBJECT_ID(@dead, N'U') IS NULL THEN 0 ELSE 1 END, "
+    "CASE WHEN OBJECT_ID(@lease, N'U') IS NULL THEN 0 ELSE 1 END";
+static const sql_tsql_param tables_exist_p[] = { P_NAME("outbox"), P_NAME("dead"),
+                                                 P_NAME("lease") };
 STMT(sql_tsql_tables_exist, tables_exist_text, tables_exist_p);
 
 /* -> the server's @@VERSION (Babelfish for PostgreSQL names itself there). */

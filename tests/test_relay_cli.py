@@ -194,6 +194,26 @@ def test_check_missing_table(services, pgdb, relay_bin, tmp_path):
     assert pgdb.name in err[0]
 
 
+def test_check_missing_lease_table(services, pgdb, relay_bin, tmp_path):
+    """The leadership lease table (also the competing relays' membership) is part of the
+    schema: without it check fails, and run reports the source down, each saying to run init
+    (check passed, and run said ready while it could never lead)."""
+    cfg = write_config(tmp_path / "nolease.ini", services, pgdb)
+    init(relay_bin, cfg)
+    pgdb.psql("DROP TABLE outbox.messages_lease")
+    r = cli(relay_bin, "check", "-c", cfg)
+    assert r.returncode == 1, (r.returncode, r.stdout, r.stderr)
+    err = lines(r.stderr)
+    assert len(err) == 1 and err[0].startswith(f"{cfg}: [outbox.main] "), err
+    assert 'leadership lease table "outbox"."messages_lease" missing' in err[0], err[0]
+    assert "run outbox-relay init" in err[0], err[0]
+    relay = Relay(relay_bin, cfg, tmp_path / "nolease.log")
+    try:
+        assert wait_log_at(relay, r"leadership lease table \S+ missing: run outbox-relay init")
+    finally:
+        relay.stop_clean()
+
+
 def test_check_unreachable_database_hides_conninfo(services, pgdb, relay_bin, tmp_path):
     secret = "s3cr3t-" + secrets.token_hex(4)
     dsn = f"host=127.0.0.1 port={free_port()} user=postgres dbname={pgdb.name} " \

@@ -596,3 +596,66 @@ def test_sqlserver_poison_rows_and_cli(services, tsql, relay_bin, build, tmp_pat
     assert parse_stats(p.stdout)["main"][0::2] == (0, 0), p.stdout
     print(f"{tsql.engine}: 198 rows drained and 2 poison rows dead-lettered {t_dead:.1f} s after "
           f"the relay started; the retried one delivered to its new queue")
+
+
+def test_sqlserver_back_off_over_24_days(services, tsql, relay_bin, build, tmp_path):
+    """retry_backoff_max takes up to 30 days; DATEADD takes an int, and the back-off in
+    milliseconds was cut to 2^31 - 1 (24.86 days) while the WARN said the whole delay: the row
+    came back 5 days early. It is added in minutes and milliseconds now."""
+    q, conn, ch = new_queue(services, "bo")
+    conn.close()
+    nowhere = f"nowhere-{uuid.uuid4().hex[:8]}"
+    start, cfg = make_relay(relay_bin, tmp_path, services, tsql, "bo", max_attempts="1000",
+                            retry_backoff="1d", retry_backoff_max="30d")
+    init_outbox(relay_bin, cfg)
+    tsql.produce(1, 1, nowhere, start=0)
+    tsql.sql.run(f"UPDATE {tsql.qt} SET attempts = 10")
+    r = start()
+    try:
+        wait_for(lambda: int(tsql.sql.value(f"SELECT attempts FROM {tsql.qt}")) == 11, 60,
+                 interval=0.2, desc="one failed attempt settled")
+        secs = int(tsql.sql.value(f"SELECT DATEDIFF_BIG(second, SYSUTCDATETIME(), available_at) "
+                                  f"FROM {tsql.qt}"))
+    finally:
+        stop_all(r)
+    assert 30 * 86400 - 120 < secs <= 30 * 86400, f"due in {secs / 86400:.2f} days, not 30"
+    assert wait_log_at(r, r"retry in 2592000000 ms", timeout=1)
+
+
+def test_sqlserver_source_odbc_keeps_the_row_limit(services, tsql, relay_bin, tmp_path):
+    """`source = odbc` reaching SQL Server gets the limits `source = sqlserver` has at load:
+    batch_size and cleanup_batch of at most 4,000 (a statement over 5,000 row locks escalates
+    to a table lock). They are checked once the dialect is known: `check` fails naming the key,
+    where it passed and a claim leased 5,000 rows."""
+    for key in ("batch_size", "cleanup_batch"):
+        _, cfg = make_relay(relay_bin, tmp_path, services, tsql, f"lim-{key}", source="odbc",
+                            **{key: "5000"})
+        init_outbox(relay_bin, cfg)
+        p = cli(relay_bin, "check", "-c", cfg)
+        assert p.returncode == 1, (p.stdout, p.stderr)
+        assert f"{key} = 5000: at most 4000 on SQL Server" in p.stderr, p.stderr
+
+
+def test_sqlserver_missing_lease_table_fails_check_and_run(services, tsql, relay_bin, build,
+                                                          tmp_path):
+    """On SQL Server init keeps what it created before a failure (a lock timeout), and it
+    creates the leadership lease table last: an outbox without it passed `check`, and `run`
+    said ready while it could never lead. Now both name the table and say to run init."""
+    q, conn, ch = new_queue(services, "nolease")
+    conn.close()
+    start, cfg = make_relay(relay_bin, tmp_path, services, tsql, "nl")
+    init_outbox(relay_bin, cfg)
+    tsql.sql.run(f"DROP TABLE {tsql.q('messages_lease')}")
+    p = cli(relay_bin, "check", "-c", cfg)
+    assert p.returncode == 1, (p.stdout, p.stderr)
+    assert re.search(r"leadership lease table \S*messages_lease\S* does not exist in database "
+                     r".*run outbox-relay init", p.stderr), p.stderr
+    r = start()
+    try:
+        assert wait_log_at(r, r"leadership lease table .* run outbox-relay init", timeout=60)
+        assert r.metric("outbox_relay_source_up") == 0
+    finally:
+        stop_all(r)
+    init_outbox(relay_bin, cfg)
+    p = cli(relay_bin, "check", "-c", cfg)
+    assert p.returncode == 0, (p.stdout, p.stderr)

@@ -66,6 +66,8 @@ int odbcsrc_conf_init(odbcsrc_conf *c, const cfg_outbox *oc)
     c->query_timeout_ms = oc->query_timeout_ms;
     c->connect_timeout_ms = oc->connect_timeout_ms;
     c->reconnect_max_ms = oc->reconnect_max_ms;
+    c->batch_size = oc->batch_size;
+    c->cleanup_batch = oc->cleanup_batch;
     return 0;
 }
 
@@ -413,19 +415,30 @@ int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
     }
     if (is_tsql(db) && compat_check(db) < 0)
         goto done;
+    /* source = odbc found SQL Server: the limits source = sqlserver has at load (config/) */
+    if (is_tsql(db) && (db->conf->batch_size > SQL_TSQL_MAX_ROWS ||
+                        db->conf->cleanup_batch > SQL_TSQL_MAX_ROWS)) {
+        bool b = db->conf->batch_size > SQL_TSQL_MAX_ROWS;
+        ost_err(db, "%s = %d: at most %d on SQL Server (a statement over more rows could "
+                "escalate to a table lock and block every producer)",
+                b ? "batch_size" : "cleanup_batch",
+                b ? db->conf->batch_size : db->conf->cleanup_batch, SQL_TSQL_MAX_ROWS);
+        goto done;
+    }
     params ps = {0};
-    int64_t v[2] = {0, 0};
+    int64_t v[3] = {0, 0, 0};
     int r = -1;
     char *sql;
     if (is_tsql(db)) {
-        const ost_val tv[] = { TV_S("outbox", db->qt), TV_S("dead", db->qd) };
-        sql = ost_tsql(db, &sql_tsql_tables_exist, tv, 2, &ps);
+        const ost_val tv[] = { TV_S("outbox", db->qt), TV_S("dead", db->qd),
+                               TV_S("lease", db->ql) };
+        sql = ost_tsql(db, &sql_tsql_tables_exist, tv, 3, &ps);
     } else {
-        const pgv pv[2] = { PV_S(db->qt), PV_S(db->qd) };
-        sql = ost_pg_stmt(db, sql_pg_tables_exist(), pv, 2, &ps);
+        const pgv pv[3] = { PV_S(db->qt), PV_S(db->qd), PV_S(db->ql) };
+        sql = ost_pg_stmt(db, sql_pg_tables_exist(), pv, 3, &ps);
     }
     if (sql)
-        r = ost_one_row_ints(db, "checking the outbox tables", sql, &ps, v, 2);
+        r = ost_one_row_ints(db, "checking the outbox tables", sql, &ps, v, 3);
     free(sql);
     ost_p_free(&ps);
     (void)odbcsrc_db_end(db, false);
@@ -436,6 +449,11 @@ int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
                 v[0] ? "" : "table ", v[0] ? "" : db->qt, (!v[0] && !v[1]) ? " and " : "",
                 v[1] ? "" : "dead-letter table ", v[1] ? "" : db->qd,
                 (!v[0] && !v[1]) ? "do" : "does", db->conf->database);
+        goto done;
+    }
+    if (!v[2]) {
+        ost_err(db, "leadership lease table %s does not exist in database \"%s\": run "
+                "outbox-relay init", db->ql, db->conf->database);
         goto done;
     }
     rc = 0;
@@ -1064,8 +1082,6 @@ static char *odbcsrc_outcomes_json(const src_outcome *v, size_t n)
         int64_t bo = v[i].backoff_ms;
         if (bo < 0)
             bo = 0;
-        if (bo > INT32_MAX)
-            bo = INT32_MAX;  /* DATEADD takes an int */
         if (outbox_util_buf_printf(&b, "%s{\"id\":%" PRId64 ",\"token\":%" PRId64 ",\"kind\":%d,"
                         "\"backoff_ms\":%" PRId64, i ? "," : "", v[i].id, v[i].lease_token,
                         v[i].kind, bo) < 0)

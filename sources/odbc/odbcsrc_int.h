@@ -37,6 +37,8 @@ typedef struct odbcsrc_conf {
     int64_t query_timeout_ms;
     int64_t connect_timeout_ms;
     int64_t reconnect_max_ms;
+    int     batch_size;      /* checked against SQL_TSQL_MAX_ROWS once the dialect is known */
+    int     cleanup_batch;
 } odbcsrc_conf;
 
 /* Copies the fields of cfg (strings duplicated). 0, or -1 on out-of-memory. */

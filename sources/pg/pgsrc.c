@@ -450,12 +450,15 @@ static void setup_step(source *s, int op)
                     "(SELECT backend_start::text FROM pg_stat_activity WHERE pid = pg_backend_pid())",
                     3, vals, 0);
         break;
-    case Q_CHECK_SCHEMA:
+    case Q_CHECK_SCHEMA: {
+        char *q = sql_pg_tables_exist();
         vals[0] = s->names.table;
         vals[1] = s->names.dead;
-        rc = q_send(s, op, "SELECT to_regclass($1::text) IS NOT NULL, to_regclass($2::text) IS NOT NULL",
-                    2, vals, 0);
+        vals[2] = s->names.lease;
+        rc = q ? q_send(s, op, q, 3, vals, 0) : -1;
+        free(q);
         break;
+    }
     case Q_LISTEN:
         rc = q_send(s, op, "LISTEN " OUTBOX_NOTIFY_CHANNEL, 0, NULL, 0);
         break;
@@ -720,13 +723,15 @@ static void q_done(source *s)
         setup_step(s, Q_CHECK_SCHEMA);
         return;
     case Q_CHECK_SCHEMA: {
-        bool t_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "t") == 0;
-        bool d_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 1), "t") == 0;
+        bool t_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "1") == 0;
+        bool d_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 1), "1") == 0;
+        bool l_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 2), "1") == 0;
         PQclear(r);
-        if (!t_ok || !d_ok) {
+        if (!t_ok || !d_ok || !l_ok) {
             char msg[400];
-            snprintf(msg, sizeof msg, "outbox table %s missing: run outbox-relay init",
-                     !t_ok ? s->names.table : s->names.dead);
+            snprintf(msg, sizeof msg, "%s table %s missing: run outbox-relay init",
+                     !t_ok ? "outbox" : !d_ok ? "dead-letter" : "leadership lease",
+                     !t_ok ? s->names.table : !d_ok ? s->names.dead : s->names.lease);
             setup_fail(s, msg);
             return;
         }
