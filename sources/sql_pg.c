@@ -534,11 +534,18 @@ char *sql_pg_cleanup(const sql_pg_names *n)
  * for retention (-1 without: counting them reads every retained row — millions with a
  * week of retention — too much for the relay's periodic refresh; `outbox-relay stats`
  * counts them), and the seconds until the first pending row that cannot be claimed now
- * (delayed, backing off, leased) can be (NULL: none). One scan of the pending rows. */
+ * (delayed, backing off, leased) can be (NULL: none). One scan of the pending rows.
+ * A row the producer delayed (SQL_PG_SCHEDULED: never attempted, not due yet) is not
+ * waiting yet: it counts in neither the backlog nor the age, and once due its age counts
+ * from when it fell due (scheduled messages must not look like a stuck outbox). A row
+ * backing off after a failure counts, from its creation. */
+#define SQL_PG_SCHEDULED "(attempts <= 0 AND available_at > now())"
 #define STATS_HEAD                                                                         \
     "SELECT p.n, greatest(coalesce(extract(epoch from now() - p.oldest), 0), 0)::float8, "  \
     "(SELECT count(*) FROM %2$s), %3$s, extract(epoch from p.due - now())::float8 "         \
-    "FROM (SELECT count(*) AS n, min(created_at) AS oldest, "                              \
+    "FROM (SELECT count(*) FILTER (WHERE NOT " SQL_PG_SCHEDULED ") AS n, "                  \
+    "min(CASE WHEN attempts <= 0 THEN greatest(created_at, available_at) ELSE created_at "  \
+    "END) FILTER (WHERE NOT " SQL_PG_SCHEDULED ") AS oldest, "                              \
     "min(greatest(available_at, lease_until)) FILTER (WHERE available_at > now() "          \
     "OR lease_until >= now()) AS due FROM %1$s WHERE sent_at IS NULL) p"
 

@@ -378,13 +378,19 @@ static const sql_tsql_param cleanup_p[] = { P_INT("limit"), P_INT("keep_ms"), P_
 STMT(sql_tsql_cleanup, cleanup_text, cleanup_p);
 
 /* Statistics (never waits for producers): backlog, oldest pending (s), dead rows, then
-   sql_tsql_stats_kept or -1. */
+   sql_tsql_stats_kept or -1. A row the producer delayed and not due yet (SCHEDULED) counts
+   in neither, and once due its age counts from then, as on PostgreSQL (sources/sql_pg.c,
+   STATS_HEAD). */
+#define SCHEDULED "(attempts <= 0 AND available_at > SYSUTCDATETIME())"
 STMT0(sql_tsql_stats,
     "SELECT (SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
-    "WHERE sent_at IS NULL), "
-    "CAST(COALESCE((SELECT DATEDIFF_BIG(microsecond, MIN(created_at), SYSUTCDATETIME()) "
-    "FROM {T} WITH (READPAST, READCOMMITTEDLOCK) WHERE sent_at IS NULL), 0) AS float) / 1e6, "
+    "WHERE sent_at IS NULL AND NOT " SCHEDULED "), "
+    "CAST(COALESCE((SELECT DATEDIFF_BIG(microsecond, MIN(CASE WHEN attempts <= 0 AND "
+    "available_at > created_at THEN available_at ELSE created_at END), SYSUTCDATETIME()) "
+    "FROM {T} WITH (READPAST, READCOMMITTEDLOCK) WHERE sent_at IS NULL AND NOT " SCHEDULED
+    "), 0) AS float) / 1e6, "
     "(SELECT COUNT_BIG(*) FROM {D} WITH (READPAST, READCOMMITTEDLOCK)), ");
+#undef SCHEDULED
 
 STMT0(sql_tsql_stats_kept,
     "(SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "

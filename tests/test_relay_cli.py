@@ -387,8 +387,11 @@ def test_stats_counts(services, pgdb, relay_bin, build, tmp_path):
     with pgdb.connect() as c:
         ids = [i for (i,) in c.execute("select id from outbox.messages order by id").fetchall()]
         c.execute("update outbox.messages set sent_at = now() where id = any(%s)", (ids[:7],))
-        c.execute("update outbox.messages set created_at = now() - interval '1 hour' "
-                  "where id = %s", (ids[10],))
+        c.execute("update outbox.messages set created_at = now() - interval '1 hour', "
+                  "available_at = now() - interval '1 hour' where id = %s", (ids[10],))
+        # scheduled an hour ahead: not waiting yet, counted in neither column
+        c.execute("update outbox.messages set created_at = now() - interval '2 hours', "
+                  "available_at = now() + interval '1 hour' where id = %s", (ids[11],))
     for i in range(3):
         insert_dead(pgdb, 5000 + i)
     insert_dead(pgdb, 6000, table="outbox.other_dead")
@@ -398,7 +401,7 @@ def test_stats_counts(services, pgdb, relay_bin, build, tmp_path):
     assert r.returncode == 0, r.stderr
     s = parse_stats(r.stdout)
     m, o = s["main"], s["other"]
-    assert (m["backlog"], m["dead"], m["sent_kept"]) == (30, 3, 7), s
+    assert (m["backlog"], m["dead"], m["sent_kept"]) == (29, 3, 7), s
     assert 3590 <= m["oldest"] <= 3700, s
     assert (o["backlog"], o["dead"], o["sent_kept"]) == (5, 2, 0), s
     assert 0 <= o["oldest"] < 120, s
@@ -651,11 +654,16 @@ def test_http_probes_and_metrics(services, pgdb, relay_bin, build, tmp_path):
         assert sample(s, "outbox_relay_sink_up", outbox="main") == 1
         wait_for(lambda: r.metric("outbox_relay_leader") == 1, 10, desc="leader gauge")
 
-        # a delayed row (not claimable for an hour) created 100 s ago: backlog 1 and its age
+        # a row backing off after a failure (not claimable for an hour) created 100 s ago:
+        # backlog 1 and its age; a row its producer scheduled an hour ahead is not waiting yet
+        # and counts in neither
         with pgdb.connect() as c:
             c.execute("insert into outbox.messages (message_id, routing_key, payload, created_at, "
-                      "available_at) values (gen_random_uuid(), %s, 'later', "
-                      "now() - interval '100 seconds', now() + interval '1 hour')", (q,))
+                      "available_at, attempts) values (gen_random_uuid(), %s, 'later', "
+                      "now() - interval '100 seconds', now() + interval '1 hour', 1)", (q,))
+            c.execute("insert into outbox.messages (message_id, routing_key, payload, created_at, "
+                      "available_at) values (gen_random_uuid(), %s, 'scheduled', "
+                      "now() - interval '1000 seconds', now() + interval '1 hour')", (q,))
         n = 250
         run_producer(build, pgdb.dsn, pgdb.name, count=n, keys=10, routing_key=q)
         got = consume(ch, q, n, timeout=60, idle=0.5)

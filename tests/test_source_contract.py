@@ -159,8 +159,10 @@ class PgSide:
                f"attempts = coalesce(%s, attempts) WHERE id = %s", (seconds, attempts, rid))
 
     def set_created_ago(self, rid, seconds):
-        self.x(f"UPDATE {self.qt} SET created_at = now() - %s * interval '1 second' WHERE id = %s",
-               (seconds, rid))
+        """Written `seconds` ago and due since then, as a row written then would be."""
+        self.x(f"UPDATE {self.qt} SET created_at = now() - %s * interval '1 second', "
+               f"available_at = now() - %s * interval '1 second' WHERE id = %s",
+               (seconds, seconds, rid))
 
     def mark_sent(self, ids, ago_s=0):
         """Marks rows sent ago_s seconds ago and clears their lease."""
@@ -417,6 +419,7 @@ class MssqlSide:
 
     def set_created_ago(self, rid, seconds):
         self.x(f"UPDATE {self.qt} SET created_at = DATEADD(second, -{int(seconds)},"
+               f" SYSUTCDATETIME()), available_at = DATEADD(second, -{int(seconds)},"
                f" SYSUTCDATETIME()) WHERE id = {int(rid)}")
 
     def mark_sent(self, ids, ago_s=0):
@@ -655,6 +658,31 @@ def test_stats_backlog_oldest_age_dead_and_kept(src, drivers):
     src.mark_sent(ids[:2])
     st, _ = d.request("stats")
     assert st["backlog"] == "0" and float(st["oldest"]) == 0, st
+
+
+def test_stats_scheduled_rows_wait_only_once_due(src, drivers):
+    """A row its producer delayed (liboutbox's delay_ms) is not waiting before it falls due:
+    it counts neither in the backlog nor in the oldest age (a message scheduled an hour ahead
+    and written 20 minutes ago looked like one stuck for 20 minutes: the alerts on a stuck
+    outbox fired), and once due its age counts from then. A row backing off after a failure
+    counts, from its creation."""
+    init_schema(drivers)
+    ids = src.insert(3)
+    for rid in ids:
+        src.set_created_ago(rid, 1200)
+    src.set_available(ids[0], 3600)                    # scheduled
+    src.set_available(ids[1], 3600, attempts=2)        # backing off
+    d = started(drivers)
+    st, _ = d.request("stats")
+    assert st["ok"] == 0 and st["backlog"] == "2" and 1199 < float(st["oldest"]) < 1300, st
+    src.mark_sent(ids[1:])
+    st, _ = d.request("stats")
+    assert st["backlog"] == "0" and float(st["oldest"]) == 0, st
+    src.set_available(ids[0], -30)                     # fell due 30 s ago
+    st, _ = d.request("stats")
+    assert st["backlog"] == "1" and 29 < float(st["oldest"]) < 100, st
+    r, _ = d.admin("stats")
+    assert r["rc"] == 0 and r["backlog"] == "1" and 29 < float(r["oldest"]) < 100, r
 
 
 # ---------------------------------------------------------------------------- claim
