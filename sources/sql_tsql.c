@@ -174,6 +174,11 @@ STMT(sql_tsql_lead, lead_text, lead_p);
    A key waits behind its first failed pending row: those rows' first id per key is
    computed once per claim (@f, from the small filtered failing_idx) and joined by key;
    looked up per candidate row instead, every candidate cost a probe of its key's rows.
+   It also waits behind its first pending row that is not due (delayed by its producer):
+   a candidate whose key's first pending row is one is left out before the TOP, as in the
+   competing claim, and one further on, behind the key's rows in flight, ends the key's
+   candidates after it (@g: per key of the batch, its first such row up to its last
+   candidate). Without it a delayed row was overtaken by the later rows of its key.
    The candidates go through a table variable (@c0), read WITH (UPDLOCK) and so held to
    the UPDATE; one level of derived tables per step keeps the batch quick to compile on
    Babelfish, where a batch is compiled once per session and the nested form took seconds. */
@@ -184,7 +189,9 @@ static const char claim_text[] =
     "@lost nvarchar(max) = ?; "
     "DECLARE @f TABLE (partition_key nvarchar(255) NOT NULL PRIMARY KEY, "
     "first_failed bigint NOT NULL); "
-    "DECLARE @c0 TABLE (id bigint NOT NULL PRIMARY KEY, sz bigint NOT NULL); "
+    "DECLARE @c0 TABLE (id bigint NOT NULL PRIMARY KEY, partition_key nvarchar(255) NULL, "
+    "sz bigint NOT NULL); "
+    "DECLARE @g TABLE (partition_key nvarchar(255) PRIMARY KEY, gap bigint); "
     CLAIMED_TABLE
     TXN_BEGIN
     "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
@@ -194,11 +201,22 @@ static const char claim_text[] =
     "INSERT INTO @f (partition_key, first_failed) SELECT p.partition_key, MIN(p.id) "
     "FROM {T} p WITH (NOLOCK) WHERE p.sent_at IS NULL AND p.attempts > 0 "
     "AND p.partition_key IS NOT NULL GROUP BY p.partition_key; "
-    "INSERT INTO @c0 (id, sz) SELECT TOP (@limit) m.id, " CLAIMED_BYTES("m") " "
+    "INSERT INTO @c0 (id, partition_key, sz) SELECT TOP (@limit) m.id, m.partition_key, "
+    CLAIMED_BYTES("m") " "
     "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
     "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() AND " CLAIMABLE("m.") " "
     "AND NOT EXISTS (SELECT 1 FROM @f k WHERE k.partition_key = m.partition_key "
-    "AND k.first_failed < m.id) ORDER BY m.id; "
+    "AND k.first_failed < m.id) "
+    "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT TOP (1) h.id, "
+    "h.available_at FROM {T} h WITH (NOLOCK) WHERE h.partition_key = m.partition_key "
+    "AND h.sent_at IS NULL ORDER BY h.id) hd "
+    "WHERE hd.id < m.id AND hd.available_at > SYSUTCDATETIME())) ORDER BY m.id; "
+    "INSERT INTO @g (partition_key, gap) SELECT k.partition_key, (SELECT TOP (1) p.id "
+    "FROM {T} p WITH (NOLOCK) WHERE p.partition_key = k.partition_key "
+    "AND p.sent_at IS NULL AND p.available_at > SYSUTCDATETIME() AND p.id < k.last "
+    "ORDER BY p.id) FROM (SELECT partition_key, MAX(id) AS last FROM @c0 "
+    "WHERE partition_key IS NOT NULL GROUP BY partition_key) k; "
+    "DELETE c FROM @c0 c JOIN @g g ON g.partition_key = c.partition_key WHERE c.id > g.gap; "
     "DELETE FROM @c0 WHERE id NOT IN (SELECT z.id FROM (SELECT c.id, " RUN_OVER("c") " "
     "FROM @c0 c) z WHERE " WITHIN_BYTES("z") "); "
     "UPDATE {T} WITH (ROWLOCK) SET lease_owner = @owner, lease_token = @token, "

@@ -65,7 +65,9 @@ class PgSide:
         if name == "postgres":
             self.missing_tables_check = (
                 f'outbox table {self.qt} missing in database "{db}": run outbox-relay init; '
-                f'dead-letter table {self.qd} missing in database "{db}": run outbox-relay init')
+                f'dead-letter table {self.qd} missing in database "{db}": run outbox-relay init; '
+                f'leadership lease table {self.ql} missing in database "{db}": run outbox-relay '
+                'init')
             self.missing_table_down = f"outbox table {self.qt} missing: run outbox-relay init"
             self.killed_down = "terminating connection due to administrator command"
             self.timeout_error = "statement timeout"
@@ -817,6 +819,29 @@ def test_claim_skips_delayed_rows_and_keys_held_back(src, drivers):
     assert st["applied"] == "1", st
     st, rows = d.claim(100, 11)
     assert ids_of(rows) == [a2, a3]
+
+
+@pytest.mark.parametrize("competing", [False, True], ids=["leader", "competing"])
+def test_a_delayed_row_holds_the_later_rows_of_its_key(src, drivers, competing):
+    """A key's messages reach the broker in id order, a delayed one's too: its key's later
+    rows wait until it falls due, whether it comes behind rows of the key in flight or is the
+    key's first pending row; other keys flow. (The leader claim let them overtake it.)"""
+    init_schema(drivers)
+    (a0,) = src.insert(1, partition_key="A")
+    d = started(drivers)
+    st, rows = d.claim(10, 1, competing=competing)
+    assert ids_of(rows) == [a0], st                     # in flight
+    a1, a2, b1, z = src.insert(4, partition_key=lambda i: ["A", "A", "B", None][i])
+    src.set_available(a1, 3600)                         # delayed by its producer
+    st, rows = d.claim(10, 2, competing=competing)
+    assert ids_of(rows) == [b1, z], st
+    st = d.settle((a0, 1, "S", 0))
+    assert st["applied"] == "1", st
+    st, rows = d.claim(10, 3, competing=competing)      # a1 is the key's first pending row
+    assert ids_of(rows) == [], st
+    src.set_available(a1, 0)                            # falls due
+    st, rows = d.claim(10, 4, competing=competing)
+    assert ids_of(rows) == [a1, a2], st
 
 
 def test_retry_blocks_later_rows_of_its_key_only(src, drivers):
