@@ -1242,9 +1242,11 @@ static void kick(drain *d)
     sconn *st = &d->settler, *mc = &d->main;
     /* After a failed settle the reads due go first: a settle that fails again and again
        (a permission, a full disk) must not keep the backlog gauges and the table's health
-       at their last values, which the alerts on a stuck outbox read. */
+       at their last values, which the alerts on a stuck outbox read. Stopping, no read
+       starts: the settles go on. */
     if (ledger_n_pending(d->led) > 0 && st->up && !st->busy && !st->holding &&
-        !settle_gathering(d) && (st->fail_delay_ms == 0 || !(d->stats_due || d->health_due)))
+        !settle_gathering(d) &&
+        (st->fail_delay_ms == 0 || d->stopping || !(d->stats_due || d->health_due)))
         start_settle(d);
     if (st->up && !st->busy && !st->holding && d->stats_due && !d->stopping) {
         d->stats_due = false;

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "config/cfg.h"
@@ -153,6 +154,11 @@ static int log_file_writable(const char *path, char *err, size_t errlen)
    would be made. -1 with errno set when not. */
 static int log_file_may_write(const char *path)
 {
+    struct stat st;
+    if (stat(path, &st) == 0 && S_ISDIR(st.st_mode)) {
+        errno = EISDIR;
+        return -1;
+    }
     if (access(path, W_OK) == 0)
         return 0;
     if (errno != ENOENT)
@@ -486,12 +492,12 @@ static int cmd_check(const char *path)
     if (c == NULL)
         return EXIT_USAGE;
     int problems = 0;
-    if (c->relay.log_file != NULL && log_file_may_write(c->relay.log_file) != 0) {
-        /* run would log to stderr instead (ERROR log_open_failed) */
-        fprintf(stderr, "%s: [relay] log_file: cannot open \"%s\" for writing: %s\n", path,
-                c->relay.log_file, strerror(errno));
-        problems++;
-    }
+    if (c->relay.log_file != NULL && log_file_may_write(c->relay.log_file) != 0)
+        /* a warning: check may run as another user than the service's, and run logs to
+           stderr then (ERROR log_open_failed) */
+        fprintf(stderr, "%s: [relay] WARNING: log_file: this user cannot open \"%s\" for "
+                "writing: %s (outbox-relay run logs to stderr if its user cannot either)\n",
+                path, c->relay.log_file, strerror(errno));
     for (size_t i = 0; i < c->n_outboxes; i++) {
         const cfg_outbox *ob = &c->outboxes[i];
         char err[1024] = "";
@@ -656,7 +662,11 @@ static int parse_ids(int argc, char **argv, int64_t **ids, size_t *n)
             *ids = NULL;
             return -1;
         }
-        (*ids)[(*n)++] = v;
+        bool seen = false;   /* an id given twice counts once */
+        for (size_t k = 0; k < *n && !seen; k++)
+            seen = (*ids)[k] == v;
+        if (!seen)
+            (*ids)[(*n)++] = v;
     }
     return 0;
 }

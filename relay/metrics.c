@@ -244,7 +244,7 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
             outbox_util_buf_printf(&b, "outbox_relay_database_errors_total{outbox=\"%s\","
                                    "request=\"%s\"} %llu\n", m[i]->outbox, db_request_names[k],
                                    (unsigned long long)m[i]->db_errors[k]);
-    gauge_int(&b, m, n, "backlog", "Pending rows (sent_at IS NULL) at the last stats query, rows delayed by their producer (available_at) only once due; -1 unknown.", OFF(backlog), 0);
+    gauge_int(&b, m, n, "backlog", "Pending rows (sent_at IS NULL) at the last stats query, a row not due yet (available_at: delayed, or backing off) only once due; -1 unknown.", OFF(backlog), 0);
     outbox_util_buf_printf(&b, "# HELP outbox_relay_oldest_pending_age_seconds Age of the oldest pending row counted in the backlog (a delayed row from when it fell due).\n"
                 "# TYPE outbox_relay_oldest_pending_age_seconds gauge\n");
     for (size_t i = 0; i < n; i++)

@@ -565,17 +565,16 @@ char *sql_pg_cleanup(const sql_pg_names *n)
  * week of retention — too much for the relay's periodic refresh; `outbox-relay stats`
  * counts them), and the seconds until the first pending row that cannot be claimed now
  * (delayed, backing off, leased) can be (NULL: none). One scan of the pending rows.
- * A row the producer delayed (SQL_PG_SCHEDULED: never attempted, not due yet) is not
+ * A row not due yet (delayed by its producer, or backing off after a failure) is not
  * waiting yet: it counts in neither the backlog nor the age, and once due its age counts
- * from when it fell due (scheduled messages must not look like a stuck outbox). A row
- * backing off after a failure counts, from its creation. */
-#define SQL_PG_SCHEDULED "(attempts <= 0 AND available_at > now())"
+ * from when it fell due (scheduled messages must not look like a stuck outbox; the rows of
+ * a key held behind a failing row are due, and age). */
 #define STATS_HEAD                                                                         \
     "SELECT p.n, greatest(coalesce(extract(epoch from now() - p.oldest), 0), 0)::float8, "  \
     "(SELECT count(*) FROM %2$s), %3$s, extract(epoch from p.due - now())::float8 "         \
-    "FROM (SELECT count(*) FILTER (WHERE NOT " SQL_PG_SCHEDULED ") AS n, "                  \
-    "min(CASE WHEN attempts <= 0 THEN greatest(created_at, available_at) ELSE created_at "  \
-    "END) FILTER (WHERE NOT " SQL_PG_SCHEDULED ") AS oldest, "                              \
+    "FROM (SELECT count(*) FILTER (WHERE available_at <= now()) AS n, "                     \
+    "min(greatest(created_at, available_at)) FILTER (WHERE available_at <= now()) "         \
+    "AS oldest, "                                                                          \
     "min(greatest(available_at, lease_until)) FILTER (WHERE available_at > now() "          \
     "OR lease_until >= now()) AS due FROM %1$s WHERE sent_at IS NULL) p"
 

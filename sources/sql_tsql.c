@@ -194,6 +194,9 @@ static const char claim_text[] =
     "DECLARE @g TABLE (partition_key nvarchar(255) PRIMARY KEY, gap bigint); "
     CLAIMED_TABLE
     TXN_BEGIN
+    /* one instant for every "is it due" of the batch: read in each statement, a row falling
+       due between the candidates' read and @g's would be neither taken nor a gap */
+    "DECLARE @now datetime2 = SYSUTCDATETIME(); "
     "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
     "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
     "AND f.expires_at > SYSUTCDATETIME()) "
@@ -204,16 +207,16 @@ static const char claim_text[] =
     "INSERT INTO @c0 (id, partition_key, sz) SELECT TOP (@limit) m.id, m.partition_key, "
     CLAIMED_BYTES("m") " "
     "FROM {T} m WITH (ROWLOCK, READPAST, UPDLOCK) "
-    "WHERE m.sent_at IS NULL AND m.available_at <= SYSUTCDATETIME() AND " CLAIMABLE("m.") " "
+    "WHERE m.sent_at IS NULL AND m.available_at <= @now AND " CLAIMABLE("m.") " "
     "AND NOT EXISTS (SELECT 1 FROM @f k WHERE k.partition_key = m.partition_key "
     "AND k.first_failed < m.id) "
     "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT TOP (1) h.id, "
     "h.available_at FROM {T} h WITH (NOLOCK) WHERE h.partition_key = m.partition_key "
     "AND h.sent_at IS NULL ORDER BY h.id) hd "
-    "WHERE hd.id < m.id AND hd.available_at > SYSUTCDATETIME())) ORDER BY m.id; "
+    "WHERE hd.id < m.id AND hd.available_at > @now)) ORDER BY m.id; "
     "INSERT INTO @g (partition_key, gap) SELECT k.partition_key, (SELECT TOP (1) p.id "
     "FROM {T} p WITH (NOLOCK) WHERE p.partition_key = k.partition_key "
-    "AND p.sent_at IS NULL AND p.available_at > SYSUTCDATETIME() AND p.id < k.last "
+    "AND p.sent_at IS NULL AND p.available_at > @now AND p.id < k.last "
     "ORDER BY p.id) FROM (SELECT partition_key, MAX(id) AS last FROM @c0 "
     "WHERE partition_key IS NOT NULL GROUP BY partition_key) k; "
     "DELETE c FROM @c0 c JOIN @g g ON g.partition_key = c.partition_key WHERE c.id > g.gap; "
@@ -396,19 +399,17 @@ static const sql_tsql_param cleanup_p[] = { P_INT("limit"), P_INT("keep_ms"), P_
 STMT(sql_tsql_cleanup, cleanup_text, cleanup_p);
 
 /* Statistics (never waits for producers): backlog, oldest pending (s), dead rows, then
-   sql_tsql_stats_kept or -1. A row the producer delayed and not due yet (SCHEDULED) counts
-   in neither, and once due its age counts from then, as on PostgreSQL (sources/sql_pg.c,
-   STATS_HEAD). */
-#define SCHEDULED "(attempts <= 0 AND available_at > SYSUTCDATETIME())"
+   sql_tsql_stats_kept or -1. A row not due yet (delayed by its producer, or backing off)
+   counts in neither, and once due its age counts from then, as on PostgreSQL
+   (sources/sql_pg.c, STATS_HEAD); the columns read are in pending_cover_idx. */
 STMT0(sql_tsql_stats,
     "SELECT (SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
-    "WHERE sent_at IS NULL AND NOT " SCHEDULED "), "
-    "CAST(COALESCE((SELECT DATEDIFF_BIG(microsecond, MIN(CASE WHEN attempts <= 0 AND "
-    "available_at > created_at THEN available_at ELSE created_at END), SYSUTCDATETIME()) "
-    "FROM {T} WITH (READPAST, READCOMMITTEDLOCK) WHERE sent_at IS NULL AND NOT " SCHEDULED
-    "), 0) AS float) / 1e6, "
+    "WHERE sent_at IS NULL AND available_at <= SYSUTCDATETIME()), "
+    "CAST(COALESCE((SELECT DATEDIFF_BIG(microsecond, MIN(CASE WHEN available_at > created_at "
+    "THEN available_at ELSE created_at END), SYSUTCDATETIME()) "
+    "FROM {T} WITH (READPAST, READCOMMITTEDLOCK) WHERE sent_at IS NULL "
+    "AND available_at <= SYSUTCDATETIME()), 0) AS float) / 1e6, "
     "(SELECT COUNT_BIG(*) FROM {D} WITH (READPAST, READCOMMITTEDLOCK)), ");
-#undef SCHEDULED
 
 STMT0(sql_tsql_stats_kept,
     "(SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
