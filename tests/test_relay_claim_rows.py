@@ -9,7 +9,7 @@ rows its previous claim brought; rows smaller than those fill the claim in rows,
 one follows at once, sized anew.
 
 The plans checked are the relay's own, from auto_explain, as in tests/test_claim_plan.py:
-the candidates the claim looked at (its CTE c, the rows its LIMIT let through)."""
+the candidates the claim looked at (its CTE c0, the rows its LIMIT let through)."""
 import uuid
 
 import psycopg
@@ -22,8 +22,9 @@ MIB = 1 << 20
 
 
 def candidates(node):
-    """The rows the claim's CTE c returned (the candidates it locked), or None."""
-    if node.get("Subplan Name") == "CTE c":
+    """The rows the claim's CTE c0 returned (the candidates it locked, before the per-key
+    checks after its LIMIT), or None."""
+    if node.get("Subplan Name") == "CTE c0":
         return node.get("Actual Rows", 0) * node.get("Actual Loops", 1)
     for child in node.get("Plans", []):
         n = candidates(child)
