@@ -473,6 +473,15 @@ def delivery_report(got, count, keys, start=0):
     return len(got) - len(copies), copies
 
 
+def close_quietly(*socks):
+    """Closes each socket, ignoring errors (one already closed or reset)."""
+    for x in socks:
+        try:
+            x.close()
+        except OSError:
+            pass
+
+
 class _TcpProxy:
     """A TCP proxy 127.0.0.1:port -> 127.0.0.1:target_port: each connection accepted gets its
     own connection to the target and a thread running self._pump(entry), entry being
@@ -512,20 +521,12 @@ class _TcpProxy:
                 self.n_accepted += 1
             self._threading.Thread(target=self._pump, args=(entry,), daemon=True).start()
 
-    @staticmethod
-    def _close(*socks):
-        for x in socks:
-            try:
-                x.close()
-            except OSError:
-                pass
-
     def close(self):
         self.closed = True
-        self._close(self.lsock)
+        close_quietly(self.lsock)
         with self.lock:
             for c, s, _ in self.conns:
-                self._close(c, s)
+                close_quietly(c, s)
             self.conns.clear()
 
 
@@ -583,7 +584,7 @@ class LostAnswerProxy(_TcpProxy):
                 except OSError:
                     data = b""
                 if not data:
-                    self._close(c, s)
+                    close_quietly(c, s)
                     return
                 if sk is s and lost_at is not None:
                     continue          # the lost answer
@@ -625,7 +626,7 @@ class BlackholeProxy(_TcpProxy):
                     data = b""
                 if not data:
                     st["dead"] = True
-                    self._close(c, s)
+                    close_quietly(c, s)
                     return
                 try:
                     peer[sk].sendall(data)

@@ -15,8 +15,8 @@ import uuid
 import pytest
 
 from conftest import wait_for
-from relay_util import (BrokerCloser, amqp_channel, check_against_db, consume, declare,
-                        insert_rows, log_lines_at, memory_unmeasurable, order_report,
+from relay_util import (BrokerCloser, amqp_channel, check_against_db, close_quietly, consume,
+                        declare, insert_rows, log_lines_at, memory_unmeasurable, order_report,
                         proc_status_kb, queue_depth)
 from test_relay_bytes import MIB, _relay, _sent, _Snapshots, _stop
 
@@ -64,7 +64,7 @@ class SlowConfirmProxy:
                 b.sendall(data)
         except OSError:
             pass
-        self._shut(a, b)
+        close_quietly(a, b)
 
     def _read_late(self, a, b):
         try:
@@ -95,24 +95,17 @@ class SlowConfirmProxy:
                 self._late.popleft()
             try:
                 if not data:
-                    self._shut(b)
+                    close_quietly(b)
                     return
                 b.sendall(data)
             except OSError:
                 return
 
-    def _shut(self, *socks):
-        for x in socks:
-            try:
-                x.close()
-            except OSError:
-                pass
-
     def close(self):
         self.closed = True
         with self._cv:
             self._cv.notify_all()
-        self._shut(self.lsock, *self.socks)
+        close_quietly(self.lsock, *self.socks)
 
 
 def test_bytes_in_flight_pass_the_budget_while_memory_stays_within_it(services, pgdb,
