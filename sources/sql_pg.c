@@ -315,21 +315,28 @@ char *sql_pg_lead(const sql_pg_names *n)
     "AND (" P ".partition_key, " P ".id) < (" K ", " ID ") "                               \
     "AND " P ".sent_at IS NULL AND " P ".id >= (SELECT $9::bigint) AND " P ".id < " ID
 
-/* The leader claim's candidates c0 (id, partition_key, sz), less those of a key after
-   its first pending row that is not due (available_at ahead: delayed by its producer, or
-   backing off): the CTEs k, g and c. A key's rows reach the broker in id order, a delayed
-   row's later rows too: they wait for it. The candidates already leave out a key whose first
-   pending row before them is not due (hd, before the LIMIT, so that such keys do not crowd
-   out the others); this catches one further on, behind the key's rows in flight. Per key of
-   the batch, one read of its pending rows up to its last candidate (SQL_PG_KEY_BEFORE). */
-#define SQL_PG_NOT_DUE_GAP(T)                                                              \
-    "k AS (SELECT partition_key, max(id) AS last FROM c0 WHERE partition_key IS NOT NULL " \
-    "GROUP BY partition_key), "                                                            \
-    "g AS MATERIALIZED (SELECT k.partition_key, (SELECT p.id FROM " T " p "                \
-    "WHERE " SQL_PG_KEY_BEFORE("p", "k.partition_key", "k.last") " "                       \
-    "AND p.available_at > now() ORDER BY p.partition_key, p.id LIMIT 1) AS gap FROM k), "  \
-    "c AS (SELECT c0.id, c0.sz FROM c0 LEFT JOIN g ON g.partition_key = c0.partition_key " \
-    "WHERE c0.partition_key IS NULL OR g.gap IS NULL OR c0.id < g.gap), "
+/* A pending row of key K before id ID that is not due (available_at ahead: delayed by its
+   producer, or backing off): a subquery that returns one when there is one, read from
+   delayed_idx, on (partition_key, available_at, id) over the pending rows whose
+   available_at is later than their created_at (written delayed, or delayed since: a
+   back-off, a retried dead letter), and only from there: the order asked for (key, then
+   available_at, from now on) is that index's alone, so no plan but the index's avoids a
+   sort, stale statistics or not, and the id's bound is checked in the index (an
+   index-only scan). In a subquery of its own: EXISTS drops the ORDER BY and LIMIT of the
+   query it is given, and with them what rules the other plans out.
+   Under a steady stream no row is delayed and that index is empty: the lookup is a
+   descent into an index of a page, where a look at the key's first pending row (key_idx,
+   then the row) and a read of the key's rows in flight cost more than the rest of the
+   claim per row. A row whose producer sets its created_at ahead of its available_at
+   (created_at from its own clock, available_at from the server's) is not in that index,
+   and not waited for. On a table made before delayed_idx (init creates it), the lookup
+   reads the pending rows between the claims' floor and ID, and gives the same answer. */
+#define SQL_PG_NOT_DUE_BEFORE(T, K, ID)                                                    \
+    "(SELECT 1 FROM (SELECT h.id FROM " T " h "                                            \
+    "WHERE (h.partition_key, h.available_at) > (" K ", now()) "                            \
+    "AND (h.partition_key, h.available_at) <= (" K ", 'infinity') AND h.sent_at IS NULL "  \
+    "AND h.available_at > h.created_at AND h.id >= (SELECT $9::bigint) AND h.id < " ID " " \
+    "ORDER BY h.partition_key, h.available_at LIMIT 1) hd)"
 
 static char *claim(const sql_pg_names *n, bool competing, bool sliced)
 {
@@ -363,9 +370,10 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
            seen).
            The candidates are found by walking pending_idx in id order (w, SQL_PG_WALK),
            each pending row looked at in turn until $1 of them can be taken: see there.
-           A key's rows also wait behind its first pending row that is not due (hd, as the
-           competing claim's, then SQL_PG_NOT_DUE_GAP): without it a row its producer
-           delayed was overtaken by the later rows of its key. */
+           A key's rows also wait behind any of its pending rows that is not due
+           (SQL_PG_NOT_DUE_BEFORE, before the LIMIT, so that such keys do not crowd out the
+           others): without it a row its producer delayed was overtaken by the later rows of
+           its key. */
         return fmt(
             "WITH RECURSIVE " SQL_PG_FAILED_KEYS("%1$s") ", "
             SQL_PG_WALK("%1$s", "($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f "
@@ -377,11 +385,10 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
             "AND " SQL_PG_CLAIMABLE("m") " "
             "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM f "
             "WHERE f.partition_key = m.partition_key AND f.first_failed < m.id)) "
-            "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.available_at "
-            "FROM %1$s h WHERE " SQL_PG_KEY_BEFORE("h", "m.partition_key", "m.id") " "
-            "ORDER BY h.partition_key, h.id LIMIT 1) hd WHERE hd.available_at > now())) "
+            "AND (m.partition_key IS NULL OR NOT EXISTS "
+            SQL_PG_NOT_DUE_BEFORE("%1$s", "m.partition_key", "m.id") ") "
             "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint), "
-            SQL_PG_NOT_DUE_GAP("%1$s") SQL_PG_BYTE_PREFIX("c")
+            SQL_PG_BYTE_PREFIX("c0")
             "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
             "lease_until = now() + $4::float8 * interval '1 millisecond' "
             "FROM b WHERE m.id = b.id %3$s",

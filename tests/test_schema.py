@@ -103,6 +103,8 @@ def test_postgres_ddl_fragments(build):
         "WHERE sent_at IS NULL AND attempts > 0;",
         'CREATE INDEX "events_sent_idx" ON "app"."events" (sent_at) '
         "WHERE sent_at IS NOT NULL;",
+        'CREATE INDEX "events_delayed_idx" ON "app"."events" (partition_key, available_at, id) '
+        "WHERE sent_at IS NULL AND available_at > created_at;",
         'CREATE OR REPLACE FUNCTION "app"."events_notify"() RETURNS trigger',
         "PERFORM pg_notify('outbox_relay', 'app.events');",
         'CREATE TRIGGER "events_notify_trg" AFTER INSERT ON "app"."events"',
@@ -191,6 +193,8 @@ def test_postgres_ddl_applies_twice(pgdb, build):
     assert "(partition_key, id) WHERE ((sent_at IS NULL) AND (attempts > 0))" in \
         idx["messages_failing_idx"]
     assert "WHERE (sent_at IS NOT NULL)" in idx["messages_sent_idx"]
+    assert "(partition_key, available_at, id) WHERE ((sent_at IS NULL) AND " \
+        "(available_at > created_at))" in idx["messages_delayed_idx"]
     assert "messages_message_id_key" in idx and "messages_dead_pkey" in idx
     (ntrig,) = c.execute("SELECT count(*) FROM pg_trigger WHERE tgname = 'messages_notify_trg'"
                          ).fetchone()

@@ -844,6 +844,33 @@ def test_a_delayed_row_holds_the_later_rows_of_its_key(src, drivers, competing):
     assert ids_of(rows) == [a1, a2], st
 
 
+@pytest.mark.parametrize("index", ["index", "no-index"])
+@pytest.mark.parametrize("competing", [False, True], ids=["leader", "competing"])
+def test_a_key_waits_behind_any_of_its_rows_not_due(src, drivers, competing, index):
+    """Not only its first: a key whose first pending row was delayed and is due now, and
+    whose second is delayed still, has its third wait too; its first goes. The same on a
+    PostgreSQL table made before the index of the delayed rows (no-index), only slower."""
+    if index == "no-index" and not isinstance(src, PgSide):
+        pytest.skip("the index of the delayed rows is PostgreSQL's only")
+    init_schema(drivers)
+    if index == "no-index":
+        src.x('DROP INDEX "outbox"."messages_delayed_idx"')
+    a1, a2, a3, b1 = src.insert(4, partition_key=lambda i: ["A", "A", "A", "B"][i])
+    src.set_available(a1, 3600)
+    src.set_available(a1, 0)                            # delayed, and due now
+    src.set_available(a2, 3600)
+    d = started(drivers)
+    st, rows = d.claim(10, 1, competing=competing)
+    assert ids_of(rows) == [a1, b1], st
+    st = d.settle((a1, 1, "S", 0), (b1, 1, "S", 0))
+    assert st["applied"] == "2", st
+    st, rows = d.claim(10, 2, competing=competing)
+    assert ids_of(rows) == [], st
+    src.set_available(a2, 0)
+    st, rows = d.claim(10, 3, competing=competing)
+    assert ids_of(rows) == [a2, a3], st
+
+
 def test_retry_blocks_later_rows_of_its_key_only(src, drivers):
     """Per-key blocking behind a failed row, reached through settle: a retry with back-off
     holds back the later rows of its key (even given back unclaimed), not other rows."""
