@@ -63,6 +63,10 @@ typedef enum outbox_table_kind {
 void outbox_qualified(outbox_dialect d, const outbox_table_name *t, outbox_table_kind which,
                       char *out, size_t outlen);
 
+/* The quoted qualified name of the outbox's index of its delayed rows on PostgreSQL,
+ * "schema"."<table>_delayed_idx", for the relay's check that it exists. */
+void outbox_pg_delayed_index(const outbox_table_name *t, char *out, size_t outlen);
+
 /* Derived object names (indexes, trigger, function, constraints): <table>_<suffix>,
  * shortened deterministically (prefix + 8 hex digits of a hash) to stay within 63 bytes. */
 void outbox_derived_name(const char *table, const char *suffix, char out[64]);

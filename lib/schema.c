@@ -122,6 +122,9 @@ int outbox_table_parse(const char *spec, outbox_table_name *out, char *err, size
     return 0;
 }
 
+/* the suffix of the index of the delayed rows (index_desc), which the relay checks for */
+#define OUTBOX_DELAYED_IDX "delayed_idx"
+
 void outbox_qualified(outbox_dialect d, const outbox_table_name *t, outbox_table_kind which,
                       char *out, size_t outlen)
 {
@@ -139,6 +142,15 @@ void outbox_qualified(outbox_dialect d, const outbox_table_name *t, outbox_table
         snprintf(out, outlen, "[%s].[%s]", t->schema, tab);
     else
         snprintf(out, outlen, "\"%s\".\"%s\"", t->schema, tab);
+}
+
+void outbox_pg_delayed_index(const outbox_table_name *t, char *out, size_t outlen)
+{
+    char idx[64];
+    if (!out || !outlen)
+        return;
+    outbox_derived_name(t->table, OUTBOX_DELAYED_IDX, idx);
+    snprintf(out, outlen, "\"%s\".\"%s\"", t->schema, idx);
 }
 
 static uint32_t fnv1a(const char *a, const char *b)
@@ -256,7 +268,7 @@ static const struct {
        key's later rows behind one not due yet, and finds them through this index, empty
        while no message is delayed. PostgreSQL only: a filtered index on SQL Server cannot
        compare two columns. */
-    { "delayed_idx", false, "(partition_key, available_at, id)",
+    { OUTBOX_DELAYED_IDX, false, "(partition_key, available_at, id)",
       "sent_at IS NULL AND available_at > created_at", "", 0 },
 };
 

@@ -23,6 +23,7 @@ void sql_pg_names_init(const cfg_outbox *ob, sql_pg_names *n)
     outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, OUTBOX_TABLE_OUTBOX, n->table, sizeof n->table);
     outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, OUTBOX_TABLE_DEAD, n->dead, sizeof n->dead);
     outbox_qualified(OUTBOX_DIALECT_POSTGRES, &t, OUTBOX_TABLE_LEASE, n->lease, sizeof n->lease);
+    outbox_pg_delayed_index(&t, n->delayed, sizeof n->delayed);
     snprintf(n->notify, sizeof n->notify, "%s.%s", ob->schema_part, ob->table_part);
 }
 
@@ -249,14 +250,21 @@ char *sql_pg_lead(const sql_pg_names *n)
    walk of a step each, 2.2 s a claim (past query_timeout: nothing was claimed any more);
    filtered, 53 ms. A row falling due is found by the next claim, which walks from the floor
    (no row below it is pending). */
+/* Row M is due: its available_at has come, or it was not delayed when written (an
+   available_at not later than its created_at). The second part counts a row written in a
+   transaction that began after the claim's and committed before the claim read the table:
+   the claim sees it, and by the claim's now() alone it would not be due yet, while the
+   leader claim's hold (SQL_PG_NOT_DUE_BEFORE) knows only the rows delayed when written and
+   would let its key's later rows go first. */
+#define SQL_PG_DUE(M) "(" M ".available_at <= now() OR " M ".available_at <= " M ".created_at)"
 #define SQL_PG_HELD(P) P ".id <> ALL (coalesce($10::bigint[], '{}'))"
 #define SQL_PG_WALK(T, GUARD)                                                              \
     "w(id) AS ((SELECT p.id FROM " T " p WHERE p.sent_at IS NULL "                         \
-    "AND p.id >= (SELECT $9::bigint) AND " SQL_PG_HELD("p") " AND p.available_at <= now() " \
+    "AND p.id >= (SELECT $9::bigint) AND " SQL_PG_HELD("p") " AND " SQL_PG_DUE("p") " "    \
     "AND " GUARD " ORDER BY p.id LIMIT 1) "                                                \
     "UNION ALL SELECT (SELECT p.id FROM " T " p "                                          \
     "WHERE p.sent_at IS NULL AND p.id > w.id AND " SQL_PG_HELD("p") " "                    \
-    "AND p.available_at <= now() ORDER BY p.id LIMIT 1) FROM w WHERE w.id IS NOT NULL)"
+    "AND " SQL_PG_DUE("p") " ORDER BY p.id LIMIT 1) FROM w WHERE w.id IS NOT NULL)"
 
 /* Row M was leased by one of this relay's claims that failed without an answer ($11, the
    tokens of src_claim_args.lost): such a claim may have committed, and the relay never got
@@ -321,16 +329,16 @@ char *sql_pg_lead(const sql_pg_names *n)
    available_at is later than their created_at (written delayed, or delayed since: a
    back-off, a retried dead letter), and only from there: the order asked for (key, then
    available_at, from now on) is that index's alone, so no plan but the index's avoids a
-   sort, stale statistics or not, and the id's bound is checked in the index (an
-   index-only scan). In a subquery of its own: EXISTS drops the ORDER BY and LIMIT of the
+   sort, which the relay's sessions rule out (see the PostgreSQL source's session setup),
+   stale statistics or not; the id's bound is checked in the index (an index-only
+   scan). In a subquery of its own: EXISTS drops the ORDER BY and LIMIT of the
    query it is given, and with them what rules the other plans out.
    Under a steady stream no row is delayed and that index is empty: the lookup is a
    descent into an index of a page, where a look at the key's first pending row (key_idx,
    then the row) and a read of the key's rows in flight cost more than the rest of the
-   claim per row. A row whose producer sets its created_at ahead of its available_at
-   (created_at from its own clock, available_at from the server's) is not in that index,
-   and not waited for. On a table made before delayed_idx (init creates it), the lookup
-   reads the pending rows between the claims' floor and ID, and gives the same answer. */
+   claim per row. A row not delayed when written is due (SQL_PG_DUE): it need not be
+   in that index. On a table made before delayed_idx (init creates it), the lookup gives
+   the same answer, reading the key's pending rows. */
 #define SQL_PG_NOT_DUE_BEFORE(T, K, ID)                                                    \
     "(SELECT 1 FROM (SELECT h.id FROM " T " h "                                            \
     "WHERE (h.partition_key, h.available_at) > (" K ", now()) "                            \
@@ -381,7 +389,7 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
                         "AND f.epoch = $5::bigint AND f.expires_at > now()))") ", "
             "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "
             "m.partition_key" SZ " FROM %1$s m "
-            "WHERE m.id = w.id AND m.sent_at IS NULL AND m.available_at <= now() "
+            "WHERE m.id = w.id AND m.sent_at IS NULL AND " SQL_PG_DUE("m") " "
             "AND " SQL_PG_CLAIMABLE("m") " "
             "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM f "
             "WHERE f.partition_key = m.partition_key AND f.first_failed < m.id)) "
@@ -398,15 +406,15 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
         SQL_PG_WALK("%1$s", "($5::bigint >= 0)") ", "
         "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "
         "m.partition_key" SZ " FROM %1$s m WHERE m.id = w.id AND m.sent_at IS NULL "
-        "AND m.available_at <= now() AND " SQL_PG_CLAIMABLE("m") " "
+        "AND " SQL_PG_DUE("m") " AND " SQL_PG_CLAIMABLE("m") " "
         "AND " SQL_PG_MY_KEY("m") " "
         /* the key's first pending row, when it comes before this one */
         "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.available_at, "
-        "h.lease_owner, h.lease_until FROM %1$s h "
+        "h.created_at, h.lease_owner, h.lease_until FROM %1$s h "
         "WHERE " SQL_PG_KEY_BEFORE("h", "m.partition_key", "m.id") " "
         "ORDER BY h.partition_key, h.id LIMIT 1) hd "
         "WHERE (hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM $2::text) "
-        "OR hd.available_at > now())) "
+        "OR NOT " SQL_PG_DUE("hd") ")) "
         "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint), "
         /* per key, the first pending row that is neither ours (live lease) nor locked by
            this claim: nothing of the key at or after it may be taken now. Only one below
@@ -677,7 +685,8 @@ char *sql_pg_tables_exist(void)
 {
     return fmt("SELECT (to_regclass($1::text) IS NOT NULL)::int, "
                "(to_regclass($2::text) IS NOT NULL)::int, "
-               "(to_regclass($3::text) IS NOT NULL)::int");
+               "(to_regclass($3::text) IS NOT NULL)::int, "
+               "(to_regclass($4::text) IS NOT NULL)::int");
 }
 
 /* ------------------------------------------------------------ ODBC markers */

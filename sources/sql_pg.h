@@ -29,6 +29,7 @@ typedef struct sql_pg_names {
     char table[160];    /* "schema"."table" */
     char dead[160];     /* "schema"."table_dead" */
     char lease[160];    /* "schema"."table_lease": leadership lease row */
+    char delayed[160];  /* "schema"."table_delayed_idx": the index of the delayed rows */
     char notify[132];   /* NOTIFY payload: schema.table (as configured parts) */
 } sql_pg_names;
 
@@ -99,8 +100,8 @@ char *sql_pg_dead_list(const sql_pg_names *n);
 /* $1 ids (array; NULL: all). -> command count. */
 char *sql_pg_dead_retry(const sql_pg_names *n);
 char *sql_pg_dead_purge(const sql_pg_names *n);
-/* $1, $2, $3 the outbox, dead-letter and leadership lease tables' names. -> 1/0 each: the
-   table exists. */
+/* $1, $2, $3 the outbox, dead-letter and leadership lease tables' names, $4 the index of
+   the delayed rows (sql_pg_names.delayed). -> 1/0 each: it exists. */
 char *sql_pg_tables_exist(void);
 
 /* The connected database's name. */

@@ -1147,3 +1147,38 @@ def test_sigusr1_reopens_the_log_only_and_sigusr2_is_ignored(services, pgdb, rel
     assert " WARN " in usr2[0] and "ignored" in usr2[0], usr2
     assert "outbox-relay stopped" in text
     assert relay.text().strip() == "", "nothing on stderr when log_file is set: " + relay.text()
+
+
+def test_missing_index_of_the_delayed_rows_is_reported(services, pgdb, relay_bin, tmp_path):
+    """A table made by an earlier version lacks the index of the delayed rows: the relay
+    works (and keeps delayed rows in order, more slowly), and says so at the default level,
+    in `check` (a warning, exit 0) and once when it starts; init creates the index."""
+    q = f"qidx-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    cfg = write_config(tmp_path / "r.ini", services, pgdb)
+    init(relay_bin, cfg)
+    idx = '"outbox"."messages_delayed_idx"'
+    with pgdb.connect() as c:
+        c.execute(f"DROP INDEX {idx}")
+        c.execute("INSERT INTO outbox.messages (routing_key, partition_key, payload) "
+                  "VALUES (%s, 'k', '\\x01')", (q,))
+        c.commit()
+    r = cli(relay_bin, "check", "-c", cfg)
+    assert r.returncode == 0, r.stdout + r.stderr
+    warn = [ln for ln in lines(r.stderr) if "WARNING" in ln]
+    assert len(warn) == 1 and f"index {idx} missing" in warn[0] \
+        and "run outbox-relay init" in warn[0], r.stderr
+    relay = Relay(relay_bin, cfg, tmp_path / "relay.log")
+    try:
+        assert len(consume(ch, q, 1, timeout=30)) == 1
+        wait_log_at(relay, re.escape(f"index {idx} missing"), levels=("WARN",))
+    finally:
+        relay.assert_clean_exit(relay.stop())
+    assert len(re.findall(re.escape(f"index {idx} missing"), relay.text())) == 1, relay.text()
+    r = init(relay_bin, cfg)
+    assert "messages_delayed_idx" in r.stdout + r.stderr, r.stdout + r.stderr
+    r = cli(relay_bin, "check", "-c", cfg)
+    assert r.returncode == 0 and "WARNING" not in r.stderr, r.stdout + r.stderr
+    ch.queue_delete(q)
+    conn.close()

@@ -871,6 +871,47 @@ def test_a_key_waits_behind_any_of_its_rows_not_due(src, drivers, competing, ind
     assert ids_of(rows) == [a2, a3], st
 
 
+@pytest.mark.parametrize("competing", [False, True], ids=["leader", "competing"])
+def test_a_row_committed_while_the_claim_starts_keeps_its_key_order(src, drivers, competing):
+    """Row A1 is written in a transaction that began after the claim's (its created_at and
+    available_at later than the claim's now()) and commits before the claim reads the
+    table (the claim waits for a lock meanwhile: DDL, a vacuum's truncation); row A2 of the
+    same key comes from a transaction that began before the claim. The claim sees both; A2
+    must not go without A1. (The leader claim took A2 alone: by its now() A1 was not due,
+    and not delayed either.)"""
+    if not isinstance(src, PgSide):
+        pytest.skip("PostgreSQL's now() is the transaction's start")
+    import psycopg
+    init_schema(drivers)
+    d = started(drivers)
+    dsn = src.pgdb.dsn
+    with psycopg.connect(dsn) as p2, psycopg.connect(dsn) as p1, \
+            psycopg.connect(dsn) as lk, psycopg.connect(dsn, autocommit=True) as mon:
+        p2.execute("SELECT 1")                  # P2's transaction, and its now(), begin
+        time.sleep(0.05)
+        lk.execute(f"LOCK TABLE {src.ql} IN ACCESS EXCLUSIVE MODE")
+        out = {}
+        t = threading.Thread(target=lambda: out.update(r=d.claim(10, 1, competing=competing)))
+        t.start()
+        try:
+            assert wait_for(lambda: mon.execute(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = %s::regclass",
+                (src.ql,)).fetchone()[0] > 0, 20), "the claim never waited for the lock"
+            time.sleep(0.05)
+            (a1,) = p1.execute(f"INSERT INTO {src.qt} (routing_key, partition_key, payload) "
+                               "VALUES ('rk', 'A', '\\x01') RETURNING id").fetchone()
+            p1.commit()
+            (a2,) = p2.execute(f"INSERT INTO {src.qt} (routing_key, partition_key, payload) "
+                               "VALUES ('rk', 'A', '\\x02') RETURNING id").fetchone()
+            p2.commit()
+        finally:
+            lk.commit()
+            t.join(60)
+    st, rows = out["r"]
+    assert a1 < a2
+    assert ids_of(rows) in ([], [a1], [a1, a2]), (st, a1, a2)
+
+
 def test_retry_blocks_later_rows_of_its_key_only(src, drivers):
     """Per-key blocking behind a failed row, reached through settle: a retry with back-off
     holds back the later rows of its key (even given back unclaimed), not other rows."""

@@ -426,7 +426,7 @@ int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
         goto done;
     }
     params ps = {0};
-    int64_t v[3] = {0, 0, 0};
+    int64_t v[4] = {0, 0, 0, 1};
     int r = -1;
     char *sql;
     if (is_tsql(db)) {
@@ -434,11 +434,13 @@ int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
                                TV_S("lease", db->ql) };
         sql = ost_tsql(db, &sql_tsql_tables_exist, tv, 3, &ps);
     } else {
-        const pgv pv[3] = { PV_S(db->qt), PV_S(db->qd), PV_S(db->ql) };
-        sql = ost_pg_stmt(db, sql_pg_tables_exist(), pv, 3, &ps);
+        char qi[160];   /* v[3], not reported here: the libpq source and its check do */
+        outbox_pg_delayed_index(&db->conf->tn, qi, sizeof qi);
+        const pgv pv[4] = { PV_S(db->qt), PV_S(db->qd), PV_S(db->ql), PV_S(qi) };
+        sql = ost_pg_stmt(db, sql_pg_tables_exist(), pv, 4, &ps);
     }
     if (sql)
-        r = ost_one_row_ints(db, "checking the outbox tables", sql, &ps, v, 3);
+        r = ost_one_row_ints(db, "checking the outbox tables", sql, &ps, v, is_tsql(db) ? 3 : 4);
     free(sql);
     ost_p_free(&ps);
     (void)odbcsrc_db_end(db, false);

@@ -288,14 +288,15 @@ static PGconn *adm_connect(const cfg_outbox *ob, char *err, size_t errlen)
     return adm_connect_path(ob, NULL, err, errlen);
 }
 
-/* Schema presence: sets t_ok, d_ok and l_ok (the lease table). 0 or -1 (err filled). */
+/* Schema presence: sets t_ok, d_ok, l_ok (the lease table) and i_ok (the index of the
+   delayed rows). 0 or -1 (err filled). */
 static int adm_schema(PGconn *c, const cfg_outbox *ob, const sql_pg_names *n, bool *t_ok,
-                      bool *d_ok, bool *l_ok, char *err, size_t errlen)
+                      bool *d_ok, bool *l_ok, bool *i_ok, char *err, size_t errlen)
 {
     char msg[512];
-    const char *vals[3] = {n->table, n->dead, n->lease};
+    const char *vals[4] = {n->table, n->dead, n->lease, n->delayed};
     char *sql = sql_pg_tables_exist();
-    PGresult *r = sql ? adm_exec(c, ob, sql, 3, vals, msg, sizeof msg) : NULL;
+    PGresult *r = sql ? adm_exec(c, ob, sql, 4, vals, msg, sizeof msg) : NULL;
     if (!sql)
         snprintf(msg, sizeof msg, "out of memory");
     free(sql);
@@ -306,6 +307,7 @@ static int adm_schema(PGconn *c, const cfg_outbox *ob, const sql_pg_names *n, bo
     *t_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 0), "1") == 0;
     *d_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 1), "1") == 0;
     *l_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 2), "1") == 0;
+    *i_ok = PQntuples(r) == 1 && strcmp(PQgetvalue(r, 0, 3), "1") == 0;
     PQclear(r);
     return 0;
 }
@@ -390,7 +392,7 @@ int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
 {
     sql_pg_names n;
     adm_path path = { 0 };
-    bool t_ok = false, d_ok = false, l_ok = false;
+    bool t_ok = false, d_ok = false, l_ok = false, i_ok = false;
     char msg[512] = "";
     if (err && errlen)
         err[0] = '\0';
@@ -403,7 +405,7 @@ int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
         return -1;
     }
     sql_pg_names_init(ob, &n);
-    int rc = adm_schema(c, ob, &n, &t_ok, &d_ok, &l_ok, err, errlen);
+    int rc = adm_schema(c, ob, &n, &t_ok, &d_ok, &l_ok, &i_ok, err, errlen);
     /* through a pooler, no probe: its LISTEN would stay on a shared server connection
        (and its UNLISTEN land on another), and run does not LISTEN there anyway */
     int probe = rc < 0 ? -1 : path.pooled ? 0 : notify_probe(c, ob, msg, sizeof msg);
@@ -422,6 +424,11 @@ int pgsrc_check(const cfg_outbox *ob, char *err, size_t errlen)
     if (!t_ok || !d_ok || !l_ok)
         return -1;
     /* success: err carries warnings, if any (the caller prints them; exit status 0) */
+    if (!i_ok && ob->mode == CFG_MODE_LEADER)
+        errf(ob, err, errlen, "WARNING: index %s missing (a table made by an earlier version): "
+             "the claims read each key's pending rows to keep delayed rows in order, which "
+             "costs more; run outbox-relay init (on a large table, first CREATE INDEX "
+             "CONCURRENTLY as outbox-relay schema prints it)", n.delayed);
     double poll_s = (double)cfg_poll_interval_ms(ob, false) / 1000.0;
     if (path.pooled)
         errf(ob, err, errlen, "WARNING: LISTEN/NOTIFY does not reach this connection (transaction "

@@ -95,7 +95,7 @@ static void t_statements(void **state)
     check_stmt(sql_pg_dead_list(&n), 0);
     check_stmt(sql_pg_dead_retry(&n), 1);
     check_stmt(sql_pg_dead_purge(&n), 1);
-    check_stmt(sql_pg_tables_exist(), 3);
+    check_stmt(sql_pg_tables_exist(), 4);
 }
 
 static void t_arrays(void **state)
