@@ -217,6 +217,14 @@ char *sql_pg_lead(const sql_pg_names *n)
     "ROWS UNBOUNDED PRECEDING)) z "                                                        \
     "WHERE $6::bigint = 0 OR z.run <= $6::bigint OR (z.rn = 1 AND $7::boolean)) "
 
+/* Row M is due: its available_at has come, or it was not delayed when written (an
+   available_at not later than its created_at). The second part counts a row written in a
+   transaction that began after the claim's and committed before the claim read the table:
+   the claim sees it, and by the claim's now() alone it would not be due yet, while the
+   leader claim's hold (SQL_PG_NOT_DUE_BEFORE) knows only the rows delayed when written and
+   would let its key's later rows go first. */
+#define SQL_PG_DUE(M) "(" M ".available_at <= now() OR " M ".available_at <= " M ".created_at)"
+
 /* A CTE `w` (id): the pending rows of table T in id order, found one at a time by walking
    pending_idx ("the first pending id after the last one"), only when GUARD (an
    uncorrelated condition) holds. Rows are made as they are read: a claim that takes the
@@ -250,13 +258,6 @@ char *sql_pg_lead(const sql_pg_names *n)
    walk of a step each, 2.2 s a claim (past query_timeout: nothing was claimed any more);
    filtered, 53 ms. A row falling due is found by the next claim, which walks from the floor
    (no row below it is pending). */
-/* Row M is due: its available_at has come, or it was not delayed when written (an
-   available_at not later than its created_at). The second part counts a row written in a
-   transaction that began after the claim's and committed before the claim read the table:
-   the claim sees it, and by the claim's now() alone it would not be due yet, while the
-   leader claim's hold (SQL_PG_NOT_DUE_BEFORE) knows only the rows delayed when written and
-   would let its key's later rows go first. */
-#define SQL_PG_DUE(M) "(" M ".available_at <= now() OR " M ".available_at <= " M ".created_at)"
 #define SQL_PG_HELD(P) P ".id <> ALL (coalesce($10::bigint[], '{}'))"
 #define SQL_PG_WALK(T, GUARD)                                                              \
     "w(id) AS ((SELECT p.id FROM " T " p WHERE p.sent_at IS NULL "                         \
