@@ -421,9 +421,10 @@ static void setup_step(source *s, int op)
            one row, and walks it), nor, for delayed_idx, when they saw many keys and the
            backlog is one key's (key_idx, ordered by key, then sorted a little at a time:
            a read of the key's rows per candidate, 0.7 s a claim of 500 rows); the relay's
-           other statements sort only what no index orders. No JIT: compiling costs more than any of these statements runs, and
-           a plan with an unavoidable sort costs enough, with sorts ruled out, to have
-           it compiled at every execution (2 s seen). */
+           other statements sort only what no index orders. No JIT: compiling costs more
+           than any of these statements runs, and a plan with an unavoidable sort costs
+           enough, with sorts ruled out, to have it compiled at every execution (2 s
+           seen). */
         snprintf(pid, sizeof pid, "%d", PQbackendPID(s->conn));
         vals[0] = pid;
         snprintf(sql, sizeof sql, "SELECT pg_backend_pid(), CASE WHEN pg_backend_pid() = $1::int "
