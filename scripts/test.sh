@@ -117,101 +117,60 @@ run_step() {
 run_step format format-check   # the files the Makefile lists in FORMATTED follow .clang-format
 
 # The plain and the instrumented suites are independent and mostly wait on the servers: they
-# run at the same time (OUTBOX_TEST_PARALLEL=0: one after the other), and each build's tests
-# run as OUTBOX_TEST_SPLITS runs at once (default 2; tests/conftest.py deals the test files
-# out to them), each run against its own private PostgreSQL, RabbitMQ and Babelfish; their
-# logs are shown one after the other.
-SPLITS=${OUTBOX_TEST_SPLITS:-2}
+# run at the same time (OUTBOX_TEST_PARALLEL=0: one after the other), the instrumented one
+# against its own private PostgreSQL and RabbitMQ (.services-san/); their logs are shown one
+# after the other.
 SAN_SVC=$ROOT/.services-san
-# svc_dir SUITE K: the services directory of part K of suite plain or san (plain's part 0:
-# .services/, the one started first, in the background while the builds compile)
-svc_dir() {
-    local base=$ROOT/.services
-    [[ $1 == san ]] && base=$SAN_SVC
-    if (($2 == 0)); then echo "$base"; else echo "$base-$2"; fi
-}
-# run_suite NAME SUITE SHARE [MAKE VARIABLES...]: one build and its tests: the build, then
-# its SPLITS parts at once, each once its services are up ($LOGDIR/start-SUITE-K.rc and
-# .log: their background start), with OUTBOX_TEST_SHARE=SHARE and OUTBOX_TEST_SPLIT=K/SPLITS;
-# the build's log in $LOGDIR/NAME.log, each part's log and exit status in $LOGDIR/NAME-K.log
-# and .rc.
+# run_suite NAME SHARE STARTED [MAKE VARIABLES...]: one of the two runs: its build, then, once
+# its services are up (STARTED.rc and STARTED.log: their background start), its tests with
+# OUTBOX_TEST_SHARE=SHARE; its log in $LOGDIR/NAME.log, its exit status in $LOGDIR/NAME.rc.
 run_suite() {
-    local name=$1 suite=$2 share=$3
+    local name=$1 share=$2 started=$3
     shift 3
-    local log=$LOGDIR/$name.log deadline=$((SECONDS + STEP_TIMEOUT)) rc k
+    local log=$LOGDIR/$name.log deadline=$((SECONDS + STEP_TIMEOUT)) rc svc_rc=0 left
     timeout -k 15 "$STEP_TIMEOUT" make "$@" all test-programs >"$log" 2>&1
     rc=$?
-    for ((k = 0; k < SPLITS; k++)); do
-        (local plog=$LOGDIR/$name-$k.log started=$LOGDIR/start-$suite-$k prc=$rc svc_rc=0 left
-         : >"$plog"
-         wait_started "$started.rc" "$deadline" || svc_rc=$?
-         cat "$started.log" >>"$plog" 2>/dev/null
-         if ((svc_rc != 0)); then
-             echo "test.sh: scripts/services.sh start ($(svc_dir "$suite" "$k")) failed (exit $svc_rc)" >>"$plog"
-             prc=1
-         fi
-         if ((rc != 0)); then
-             echo "test.sh: the build failed (its log: $name)" >>"$plog"
-         fi
-         left=$((deadline - SECONDS))
-         if ((prc == 0)); then
-             OUTBOX_SERVICES_DIR=$(svc_dir "$suite" "$k") OUTBOX_TEST_SHARE=$share \
-                 OUTBOX_TEST_SPLIT=$k/$SPLITS timeout -k 15 "$((left > 1 ? left : 1))" \
-                 make "$@" test PYTEST_ARGS="--durations=30" >>"$plog" 2>&1
-             prc=$?
-         fi
-         echo "$prc" >"$LOGDIR/$name-$k.rc") &
-    done
-    wait
+    wait_started "$started.rc" "$deadline" || svc_rc=$?
+    cat "$started.log" >>"$log" 2>/dev/null
+    if ((svc_rc != 0)); then
+        echo "test.sh: scripts/services.sh start (${OUTBOX_SERVICES_DIR:-.services}) failed (exit $svc_rc)" >>"$log"
+        rc=1
+    fi
+    left=$((deadline - SECONDS))
+    if ((rc == 0)); then
+        OUTBOX_TEST_SHARE=$share timeout -k 15 "$((left > 1 ? left : 1))" make "$@" test PYTEST_ARGS="--durations=30" >>"$log" 2>&1
+        rc=$?
+    fi
+    echo "$rc" >"$LOGDIR/$name.rc"
 }
-# every services directory but plain's first, which stop_services stops
-stop_other_services() {
-    local suite k
-    for suite in plain san; do
-        for ((k = 0; k < SPLITS; k++)); do
-            [[ $suite == plain && $k == 0 ]] && continue
-            OUTBOX_SERVICES_DIR=$(svc_dir "$suite" "$k") scripts/services.sh stop \
-                >>"$LOGDIR/stop-others.log" 2>&1 || true
-        done
-    done
-}
+stop_san_services() { OUTBOX_SERVICES_DIR=$SAN_SVC scripts/services.sh stop >"$LOGDIR/stop-san.log" 2>&1 || true; }
 
 if [[ $MODE == all && $PARALLEL == 1 ]]; then
-    say "plain and asan+ubsan at the same time, each as $SPLITS runs (own services each)"
-    trap 'stop_services; stop_other_services' EXIT
+    say "plain and asan+ubsan at the same time (own services each)"
+    trap 'stop_services; stop_san_services' EXIT
     # the build-independent tests (pytest marker build_independent: nothing of the build runs
-    # in them) are dealt out between the two builds, each runs once (tests/conftest.py).
-    # The services start one after the other, the first one's while the builds compile: two
-    # starts at once could pick the same free ports, each before the other listens.
-    (wait_started "$LOGDIR/start.rc" "$((SECONDS + STEP_TIMEOUT))"; svc_rc=$?
-     cp "$LOGDIR/start.log" "$LOGDIR/start-plain-0.log" 2>/dev/null
-     echo "$svc_rc" >"$LOGDIR/start-plain-0.rc"
-     for suite in plain san; do
-         for ((k = 0; k < SPLITS; k++)); do
-             [[ $suite == plain && $k == 0 ]] && continue
-             rc=$svc_rc
-             if ((rc == 0)); then
-                 OUTBOX_SERVICES_DIR=$(svc_dir "$suite" "$k") scripts/services.sh start \
-                     >"$LOGDIR/start-$suite-$k.log" 2>&1 || rc=$?
-             fi
-             echo "$rc" >"$LOGDIR/start-$suite-$k.rc"
-         done
-     done) &
-    (run_suite plain plain 0/2) &
+    # in them) are dealt out between the two runs, each runs once (tests/conftest.py)
+    # each run: its build, then (its services up) its tests. The plain run's services
+    # start first and the instrumented run's once they are up: two starts at once could
+    # pick the same free ports, each before the other listens.
+    (run_suite plain 0/2 "$LOGDIR/start") &
     p1=$!
-    (run_suite asan+ubsan san 1/2 SANITIZER=address+undefined) &
+    (export OUTBOX_SERVICES_DIR=$SAN_SVC
+     (svc_rc=0
+      wait_started "$LOGDIR/start.rc" "$((SECONDS + STEP_TIMEOUT))" || svc_rc=$?
+      if ((svc_rc == 0)); then
+          scripts/services.sh start >"$LOGDIR/start-san.log" 2>&1 || svc_rc=$?
+      fi
+      echo "$svc_rc" >"$LOGDIR/start-san.rc") &
+     run_suite asan+ubsan 1/2 "$LOGDIR/start-san" SANITIZER=address+undefined) &
     p2=$!
     wait "$p1" "$p2"
     for name in plain asan+ubsan; do
-        say "$name: build log"
+        say "$name: log"
         cat "$LOGDIR/$name.log"
-        for ((k = 0; k < SPLITS; k++)); do
-            say "$name, part $k of $SPLITS: log"
-            cat "$LOGDIR/$name-$k.log"
-            tally "$name-$k" "$LOGDIR/$name-$k.log" "$(cat "$LOGDIR/$name-$k.rc" 2>/dev/null || echo 1)"
-        done
+        tally "$name" "$LOGDIR/$name.log" "$(cat "$LOGDIR/$name.rc" 2>/dev/null || echo 1)"
     done
-    stop_other_services
+    stop_san_services
 else
     run_step plain     test
     if [[ $MODE == all ]]; then

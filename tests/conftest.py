@@ -506,46 +506,6 @@ def memory_alarm(services, tmp_path):
 
 
 # ---------------------------------------------------------------------------- shared tests
-def k_of_n(var, value):
-    m = re.fullmatch(r"(\d+)/(\d+)", value)
-    if not m or not int(m.group(1)) < int(m.group(2)):
-        raise pytest.UsageError(f"{var}={value!r}: want K/N with K < N")
-    return int(m.group(1)), int(m.group(2))
-
-
-def split_files(config, items):
-    """OUTBOX_TEST_SPLIT=K/N (scripts/test.sh, when it runs one build's tests as N runs at
-    once, each with its own services): the test files are dealt out to the N runs, the
-    heaviest first (by tests/ci-seconds.txt; a file not listed there weighs 2 s a test), each
-    to the run with the fewest seconds so far (ties: the lower number; equal files in name
-    order), and this run, number K, keeps the tests of its own files: the other runs keep
-    the others. A file's tests stay together (its module fixtures, the Debian package's
-    tests that install it). Unset: every file is this run's."""
-    split = os.environ.get("OUTBOX_TEST_SPLIT", "")
-    if not split:
-        return
-    k, n = k_of_n("OUTBOX_TEST_SPLIT", split)
-    known = {}
-    for line in (pathlib.Path(__file__).parent / "ci-seconds.txt").read_text().splitlines():
-        if line.strip() and not line.startswith("#"):
-            name, sec = line.split()
-            known[name] = float(sec)
-    files = {}
-    for it in items:
-        files.setdefault(it.path.name, []).append(it)
-    weight = {f: known.get(f, 2.0 * len(its)) for f, its in files.items()}
-    load = [0.0] * n
-    mine = set()
-    for f in sorted(files, key=lambda f: (-weight[f], f)):
-        run = min(range(n), key=lambda r: (load[r], r))
-        load[run] += weight[f]
-        if run == k:
-            mine.add(f)
-    keep = [it for it in items if it.path.name in mine]
-    config.hook.pytest_deselected(items=[it for it in items if it.path.name not in mine])
-    items[:] = keep
-
-
 def pytest_collection_modifyitems(config, items):
     """OUTBOX_TEST_SHARE=K/N (scripts/test.sh, when it runs the plain and the sanitizer build
     at the same time): the tests marked build_independent — whose result does not depend on
@@ -555,11 +515,13 @@ def pytest_collection_modifyitems(config, items):
     run, number K, keeps its own: the other runs of the same CI run keep the others, so each
     runs once. The deal is the same in every run: it depends on the tests only. Unset:
     every test runs."""
-    split_files(config, items)
     share = os.environ.get("OUTBOX_TEST_SHARE", "")
     if not share:
         return
-    k, n = k_of_n("OUTBOX_TEST_SHARE", share)
+    m = re.fullmatch(r"(\d+)/(\d+)", share)
+    if not m or not int(m.group(1)) < int(m.group(2)):
+        raise pytest.UsageError(f"OUTBOX_TEST_SHARE={share!r}: want K/N with K < N")
+    k, n = int(m.group(1)), int(m.group(2))
 
     def seconds(it):
         return float(it.get_closest_marker("build_independent").kwargs.get("seconds", 1))

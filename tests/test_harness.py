@@ -1,10 +1,7 @@
 """The harness itself works: real PostgreSQL, real RabbitMQ, psqlODBC, helpers."""
 import ctypes
 import ctypes.util
-import os
-import pathlib
 import subprocess
-import sys
 
 import pika
 import psycopg
@@ -314,24 +311,3 @@ def test_run_prog_and_wait_for(tmp_path):
             raise psycopg.OperationalError("not yet")
         return "ok"
     assert wait_for(flaky, timeout=2, ignore=(psycopg.OperationalError,)) == "ok"
-
-
-@pytest.mark.build_independent(seconds=10)
-def test_split_deals_every_test_file_to_exactly_one_run():
-    """OUTBOX_TEST_SPLIT=K/2 (a build's tests as two runs at once): each test is collected by
-    exactly one of the two runs, a file's tests all by the same one."""
-    here = pathlib.Path(__file__).resolve().parent
-
-    def collect(split):
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("OUTBOX_TEST_SPLIT", "OUTBOX_TEST_SHARE")}
-        if split:
-            env["OUTBOX_TEST_SPLIT"] = split
-        r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q",
-                            "-p", "no:cacheprovider", str(here)], cwd=here, env=env,
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-        return {ln for ln in r.stdout.splitlines() if "::" in ln}
-    every, a, b = collect(None), collect("0/2"), collect("1/2")
-    assert a and b and not a & b and a | b == every, (len(every), len(a), len(b))
-    assert not {t.split("::")[0] for t in a} & {t.split("::")[0] for t in b}
