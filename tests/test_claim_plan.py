@@ -70,6 +70,26 @@ def logged_plans(text, marker):
             plans.append(obj)
 
 
+def drained_claim_plans(services, pgdb, relay_bin, tmp_path, table, q, conn, ch, cfg):
+    """Runs the relay until it delivered 4 batches (a few claims' worth is enough: every
+    claim of the backlog plans alike), with auto_explain on for the database (turned off
+    after); returns the executed plans of its claims (at least 4)."""
+    log_from = services.pg_log.stat().st_size
+    r = Relay(relay_bin, cfg, tmp_path / "r.log")
+    try:
+        assert len(consume(ch, q, 4 * BATCH, timeout=120)) == 4 * BATCH
+    finally:
+        r.assert_clean_exit(r.stop())
+        ch.queue_delete(q)
+        conn.close()
+    with psycopg.connect(pgdb.dsn, autocommit=True) as db:
+        db.execute(f"ALTER DATABASE \"{pgdb.name}\" RESET ALL")
+    text = server_log_since(services, log_from)
+    claims = [p for p in logged_plans(text, "FOR UPDATE SKIP LOCKED") if table in p["Query Text"]]
+    assert len(claims) >= 4, f"{len(claims)} claim plans in the server log"
+    return claims
+
+
 CASES = [
     ("leader", "analyzed-empty"),
     # the statistics saw no pending row: the planner believes pending_idx holds about one
@@ -107,20 +127,7 @@ def test_claim_walks_pending_rows_in_order_under_stale_statistics(
             "WHERE relid = %s::regclass", (qt,)).fetchone()[0]
         auto_explain_on(db, pgdb.name)
     assert n_analyzed >= BACKLOG
-    log_from = services.pg_log.stat().st_size
-    r = Relay(relay_bin, cfg, tmp_path / "r.log")
-    try:
-        # a few claims' worth is enough: every claim of the backlog plans alike
-        assert len(consume(ch, q, 4 * BATCH, timeout=120)) == 4 * BATCH
-    finally:
-        r.assert_clean_exit(r.stop())
-        ch.queue_delete(q)
-        conn.close()
-    with psycopg.connect(pgdb.dsn, autocommit=True) as db:
-        db.execute(f"ALTER DATABASE \"{pgdb.name}\" RESET ALL")
-    text = server_log_since(services, log_from)
-    claims = [p for p in logged_plans(text, "FOR UPDATE SKIP LOCKED") if table in p["Query Text"]]
-    assert len(claims) >= 4, f"{len(claims)} claim plans in the server log"
+    claims = drained_claim_plans(services, pgdb, relay_bin, tmp_path, table, q, conn, ch, cfg)
     for p in claims:
         assert_bounded(p["Plan"], table)
     # The same claim as a generic plan (made once for every execution, without the
@@ -295,19 +302,7 @@ def test_leader_hold_reads_nothing_for_a_hot_key_under_statistics_of_many_keys(
         db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
                    "SELECT %s, 'hot', '\\x01' FROM generate_series(1, 20000) g", (q,))
         auto_explain_on(db, pgdb.name)
-    log_from = services.pg_log.stat().st_size
-    r = Relay(relay_bin, cfg, tmp_path / "r.log")
-    try:
-        assert len(consume(ch, q, 4 * BATCH, timeout=120)) == 4 * BATCH
-    finally:
-        r.assert_clean_exit(r.stop())
-        ch.queue_delete(q)
-        conn.close()
-    with psycopg.connect(pgdb.dsn, autocommit=True) as db:
-        db.execute(f"ALTER DATABASE \"{pgdb.name}\" RESET ALL")
-    text = server_log_since(services, log_from)
-    claims = [p for p in logged_plans(text, "FOR UPDATE SKIP LOCKED") if table in p["Query Text"]]
-    assert len(claims) >= 4, f"{len(claims)} claim plans in the server log"
+    claims = drained_claim_plans(services, pgdb, relay_bin, tmp_path, table, q, conn, ch, cfg)
     for p in claims:
         assert_hold_reads_nothing(p["Plan"], table)
 
