@@ -120,6 +120,8 @@ struct drain {
     char      holder_key[240];   /* the horizon's holder at the last read: who, and its xmin ... */
     double    holder_since;      /* ... and since when (monotonic) it has held that xmin */
     double    poll_delay;        /* adaptive: grows while claims come back empty */
+    char      other_mode[256];   /* a live relay of the other mode keeps this one from
+                                    claiming (reported at WARN): its owner; "": none */
 
     bool      stopping;
     bool      resigned;          /* stopping: leadership or membership handed over (lease 0) */
@@ -679,6 +681,32 @@ static bool lead_valid(drain *d)
     return false;
 }
 
+/* Leader mode and competing mode exclude each other on one outbox (the sources'
+   lead and claim statements see to it): a relay of one mode claims nothing while a relay
+   of the other is live. Logged once per episode, at WARN: relays of one outbox configured
+   with different modes is a mistake an operator must fix. who: that relay, NULL none. */
+static void report_other_mode(drain *d, const char *who)
+{
+    bool competing = d->ob->mode == CFG_MODE_COMPETING;
+    if (who == NULL || who[0] == '\0') {
+        if (d->other_mode[0] != '\0')
+            log_ev(LOG_INFO, &(log_fields){ .event = "mode_conflict_ended",
+                                            .outbox = d->ob->name },
+                   "outbox=%s: relay %s (%s mode) no longer holds this outbox", d->ob->name,
+                   d->other_mode, competing ? "leader" : "competing");
+        d->other_mode[0] = '\0';
+        return;
+    }
+    if (strcmp(who, d->other_mode) == 0)
+        return;
+    snprintf(d->other_mode, sizeof d->other_mode, "%s", who);
+    log_ev(LOG_WARN, &(log_fields){ .event = "mode_conflict", .outbox = d->ob->name },
+           "outbox=%s: relay %s runs this outbox in %s mode; this relay (mode = %s) claims "
+           "nothing until that relay stops or its lease expires: every relay of an outbox "
+           "must have the same mode", d->ob->name, who, competing ? "leader" : "competing",
+           competing ? "competing" : "leader");
+}
+
 static void on_lead(drain *d, const src_result *res)
 {
     if (d->resigned) {
@@ -690,6 +718,7 @@ static void on_lead(drain *d, const src_result *res)
         d->m.leader = 0;
         return;
     }
+    report_other_mode(d, res->leader ? NULL : res->member);
     if (res->leader) {
         d->leader_until = d->lead_sent + d->ob->lease_ms / 1000.0 - lease_margin(d);
         /* without a renewal by then, stand by at that moment (not at the next tick) */
@@ -715,9 +744,15 @@ static void on_lead(drain *d, const src_result *res)
     }
     if (d->leader) {
         char why[400];
-        snprintf(why, sizeof why, "now epoch %" PRId64 " held by %s", res->holder_epoch,
-                 res->holder ? res->holder : "?");
+        if (res->member != NULL)
+            snprintf(why, sizeof why, "relay %s runs this outbox in competing mode",
+                     res->member);
+        else
+            snprintf(why, sizeof why, "now epoch %" PRId64 " held by %s", res->holder_epoch,
+                     res->holder ? res->holder : "?");
         lose_leadership(d, why);
+    } else if (res->member != NULL) {
+        /* reported above */
     } else if (!d->stopping) {
         log_ev(d->m.standby_logged ? LOG_DEBUG : LOG_INFO,
                &(log_fields){ .event = "standing_by", .outbox = d->ob->name },
@@ -972,6 +1007,8 @@ static void src_on_done(void *ud, const src_result *res)
             d->m.dead_rows = res->stats.dead;
             d->stats_at = mono_now();
             d->stats_age = res->stats.oldest_pending_s;
+            if (d->ob->mode == CFG_MODE_COMPETING && !d->stopping)
+                report_other_mode(d, res->stats.leader);
             double due = res->stats.next_due_s;
             if (due >= 0 && notified(d) && ev_is_active(&d->poll_timer) &&
                 ev_timer_remaining(d->loop, &d->poll_timer) > due + 0.01) {

@@ -64,6 +64,9 @@ typedef struct src_stats {
     double  next_due_s;         /* seconds until the first pending row that is not claimable
                                    now (delayed, backing off, leased) becomes so; -1: none
                                    or not known */
+    char    leader[256];        /* the relay holding the leadership lease now ("": none):
+                                   while there is one, a relay in competing mode claims
+                                   nothing */
 } src_stats;
 
 /* The outbox table's health as the database sees it (SRC_REQ_HEALTH), and what holds
@@ -125,6 +128,8 @@ typedef struct src_result {
     const char *holder;         /* current holder when not leader (NULL: none); callback only */
     int64_t     holder_epoch;
     int64_t     n_reset;        /* row leases released by a takeover */
+    const char *member;         /* not leader because this relay in competing mode is live
+                                   (NULL: none); callback only */
     /* SRC_REQ_CLAIM: ownership of rows[] and of every row passes to the callee
        (free each with row_free and the array with free); rows are in id order */
     row       **rows;

@@ -115,18 +115,31 @@ static char *fmt(const char *f, ...)
     return rc < 0 ? NULL : s;
 }
 
+/* Leader mode and competing mode exclude each other on one outbox: a relay of one mode
+ * claims nothing while a relay of the other holds the outbox (SQL_PG_LIVE_MEMBER,
+ * SQL_PG_LIVE_LEADER; the one already running keeps it). Mixed, a leader would take a
+ * key's later rows while a competing relay holds its earlier ones. */
+#define SQL_PG_LIVE_MEMBER(L)                                                              \
+    "(SELECT min(x.owner) FROM " L " x WHERE left(x.name, 7) = 'member:' "                 \
+    "AND x.expires_at > now())"
+#define SQL_PG_LIVE_LEADER(L)                                                              \
+    "(SELECT x.owner FROM " L " x WHERE x.name = 'leader' AND x.expires_at > now())"
+
 /* Takes or renews the leadership lease: $1 owner, $2 the epoch we hold (0 none),
  * $3 lease ms. The row is taken only when it is ours (same owner and epoch:
- * a renewal) or expired in database time; a takeover increments the epoch
- * (the fencing token) and releases every row lease left by earlier holders.
+ * a renewal) or expired in database time, and only while no relay in competing mode
+ * is a live member; a takeover increments the epoch (the fencing token) and releases
+ * every row lease left by earlier holders.
  * Returns: our epoch (NULL: not leader), the holder and epoch before, the
- * number of row leases released. */
+ * number of row leases released, a live member (competing mode) that kept us out. */
 char *sql_pg_lead(const sql_pg_names *n)
 {
     return fmt(
         "WITH cur AS (SELECT owner, epoch FROM %2$s WHERE name = 'leader'), "
+        "mem AS (SELECT " SQL_PG_LIVE_MEMBER("%2$s") " AS owner), "
         "up AS (INSERT INTO %2$s AS l (name, owner, epoch, expires_at) "
-        "VALUES ('leader', $1::text, 1, now() + $3::float8 * interval '1 millisecond') "
+        "SELECT 'leader', $1::text, 1, now() + $3::float8 * interval '1 millisecond' "
+        "FROM mem WHERE mem.owner IS NULL "
         "ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, "
         "epoch = CASE WHEN l.owner = EXCLUDED.owner AND l.epoch = $2::bigint THEN l.epoch "
         "ELSE l.epoch + 1 END, expires_at = EXCLUDED.expires_at "
@@ -136,7 +149,7 @@ char *sql_pg_lead(const sql_pg_names *n)
         "WHERE sent_at IS NULL AND lease_token IS NOT NULL "
         "AND EXISTS (SELECT 1 FROM up WHERE up.epoch <> $2::bigint) RETURNING 1) "
         "SELECT (SELECT epoch FROM up), (SELECT owner FROM cur), (SELECT epoch FROM cur), "
-        "(SELECT count(*) FROM r)",
+        "(SELECT count(*) FROM r), (SELECT owner FROM mem)",
         n->table, n->lease);
 }
 
@@ -387,7 +400,8 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
             "WITH RECURSIVE " SQL_PG_FAILED_KEYS("%1$s") ", "
             SQL_PG_WALK("%1$s", "($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f "
                         "WHERE f.name = 'leader' AND f.owner = $2::text "
-                        "AND f.epoch = $5::bigint AND f.expires_at > now()))") ", "
+                        "AND f.epoch = $5::bigint AND f.expires_at > now() "
+                        "AND " SQL_PG_LIVE_MEMBER("%2$s") " IS NULL))") ", "
             "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "
             "m.partition_key" SZ " FROM %1$s m "
             "WHERE m.id = w.id AND m.sent_at IS NULL AND " SQL_PG_DUE("m") " "
@@ -403,8 +417,11 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
             "FROM b WHERE m.id = b.id %3$s",
             n->table, n->lease, ret);
     return fmt(
-        "WITH RECURSIVE " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "$4::float8") ", "
-        SQL_PG_WALK("%1$s", "($5::bigint >= 0)") ", "
+        "WITH RECURSIVE " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "(CASE WHEN "
+                                            SQL_PG_LIVE_LEADER("%3$s") " IS NULL "
+                                            "THEN $4::float8 ELSE 0 END)") ", "
+        SQL_PG_WALK("%1$s", "($5::bigint >= 0 AND " SQL_PG_LIVE_LEADER("%3$s") " IS NULL)")
+        ", "
         "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "
         "m.partition_key" SZ " FROM %1$s m WHERE m.id = w.id AND m.sent_at IS NULL "
         "AND " SQL_PG_DUE("m") " AND " SQL_PG_CLAIMABLE("m") " "
@@ -580,14 +597,17 @@ char *sql_pg_cleanup(const sql_pg_names *n)
  * for retention (-1 without: counting them reads every retained row — millions with a
  * week of retention — too much for the relay's periodic refresh; `outbox-relay stats`
  * counts them), and the seconds until the first pending row that cannot be claimed now
- * (delayed, backing off, leased) can be (NULL: none). One scan of the pending rows.
+ * (delayed, backing off, leased) can be (NULL: none), and the relay holding the
+ * leadership lease (NULL: none; a relay in competing mode waits while there is one). One
+ * scan of the pending rows.
  * A row not due yet (delayed by its producer, or backing off after a failure) is not
  * waiting yet: it counts in neither the backlog nor the age, and once due its age counts
  * from when it fell due (scheduled messages must not look like a stuck outbox; the rows of
  * a key held behind a failing row are due, and age). */
 #define STATS_HEAD                                                                         \
     "SELECT p.n, greatest(coalesce(extract(epoch from now() - p.oldest), 0), 0)::float8, "  \
-    "(SELECT count(*) FROM %2$s), %3$s, extract(epoch from p.due - now())::float8 "         \
+    "(SELECT count(*) FROM %2$s), %3$s, extract(epoch from p.due - now())::float8, "        \
+    SQL_PG_LIVE_LEADER("%4$s") " "                                                        \
     "FROM (SELECT count(*) FILTER (WHERE available_at <= now()) AS n, "                     \
     "min(greatest(created_at, available_at)) FILTER (WHERE available_at <= now()) "         \
     "AS oldest, "                                                                          \
@@ -602,7 +622,7 @@ char *sql_pg_stats(const sql_pg_names *n, bool full)
                  n->table);
     else
         snprintf(kept, sizeof kept, "-1::bigint");
-    return fmt(STATS_HEAD, n->table, n->dead, kept);
+    return fmt(STATS_HEAD, n->table, n->dead, kept, n->lease);
 }
 
 /* The table's health, read every health_interval: dead and live tuples (estimates of the

@@ -120,17 +120,33 @@
 #define S(x) S_(x)
 #define MAX_ROWS S(SQL_TSQL_MAX_ROWS)
 
+/* Leader mode and competing mode exclude each other on one outbox, as on PostgreSQL
+   (sources/sql_pg.c, SQL_PG_LIVE_MEMBER): a live member row (competing mode) keeps the
+   leadership from being taken or renewed, a live leadership keeps a competing relay from
+   claiming. */
+#define LIVE_MEMBER                                                                        \
+    "(SELECT MIN(x.owner) FROM {L} x WITH (NOLOCK) WHERE x.name LIKE N'member:%' "           \
+    "AND x.expires_at > SYSUTCDATETIME())"
+#define LIVE_LEADER                                                                        \
+    "(SELECT x.owner FROM {L} x WITH (NOLOCK) WHERE x.name = N'leader' "                   \
+    "AND x.expires_at > SYSUTCDATETIME())"
+
 /* Leadership. Result: our epoch (0: not leader), the holder before, its epoch, row
-   leases released (in batches: lock escalation). */
+   leases released (in batches: lock escalation), a live member that kept us out ('' none). */
 static const char lead_text[] =
     "SET NOCOUNT ON; "
     "DECLARE @owner nvarchar(255) = ?, @lease int = ?, @mine bigint = ?; "
     "DECLARE @now datetime2 = SYSUTCDATETIME(), @cur_owner nvarchar(255), @cur_epoch bigint, "
-    "@got bigint = 0, @reset int = 0, @k int = " MAX_ROWS "; "
+    "@got bigint = 0, @reset int = 0, @k int = " MAX_ROWS ", @member nvarchar(255); "
     TXN_BEGIN
     "SELECT @cur_owner = owner, @cur_epoch = epoch FROM {L} WITH (UPDLOCK, HOLDLOCK) "
     "WHERE name = N'leader'; "
-    "IF @cur_owner IS NULL "
+    "SET @member = " LIVE_MEMBER "; "
+    "IF @member IS NOT NULL "
+    "BEGIN "
+    "SET @got = 0; "
+    "END "
+    "ELSE IF @cur_owner IS NULL "
     "BEGIN "
     "INSERT INTO {L} (name, owner, epoch, expires_at) "
     "VALUES (N'leader', @owner, 1, DATEADD(millisecond, @lease, @now)); "
@@ -157,7 +173,8 @@ static const char lead_text[] =
     "END "
     "END "
     TXN_COMMIT
-    "SELECT @got, COALESCE(@cur_owner, N''), COALESCE(@cur_epoch, 0), @reset";
+    "SELECT @got, COALESCE(@cur_owner, N''), COALESCE(@cur_epoch, 0), @reset, "
+    "COALESCE(@member, N'')";
 static const sql_tsql_param lead_p[] = { P_NAME("owner"), P_INT("lease"), P_BIGINT("mine") };
 STMT(sql_tsql_lead, lead_text, lead_p);
 
@@ -197,9 +214,9 @@ static const char claim_text[] =
     /* one instant for every "is it due" of the batch: read in each statement, a row falling
        due between the candidates' read and @g's would be neither taken nor a gap */
     "DECLARE @now datetime2 = SYSUTCDATETIME(); "
-    "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
+    "IF @epoch = 0 OR (EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
     "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
-    "AND f.expires_at > SYSUTCDATETIME()) "
+    "AND f.expires_at > SYSUTCDATETIME()) AND " LIVE_MEMBER " IS NULL) "
     "BEGIN "
     "INSERT INTO @f (partition_key, first_failed) SELECT p.partition_key, MIN(p.id) "
     "FROM {T} p WITH (NOLOCK) WHERE p.sent_at IS NULL AND p.attempts > 0 "
@@ -245,6 +262,7 @@ static const char claim_competing_text[] =
        row, else insert one; a lease of 0 withdraws it. By primary key only (the
        name LIKE a constant prefix is a seek). Each statement commits on its own, before
        the claim's transaction: no member row stays locked while the claim runs. */
+    "IF " LIVE_LEADER " IS NOT NULL SELECT @lease_ms = 0, @limit = 0; "
     "DECLARE @me nvarchar(255) = N'member:' + @owner; "
     "DECLARE @until datetime2 = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()); "
     "UPDATE {L} SET expires_at = @until WHERE name = @me; "
@@ -383,9 +401,9 @@ static const char cleanup_text[] =
     "@owner nvarchar(255) = ?; "
     "DECLARE @deleted bigint = 0; "
     TXN_BEGIN
-    "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
+    "IF @epoch = 0 OR (EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
     "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
-    "AND f.expires_at > SYSUTCDATETIME()) "
+    "AND f.expires_at > SYSUTCDATETIME()) AND " LIVE_MEMBER " IS NULL) "
     "BEGIN "
     "DELETE TOP (@limit) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
     "WHERE sent_at IS NOT NULL AND sent_at < "
@@ -410,6 +428,10 @@ STMT0(sql_tsql_stats,
     "FROM {T} WITH (READPAST, READCOMMITTEDLOCK) WHERE sent_at IS NULL "
     "AND available_at <= SYSUTCDATETIME()), 0) AS float) / 1e6, "
     "(SELECT COUNT_BIG(*) FROM {D} WITH (READPAST, READCOMMITTEDLOCK)), ");
+
+/* Appended to the statistics: the relay holding the leadership lease (NULL: none; a relay
+   in competing mode waits while there is one). */
+STMT0(sql_tsql_stats_leader, ", " LIVE_LEADER);
 
 STMT0(sql_tsql_stats_kept,
     "(SELECT COUNT_BIG(*) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
@@ -569,8 +591,8 @@ STMT0(sql_tsql_health_versions,
 const sql_tsql_stmt *const sql_tsql_all[] = {
     &sql_tsql_lead, &sql_tsql_claim, &sql_tsql_claim_competing, &sql_tsql_settle_head,
     &sql_tsql_settle_mark, &sql_tsql_settle_delete, &sql_tsql_settle_tail, &sql_tsql_cleanup,
-    &sql_tsql_stats, &sql_tsql_stats_kept, &sql_tsql_dead_list, &sql_tsql_dead_retry,
-    &sql_tsql_dead_purge, &sql_tsql_tables_exist, &sql_tsql_version, &sql_tsql_compat,
+    &sql_tsql_stats, &sql_tsql_stats_leader, &sql_tsql_stats_kept, &sql_tsql_dead_list,
+    &sql_tsql_dead_retry, &sql_tsql_dead_purge, &sql_tsql_tables_exist, &sql_tsql_version, &sql_tsql_compat,
     &sql_tsql_health_pages, &sql_tsql_health_rows, &sql_tsql_health_ghosts,
     &sql_tsql_health_versioning, &sql_tsql_health_versions, NULL
 };

@@ -41,6 +41,7 @@ extern const sql_tsql_stmt sql_tsql_settle_tail;
 extern const sql_tsql_stmt sql_tsql_cleanup;
 extern const sql_tsql_stmt sql_tsql_stats;
 extern const sql_tsql_stmt sql_tsql_stats_kept;
+extern const sql_tsql_stmt sql_tsql_stats_leader;
 extern const sql_tsql_stmt sql_tsql_dead_list;
 extern const sql_tsql_stmt sql_tsql_dead_retry;
 extern const sql_tsql_stmt sql_tsql_dead_purge;

@@ -378,3 +378,47 @@ def test_leader_stopping_hands_over_at_once(services, pgdb, relay_bin, build, tm
     assert "leadership handed over" in a.text()
     assert took < 5, "the standby waited for the lease to run out"
     assert dups == 0
+
+
+def test_relays_of_both_modes_on_one_outbox_run_one_mode_at_a_time(services, pgdb, relay_bin,
+                                                                   build, tmp_path):
+    """One relay configured in leader mode among relays in competing mode (or the reverse):
+    the mode already running keeps the outbox, the newcomer claims nothing and says why at
+    WARN, and takes over once the others stop. Mixed, a leader took a key's later rows while
+    a competing relay held its earlier ones."""
+    q = f"qm-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    ca, cfg = relay(relay_bin, tmp_path, services, pgdb, "ca", mode="competing", lease="30s")
+    init_schema(relay_bin, cfg)
+    audit_setup(pgdb)
+    run_producer(build, pgdb.dsn, pgdb.name, count=300, keys=10, routing_key=q, size=64)
+    got = consume(ch, q, 300, timeout=30)
+    la, _ = relay(relay_bin, tmp_path, services, pgdb, "la", lease="30s")
+    msg = wait_log_at(la, r"runs this outbox in competing mode")
+    assert "ca/" in msg and "mode = leader" in msg, msg
+    run_producer(build, pgdb.dsn, pgdb.name, count=300, keys=10, routing_key=q, size=64,
+                 start=300)
+    got += consume(ch, q, 300, timeout=30)
+    # the competing relay stops (it withdraws): the leader-mode relay takes the outbox
+    ca.assert_clean_exit(ca.stop())
+    la.wait_log("became the active relay", timeout=20)
+    la.wait_log("no longer holds this outbox", timeout=20)
+    cb, _ = relay(relay_bin, tmp_path, services, pgdb, "cb", mode="competing", lease="30s")
+    msg = wait_log_at(cb, r"runs this outbox in leader mode")
+    assert "la/" in msg and "mode = competing" in msg, msg
+    run_producer(build, pgdb.dsn, pgdb.name, count=300, keys=10, routing_key=q, size=64,
+                 start=600)
+    got += consume(ch, q, 300, timeout=30)
+    got += consume(ch, q, 1, timeout=1.0)     # duplicates, if any
+    claims = psql_rows(pgdb, "SELECT split_part(owner, '/', 1), min(id), max(id), count(*) "
+                             "FROM outbox.claim_audit GROUP BY 1 ORDER BY 2")
+    la.assert_clean_exit(la.stop())
+    cb.assert_clean_exit(cb.stop())
+    conn.close()
+    dups, _ = delivery_report(got, 900, 10)
+    check_against_db(got, pgdb)
+    # one mode at a time: the first 600 rows by ca, the last 300 by la, none by cb
+    assert [r[0] for r in claims] == ["ca", "la"], claims
+    assert int(claims[0][2]) < int(claims[1][1]), claims
+    assert dups == 0

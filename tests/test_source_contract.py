@@ -174,6 +174,12 @@ class PgSide:
     def count_leased(self):
         return self.q(f"SELECT count(*) FROM {self.qt} WHERE lease_token IS NOT NULL")[0][0]
 
+    def lead_row_sql(self, owner, epoch, live=True):
+        """The leadership row held by owner with epoch (live), or expired."""
+        until = "now() + interval '1 hour'" if live else "now() - interval '1 second'"
+        return (f"UPDATE {self.ql} SET owner = '{owner}', epoch = {int(epoch)}, "
+                f"expires_at = {until} WHERE name = 'leader'")
+
     def members(self):
         return [tuple(r) for r in self.q(f"SELECT owner, expires_at > now() FROM {self.ql} "
                                          "WHERE left(name, 7) = 'member:' ORDER BY owner")]
@@ -430,6 +436,12 @@ class MssqlSide:
 
     def count_leased(self):
         return int(self.q(f"SELECT COUNT(*) FROM {self.qt} WHERE lease_token IS NOT NULL")[0][0])
+
+    def lead_row_sql(self, owner, epoch, live=True):
+        until = "DATEADD(hour, 1, SYSUTCDATETIME())" if live else \
+            "DATEADD(second, -1, SYSUTCDATETIME())"
+        return (f"UPDATE {self.ql} SET owner = N'{owner}', epoch = {int(epoch)}, "
+                f"expires_at = {until} WHERE name = N'leader'")
 
     def members(self):
         return [(r[0], r[1] == "1") for r in self.q(
@@ -1199,6 +1211,57 @@ def test_competing_claims_keep_each_key_with_one_instance(src, drivers):
     c = started(drivers)
     assert claim(c, 10, 7, "C") == []      # A holds kb's rows; nothing else is pending
     assert src.members() == [("A", True), ("C", True)]
+
+
+def test_leader_and_competing_relays_exclude_each_other(src, drivers):
+    """Relays of one outbox configured with different modes: the one running keeps the
+    outbox. A live leader keeps a competing claim from taking anything or becoming a
+    member, and its stats name the leader; a live member keeps the leadership from being
+    taken or renewed, and a leader's claim takes nothing while one is live (relays started
+    at the same moment), the lead naming the member."""
+    init_schema(drivers)
+    lease = 600000
+    ids = src.insert(4, partition_key="k")
+    a, c, b = started(drivers), started(drivers), started(drivers)
+    st, _ = a.request(f"lead A 0 {lease}")
+    assert (st["ok"], st["leader"], st["member"]) == (0, "1", "-"), st
+    e1 = int(st["epoch"])
+    # C, competing, while A leads: nothing, no membership, A named
+    st, rows = c.claim(10, 1, owner="C", lease_ms=lease, competing=True)
+    assert st["ok"] == 0 and rows == [], (st, rows)
+    assert [m for m in src.members() if m[1]] == []
+    st, _ = c.request("stats")
+    assert (st["ok"], st["leader"]) == (0, "A"), st
+    st, rows = a.claim(1, 2, owner="A", lease_ms=lease, epoch=e1)
+    assert ids_of(rows) == ids[:1]
+    src.mark_sent(ids[:1])
+    # A hands over (a lease of 0): nothing leads, C claims and is a member
+    st, _ = a.request(f"lead A {e1} 0")
+    assert st["ok"] == 0, st
+    st, _ = c.request("stats")
+    assert (st["ok"], st["leader"]) == (0, "-"), st
+    st, rows = c.claim(1, 3, owner="C", lease_ms=lease, competing=True)
+    assert ids_of(rows) == ids[1:2]
+    assert src.members() == [("C", True)]
+    # B, leader mode, while C is a member: not taken, C named
+    st, _ = b.request(f"lead B 0 {lease}")
+    assert (st["ok"], st["leader"], st["member"]) == (0, "0", "C"), st
+    # A still holding the leadership when C became a member (both started at once): its
+    # renewal fails, naming C, and its claim takes nothing
+    src.x(src.lead_row_sql("A", e1 + 1))
+    st, rows = a.claim(10, 4, owner="A", lease_ms=lease, epoch=e1 + 1)
+    assert st["ok"] == 0 and rows == [], (st, rows)
+    st, _ = a.request(f"lead A {e1 + 1} {lease}")
+    assert (st["ok"], st["leader"], st["member"]) == (0, "0", "C"), st
+    src.x(src.lead_row_sql("A", e1 + 1, live=False))
+    # C withdraws (stopping): B leads and claims the rest of the key
+    st, rows = c.claim(0, 5, owner="C", lease_ms=0, competing=True)
+    assert st["ok"] == 0 and rows == [], (st, rows)
+    src.mark_sent(ids[1:2])
+    st, _ = b.request(f"lead B 0 {lease}")
+    assert (st["ok"], st["leader"], st["member"]) == (0, "1", "-"), st
+    st, rows = b.claim(10, 6, owner="B", lease_ms=lease, epoch=int(st["epoch"]))
+    assert ids_of(rows) == ids[2:]
 
 
 # ---------------------------------------------------------------------------- retention

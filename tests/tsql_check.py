@@ -533,6 +533,11 @@ def first_failed_problems(sql, qt):
     return []
 
 
+# A fence: a read of the leader row that checks it is this relay's (owner, then epoch). A
+# read that only asks whether some relay leads (a competing claim's) fences nothing.
+FENCE_READ = r"FROM {} (\w+)(?: WITH \(([^)]*)\))? WHERE \1\.NAME = N'LEADER' AND \1\.OWNER = "
+
+
 def fence_problems(sql, ql):
     """A statement fenced by the leadership epoch holds the leader row it read to its
     commit (HOLDLOCK / REPEATABLEREAD / SERIALIZABLE): otherwise a takeover can reset the
@@ -541,8 +546,7 @@ def fence_problems(sql, ql):
     out = []
     n = _norm(sql)
     q = re.escape(ql.upper())
-    for m in re.finditer(r"FROM " + q + r" (\w+)(?: WITH \(([^)]*)\))? WHERE \1\.NAME = N'LEADER'",
-                         n):
+    for m in re.finditer(FENCE_READ.format(q), n):
         hs = {h.strip() for h in (m.group(2) or "").split(",")}
         if not hs & {"HOLDLOCK", "REPEATABLEREAD", "SERIALIZABLE"}:
             out.append("the leader fence is read and released at once (no HOLDLOCK or "
@@ -560,9 +564,7 @@ def fence_txn_problems(sql, autocommit, ql):
     released before the write)."""
     n = _norm(sql)
     q = re.escape(ql.upper())
-    held = [m for m in re.finditer(r"FROM " + q + r" (\w+)(?: WITH \(([^)]*)\))? WHERE "
-                                   r"\1\.NAME = N'LEADER'", n)
-            if "HOLDLOCK" in (m.group(2) or "")]
+    held = [m for m in re.finditer(FENCE_READ.format(q), n) if "HOLDLOCK" in (m.group(2) or "")]
     if not held:
         return []
     out = []

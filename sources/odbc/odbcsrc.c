@@ -170,6 +170,7 @@ static void cur_hook(void *ud, SQLHSTMT h)
 typedef struct wstate {
     odbcsrc_db db;
     char       holder[256]; /* the leadership holder named by the last lead answer */
+    char       member[256]; /* the live member (competing mode) named by it */
     odbcsrc_health *health; /* the source's */
 } wstate;
 
@@ -186,7 +187,7 @@ static odbc_event *execute_once(wstate *w, const odbc_req *r)
     case SRC_REQ_LEAD: {
         int64_t got = 0, held = 0, reset = 0;
         rc = odbcsrc_db_lead(db, r->owner, r->epoch, r->lease_ms, &got, &held, &reset,
-                             w->holder, sizeof w->holder);
+                             w->holder, w->member, sizeof w->holder);
         if (rc == 0) {
             e->res.leader = got > 0;
             e->res.epoch = got;
@@ -194,6 +195,7 @@ static odbc_event *execute_once(wstate *w, const odbc_req *r)
             e->res.holder = w->holder[0] ? w->holder : NULL;
             e->res.newly_leader = got > 0 && got != r->epoch;
             e->res.n_reset = reset;
+            e->res.member = w->member[0] ? w->member : NULL;
         }
         break;
     }

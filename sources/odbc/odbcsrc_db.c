@@ -503,18 +503,19 @@ static int lock_timeout(odbcsrc_db *db, int64_t lease_ms)
  * result columns): our epoch (0 or NULL: not leader), the holder before and its epoch,
  * the row leases released by a takeover. */
 int odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t lease_ms,
-                    int64_t *got, int64_t *held, int64_t *reset, char *holder, size_t hlen)
+                    int64_t *got, int64_t *held, int64_t *reset, char *holder, char *member,
+                    size_t hlen)
 {
     params ps = {0};
     SQLHSTMT h = SQL_NULL_HSTMT;
-    outbox_util_buf who = {0};
-    bool isnull = false;
+    outbox_util_buf who = {0}, mem = {0};
+    bool isnull = false, mnull = false;
     int rc = -1;
     char *sql = NULL;
     const char *me = owner ? owner : "";
     *got = *held = *reset = 0;
     if (hlen)
-        holder[0] = '\0';
+        holder[0] = member[0] = '\0';
     if (is_tsql(db) && db->autocommit && lock_timeout(db, lease_ms) < 0)
         goto done;
     if (is_tsql(db)) {
@@ -541,10 +542,13 @@ int odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t le
         goto done;
     }
     if (ost_get_i64(db, h, 1, got, NULL) < 0 || ost_get_text(db, h, 2, &who, &isnull) < 0 ||
-        ost_get_i64(db, h, 3, held, NULL) < 0 || ost_get_i64(db, h, 4, reset, NULL) < 0)
+        ost_get_i64(db, h, 3, held, NULL) < 0 || ost_get_i64(db, h, 4, reset, NULL) < 0 ||
+        ost_get_text(db, h, 5, &mem, &mnull) < 0)
         goto done;
     if (hlen && who.p && !isnull)
         snprintf(holder, hlen, "%s", who.p);
+    if (hlen && mem.p && !mnull)
+        snprintf(member, hlen, "%s", mem.p);
     if (ost_drain(db, h, "lead") < 0)
         goto done;
     rc = 0;
@@ -552,6 +556,7 @@ done:
     ost_free(db, h);
     ost_p_free(&ps);
     free(who.p);
+    free(mem.p);
     free(sql);
     return rc;
 }
@@ -839,6 +844,7 @@ int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full)
        retained marked rows are counted only with `full` (else -1: the relay's periodic
        refresh must not read every retained row; `outbox-relay stats` counts them). */
     SQLHSTMT h = SQL_NULL_HSTMT;
+    outbox_util_buf leader = {0};
     char *sql;
     int rc = -1;
     memset(out, 0, sizeof *out);
@@ -847,6 +853,7 @@ int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full)
         outbox_util_buf t = {0};
         outbox_util_buf_puts(&t, sql_tsql_stats.text);
         outbox_util_buf_puts(&t, full ? sql_tsql_stats_kept.text : "CAST(-1 AS bigint)");
+        outbox_util_buf_puts(&t, sql_tsql_stats_leader.text);
         sql = t.failed ? NULL : ost_sql_for(db, t.p);
         if (t.failed)
             ost_err(db, "stats: out of memory");
@@ -878,11 +885,17 @@ int odbcsrc_db_stats(odbcsrc_db *db, src_stats *out, bool full)
         if (!none)
             out->next_due_s = due < 0 ? 0 : due;
     }
+    bool lnull = false;
+    if (ost_get_text(db, h, is_tsql(db) ? 5 : 6, &leader, &lnull) < 0)
+        goto done;
+    if (leader.p && !lnull)
+        snprintf(out->leader, sizeof out->leader, "%s", leader.p);
     if (out->oldest_pending_s < 0)
         out->oldest_pending_s = 0;
     rc = 0;
 done:
     ost_free(db, h);
+    free(leader.p);
     free(sql);
     return rc;
 }

@@ -99,9 +99,11 @@ int  odbcsrc_db_end(odbcsrc_db *db, bool commit);
 /* Statements (each inside the current transaction; the caller ends it). */
 /* Takes or renews the leadership lease row (see relay/source.h): *epoch gets
  * ours (0: not leader), *held the holder's before, *holder its owner (NUL-
- * terminated into holder[hlen], "" when none), *reset the row leases released. */
+ * terminated into holder[hlen], "" when none), *reset the row leases released, member
+ * a live member (competing mode) that kept us out ("" none; member[hlen] too). */
 int  odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t lease_ms,
-                     int64_t *got, int64_t *held, int64_t *reset, char *holder, size_t hlen);
+                     int64_t *got, int64_t *held, int64_t *reset, char *holder, char *member,
+                     size_t hlen);
 /* rows: malloc'd array of rows (ownership to the caller), sorted by id.
  * epoch > 0: fenced on the leadership lease; competing: from each key's head.
  * max_bytes > 0: the prefix in id order whose payload + headers bytes stay within it,

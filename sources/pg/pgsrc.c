@@ -136,6 +136,7 @@ struct source {
     char      prev_pid[16];   /* our previous session on the server: pid and backend_start */
     char      prev_start[64];
     char      holder[256];    /* the leadership holder named by the last lead answer */
+    char      member[256];    /* the live member (competing mode) named by it */
     char      h_kind[24], h_name[128], h_state[64], h_xmin[24];  /* the last health answer's */
     bool      pooled;         /* a pooler answers for the server (see Q_SET_TIMEOUT) */
     int       listen;         /* LS_*: this session's LISTEN (QUIET_ROWS) */
@@ -551,7 +552,7 @@ static void req_complete(source *s, PGresult *r)
     } else {
         switch (s->req) {
         case SRC_REQ_LEAD:
-            if (PQntuples(r) != 1 || PQnfields(r) != 4) {
+            if (PQntuples(r) != 1 || PQnfields(r) != 5) {
                 res.ok = -1;
                 res.error = "lead: unexpected result";
                 break;
@@ -567,6 +568,10 @@ static void req_complete(source *s, PGresult *r)
             res.newly_leader = res.leader && (res.holder == NULL ||
                                               res.holder_epoch != res.epoch);
             res.n_reset = strtoll(PQgetvalue(r, 0, 3), NULL, 10);
+            if (!PQgetisnull(r, 0, 4)) {
+                snprintf(s->member, sizeof s->member, "%s", PQgetvalue(r, 0, 4));
+                res.member = s->member;
+            }
             break;
         case SRC_REQ_CLAIM:
             /* the rows were read (claim_read) */
@@ -1635,7 +1640,7 @@ int pgsrc_parse_stats(const PGresult *r, src_stats *out)
 {
     char *end;
     memset(out, 0, sizeof *out);
-    if (PQntuples(r) != 1 || PQnfields(r) != 5)
+    if (PQntuples(r) != 1 || PQnfields(r) != 6)
         return -1;
     for (int c = 0; c < 4; c++)
         if (PQgetisnull(r, 0, c))
@@ -1660,5 +1665,7 @@ int pgsrc_parse_stats(const PGresult *r, src_stats *out)
         if (out->next_due_s < 0)
             out->next_due_s = 0;
     }
+    if (!PQgetisnull(r, 0, 5))
+        snprintf(out->leader, sizeof out->leader, "%s", PQgetvalue(r, 0, 5));
     return 0;
 }

@@ -303,9 +303,10 @@ static void on_done(void *ud, const src_result *r)
            mono_ms() - s->req_t0, s->a->ticks - s->req_ticks);
     switch (r->req) {
     case SRC_REQ_LEAD:
-        printf(" leader=%d newly=%d epoch=%lld held=%lld reset=%lld holder=%s", r->leader,
-               r->newly_leader, (long long)r->epoch, (long long)r->holder_epoch,
-               (long long)r->n_reset, r->holder ? r->holder : "-");
+        printf(" leader=%d newly=%d epoch=%lld held=%lld reset=%lld holder=%s member=%s",
+               r->leader, r->newly_leader, (long long)r->epoch, (long long)r->holder_epoch,
+               (long long)r->n_reset, r->holder ? r->holder : "-",
+               r->member ? r->member : "-");
         break;
     case SRC_REQ_CLAIM:
         printf(" n=%zu", r->n_rows);
@@ -317,8 +318,9 @@ static void on_done(void *ud, const src_result *r)
         printf(" deleted=%zu", r->n_deleted);
         break;
     case SRC_REQ_STATS:
-        printf(" backlog=%" PRId64 " oldest=%.3f dead=%" PRId64 " sent_kept=%" PRId64,
-               r->stats.backlog, r->stats.oldest_pending_s, r->stats.dead, r->stats.sent_kept);
+        printf(" backlog=%" PRId64 " oldest=%.3f dead=%" PRId64 " sent_kept=%" PRId64
+               " leader=%s", r->stats.backlog, r->stats.oldest_pending_s, r->stats.dead,
+               r->stats.sent_kept, r->stats.leader[0] ? r->stats.leader : "-");
         break;
     default:
         break;
