@@ -120,6 +120,8 @@ struct drain {
     char      holder_key[240];   /* the horizon's holder at the last read: who, and its xmin ... */
     double    holder_since;      /* ... and since when (monotonic) it has held that xmin */
     double    poll_delay;        /* adaptive: grows while claims come back empty */
+    double    due_at;            /* monotonic: when the first pending row not claimable at
+                                    the last stats becomes so (the poll wakes by then); 0 none */
     char      other_mode[256];   /* a live relay of the other mode keeps this one from
                                     claiming (reported at WARN): its owner; "": none */
 
@@ -507,10 +509,21 @@ static void src_on_wake(void *ud)
     schedule_kick(d);
 }
 
+/* The next poll, after poll_delay, or when a row falls due if that is sooner: the empty
+   claims before it double poll_delay, and without this bound the poll after the one just
+   before the row fell due came up to half a second late. */
 static void arm_poll(drain *d)
 {
+    double delay = d->poll_delay;
+    if (d->due_at > 0) {
+        double left = d->due_at - mono_now();
+        if (left <= 0)
+            d->due_at = 0;      /* passed: the claim that ran after it looked */
+        else if (left < delay)
+            delay = left;
+    }
     ev_timer_stop(d->loop, &d->poll_timer);
-    ev_timer_set(&d->poll_timer, d->poll_delay, 0.);
+    ev_timer_set(&d->poll_timer, delay, 0.);
     ev_timer_start(d->loop, &d->poll_timer);
 }
 
@@ -1010,10 +1023,11 @@ static void src_on_done(void *ud, const src_result *res)
             if (d->ob->mode == CFG_MODE_COMPETING && !d->stopping)
                 report_other_mode(d, res->stats.leader);
             double due = res->stats.next_due_s;
-            if (due >= 0 && notified(d) && ev_is_active(&d->poll_timer) &&
-                ev_timer_remaining(d->loop, &d->poll_timer) > due + 0.01) {
-                d->poll_delay = due + 0.005;
-                arm_poll(d);
+            if (due >= 0 && notified(d)) {
+                d->due_at = mono_now() + due + 0.005;
+                if (ev_is_active(&d->poll_timer) &&
+                    ev_timer_remaining(d->loop, &d->poll_timer) > due + 0.01)
+                    arm_poll(d);
             }
         }
         break;

@@ -272,6 +272,40 @@ def test_poll_interval_auto_polls_rarely_when_notified_and_wakes_when_rows_fall_
     conn.close()
 
 
+@pytest.mark.parametrize("mode", ["leader", "competing"])
+def test_delayed_rows_are_published_when_they_fall_due(services, pgdb, relay_bin, tmp_path,
+                                                       mode):
+    """A row written 1.5 s ahead is published as it falls due, in both modes: woken by its
+    commit and finding nothing, the relay asks when the first row falls due, and its polls
+    (each empty one waiting twice as long as the last) wake by then at the latest. Before,
+    the poll after the last one ahead of the due time came up to 0.9 s late."""
+    q = f"qdue-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    r, cfg = start_relay(relay_bin, tmp_path, services, pgdb, mode=mode)
+    init_schema(relay_bin, cfg)
+    r.wait_log("became the active relay" if mode == "leader" else "database connected")
+    late = []
+    for i in range(3):
+        gen = ch.consume(q, auto_ack=True, inactivity_timeout=0.005)
+        with pgdb.connect() as c:
+            c.execute("insert into outbox.messages (routing_key, payload, available_at) "
+                      "values (%s, 'late', now() + interval '1.5 s')", (q,))
+            t_commit = time.monotonic()
+        while True:
+            method, _, body = next(gen)
+            if method is not None:
+                break
+            assert time.monotonic() - t_commit < 10, "the delayed row never arrived"
+        late.append(time.monotonic() - t_commit - 1.5)
+        ch.cancel()
+        time.sleep(0.4 * i)     # the next row falls due at another point of the poll cycle
+    r.assert_clean_exit(r.stop())
+    conn.close()
+    print(f"{mode}: published {', '.join(f'{x * 1000:.0f}' for x in late)} ms after due")
+    assert all(-0.05 < x < 0.3 for x in late), late
+
+
 def _failing_row_setup(services, pgdb, relay_bin, build, tmp_path, bad_exchange, q, **kw):
     conn, ch = amqp_channel(services)
     declare(ch, "", q, q)
