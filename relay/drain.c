@@ -708,11 +708,13 @@ static void report_other_mode(drain *d, const char *who)
                    "outbox=%s: relay %s (%s mode) no longer holds this outbox", d->ob->name,
                    d->other_mode, competing ? "leader" : "competing");
         d->other_mode[0] = '\0';
+        d->m.mode_conflict = 0;
         return;
     }
     if (strcmp(who, d->other_mode) == 0)
         return;
     snprintf(d->other_mode, sizeof d->other_mode, "%s", who);
+    d->m.mode_conflict = 1;
     log_ev(LOG_WARN, &(log_fields){ .event = "mode_conflict", .outbox = d->ob->name },
            "outbox=%s: relay %s runs this outbox in %s mode; this relay (mode = %s) claims "
            "nothing until that relay stops or its lease expires: every relay of an outbox "

@@ -264,6 +264,7 @@ char *metrics_render(const relay_metrics *r, ob_metrics *const *m, size_t n, siz
     counter(&b, m, n, "broker_failovers_total", "Broker connections made to another address of the sink's url list than the one before (failover).", OFF(failovers));
     counter(&b, m, n, "nack_reopens_total", "Publishing channels reopened because they got only nacks for nack_reopen (a quorum queue's channel stuck after a leader's node went down).", OFF(nack_reopens));
     gauge_int(&b, m, n, "leader", "1 when this relay is the active one for the outbox.", OFF(leader), 1);
+    gauge_int(&b, m, n, "mode_conflict", "1 while a relay of the other mode (leader or competing) holds the outbox, so this relay claims nothing: every relay of an outbox must have the same mode.", OFF(mode_conflict), 1);
     gauge_int(&b, m, n, "leader_epoch", "Leadership epoch (fencing token) this relay holds; 0 none.", OFF(epoch), 0);
     counter(&b, m, n, "takeovers_total", "Times this relay became the active one.", OFF(takeovers));
     counter(&b, m, n, "fenced_total", "Times this relay lost leadership (a newer epoch, or its lease ran out) and stopped publishing.", OFF(fenced));

@@ -52,6 +52,7 @@ typedef struct ob_metrics {
     double   oldest_pending_s;
     int64_t  dead_rows;
     int      source_up, sink_up, sink_blocked, leader;
+    int      mode_conflict;  /* a relay of the other mode holds the outbox: we claim nothing */
     int64_t  epoch;          /* leadership epoch held (leader mode), 0 none */
     uint64_t takeovers;      /* times this process became the leader */
     uint64_t fenced;         /* times it lost leadership (fenced, or its lease ran out) */

@@ -397,6 +397,7 @@ def test_relays_of_both_modes_on_one_outbox_run_one_mode_at_a_time(services, pgd
     la, _ = relay(relay_bin, tmp_path, services, pgdb, "la", lease="30s")
     msg = wait_log_at(la, r"runs this outbox in competing mode")
     assert "ca/" in msg and "mode = leader" in msg, msg
+    assert la.metric("outbox_relay_mode_conflict") == 1
     run_producer(build, pgdb.dsn, pgdb.name, count=300, keys=10, routing_key=q, size=64,
                  start=300)
     got += consume(ch, q, 300, timeout=30)
@@ -404,9 +405,11 @@ def test_relays_of_both_modes_on_one_outbox_run_one_mode_at_a_time(services, pgd
     ca.assert_clean_exit(ca.stop())
     la.wait_log("became the active relay", timeout=20)
     la.wait_log("no longer holds this outbox", timeout=20)
+    assert la.metric("outbox_relay_mode_conflict") == 0
     cb, _ = relay(relay_bin, tmp_path, services, pgdb, "cb", mode="competing", lease="30s")
     msg = wait_log_at(cb, r"runs this outbox in leader mode")
     assert "la/" in msg and "mode = competing" in msg, msg
+    assert cb.metric("outbox_relay_mode_conflict") == 1
     run_producer(build, pgdb.dsn, pgdb.name, count=300, keys=10, routing_key=q, size=64,
                  start=600)
     got += consume(ch, q, 300, timeout=30)
