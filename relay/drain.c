@@ -503,6 +503,9 @@ static void settler_on_state(void *ud, enum src_state state, const char *msg)
 static void src_on_wake(void *ud)
 {
     drain *d = ((sconn *)ud)->d;
+    if (d->other_mode[0] != '\0' && d->ob->mode == CFG_MODE_COMPETING)
+        return;     /* kept out by a leader: each claim would take nothing, and then ask the
+                       stats; the poll finds out when the leader is gone */
     d->want_claim = true;
     d->active = true;
     d->due_asked = true;
@@ -517,8 +520,13 @@ static void arm_poll(drain *d)
     double delay = d->poll_delay;
     if (d->due_at > 0) {
         double left = d->due_at - mono_now();
-        if (left <= 0)
-            d->due_at = 0;      /* passed: the claim that ran after it looked */
+        if (left <= 0) {
+            /* passed: the claim that ran after it looked. Had it nothing to take (the row
+               that fell due waits behind another of its key, or another relay's key),
+               the stats are asked again for the next row to fall due */
+            d->due_at = 0;
+            d->due_asked = true;
+        }
         else if (left < delay)
             delay = left;
     }
@@ -711,10 +719,11 @@ static void report_other_mode(drain *d, const char *who)
         d->m.mode_conflict = 0;
         return;
     }
-    if (strcmp(who, d->other_mode) == 0)
-        return;
+    bool known = d->other_mode[0] != '\0';
     snprintf(d->other_mode, sizeof d->other_mode, "%s", who);
     d->m.mode_conflict = 1;
+    if (known)
+        return;     /* once per episode, whichever relay of that mode is named */
     log_ev(LOG_WARN, &(log_fields){ .event = "mode_conflict", .outbox = d->ob->name },
            "outbox=%s: relay %s runs this outbox in %s mode; this relay (mode = %s) claims "
            "nothing until that relay stops or its lease expires: every relay of an outbox "
@@ -1025,6 +1034,7 @@ static void src_on_done(void *ud, const src_result *res)
             if (d->ob->mode == CFG_MODE_COMPETING && !d->stopping)
                 report_other_mode(d, res->stats.leader);
             double due = res->stats.next_due_s;
+            d->due_at = 0;
             if (due >= 0 && notified(d)) {
                 d->due_at = mono_now() + due + 0.005;
                 if (ev_is_active(&d->poll_timer) &&

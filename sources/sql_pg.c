@@ -118,7 +118,9 @@ static char *fmt(const char *f, ...)
 /* Leader mode and competing mode exclude each other on one outbox: a relay of one mode
  * claims nothing while a relay of the other holds the outbox (SQL_PG_LIVE_MEMBER,
  * SQL_PG_LIVE_LEADER; the one already running keeps it). Mixed, a leader would take a
- * key's later rows while a competing relay holds its earlier ones. */
+ * key's later rows while a competing relay holds its earlier ones. A competing relay kept
+ * out keeps its member row as it is (live until it would have expired): its row leases,
+ * taken with it, never outlive it, so a leader never claims while they are live. */
 #define SQL_PG_LIVE_MEMBER(L)                                                              \
     "(SELECT min(x.owner) FROM " L " x WHERE left(x.name, 7) = 'member:' "                 \
     "AND x.expires_at > now())"
@@ -129,7 +131,9 @@ static char *fmt(const char *f, ...)
  * $3 lease ms. The row is taken only when it is ours (same owner and epoch:
  * a renewal) or expired in database time, and only while no relay in competing mode
  * is a live member; a takeover increments the epoch (the fencing token) and releases
- * every row lease left by earlier holders.
+ * every row lease left by earlier holders. While a member is live, our own row (a lead
+ * and a competing claim ran at the same moment; or a resign, lease 0) expires now
+ * (rel), so that the competing relays go on at once.
  * Returns: our epoch (NULL: not leader), the holder and epoch before, the
  * number of row leases released, a live member (competing mode) that kept us out. */
 char *sql_pg_lead(const sql_pg_names *n)
@@ -145,6 +149,9 @@ char *sql_pg_lead(const sql_pg_names *n)
         "ELSE l.epoch + 1 END, expires_at = EXCLUDED.expires_at "
         "WHERE (l.owner = EXCLUDED.owner AND l.epoch = $2::bigint) OR l.expires_at < now() "
         "RETURNING l.epoch), "
+        "rel AS (UPDATE %2$s l SET expires_at = least(l.expires_at, now()) FROM mem "
+        "WHERE mem.owner IS NOT NULL AND l.name = 'leader' AND l.owner = $1::text "
+        "AND l.epoch = $2::bigint RETURNING 1), "
         "r AS (UPDATE %1$s SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
         "WHERE sent_at IS NULL AND lease_token IS NOT NULL "
         "AND EXISTS (SELECT 1 FROM up WHERE up.epoch <> $2::bigint) RETURNING 1) "
@@ -156,9 +163,9 @@ char *sql_pg_lead(const sql_pg_names *n)
 /*
  * Competing mode spreads partition keys over the live instances. Each claim
  * renews this instance's member row in the lease table (name 'member:<owner>',
- * expires_at = now() + lease; a lease of 0 withdraws it), reusing an expired
- * member row when it has none, so the table stays as small as the largest set
- * of instances ever alive at once (no DELETE privilege needed). The claim then
+ * expires_at = now() + lease; a lease of 0 withdraws it, NULL leaves it as it is),
+ * reusing an expired member row when it has none, so the table stays as small as the
+ * largest set of instances ever alive at once (no DELETE privilege needed). The claim then
  * takes keyed rows only of the keys that hash to this instance's rank among the
  * live members (owners in sort order). Membership is only a preference: the
  * per-key gap filter of the claim still keeps a key with whichever instance
@@ -170,7 +177,7 @@ char *sql_pg_lead(const sql_pg_names *n)
     "now() + x.ms * interval '1 millisecond' AS until "                                    \
     "FROM (SELECT " OWNER " AS owner, " LEASE_MS " AS ms) x), "                            \
     "own AS (UPDATE " L " l SET expires_at = me.until FROM me WHERE l.name = me.name "     \
-    "RETURNING 1), "                                                                       \
+    "AND me.until IS NOT NULL RETURNING 1), "                                              \
     "reuse AS (UPDATE " L " l SET name = me.name, owner = me.owner, epoch = 0, "           \
     "expires_at = me.until FROM me, (SELECT o.name FROM " L " o "                          \
     "WHERE left(o.name, 7) = 'member:' AND o.expires_at < now() "                          \
@@ -417,9 +424,9 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
             "FROM b WHERE m.id = b.id %3$s",
             n->table, n->lease, ret);
     return fmt(
-        "WITH RECURSIVE " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "(CASE WHEN "
-                                            SQL_PG_LIVE_LEADER("%3$s") " IS NULL "
-                                            "THEN $4::float8 ELSE 0 END)") ", "
+        "WITH RECURSIVE " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "(CASE WHEN $4::float8 = 0 "
+                                            "OR " SQL_PG_LIVE_LEADER("%3$s") " IS NULL "
+                                            "THEN $4::float8 END)") ", "
         SQL_PG_WALK("%1$s", "($5::bigint >= 0 AND " SQL_PG_LIVE_LEADER("%3$s") " IS NULL)")
         ", "
         "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "

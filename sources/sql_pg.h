@@ -36,7 +36,8 @@ typedef struct sql_pg_names {
 void sql_pg_names_init(const cfg_outbox *ob, sql_pg_names *n);
 
 /* Leadership: $1 owner, $2 epoch held (0 none), $3 lease ms.
-   -> our epoch (NULL: not leader), holder before, its epoch, row leases released. */
+   -> our epoch (NULL: not leader), holder before, its epoch, row leases released, a live
+   member of competing mode that kept us out (NULL: none). */
 char *sql_pg_lead(const sql_pg_names *n);
 /* The claim, within a byte limit: $1 limit, $2 owner, $3 token, $4 lease ms, $5 epoch
    (leader mode; 0: unfenced), $6 max bytes (0: no limit), $7

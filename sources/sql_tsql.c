@@ -122,8 +122,8 @@
 
 /* Leader mode and competing mode exclude each other on one outbox, as on PostgreSQL
    (sources/sql_pg.c, SQL_PG_LIVE_MEMBER): a live member row (competing mode) keeps the
-   leadership from being taken or renewed, a live leadership keeps a competing relay from
-   claiming. */
+   leadership from being taken or renewed (our own leader row then expires at once), a live
+   leadership keeps a competing relay from claiming and from renewing its member row. */
 #define LIVE_MEMBER                                                                        \
     "(SELECT MIN(x.owner) FROM {L} x WITH (NOLOCK) WHERE x.name LIKE N'member:%' "           \
     "AND x.expires_at > SYSUTCDATETIME())"
@@ -145,6 +145,8 @@ static const char lead_text[] =
     "IF @member IS NOT NULL "
     "BEGIN "
     "SET @got = 0; "
+    "UPDATE {L} SET expires_at = @now WHERE name = N'leader' AND owner = @owner "
+    "AND epoch = @mine AND expires_at > @now; "
     "END "
     "ELSE IF @cur_owner IS NULL "
     "BEGIN "
@@ -259,14 +261,16 @@ static const char claim_competing_text[] =
     "@max_bytes bigint = ?, @first_whole int = ?, @max_payload bigint = ?, "
     "@lost nvarchar(max) = ?; "
     /* membership (see sources/sql_pg.h): renew ours, else reuse an expired member
-       row, else insert one; a lease of 0 withdraws it. By primary key only (the
+       row, else insert one; a lease of 0 withdraws it, a live leadership (@kept) leaves
+       it as it is and the claim takes nothing. By primary key only (the
        name LIKE a constant prefix is a seek). Each statement commits on its own, before
        the claim's transaction: no member row stays locked while the claim runs. */
-    "IF " LIVE_LEADER " IS NOT NULL SELECT @lease_ms = 0, @limit = 0; "
+    "DECLARE @kept int = 0; "
+    "IF @lease_ms > 0 AND " LIVE_LEADER " IS NOT NULL SELECT @kept = 1, @limit = 0; "
     "DECLARE @me nvarchar(255) = N'member:' + @owner; "
     "DECLARE @until datetime2 = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()); "
-    "UPDATE {L} SET expires_at = @until WHERE name = @me; "
-    "IF @@ROWCOUNT = 0 AND @lease_ms > 0 BEGIN "
+    "UPDATE {L} SET expires_at = @until WHERE name = @me AND @kept = 0; "
+    "IF @@ROWCOUNT = 0 AND @lease_ms > 0 AND @kept = 0 BEGIN "
     "UPDATE {L} SET name = @me, owner = @owner, epoch = 0, expires_at = @until "
     "WHERE name = (SELECT TOP (1) x.name FROM {L} x WITH (ROWLOCK, READPAST, UPDLOCK) "
     "WHERE x.name LIKE N'member:%' AND x.expires_at < SYSUTCDATETIME() ORDER BY x.name); "
@@ -592,7 +596,7 @@ const sql_tsql_stmt *const sql_tsql_all[] = {
     &sql_tsql_lead, &sql_tsql_claim, &sql_tsql_claim_competing, &sql_tsql_settle_head,
     &sql_tsql_settle_mark, &sql_tsql_settle_delete, &sql_tsql_settle_tail, &sql_tsql_cleanup,
     &sql_tsql_stats, &sql_tsql_stats_leader, &sql_tsql_stats_kept, &sql_tsql_dead_list,
-    &sql_tsql_dead_retry, &sql_tsql_dead_purge, &sql_tsql_tables_exist, &sql_tsql_version, &sql_tsql_compat,
-    &sql_tsql_health_pages, &sql_tsql_health_rows, &sql_tsql_health_ghosts,
+    &sql_tsql_dead_retry, &sql_tsql_dead_purge, &sql_tsql_tables_exist, &sql_tsql_version,
+    &sql_tsql_compat, &sql_tsql_health_pages, &sql_tsql_health_rows, &sql_tsql_health_ghosts,
     &sql_tsql_health_versioning, &sql_tsql_health_versions, NULL
 };

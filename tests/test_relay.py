@@ -306,6 +306,42 @@ def test_delayed_rows_are_published_when_they_fall_due(services, pgdb, relay_bin
     assert all(-0.05 < x < 0.3 for x in late), late
 
 
+def test_a_due_row_that_cannot_be_taken_does_not_hide_the_next(services, pgdb, relay_bin,
+                                                                tmp_path):
+    """The first row to fall due waits behind a row of its key that backs off, so the poll
+    at its due time takes nothing; the relay then asks when the next row falls due (another
+    key's, a second later) instead of waiting a whole poll interval. Before, that row was
+    published up to poll_interval late."""
+    q = f"qdue-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    r, cfg = start_relay(relay_bin, tmp_path, services, pgdb, poll_interval="3s")
+    init_schema(relay_bin, cfg)
+    r.wait_log("became the active relay")
+    time.sleep(4)       # idle: the poll's delay has grown to poll_interval
+    gen = ch.consume(q, auto_ack=True, inactivity_timeout=0.005)
+    with pgdb.connect() as c:
+        c.execute("insert into outbox.messages (routing_key, partition_key, payload, attempts,"
+                  " available_at) values (%s, 'k', 'backing off', 1, now() + interval '1 h')",
+                  (q,))
+        c.execute("insert into outbox.messages (routing_key, partition_key, payload, "
+                  "available_at) values (%s, 'k', 'held', now() + interval '1.5 s')", (q,))
+        c.execute("insert into outbox.messages (routing_key, partition_key, payload, "
+                  "available_at) values (%s, 'j', 'next', now() + interval '2.5 s')", (q,))
+        t_commit = time.monotonic()
+    while True:
+        method, _, body = next(gen)
+        if method is not None:
+            break
+        assert time.monotonic() - t_commit < 15, "the row never arrived"
+    late = time.monotonic() - t_commit - 2.5
+    ch.cancel()
+    r.assert_clean_exit(r.stop())
+    conn.close()
+    assert body == b"next"
+    assert -0.05 < late < 0.3, f"published {late:.2f} s after it fell due"
+
+
 def _failing_row_setup(services, pgdb, relay_bin, build, tmp_path, bad_exchange, q, **kw):
     conn, ch = amqp_channel(services)
     declare(ch, "", q, q)

@@ -501,7 +501,7 @@ static int lock_timeout(odbcsrc_db *db, int64_t lease_ms)
 
 /* Leadership as a lease row (sql_pg_lead / sql_tsql_lead: the same rules and the same
  * result columns): our epoch (0 or NULL: not leader), the holder before and its epoch,
- * the row leases released by a takeover. */
+ * the row leases released by a takeover, a live member (competing mode) that kept us out. */
 int odbcsrc_db_lead(odbcsrc_db *db, const char *owner, int64_t epoch, int64_t lease_ms,
                     int64_t *got, int64_t *held, int64_t *reset, char *holder, char *member,
                     size_t hlen)
