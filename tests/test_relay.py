@@ -212,6 +212,28 @@ def test_notify_latency_and_poll_fallback(services, pgdb, relay_bin, build, tmp_
     conn.close()
 
 
+def first_delivery(ch, q, pgdb, *rows):
+    """Commits rows ((partition_key, payload, attempts, seconds ahead) each) in one
+    transaction to queue q; returns the body delivered first and its seconds after the
+    commit."""
+    gen = ch.consume(q, auto_ack=True, inactivity_timeout=0.005)
+    with pgdb.connect() as c:
+        for key, payload, attempts, ahead in rows:
+            c.execute("insert into outbox.messages (routing_key, partition_key, payload, "
+                      "attempts, available_at) values (%s, %s, %s, %s, "
+                      "now() + %s * interval '1 second')",
+                      (q, key, payload.encode(), attempts, ahead))
+        t_commit = time.monotonic()
+    while True:
+        method, _, body = next(gen)
+        if method is not None:
+            break
+        assert time.monotonic() - t_commit < 15, "the delayed row never arrived"
+    took = time.monotonic() - t_commit
+    ch.cancel()
+    return body, took
+
+
 def test_poll_interval_auto_polls_rarely_when_notified_and_wakes_when_rows_fall_due(
         services, pgdb, pgdb2, relay_bin, build, tmp_path):
     """poll_interval = auto: while LISTEN/NOTIFY wakes the relay its idle poll is a safety
@@ -254,18 +276,7 @@ def test_poll_interval_auto_polls_rarely_when_notified_and_wakes_when_rows_fall_
     assert 4 <= n2 <= 8, f"{n2} claims in 6 s of idling without NOTIFY (auto: one per second)"
     # a delayed row: NOTIFY at commit finds it not yet due; the relay asks when it falls
     # due and looks again then (the adaptive poll alone would find it at 3.15 s)
-    gen = ch.consume(q, auto_ack=True, inactivity_timeout=0.005)
-    with pgdb.connect() as c:
-        c.execute("insert into outbox.messages (routing_key, payload, available_at) "
-                  "values (%s, 'late', now() + interval '2 s')", (q,))
-        t_commit = time.monotonic()
-    while True:
-        method, _, body = next(gen)
-        if method is not None:
-            break
-        assert time.monotonic() - t_commit < 10, "the delayed row never arrived"
-    lat = time.monotonic() - t_commit
-    ch.cancel()
+    body, lat = first_delivery(ch, q, pgdb, (None, "late", 0, 2))
     assert body == b"late"
     assert 1.9 <= lat < 2.4, f"a row due 2 s after its commit arrived after {lat:.2f} s"
     r.assert_clean_exit(r.stop())
@@ -287,18 +298,8 @@ def test_delayed_rows_are_published_when_they_fall_due(services, pgdb, relay_bin
     r.wait_log("became the active relay" if mode == "leader" else "database connected")
     late = []
     for i in range(3):
-        gen = ch.consume(q, auto_ack=True, inactivity_timeout=0.005)
-        with pgdb.connect() as c:
-            c.execute("insert into outbox.messages (routing_key, payload, available_at) "
-                      "values (%s, 'late', now() + interval '1.5 s')", (q,))
-            t_commit = time.monotonic()
-        while True:
-            method, _, body = next(gen)
-            if method is not None:
-                break
-            assert time.monotonic() - t_commit < 10, "the delayed row never arrived"
-        late.append(time.monotonic() - t_commit - 1.5)
-        ch.cancel()
+        _, took = first_delivery(ch, q, pgdb, (None, "late", 0, 1.5))
+        late.append(took - 1.5)
         time.sleep(0.4 * i)     # the next row falls due at another point of the poll cycle
     r.assert_clean_exit(r.stop())
     conn.close()
@@ -319,23 +320,9 @@ def test_a_due_row_that_cannot_be_taken_does_not_hide_the_next(services, pgdb, r
     init_schema(relay_bin, cfg)
     r.wait_log("became the active relay")
     time.sleep(4)       # idle: the poll's delay has grown to poll_interval
-    gen = ch.consume(q, auto_ack=True, inactivity_timeout=0.005)
-    with pgdb.connect() as c:
-        c.execute("insert into outbox.messages (routing_key, partition_key, payload, attempts,"
-                  " available_at) values (%s, 'k', 'backing off', 1, now() + interval '1 h')",
-                  (q,))
-        c.execute("insert into outbox.messages (routing_key, partition_key, payload, "
-                  "available_at) values (%s, 'k', 'held', now() + interval '1.5 s')", (q,))
-        c.execute("insert into outbox.messages (routing_key, partition_key, payload, "
-                  "available_at) values (%s, 'j', 'next', now() + interval '2.5 s')", (q,))
-        t_commit = time.monotonic()
-    while True:
-        method, _, body = next(gen)
-        if method is not None:
-            break
-        assert time.monotonic() - t_commit < 15, "the row never arrived"
-    late = time.monotonic() - t_commit - 2.5
-    ch.cancel()
+    body, took = first_delivery(ch, q, pgdb, ("k", "backing off", 1, 3600),
+                                ("k", "held", 0, 1.5), ("j", "next", 0, 2.5))
+    late = took - 2.5
     r.assert_clean_exit(r.stop())
     conn.close()
     assert body == b"next"
