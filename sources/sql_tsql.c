@@ -405,9 +405,9 @@ static const char cleanup_text[] =
     "@owner nvarchar(255) = ?; "
     "DECLARE @deleted bigint = 0; "
     TXN_BEGIN
-    "IF @epoch = 0 OR (EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
+    "IF @epoch = 0 OR EXISTS (SELECT 1 FROM {L} f WITH (UPDLOCK, HOLDLOCK, ROWLOCK) "
     "WHERE f.name = N'leader' AND f.owner = @owner AND f.epoch = @epoch "
-    "AND f.expires_at > SYSUTCDATETIME()) AND " LIVE_MEMBER " IS NULL) "
+    "AND f.expires_at > SYSUTCDATETIME()) "
     "BEGIN "
     "DELETE TOP (@limit) FROM {T} WITH (READPAST, READCOMMITTEDLOCK) "
     "WHERE sent_at IS NOT NULL AND sent_at < "

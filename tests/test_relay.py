@@ -153,6 +153,16 @@ def test_retention_removes_marked_rows(services, pgdb, relay_bin, build, tmp_pat
     print(f"retention 2s: marked rows gone {elapsed:.2f}s after delivery")
 
 
+def _next_body(gen, since, limit=10):
+    """The body of the next message from consumer gen, which must come within limit
+    seconds of since (monotonic)."""
+    while True:
+        method, _, body = next(gen)
+        if method is not None:
+            return body
+        assert time.monotonic() - since < limit, "the message never arrived"
+
+
 def _latency(ch, q, pgdb, n=9):
     """Commits n single-row inserts (autocommit) while already consuming; returns the
     commit -> delivery latencies in seconds. The commits are 0.25-0.45 s apart (seeded
@@ -166,11 +176,7 @@ def _latency(ch, q, pgdb, n=9):
             c.execute("insert into outbox.messages (message_id, routing_key, payload) "
                       "values (gen_random_uuid(), %s, %s)", (q, f"lat{i}".encode()))
             t_commit = time.monotonic()
-            while True:
-                method, _, body = next(gen)
-                if method is not None:
-                    break
-                assert time.monotonic() - t_commit < 10, "message never arrived"
+            _next_body(gen, t_commit)
             lat.append(time.monotonic() - t_commit)
     ch.cancel()
     return lat
@@ -224,11 +230,7 @@ def first_delivery(ch, q, pgdb, *rows):
                       "now() + %s * interval '1 second')",
                       (q, key, payload.encode(), attempts, ahead))
         t_commit = time.monotonic()
-    while True:
-        method, _, body = next(gen)
-        if method is not None:
-            break
-        assert time.monotonic() - t_commit < 15, "the delayed row never arrived"
+    body = _next_body(gen, t_commit, 15)
     took = time.monotonic() - t_commit
     ch.cancel()
     return body, took
