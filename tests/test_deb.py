@@ -121,10 +121,17 @@ def supervise():
     p = subprocess.Popen(shlex.split(u["ExecStart"]), stdin=subprocess.DEVNULL, cwd="/",
                          env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"},
                          **as_user(u))
-    PIDFILE.write_text(str(p.pid))
+    publish(PIDFILE, p.pid)
     rc = p.wait()
-    EXITFILE.write_text(str(rc))
+    publish(EXITFILE, rc)
     PIDFILE.unlink(missing_ok=True)
+
+
+def publish(path, n):
+    """Writes N to PATH whole: a reader polling for the file never sees it empty."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(n))
+    os.replace(tmp, path)
 
 
 def stop(rec):
