@@ -543,6 +543,12 @@ static void pg_ddl(list *l, const names *n)
     outbox_util_buf_printf(&b, "    CONSTRAINT \"%s\" PRIMARY KEY (name)\n)", n->lpkey);
     pg_guarded(l, fmt(l, &c, "to_regclass('%s') IS NULL", n->lease),
                fmt(l, &w, "lease table %s", n->lease), built(l, &b));
+    /* its leader row, expired and owned by nobody (''): a relay in competing mode locks it
+       in each claim, which a lead then waits for (the two modes exclude each other) */
+    pg_guarded(l, fmt(l, &c, "NOT EXISTS (SELECT 1 FROM %s WHERE name = 'leader')", n->lease),
+               fmt(l, &w, "leader row in %s", n->lease),
+               fmt(l, &b, "INSERT INTO %s (name, owner, epoch, expires_at) "
+                   "VALUES ('leader', '', 0, 'epoch')", n->lease));
     outbox_util_buf_free(&b);
 
     /* the wake-up trigger: CREATE TRIGGER locks the table against producers, so it runs

@@ -127,24 +127,47 @@ static char *fmt(const char *f, ...)
 #define SQL_PG_LIVE_LEADER(L)                                                              \
     "(SELECT x.owner FROM " L " x WHERE x.name = 'leader' AND x.expires_at > now())"
 
+/* The two checks above read a statement's snapshot, blind to a lead or a competing claim
+ * running at the same moment: both could succeed, and a claim of the new leader that began
+ * before the competing claim committed could take later rows of the keys it holds. So the
+ * two serialize on the leader row: the competing claim reads it FOR KEY SHARE (ldr), which
+ * waits for a lead in flight and then returns the row as that lead left it, and the lead's
+ * write of the row takes the lock that conflicts with it (FOR UPDATE's: a key column is
+ * among those it sets, name). A lead after a competing claim commits later than it; its
+ * claims, later still, see the claim's member row and take nothing. The row must exist for
+ * this (init makes it): a competing claim that finds none makes one (expired, owner ''),
+ * which holds a lead off as well until the claim commits; if a lead made it meanwhile,
+ * the claim takes nothing that time. */
+#define SQL_PG_LDR(L)                                                                      \
+    "ldr AS MATERIALIZED (SELECT x.owner, x.expires_at FROM " L " x "                      \
+    "WHERE x.name = 'leader' FOR KEY SHARE), "                                             \
+    "ldr_new AS (INSERT INTO " L " (name, owner, epoch, expires_at) "                      \
+    "SELECT 'leader', '', 0, 'epoch'::timestamptz WHERE NOT EXISTS (SELECT 1 FROM ldr) "   \
+    "ON CONFLICT (name) DO NOTHING RETURNING 1)"
+/* A live leader as ldr read it (NULL: none) */
+#define SQL_PG_LDR_LIVE "(SELECT l.owner FROM ldr l WHERE l.expires_at > now())"
+
 /* Takes or renews the leadership lease: $1 owner, $2 the epoch we hold (0 none),
  * $3 lease ms. The row is taken only when it is ours (same owner and epoch:
  * a renewal) or expired in database time, and only while no relay in competing mode
  * is a live member; a takeover increments the epoch (the fencing token) and releases
  * every row lease left by earlier holders. While a member is live, our own row (a lead
  * and a competing claim ran at the same moment; or a resign, lease 0) expires now
- * (rel), so that the competing relays go on at once.
- * Returns: our epoch (NULL: not leader), the holder and epoch before, the
+ * (rel), so that the competing relays go on at once. Setting name (unchanged) makes the
+ * write of the row wait for a competing claim in flight (SQL_PG_LDR).
+ * Returns: our epoch (NULL: not leader), the holder (NULL: none, or the row a competing
+ * claim made) and epoch before, the
  * number of row leases released, a live member (competing mode) that kept us out. */
 char *sql_pg_lead(const sql_pg_names *n)
 {
     return fmt(
-        "WITH cur AS (SELECT owner, epoch FROM %2$s WHERE name = 'leader'), "
+        "WITH cur AS (SELECT nullif(owner, '') AS owner, epoch FROM %2$s "
+        "WHERE name = 'leader'), "
         "mem AS (SELECT " SQL_PG_LIVE_MEMBER("%2$s") " AS owner), "
         "up AS (INSERT INTO %2$s AS l (name, owner, epoch, expires_at) "
         "SELECT 'leader', $1::text, 1, now() + $3::float8 * interval '1 millisecond' "
         "FROM mem WHERE mem.owner IS NULL "
-        "ON CONFLICT (name) DO UPDATE SET owner = EXCLUDED.owner, "
+        "ON CONFLICT (name) DO UPDATE SET name = EXCLUDED.name, owner = EXCLUDED.owner, "
         "epoch = CASE WHEN l.owner = EXCLUDED.owner AND l.epoch = $2::bigint THEN l.epoch "
         "ELSE l.epoch + 1 END, expires_at = EXCLUDED.expires_at "
         "WHERE (l.owner = EXCLUDED.owner AND l.epoch = $2::bigint) OR l.expires_at < now() "
@@ -424,10 +447,11 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
             "FROM b WHERE m.id = b.id %3$s",
             n->table, n->lease, ret);
     return fmt(
-        "WITH RECURSIVE " SQL_PG_MEMBERSHIP("%3$s", "$2::text", "(CASE WHEN $4::float8 = 0 "
-                                            "OR " SQL_PG_LIVE_LEADER("%3$s") " IS NULL "
-                                            "THEN $4::float8 END)") ", "
-        SQL_PG_WALK("%1$s", "($5::bigint >= 0 AND " SQL_PG_LIVE_LEADER("%3$s") " IS NULL)")
+        "WITH RECURSIVE " SQL_PG_LDR("%3$s") ", "
+        SQL_PG_MEMBERSHIP("%3$s", "$2::text", "(CASE WHEN $4::float8 = 0 "
+                          "OR " SQL_PG_LDR_LIVE " IS NULL THEN $4::float8 END)") ", "
+        SQL_PG_WALK("%1$s", "($5::bigint >= 0 AND (EXISTS (SELECT 1 FROM ldr) "
+                    "OR EXISTS (SELECT 1 FROM ldr_new)) AND " SQL_PG_LDR_LIVE " IS NULL)")
         ", "
         "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "
         "m.partition_key" SZ " FROM %1$s m WHERE m.id = w.id AND m.sent_at IS NULL "

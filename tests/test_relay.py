@@ -631,3 +631,36 @@ def test_odbc_source_drains_through_psqlodbc(services, pgdb, relay_bin, build, t
         assert props.correlation_id == f"corr-{seq}" and props.type == "test.event"
         assert props.headers == {"seq": str(seq), "origin": "producer"}
     check_per_key_order(got)
+
+
+def test_a_competing_relay_on_a_table_without_a_leader_row_publishes_its_backlog_at_once(
+        services, pgdb, relay_bin, tmp_path):
+    """A table made by an earlier version has no leader row in its lease table, which every
+    competing claim locks (so that a lead running at the same moment waits for it): the
+    first claim makes the row, which holds a lead off as the row does, and takes the rows.
+    Taking nothing that time, it published them at its next poll, 2 s after the start."""
+    q = f"qnolead-{uuid.uuid4().hex[:6]}"
+    conn, ch = amqp_channel(services)
+    declare(ch, "", q, q)
+    r, cfg = start_relay(relay_bin, tmp_path, services, pgdb, mode="competing",
+                         poll_interval="auto")
+    init_schema(relay_bin, cfg)
+    r.wait_log("database connected")
+    r.assert_clean_exit(r.stop())
+    with pgdb.connect() as c:
+        c.execute("DELETE FROM outbox.messages_lease")
+        for i in range(5):
+            c.execute("INSERT INTO outbox.messages (routing_key, partition_key, payload) "
+                      "VALUES (%s, %s, %s)", (q, f"k{i}", b"x"))
+    t0 = time.monotonic()
+    r, _ = start_relay(relay_bin, tmp_path, services, pgdb, mode="competing",
+                       poll_interval="auto")
+    got = consume(ch, q, 5, timeout=30)
+    took = time.monotonic() - t0
+    r.assert_clean_exit(r.stop())
+    conn.close()
+    with pgdb.connect() as c:
+        row = c.execute("SELECT owner FROM outbox.messages_lease WHERE name = 'leader'").fetchone()
+    print(f"backlog published {took * 1000:.0f} ms after the start")
+    assert len(got) == 5 and row == ("",), (got, row)
+    assert took < 1, took

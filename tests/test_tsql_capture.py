@@ -617,6 +617,8 @@ def test_relay_statements_keep_the_locking_rules(cap):
             tc.output_problems(sql) + tc.escalation_problems(sql, [QT, QD])
         if label in RELAY_CLAIMS:
             found += tc.probe_problems(sql, QT) + tc.first_failed_problems(sql, QT)
+        if label == "relay: claim (competing)":
+            found += tc.mode_problems(sql, QL, QT)
         problems += [f"{label}, {where}: {m}" for m in found]
     for label, rec in cap.execs():
         if label not in cap.producer:
@@ -766,6 +768,15 @@ OLD = {
         "WHERE m.sent_at IS NULL AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM "
         "[outbox].[messages] p WITH (NOLOCK) WHERE p.partition_key = m.partition_key AND "
         "p.sent_at IS NULL AND p.attempts > 0 AND p.id < m.id)) ORDER BY m.id", "first failed"),
+    # (the competing claim until it held the leader row: read WITH (NOLOCK), before its
+    # transaction)
+    "leader row read apart from the competing claim": (
+        "DECLARE @kept int = 0; IF @lease_ms > 0 AND (SELECT x.owner FROM "
+        "[outbox].[messages_lease] x WITH (NOLOCK) WHERE x.name = N'leader' AND x.expires_at > "
+        "SYSUTCDATETIME()) IS NOT NULL SELECT @kept = 1, @limit = 0; BEGIN TRANSACTION; "
+        "INSERT INTO @c0 (id, partition_key, sz) SELECT TOP (@limit) m.id, m.partition_key, 0 "
+        "FROM [outbox].[messages] m WITH (ROWLOCK, READPAST, UPDLOCK) WHERE m.sent_at IS NULL "
+        "ORDER BY m.id; COMMIT TRANSACTION;", "mode"),
     "OUTPUT without INTO": (
         "UPDATE c SET lease_owner = @P5, lease_token = @P6 OUTPUT inserted.id, "
         "LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange", "output"),
@@ -789,6 +800,7 @@ def test_relay_rules_fail_on_the_old_statements(case):
              "fence txn": lambda: tc.fence_txn_problems(sql.lstrip("~"),
                                                         not sql.startswith("~"), QL),
              "output": lambda: tc.output_problems(sql),
+             "mode": lambda: tc.mode_problems(sql, QL, QT),
              "first failed": lambda: tc.first_failed_problems(sql, QT),
              "escalation": lambda: tc.escalation_problems(sql, [QT, QD])}[rule]()
     assert found, f"the {rule} rule passes the old statement"

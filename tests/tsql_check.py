@@ -585,6 +585,29 @@ def fence_txn_problems(sql, autocommit, ql):
     return out
 
 
+def mode_problems(sql, ql, qt):
+    """A competing claim reads the leader row with a lock held to its commit (HOLDLOCK),
+    inside the transaction that takes its rows and before it reads them: a lead (which
+    writes that row) in flight is then waited for and seen, and a later lead waits for the
+    claim. Read without a lock, or before the transaction, a lead and the claim can both go
+    on at the same moment, and the new leader's claims take later rows of the keys the
+    competing claim holds."""
+    n = _norm(sql)
+    q, t = re.escape(ql.upper()), re.escape(qt.upper())
+    take = re.search(r"FROM " + t + r" \w+ WITH \((?=[^)]*UPDLOCK)[^)]*\)", n)
+    if not take:
+        return []
+    begin = [m.end() for m in re.finditer(r"\bBEGIN TRAN(?:SACTION)?\b", n[:take.start()])]
+    held = [m for m in re.finditer(r"FROM " + q + r" (\w+) WITH \(([^)]*)\) WHERE \1\.NAME = "
+                                   r"N'LEADER'", n[:take.start()])
+            if "HOLDLOCK" in m.group(2) and begin and m.start() > begin[-1]]
+    if held:
+        return []
+    return ["the competing claim does not hold the leader row (HOLDLOCK, inside the "
+            "transaction that takes its rows): a lead running at the same moment is not "
+            "waited for, and both modes claim"]
+
+
 def output_problems(sql):
     """OUTPUT always INTO a table variable (without INTO the statement fails on a table
     with any trigger, Msg 334), and nothing converted inside it."""
