@@ -1,5 +1,6 @@
 """Helpers for the relay's integration tests: config files, a relay process
 wrapper (optionally under valgrind), the liboutbox producer and an AMQP consumer."""
+import collections
 import os
 import random
 import re
@@ -23,23 +24,38 @@ def _ephemeral_ports():
         return 32768, 60999
 
 
+_HANDED_OUT = collections.deque(maxlen=64)
+
+
 def free_port():
     """A port nothing listens on, for a server a test starts: drawn from 30000-32767, below
     the kernel's ephemeral range (32768-60999 by default) and above services.sh's ports
     (20000-29999). A port bind(0) hands out is an ephemeral one: any outgoing connection may
     take it before the test's server binds it (seen: a relay's http_listen refused with
-    EADDRINUSE while the other build's tests ran beside it)."""
+    EADDRINUSE while the other build's tests ran beside it). With OUTBOX_TEST_SHARE=K/N
+    (the CI runs of both builds at the same time) each run draws from its own slice of that
+    range: a port one run found free is not taken by the other before its server binds it
+    (seen once in a 9-port window: http_listen refused). A port handed out lately by this
+    process is not handed out again (a test's second server started before its first)."""
     lo, hi = 30000, 32767
     elo, ehi = _ephemeral_ports()
     if not (hi < elo or lo > ehi):
         lo = hi + 1                      # the range overlaps the ephemeral one: bind(0)
+    m = re.fullmatch(r"(\d+)/(\d+)", os.environ.get("OUTBOX_TEST_SHARE", ""))
+    if m and lo <= hi and int(m.group(1)) < int(m.group(2)):
+        k, n = int(m.group(1)), int(m.group(2))
+        size = (hi - lo + 1) // n
+        lo, hi = lo + k * size, lo + (k + 1) * size - 1
     for _ in range(200 if lo <= hi else 0):
         p = random.randint(lo, hi)
+        if p in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", p))
             except OSError:
                 continue
+            _HANDED_OUT.append(p)
             return p
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -56,6 +56,12 @@ typedef struct conn {
     SQLHDBC dbc;
 } conn;
 
+/* psqlODBC calls setlocale() while it connects and disconnects, which is not thread-safe:
+   the threads below connected at the same time and one read a locale string another had
+   freed (AddressSanitizer, in CI). The relay serializes those calls the same way
+   (sources/odbc/odbcsrc_db.c); an application must too. */
+static pthread_mutex_t driver_setup_lock = PTHREAD_MUTEX_INITIALIZER;
+
 static int conn_open(conn *c, const char *s)
 {
     memset(c, 0, sizeof *c);
@@ -74,8 +80,11 @@ static int conn_open(conn *c, const char *s)
     if (!SQL_SUCCEEDED(SQLSetConnectAttr(c->dbc, SQL_ATTR_LOGIN_TIMEOUT,
                                          (SQLPOINTER)(intptr_t)10, 0)))
         return -1;
-    if (!SQL_SUCCEEDED(SQLDriverConnect(c->dbc, NULL, (SQLCHAR *)(uintptr_t)s, SQL_NTS, NULL, 0,
-                                        NULL, SQL_DRIVER_NOPROMPT))) {
+    pthread_mutex_lock(&driver_setup_lock);
+    SQLRETURN rc = SQLDriverConnect(c->dbc, NULL, (SQLCHAR *)(uintptr_t)s, SQL_NTS, NULL, 0,
+                                    NULL, SQL_DRIVER_NOPROMPT);
+    pthread_mutex_unlock(&driver_setup_lock);
+    if (!SQL_SUCCEEDED(rc)) {
         fprintf(stderr, "connect failed\n");
         return -1;
     }
@@ -87,7 +96,9 @@ static void conn_close(conn *c)
     if (c->pg)
         PQfinish(c->pg);
     if (c->dbc) {
+        pthread_mutex_lock(&driver_setup_lock);
         (void)SQLDisconnect(c->dbc);
+        pthread_mutex_unlock(&driver_setup_lock);
         (void)SQLFreeHandle(SQL_HANDLE_DBC, c->dbc);
     }
     if (c->env)
