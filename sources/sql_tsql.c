@@ -286,8 +286,9 @@ static const char claim_competing_text[] =
     CLAIMED_TABLE
     /* the candidates stay held (UPDLOCK) from their read to the UPDATE. First the leader
        row, read again WITH (HOLDLOCK) and so held to the commit: a lead in flight (it writes
-       the row) is waited for and then seen, and a lead after this read waits for this
-       claim, then finds our member row (committed above) and takes nothing. Read only
+       the row) is waited for and then seen, and a lead that writes it after this read waits
+       for this claim's commit: its claims, later still, find our member row (committed
+       above) and take nothing. Read only
        WITH (NOLOCK) above, a lead and this claim could both go on at the same moment, and
        a claim of the new leader take later rows of the keys this one takes. */
     TXN_BEGIN

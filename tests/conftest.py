@@ -505,6 +505,22 @@ def memory_alarm(services, tmp_path):
         alarm.close()
 
 
+# ---------------------------------------------------------------------------- relays left
+@pytest.fixture(autouse=True)
+def reap_relays():
+    """Kills the relay processes a test started and left running: a test that fails before
+    it stops its relays must not leave them retrying against services for the rest of the
+    run (seen: two competing relays of a failed test ran on for 38 minutes)."""
+    import relay_util
+    mark = len(relay_util.STARTED)
+    yield
+    for p in relay_util.STARTED[mark:]:
+        if p.poll() is None:
+            p.kill()
+            p.wait(timeout=30)
+    del relay_util.STARTED[mark:]
+
+
 # ---------------------------------------------------------------------------- shared tests
 def pytest_collection_modifyitems(config, items):
     """OUTBOX_TEST_SHARE=K/N (scripts/test.sh, when it runs the plain and the sanitizer build

@@ -104,6 +104,11 @@ def write_config(path, services, db, *, outboxes=None, relay=None, sink=None, si
     return path
 
 
+# every relay process started, in order: conftest's reap_relays kills those a test left
+# running (one that failed before it stopped them), so that none outlives its test
+STARTED = []
+
+
 class Relay:
     """An `outbox-relay run` process whose stderr goes to a log file."""
 
@@ -121,6 +126,7 @@ class Relay:
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=dict(os.environ, **(env or {})))
+        STARTED.append(self.proc)
 
     def text(self):
         with open(self.log_path, errors="replace") as f:
