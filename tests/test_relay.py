@@ -1,5 +1,6 @@
 """Integration tests of `outbox-relay run` against the private PostgreSQL and RabbitMQ
 (issue: the relay). Each test gets a fresh database, its own queue names and its own relay."""
+import datetime
 import random
 import re
 import signal
@@ -638,7 +639,7 @@ def test_a_competing_relay_on_a_table_without_a_leader_row_publishes_its_backlog
     """A table made by an earlier version has no leader row in its lease table, which every
     competing claim locks (so that a lead running at the same moment waits for it): the
     first claim makes the row, which holds a lead off as the row does, and takes the rows.
-    Taking nothing that time, it published them at its next poll, 2 s after the start."""
+    Taking nothing that time, it published them at its next poll, 2 s after it connected."""
     q = f"qnolead-{uuid.uuid4().hex[:6]}"
     conn, ch = amqp_channel(services)
     declare(ch, "", q, q)
@@ -652,15 +653,25 @@ def test_a_competing_relay_on_a_table_without_a_leader_row_publishes_its_backlog
         for i in range(5):
             c.execute("INSERT INTO outbox.messages (routing_key, partition_key, payload) "
                       "VALUES (%s, %s, %s)", (q, f"k{i}", b"x"))
-    t0 = time.monotonic()
     r, _ = start_relay(relay_bin, tmp_path, services, pgdb, mode="competing",
                        poll_interval="auto")
     got = consume(ch, q, 5, timeout=30)
-    took = time.monotonic() - t0
+    t_end = time.time()
+    r.wait_log("database connected")
+    took = t_end - log_time(r, "database connected")     # the relay's own start aside
     r.assert_clean_exit(r.stop())
     conn.close()
     with pgdb.connect() as c:
         row = c.execute("SELECT owner FROM outbox.messages_lease WHERE name = 'leader'").fetchone()
-    print(f"backlog published {took * 1000:.0f} ms after the start")
+    print(f"backlog published {took * 1000:.0f} ms after the relay connected")
     assert len(got) == 5 and row == ("",), (got, row)
     assert took < 1, took
+
+
+def log_time(relay, text):
+    """The wall-clock time (seconds since the epoch) of the relay's first log line holding
+    text: its lines start with an ISO 8601 UTC timestamp."""
+    m = re.search(r"^(\S+Z) .*" + re.escape(text), relay.text(), re.M)
+    assert m, f"no log line with {text!r}"
+    return datetime.datetime.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S.%fZ").replace(
+        tzinfo=datetime.timezone.utc).timestamp()
