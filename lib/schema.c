@@ -714,6 +714,13 @@ static void ms_ddl(list *l, const names *n)
                  C_OUTBOX, n->lease_raw);
     outbox_util_buf_printf(&b, "    CONSTRAINT [%s] PRIMARY KEY CLUSTERED (name)\n)", n->lpkey);
     add(l, &b);
+    /* its leader row, expired and owned by nobody (''), as on PostgreSQL: a competing claim
+       holds it (HOLDLOCK) while it claims; on a missing row that read would lock the key
+       range up to the first member row, which every renewal of that member then waits for */
+    outbox_util_buf_printf(&b, "IF NOT EXISTS (SELECT 1 FROM %s WHERE name = N'leader')\n"
+                           "    INSERT INTO %s (name, owner, epoch, expires_at) "
+                           "VALUES (N'leader', N'', 0, '19700101')", n->lease, n->lease);
+    add(l, &b);
 }
 
 char **outbox_ddl(outbox_dialect d, const outbox_table_name *t)

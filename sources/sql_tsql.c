@@ -19,8 +19,8 @@
  *     never waits behind an application's open transaction;
  *   - a statement fenced by the leadership epoch reads the leader row WITH (UPDLOCK,
  *     HOLDLOCK) and so holds it to its commit: a takeover (whose lead reads the row
- *     the same way) waits for a claim in flight instead of resetting the leases
- *     around it;
+ *     WITH (XLOCK, HOLDLOCK)) waits for a claim in flight instead of resetting the
+ *     leases around it; a competing claim holds it too (HOLDLOCK), see there;
  *   - no transaction waits on the client: the relay's sessions run with autocommit on
  *     and every request is one batch that is its own transaction: BEGIN TRANSACTION ...
  *     COMMIT TRANSACTION inside the batch, before the result set, which reads only
@@ -131,15 +131,19 @@
     "(SELECT x.owner FROM {L} x WITH (NOLOCK) WHERE x.name = N'leader' "                   \
     "AND x.expires_at > SYSUTCDATETIME())"
 
-/* Leadership. Result: our epoch (0: not leader), the holder before, its epoch, row
-   leases released (in batches: lock escalation), a live member that kept us out ('' none). */
+/* Leadership. Result: our epoch (0: not leader), the holder before ('' none, or the row
+   init made), its epoch, row leases released (in batches: lock escalation), a live member
+   that kept us out ('' none). The leader row is read WITH (XLOCK): a competing claim in
+   flight holds it (S, to its commit), so the members are read only once that claim has
+   committed and its member row is found; with UPDLOCK (compatible with S) the lead read
+   them first, took over once the claim committed and reset the leases it had just taken. */
 static const char lead_text[] =
     "SET NOCOUNT ON; "
     "DECLARE @owner nvarchar(255) = ?, @lease int = ?, @mine bigint = ?; "
     "DECLARE @now datetime2 = SYSUTCDATETIME(), @cur_owner nvarchar(255), @cur_epoch bigint, "
     "@got bigint = 0, @reset int = 0, @k int = " MAX_ROWS ", @member nvarchar(255); "
     TXN_BEGIN
-    "SELECT @cur_owner = owner, @cur_epoch = epoch FROM {L} WITH (UPDLOCK, HOLDLOCK) "
+    "SELECT @cur_owner = owner, @cur_epoch = epoch FROM {L} WITH (XLOCK, HOLDLOCK) "
     "WHERE name = N'leader'; "
     "SET @member = " LIVE_MEMBER "; "
     "IF @member IS NOT NULL "
@@ -266,6 +270,11 @@ static const char claim_competing_text[] =
        name LIKE a constant prefix is a seek). Each statement commits on its own, before
        the claim's transaction: no member row stays locked while the claim runs. */
     "DECLARE @kept int = 0; "
+    /* the leader row, made by init; made here on a table of an earlier version (another
+       relay making it at the same moment: the primary key refuses one, which is fine) */
+    "IF NOT EXISTS (SELECT 1 FROM {L} WITH (NOLOCK) WHERE name = N'leader') "
+    "BEGIN TRY INSERT INTO {L} (name, owner, epoch, expires_at) "
+    "VALUES (N'leader', N'', 0, '19700101'); END TRY BEGIN CATCH SET @kept = 0; END CATCH; "
     "IF @lease_ms > 0 AND " LIVE_LEADER " IS NOT NULL SELECT @kept = 1, @limit = 0; "
     "DECLARE @me nvarchar(255) = N'member:' + @owner; "
     "DECLARE @until datetime2 = DATEADD(millisecond, @lease_ms, SYSUTCDATETIME()); "

@@ -614,6 +614,7 @@ def test_relay_statements_keep_the_locking_rules(cap):
     problems = []
     for label, where, sql in relay_batches(cap):
         found = tc.lease_table_problems(sql, QL) + tc.fence_problems(sql, QL) + \
+            tc.lead_problems(sql, QL) + \
             tc.output_problems(sql) + tc.escalation_problems(sql, [QT, QD])
         if label in RELAY_CLAIMS:
             found += tc.probe_problems(sql, QT) + tc.first_failed_problems(sql, QT)
@@ -777,6 +778,13 @@ OLD = {
         "INSERT INTO @c0 (id, partition_key, sz) SELECT TOP (@limit) m.id, m.partition_key, 0 "
         "FROM [outbox].[messages] m WITH (ROWLOCK, READPAST, UPDLOCK) WHERE m.sent_at IS NULL "
         "ORDER BY m.id; COMMIT TRANSACTION;", "mode"),
+    # (the lead until it read the leader row WITH (XLOCK): UPDLOCK is compatible with the
+    # S lock a competing claim in flight holds)
+    "lead beside a competing claim": (
+        "BEGIN TRANSACTION; SELECT @cur_owner = owner, @cur_epoch = epoch FROM "
+        "[outbox].[messages_lease] WITH (UPDLOCK, HOLDLOCK) WHERE name = N'leader'; "
+        "SET @member = (SELECT MIN(x.owner) FROM [outbox].[messages_lease] x WITH (NOLOCK) "
+        "WHERE x.name LIKE N'member:%');", "lead"),
     "OUTPUT without INTO": (
         "UPDATE c SET lease_owner = @P5, lease_token = @P6 OUTPUT inserted.id, "
         "LOWER(CONVERT(nvarchar(36), inserted.message_id)), inserted.exchange", "output"),
@@ -801,6 +809,7 @@ def test_relay_rules_fail_on_the_old_statements(case):
                                                         not sql.startswith("~"), QL),
              "output": lambda: tc.output_problems(sql),
              "mode": lambda: tc.mode_problems(sql, QL, QT),
+             "lead": lambda: tc.lead_problems(sql, QL),
              "first failed": lambda: tc.first_failed_problems(sql, QT),
              "escalation": lambda: tc.escalation_problems(sql, [QT, QD])}[rule]()
     assert found, f"the {rule} rule passes the old statement"

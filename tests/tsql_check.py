@@ -600,12 +600,31 @@ def mode_problems(sql, ql, qt):
     begin = [m.end() for m in re.finditer(r"\bBEGIN TRAN(?:SACTION)?\b", n[:take.start()])]
     held = [m for m in re.finditer(r"FROM " + q + r" (\w+) WITH \(([^)]*)\) WHERE \1\.NAME = "
                                    r"N'LEADER'", n[:take.start()])
-            if "HOLDLOCK" in m.group(2) and begin and m.start() > begin[-1]]
+            if "HOLDLOCK" in m.group(2) and begin and m.start() > begin[-1]
+            and not re.search(r"\bCOMMIT\b", n[m.end():take.start()])]
     if held:
         return []
     return ["the competing claim does not hold the leader row (HOLDLOCK, inside the "
             "transaction that takes its rows): a lead running at the same moment is not "
             "waited for, and both modes claim"]
+
+
+def lead_problems(sql, ql):
+    """The lead reads the leader row WITH (XLOCK, HOLDLOCK) before it reads the members: a
+    competing claim in flight holds that row (S) to its commit, so the lead reads the
+    members only once that claim's member row is there. With UPDLOCK (compatible with S) it
+    read them first, found none, took over once the claim committed and reset the leases
+    the claim had just taken."""
+    n = _norm(sql)
+    q = re.escape(ql.upper())
+    out = []
+    for m in re.finditer(r"SELECT @\w+ = OWNER, @\w+ = EPOCH FROM " + q +
+                         r"(?: \w+)? WITH \(([^)]*)\) WHERE (?:\w+\.)?NAME = N'LEADER'", n):
+        hs = {h.strip() for h in m.group(1).split(",")}
+        if not {"XLOCK", "HOLDLOCK"} <= hs:
+            out.append("the lead reads the leader row without XLOCK, HOLDLOCK: a competing "
+                       "claim in flight does not hold it off, and it takes over behind it")
+    return out
 
 
 def output_problems(sql):
