@@ -21,7 +21,7 @@ from test_claim_plan import server_log_since
 from test_relay import init_schema
 
 # the start of each mode's claim statement, as pg_stat_statements keeps it
-CLAIM_SQL = {"leader": "WITH RECURSIVE f(partition_key%", "competing": "WITH RECURSIVE me AS%"}
+CLAIM_SQL = {"leader": "WITH RECURSIVE f(partition_key%", "competing": "WITH RECURSIVE ldr AS%"}
 
 
 def prepare(relay_bin, tmp_path, services, pgdb, **ob):
