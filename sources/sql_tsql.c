@@ -294,12 +294,12 @@ static const char claim_competing_text[] =
     "DECLARE @c0 TABLE (id bigint PRIMARY KEY, partition_key nvarchar(255), sz bigint NOT NULL); "
     CLAIMED_TABLE
     /* the candidates stay held (UPDLOCK) from their read to the UPDATE. First the leader
-       row, read again WITH (HOLDLOCK) and so held to the commit: a lead in flight (it writes
-       the row) is waited for and then seen, and a lead that writes it after this read waits
-       for this claim's commit: its claims, later still, find our member row (committed
-       above) and take nothing. Read only
-       WITH (NOLOCK) above, a lead and this claim could both go on at the same moment, and
-       a claim of the new leader take later rows of the keys this one takes. */
+       row, read again WITH (HOLDLOCK) and so held to the commit: a lead in flight (it holds
+       the row WITH (XLOCK)) is waited for and then seen, and a lead after this read waits
+       for this claim's commit, then finds our member row (committed above) and does not
+       lead. Read only WITH (NOLOCK) above, a lead and this claim could both go on at the
+       same moment, and a claim of the new leader take later rows of the keys this one
+       takes. */
     TXN_BEGIN
     "IF @lease_ms > 0 AND EXISTS (SELECT 1 FROM {L} x WITH (HOLDLOCK, ROWLOCK) "
     "WHERE x.name = N'leader' AND x.expires_at > SYSUTCDATETIME()) SET @limit = 0; "
