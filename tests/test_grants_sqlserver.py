@@ -150,7 +150,7 @@ def test_relay_does_what_the_relay_does_and_cannot_insert(granted, relay_bin, se
                  f"SELECT id, message_id, routing_key, payload, N'x' FROM {t.qt}; "
                  f"DELETE FROM {t.qt}; SELECT COUNT(*) FROM {t.qd}", conn=conn)[1] == "1"
     assert t.run(f"DELETE FROM {t.qd}; SELECT 1", conn=conn)[0]
-    assert t.run(f"INSERT INTO {t.ql} (name, owner, epoch, expires_at) VALUES (N'leader', "
+    assert t.run(f"INSERT INTO {t.ql} (name, owner, epoch, expires_at) VALUES (N'member:r', "
                  f"N'r', 1, SYSUTCDATETIME()); UPDATE {t.ql} SET epoch = 2; SELECT 1",
                  conn=conn)[0]
     assert denied(t, conn, f"DELETE FROM {t.ql}")
