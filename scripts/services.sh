@@ -50,9 +50,12 @@ packages() { grep -v '^[[:space:]]*\(#\|$\)' "$PKG_LIST" | awk '{print $1}'; }
 ensure_packages() {
     local missing=() p st
     command -v dpkg-query >/dev/null || { note "not a Debian system; skipping package check"; return 0; }
+    # installed, or installed with its triggers still to run: another apt-get or dpkg at
+    # work beside us (the package tests of the other CI run) leaves man-db that way for a
+    # moment, and installing it then only fails on dpkg's lock
     while read -r p; do
         st=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
-        [[ $st == "install ok installed" ]] || missing+=("$p")
+        [[ $st =~ ^install\ ok\ (installed|triggers-pending|triggers-awaited)$ ]] || missing+=("$p")
     done < <(packages)
     ((${#missing[@]} == 0)) && return 0
     [[ $(id -u) == 0 ]] || die "missing packages (${missing[*]}); run as root or: sudo apt-get install -y ${missing[*]}"
