@@ -522,6 +522,18 @@ def reap_relays():
 
 
 # ---------------------------------------------------------------------------- shared tests
+def ci_share():
+    """OUTBOX_TEST_SHARE=K/N as (K, N): this is run K of the N that one CI run makes at the
+    same time; None when unset. ValueError when it is not K/N with K < N."""
+    share = os.environ.get("OUTBOX_TEST_SHARE", "")
+    if not share:
+        return None
+    m = re.fullmatch(r"(\d+)/(\d+)", share)
+    if not m or not int(m.group(1)) < int(m.group(2)):
+        raise ValueError(f"OUTBOX_TEST_SHARE={share!r}: want K/N with K < N")
+    return int(m.group(1)), int(m.group(2))
+
+
 def pytest_collection_modifyitems(config, items):
     """OUTBOX_TEST_SHARE=K/N (scripts/test.sh, when it runs the plain and the sanitizer build
     at the same time): the tests marked build_independent — whose result does not depend on
@@ -531,13 +543,14 @@ def pytest_collection_modifyitems(config, items):
     run, number K, keeps its own: the other runs of the same CI run keep the others, so each
     runs once. The deal is the same in every run: it depends on the tests only. Unset:
     every test runs."""
-    share = os.environ.get("OUTBOX_TEST_SHARE", "")
-    if not share:
+    try:
+        kn = ci_share()
+    except ValueError as e:
+        raise pytest.UsageError(str(e))
+    if kn is None:
         return
-    m = re.fullmatch(r"(\d+)/(\d+)", share)
-    if not m or not int(m.group(1)) < int(m.group(2)):
-        raise pytest.UsageError(f"OUTBOX_TEST_SHARE={share!r}: want K/N with K < N")
-    k, n = int(m.group(1)), int(m.group(2))
+    k, n = kn
+    share = os.environ["OUTBOX_TEST_SHARE"]
 
     def seconds(it):
         return float(it.get_closest_marker("build_independent").kwargs.get("seconds", 1))

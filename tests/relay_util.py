@@ -41,9 +41,10 @@ def free_port():
     elo, ehi = _ephemeral_ports()
     if not (hi < elo or lo > ehi):
         lo = hi + 1                      # the range overlaps the ephemeral one: bind(0)
-    m = re.fullmatch(r"(\d+)/(\d+)", os.environ.get("OUTBOX_TEST_SHARE", ""))
-    if m and lo <= hi and int(m.group(1)) < int(m.group(2)):
-        k, n = int(m.group(1)), int(m.group(2))
+    from conftest import ci_share
+    share = ci_share()
+    if share and lo <= hi:
+        k, n = share
         size = (hi - lo + 1) // n
         lo, hi = lo + k * size, lo + (k + 1) * size - 1
     for _ in range(200 if lo <= hi else 0):
