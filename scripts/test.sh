@@ -149,7 +149,8 @@ if [[ $MODE == all && $PARALLEL == 1 ]]; then
     say "plain and asan+ubsan at the same time (own services each)"
     trap 'stop_services; stop_san_services' EXIT
     # the build-independent tests (pytest marker build_independent: nothing of the build runs
-    # in them) are dealt out between the two runs, each runs once (tests/conftest.py)
+    # in them) and the T-SQL engine's (marker tsql: most of a run's CPU, in Babelfish's
+    # parser) are dealt out between the two runs, each runs once (tests/conftest.py)
     # each run: its build, then (its services up) its tests. The plain run's services
     # start first and the instrumented run's once they are up: two starts at once could
     # pick the same free ports, each before the other listens.

@@ -207,6 +207,10 @@ def tsql_target(services):
     outbox_test (engine "babelfish"). Babelfish speaks T-SQL over TDS but reads with
     PostgreSQL's snapshots and ignores table hints: tests that can only pass on SQL Server's
     locking say so and check engine."""
+    item = _CURRENT_ITEM[0]
+    if item is not None and not item.get_closest_marker("tsql"):
+        raise RuntimeError(f"{item.nodeid} reaches the T-SQL engine: mark it "
+                           "@pytest.mark.tsql (or add its fixture to conftest.TSQL_FIXTURES)")
     conn = os.environ.get("OUTBOX_TEST_MSSQL", "")
     if conn:
         return conn, "sqlserver"
@@ -534,15 +538,37 @@ def ci_share():
     return int(m.group(1)), int(m.group(2))
 
 
+# The fixtures that reach the T-SQL engine (tsql_target); a test using one of them, or
+# parametrized with the backend "sqlserver", is marked tsql at collection. A test that calls
+# tsql_target itself carries the marker (tsql_target refuses to run in a test without it).
+TSQL_FIXTURES = frozenset({"mssql", "tsql", "tsql_granted"})
+
+
+def _is_tsql(item):
+    if item.get_closest_marker("tsql"):
+        return True
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    return "sqlserver" in params.values() or bool(TSQL_FIXTURES & set(item.fixturenames))
+
+
 def pytest_collection_modifyitems(config, items):
-    """OUTBOX_TEST_SHARE=K/N (scripts/test.sh, when it runs the plain and the sanitizer build
-    at the same time): the tests marked build_independent — whose result does not depend on
-    the build, nothing of the build under test runs in them — are dealt out to N runs, the
-    longest first (the marker's seconds=, 1 by default) each to the run with the fewest
-    seconds so far (ties: the lower number; equal tests in the order of their ids), and this
-    run, number K, keeps its own: the other runs of the same CI run keep the others, so each
-    runs once. The deal is the same in every run: it depends on the tests only. Unset:
-    every test runs."""
+    """Marks the T-SQL tests (tsql, see TSQL_FIXTURES). With OUTBOX_TEST_SHARE=K/N
+    (scripts/test.sh, when it runs the plain and the sanitizer build at the same time) two
+    groups of tests are dealt out to the N runs, each group on its own, so that each of
+    their tests runs once in the CI run:
+      - build_independent: their result does not depend on the build, nothing of the build
+        under test runs in them;
+      - tsql: the T-SQL engine's tests. Nearly all of Babelfish's CPU goes to parsing each
+        new session's statements (its parser's prediction cache is per process and starts
+        cold), so these cost more CPU than any other; each runs in one of the builds, and
+        both builds still run every PostgreSQL test, whatever the driver.
+    Within a group the longest go first (the marker's seconds=, 1 by default), each to the
+    run with the fewest seconds so far (ties: the lower number; equal tests in the order of
+    their ids); this run, number K, keeps its own. The deal is the same in every run: it
+    depends on the tests only. Unset: every test runs."""
+    for it in items:
+        if _is_tsql(it) and not it.get_closest_marker("tsql"):
+            it.add_marker(pytest.mark.tsql)
     try:
         kn = ci_share()
     except ValueError as e:
@@ -551,19 +577,33 @@ def pytest_collection_modifyitems(config, items):
         return
     k, n = kn
     share = os.environ["OUTBOX_TEST_SHARE"]
+    for marker, what in (("build_independent", "build-independent"), ("tsql", "T-SQL")):
+        def seconds(it):
+            return float(it.get_closest_marker(marker).kwargs.get("seconds", 1))
+        group = sorted((it for it in items if it.get_closest_marker(marker)),
+                       key=lambda it: (-seconds(it), it.nodeid))
+        load = [0.0] * n
+        for it in group:
+            run = min(range(n), key=lambda r: (load[r], r))
+            load[run] += seconds(it)
+            if run != k:
+                it.add_marker(pytest.mark.skip(
+                    reason=f"{what}: run {run} of the {n} of this CI run runs it "
+                           f"(OUTBOX_TEST_SHARE={share})"))
 
-    def seconds(it):
-        return float(it.get_closest_marker("build_independent").kwargs.get("seconds", 1))
-    shared = sorted((it for it in items if it.get_closest_marker("build_independent")),
-                    key=lambda it: (-seconds(it), it.nodeid))
-    load = [0.0] * n
-    for it in shared:
-        run = min(range(n), key=lambda r: (load[r], r))
-        load[run] += seconds(it)
-        if run != k:
-            it.add_marker(pytest.mark.skip(
-                reason=f"build-independent: run {run} of the {n} of this CI run runs it "
-                       f"(OUTBOX_TEST_SHARE={share})"))
+
+# the test being run (tsql_target checks its marker)
+_CURRENT_ITEM = [None]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _CURRENT_ITEM[0] = item
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    _CURRENT_ITEM[0] = None
 
 
 # ---------------------------------------------------------------------------- failure logs

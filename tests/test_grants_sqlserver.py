@@ -59,7 +59,7 @@ class Tsql:
 
 
 @pytest.fixture
-def granted(services, build, relay_bin):
+def tsql_granted(services, build, relay_bin):
     conn, engine = tsql_target(services)
     schema = "gr_" + secrets.token_hex(3)
     t = Tsql(build, conn, f"{schema}.messages")
@@ -116,8 +116,8 @@ def denied(t, conn, sql):
                                             "do not have permission", "must be owner"))
 
 
-def test_producer_inserts_and_nothing_else(granted, build):
-    t = granted
+def test_producer_inserts_and_nothing_else(tsql_granted, build):
+    t = tsql_granted
     _, _, conn = t.login("outbox_producer")
     assert t.run(f"INSERT INTO {t.qt} (routing_key, payload) VALUES (N'rk', 0x00); SELECT 1",
                  conn=conn)[0]
@@ -137,9 +137,9 @@ def test_producer_inserts_and_nothing_else(granted, build):
     assert t.run(f"SELECT COUNT(*) FROM {t.qt} WHERE message_id IS NOT NULL", conn=conn)[1] == "2"
 
 
-def test_relay_does_what_the_relay_does_and_cannot_insert(granted, relay_bin, services,
+def test_relay_does_what_the_relay_does_and_cannot_insert(tsql_granted, relay_bin, services,
                                                           tmp_path):
-    t = granted
+    t = tsql_granted
     t.run(f"INSERT INTO {t.qt} (routing_key, payload) VALUES (N'rk', 0x00); SELECT 1")
     _, _, conn = t.login("outbox_relay")
     assert denied(t, conn, f"INSERT INTO {t.qt} (routing_key, payload) VALUES (N'rk', 0x01)")

@@ -311,3 +311,64 @@ def test_run_prog_and_wait_for(tmp_path):
             raise psycopg.OperationalError("not yet")
         return "ok"
     assert wait_for(flaky, timeout=2, ignore=(psycopg.OperationalError,)) == "ok"
+
+
+class _FakeItem:
+    """What conftest's deal reads of a collected test."""
+
+    def __init__(self, nodeid, params=None, fixtures=(), markers=()):
+        self.nodeid = nodeid
+        if params is not None:
+            self.callspec = type("CallSpec", (), {"params": params})()
+        self.fixturenames = list(fixtures)
+        self.own_markers = [getattr(pytest.mark, m).mark for m in markers]
+
+    def get_closest_marker(self, name):
+        return next((m for m in reversed(self.own_markers) if m.name == name), None)
+
+    def add_marker(self, marker):
+        self.own_markers.append(marker.mark)
+
+    def skipped(self):
+        return self.get_closest_marker("skip") is not None
+
+
+@pytest.mark.build_independent
+def test_the_share_deals_tsql_and_build_independent_tests_once_each(monkeypatch):
+    """OUTBOX_TEST_SHARE=K/N: the tests on the T-SQL engine (by the backend "sqlserver", by
+    a T-SQL fixture or by their marker) and the build-independent ones each run in exactly
+    one of the N runs, in balance; every other test runs in all of them; and a test that
+    reaches the T-SQL engine without the marker is refused."""
+    import conftest
+
+    def suite():
+        items = [_FakeItem(f"test_c.py::t{i}[{b}]", params={"src": b}, fixtures=["src"])
+                 for i in range(9) for b in ("postgres", "odbc-postgres", "sqlserver")]
+        items += [_FakeItem(f"test_r.py::r{i}", fixtures=["tsql", "services"]) for i in range(4)]
+        items += [_FakeItem("test_s.py::m", markers=["tsql"]),
+                  _FakeItem("test_g.py::g", fixtures=["granted"]),
+                  _FakeItem("test_p.py::p", fixtures=["pgdb"])]
+        items += [_FakeItem(f"test_d.py::d{i}", markers=["build_independent"]) for i in range(5)]
+        return items
+    tsql = {f"test_c.py::t{i}[sqlserver]" for i in range(9)}
+    tsql |= {f"test_r.py::r{i}" for i in range(4)} | {"test_s.py::m"}
+    indep = {f"test_d.py::d{i}" for i in range(5)}
+    monkeypatch.delenv("OUTBOX_TEST_SHARE", raising=False)
+    items = suite()
+    conftest.pytest_collection_modifyitems(None, items)
+    assert {it.nodeid for it in items if it.get_closest_marker("tsql")} == tsql
+    assert not any(it.skipped() for it in items)
+    ran = []
+    for k in range(2):
+        monkeypatch.setenv("OUTBOX_TEST_SHARE", f"{k}/2")
+        items = suite()
+        conftest.pytest_collection_modifyitems(None, items)
+        ran.append({it.nodeid for it in items if not it.skipped()})
+        assert {it.nodeid for it in items} - tsql - indep <= ran[k]
+    assert ran[0] & ran[1] == {it.nodeid for it in suite()} - tsql - indep
+    assert ran[0] | ran[1] == {it.nodeid for it in suite()}
+    for group in (tsql, indep):
+        assert abs(len(ran[0] & group) - len(ran[1] & group)) <= 1
+    monkeypatch.setattr(conftest, "_CURRENT_ITEM", [_FakeItem("test_x.py::x")])
+    with pytest.raises(RuntimeError, match="test_x.py::x reaches the T-SQL engine"):
+        conftest.tsql_target(None)

@@ -434,6 +434,7 @@ def _named(indexes, name):
     return hits[0]
 
 
+@pytest.mark.tsql
 def test_sqlserver_init_runs_twice_and_migrates_the_pending_index(services, build, relay_bin,
                                                                   tmp_path):
     """On a T-SQL engine (Babelfish here, a real SQL Server with OUTBOX_TEST_MSSQL):
