@@ -52,7 +52,8 @@ ensure_packages() {
     command -v dpkg-query >/dev/null || { note "not a Debian system; skipping package check"; return 0; }
     # installed, or installed with its triggers still to run: another apt-get or dpkg at
     # work beside us (the package tests of the other CI run) leaves man-db that way for a
-    # moment, and installing it then only fails on dpkg's lock
+    # moment (and half-configured while its triggers run: apt-get then waits for dpkg's
+    # lock, DPkg::Lock::Timeout, and finds it installed)
     while read -r p; do
         st=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
         [[ $st =~ ^install\ ok\ (installed|triggers-pending|triggers-awaited)$ ]] || missing+=("$p")
@@ -61,8 +62,8 @@ ensure_packages() {
     [[ $(id -u) == 0 ]] || die "missing packages (${missing[*]}); run as root or: sudo apt-get install -y ${missing[*]}"
     note "installing missing packages: ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
-    apt-get update -q
-    apt-get install -y -q --no-install-recommends "${missing[@]}"
+    apt-get -o DPkg::Lock::Timeout=300 update -q
+    apt-get -o DPkg::Lock::Timeout=300 install -y -q --no-install-recommends "${missing[@]}"
 }
 
 ensure_odbc_driver() {
