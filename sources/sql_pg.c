@@ -151,7 +151,15 @@ static char *fmt(const char *f, ...)
  * $3 lease ms. The row is taken only when it is ours (same owner and epoch:
  * a renewal) or expired in database time, and only while no relay in competing mode
  * is a live member; a takeover increments the epoch (the fencing token) and releases
- * every row lease left by earlier holders. While a member is live, our own row (a lead
+ * every row lease left by earlier holders (r): the leases its snapshot shows, each only as
+ * it was there. A lead that waited for a competing claim in flight (SQL_PG_LDR) decides
+ * from a snapshot taken before that claim committed, so it may still take the lease; the
+ * rows that claim leased were updated since, READ COMMITTED checks r's conditions again on
+ * the row as the claim left it, and the subquery o, which reads the statement's snapshot,
+ * finds the lease there different: the claim's leases stay (released, they were claimed
+ * and published again beside the claim's copies). A subquery (a primary-key lookup for
+ * each leased row), not a join: the plan of a join under stale statistics made a takeover
+ * over 150,000 pending rows outlast the query timeout. While a member is live, our own row (a lead
  * and a competing claim ran at the same moment; or a resign, lease 0) expires now
  * (rel), so that the competing relays go on at once. Setting name (unchanged) makes the
  * write of the row wait for a competing claim in flight (SQL_PG_LDR).
@@ -175,8 +183,10 @@ char *sql_pg_lead(const sql_pg_names *n)
         "rel AS (UPDATE %2$s l SET expires_at = least(l.expires_at, now()) FROM mem "
         "WHERE mem.owner IS NOT NULL AND l.name = 'leader' AND l.owner = $1::text "
         "AND l.epoch = $2::bigint RETURNING 1), "
-        "r AS (UPDATE %1$s SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
-        "WHERE sent_at IS NULL AND lease_token IS NOT NULL "
+        "r AS (UPDATE %1$s m SET lease_owner = NULL, lease_token = NULL, lease_until = NULL "
+        "WHERE m.sent_at IS NULL AND m.lease_token IS NOT NULL "
+        "AND (SELECT ROW(o.lease_owner, o.lease_token, o.lease_until) FROM %1$s o "
+        "WHERE o.id = m.id) IS NOT DISTINCT FROM ROW(m.lease_owner, m.lease_token, m.lease_until) "
         "AND EXISTS (SELECT 1 FROM up WHERE up.epoch <> $2::bigint) RETURNING 1) "
         "SELECT (SELECT epoch FROM up), (SELECT owner FROM cur), (SELECT epoch FROM cur), "
         "(SELECT count(*) FROM r), (SELECT owner FROM mem)",

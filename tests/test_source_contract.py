@@ -1293,12 +1293,18 @@ def test_a_lead_racing_a_competing_claim_takes_no_row_of_its_keys(src, drivers, 
     in flight (both lock the leader row); once C commits, A's claims see C's member row and
     take nothing, and C's next claim sees A's lease and takes nothing either: both modes hold
     the outbox for a moment and neither breaks k's order. With no leader row (a table made
-    by an earlier version), the row C's claim makes holds A's lead off the same way."""
+    by an earlier version), the row C's claim makes holds A's lead off the same way.
+    k:1-2 carried a lease before (Z's, expired): A's lead, when it takes the lease from the
+    view it had before it waited, leaves C's new leases on them. Before, its takeover
+    released them (it releases every lease it sees, and READ COMMITTED found C's), and C's
+    copies in flight would have been claimed and published again."""
     if src.name == "sqlserver":
         pytest.skip("a PostgreSQL statement's snapshot, taken before it waits")
     init_schema(drivers)
     lease = 600000
     ids = src.insert(4, partition_key="k")
+    for i in ids[:2]:
+        src.set_lease(i, 7, -1, owner="Z")            # leased before, expired
     src.x(f"INSERT INTO {src.ql} (name, owner, epoch, expires_at) "
           f"VALUES ('member:C', 'C', 0, now() - interval '1 second')")
     src.x(f"DELETE FROM {src.ql} WHERE name = 'leader'")
@@ -1326,6 +1332,8 @@ def test_a_lead_racing_a_competing_claim_takes_no_row_of_its_keys(src, drivers, 
     if led is None:
         led, _ = a.finish("lead")      # it waited for C's claim
     assert led["ok"] == 0, led
+    assert [src.row(i)["owner"] for i in ids[:2]] == ["C", "C"], (
+        "A's lead released the leases C's claim took", led)
     st, rows = c.claim(10, 2, owner="C", lease_ms=lease, competing=True)
     assert st["ok"] == 0 and rows == [], (st, rows)
     assert src.members() == [("C", True)]
