@@ -88,6 +88,11 @@ class TsqlOutbox:
         self.sql.close()
 
 
+# each test runs the relay end to end, 5-17 s on a quiet machine: its weight in the CI deal
+# (conftest)
+pytestmark = pytest.mark.tsql(seconds=10)
+
+
 @pytest.fixture
 def tsql(services, build):
     t = TsqlOutbox(build, *tsql_target(services))
