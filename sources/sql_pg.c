@@ -159,10 +159,10 @@ static char *fmt(const char *f, ...)
  * finds the lease there different: the claim's leases stay (released, they were claimed
  * and published again beside the claim's copies). A subquery (a primary-key lookup for
  * each leased row), not a join: the plan of a join under stale statistics made a takeover
- * over 150,000 pending rows outlast the query timeout. While a member is live, our own row (a lead
- * and a competing claim ran at the same moment; or a resign, lease 0) expires now
- * (rel), so that the competing relays go on at once. Setting name (unchanged) makes the
- * write of the row wait for a competing claim in flight (SQL_PG_LDR).
+ * over 150,000 pending rows outlast the query timeout. While a member is live, our own
+ * row (a lead and a competing claim ran at the same moment; or a resign, lease 0) expires
+ * now (rel), so that the competing relays go on at once. Setting name (unchanged) makes
+ * the write of the row wait for a competing claim in flight (SQL_PG_LDR).
  * Returns: our epoch (NULL: not leader), the holder (NULL: none, or the row a competing
  * claim made) and epoch before, the
  * number of row leases released, a live member (competing mode) that kept us out. */
