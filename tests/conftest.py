@@ -544,9 +544,7 @@ def ci_share():
 TSQL_FIXTURES = frozenset({"mssql", "tsql", "tsql_granted"})
 
 
-def _is_tsql(item):
-    if item.get_closest_marker("tsql"):
-        return True
+def _reaches_tsql(item):
     params = getattr(getattr(item, "callspec", None), "params", {})
     return "sqlserver" in params.values() or bool(TSQL_FIXTURES & set(item.fixturenames))
 
@@ -567,7 +565,7 @@ def pytest_collection_modifyitems(config, items):
     their ids); this run, number K, keeps its own. The deal is the same in every run: it
     depends on the tests only. Unset: every test runs."""
     for it in items:
-        if _is_tsql(it) and not it.get_closest_marker("tsql"):
+        if not it.get_closest_marker("tsql") and _reaches_tsql(it):
             it.add_marker(pytest.mark.tsql)
     try:
         kn = ci_share()
