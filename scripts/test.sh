@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # scripts/test.sh — every test, in one command, on a fresh Debian 12 machine (as root).
 #   1. install the Debian packages of scripts/packages.txt (apt-get update + install, only if missing)
-#   2. start the private PostgreSQL / RabbitMQ (scripts/services.sh start; in `all` mode in the
-#      background while the builds compile, the instrumented run's services after the plain run's)
+#   2. start the private PostgreSQL / RabbitMQ / Babelfish (scripts/services.sh start; in `all`
+#      mode one set for each run, one after the other, in the background while the builds compile)
 #   3. make test; make SANITIZER=address+undefined test (one build with both AddressSanitizer
-#      and UBSan: the whole suite once more, instrumented), at the same time, each against its
-#      own private services (OUTBOX_TEST_PARALLEL=0: one after the other)
+#      and UBSan: the whole suite once more, instrumented), at the same time, each build in
+#      OUTBOX_TEST_PARTS runs (2) that share its tests out, each run against its own private
+#      services (OUTBOX_TEST_PARALLEL=0: one build after the other, each in one run)
 #      (`scripts/test.sh quick`: the plain build only; `scripts/test.sh valgrind`: plain + valgrind)
 #   4. stop the services this run started; print "N passed, N failed, N skipped" last; exit non-zero on failure
 # .ci/run calls this with CI=true (warnings become errors).
@@ -55,11 +56,23 @@ stop_services() {
 }
 trap stop_services EXIT
 PARALLEL=${OUTBOX_TEST_PARALLEL:-1}
+# in `all` mode, the runs of each build at the same time (each with its tests' share)
+PARTS=${OUTBOX_TEST_PARTS:-2}
+if ! [[ $PARTS =~ ^[1-9]$ ]]; then
+    echo "test.sh: OUTBOX_TEST_PARTS=$PARTS: want 1-9"; echo "0 passed, 1 failed, 0 skipped"; exit 2
+fi
+RUNS=$((2 * PARTS))
+# svc_dir K: the private services of run K: the usual ones for run 0
+svc_dir() { if (($1 == 0)); then echo "${OUTBOX_SERVICES_DIR:-$ROOT/.services}"; else echo "$ROOT/.services-run$1"; fi; }
 if [[ $MODE == all && $PARALLEL == 1 ]]; then
-    # the two runs build while the services start (a build needs none); each run's tests
-    # wait for them (wait_started)
-    say "starting services (in the background, while the builds compile)"
-    (scripts/services.sh start >"$LOGDIR/start.log" 2>&1; echo $? >"$LOGDIR/start.rc") &
+    # the runs build while the services start (a build needs none); each run's tests wait
+    # for its own (wait_started). One start after the other: two at once could pick the
+    # same free ports, each before the other listens.
+    say "starting the services of $RUNS runs (in the background, while the builds compile)"
+    (for ((k = 0; k < RUNS; k++)); do
+         OUTBOX_SERVICES_DIR=$(svc_dir $k) scripts/services.sh start >"$LOGDIR/start-$k.log" 2>&1
+         echo $? >"$LOGDIR/start-$k.rc"
+     done) &
 else
     say "starting services"
     if ! scripts/services.sh start; then
@@ -116,62 +129,81 @@ run_step() {
 
 run_step format format-check   # the files the Makefile lists in FORMATTED follow .clang-format
 
-# The plain and the instrumented suites are independent and mostly wait on the servers: they
-# run at the same time (OUTBOX_TEST_PARALLEL=0: one after the other), the instrumented one
-# against its own private PostgreSQL and RabbitMQ (.services-san/); their logs are shown one
-# after the other.
-SAN_SVC=$ROOT/.services-san
-# run_suite NAME SHARE STARTED [MAKE VARIABLES...]: one of the two runs: its build, then, once
-# its services are up (STARTED.rc and STARTED.log: their background start), its tests with
-# OUTBOX_TEST_SHARE=SHARE; its log in $LOGDIR/NAME.log, its exit status in $LOGDIR/NAME.rc.
-run_suite() {
-    local name=$1 share=$2 started=$3
-    shift 3
-    local log=$LOGDIR/$name.log deadline=$((SECONDS + STEP_TIMEOUT)) rc svc_rc=0 left
-    timeout -k 15 "$STEP_TIMEOUT" make "$@" all test-programs >"$log" 2>&1
-    rc=$?
-    wait_started "$started.rc" "$deadline" || svc_rc=$?
-    cat "$started.log" >>"$log" 2>/dev/null
-    if ((svc_rc != 0)); then
-        echo "test.sh: scripts/services.sh start (${OUTBOX_SERVICES_DIR:-.services}) failed (exit $svc_rc)" >>"$log"
+# The plain and the instrumented suites are independent and mostly wait on the servers: each
+# build runs in PARTS runs at the same time, all of them at once (OUTBOX_TEST_PARALLEL=0: the
+# builds one after the other, each in one run), each run against its own private services
+# (run 0: .services/, run K: .services-runK/); their logs are shown one after the other.
+# run_tests NAME K [MAKE VARIABLES...]: run K's tests (OUTBOX_TEST_SHARE=K/RUNS), once its
+# services are up; its log in $LOGDIR/NAME.log, its exit status in $LOGDIR/NAME.rc.
+run_tests() {
+    local name=$1 k=$2
+    shift 2
+    local log=$LOGDIR/$name.log rc=0 left
+    wait_started "$LOGDIR/start-$k.rc" "$DEADLINE" || rc=$?
+    cat "$LOGDIR/start-$k.log" >>"$log" 2>/dev/null
+    if ((rc != 0)); then
+        echo "test.sh: scripts/services.sh start ($(svc_dir "$k")) failed (exit $rc)" >>"$log"
         rc=1
-    fi
-    left=$((deadline - SECONDS))
-    if ((rc == 0)); then
-        OUTBOX_TEST_SHARE=$share timeout -k 15 "$((left > 1 ? left : 1))" make "$@" test PYTEST_ARGS="--durations=30" >>"$log" 2>&1
+    else
+        left=$((DEADLINE - SECONDS))
+        OUTBOX_SERVICES_DIR=$(svc_dir "$k") OUTBOX_TEST_SHARE=$k/$RUNS OUTBOX_TEST_PARTS=$PARTS \
+            timeout -k 15 "$((left > 1 ? left : 1))" make "$@" test \
+            PYTEST_ARGS="--durations=0 --durations-min=1" >>"$log" 2>&1
         rc=$?
     fi
     echo "$rc" >"$LOGDIR/$name.rc"
 }
-stop_san_services() { OUTBOX_SERVICES_DIR=$SAN_SVC scripts/services.sh stop >"$LOGDIR/stop-san.log" 2>&1 || true; }
+# run_build NAME B [MAKE VARIABLES...]: build B's programs (once), then its PARTS runs
+# (runs B*PARTS ..), named NAME-1 .. (NAME alone when PARTS is 1)
+run_build() {
+    local name=$1 b=$2 rc j
+    shift 2
+    timeout -k 15 "$STEP_TIMEOUT" make "$@" all test-programs >"$LOGDIR/$name-build.log" 2>&1
+    rc=$?
+    for ((j = 0; j < PARTS; j++)); do
+        local run=$name
+        ((PARTS == 1)) || run=$name-$((j + 1))
+        if ((rc != 0)); then
+            cat "$LOGDIR/$name-build.log" >"$LOGDIR/$run.log"
+            echo "$rc" >"$LOGDIR/$run.rc"
+        else
+            (cat "$LOGDIR/$name-build.log" >"$LOGDIR/$run.log"
+             run_tests "$run" $((b * PARTS + j)) "$@") &
+        fi
+    done
+    wait
+}
+stop_run_services() {
+    local k
+    for ((k = 1; k < RUNS; k++)); do
+        OUTBOX_SERVICES_DIR=$(svc_dir $k) scripts/services.sh stop >"$LOGDIR/stop-$k.log" 2>&1 || true
+    done
+}
 
 if [[ $MODE == all && $PARALLEL == 1 ]]; then
-    say "plain and asan+ubsan at the same time (own services each)"
-    trap 'stop_services; stop_san_services' EXIT
+    say "plain and asan+ubsan at the same time, $PARTS runs each (own services each)"
+    trap 'stop_services; stop_run_services' EXIT
+    DEADLINE=$((SECONDS + STEP_TIMEOUT))
     # the build-independent tests (pytest marker build_independent: nothing of the build runs
     # in them) and the T-SQL engine's (marker tsql: most of a run's CPU, in Babelfish's
-    # parser) are dealt out between the two runs, each runs once (tests/conftest.py)
-    # each run: its build, then (its services up) its tests. The plain run's services
-    # start first and the instrumented run's once they are up: two starts at once could
-    # pick the same free ports, each before the other listens.
-    (run_suite plain 0/2 "$LOGDIR/start") &
+    # parser) run in one of the runs; every other test once in each build (tests/conftest.py)
+    (run_build plain 0) &
     p1=$!
-    (export OUTBOX_SERVICES_DIR=$SAN_SVC
-     (svc_rc=0
-      wait_started "$LOGDIR/start.rc" "$((SECONDS + STEP_TIMEOUT))" || svc_rc=$?
-      if ((svc_rc == 0)); then
-          scripts/services.sh start >"$LOGDIR/start-san.log" 2>&1 || svc_rc=$?
-      fi
-      echo "$svc_rc" >"$LOGDIR/start-san.rc") &
-     run_suite asan+ubsan 1/2 "$LOGDIR/start-san" SANITIZER=address+undefined) &
+    (run_build asan+ubsan 1 SANITIZER=address+undefined) &
     p2=$!
     wait "$p1" "$p2"
+    names=()
     for name in plain asan+ubsan; do
+        if ((PARTS == 1)); then names+=("$name"); else
+            for ((j = 1; j <= PARTS; j++)); do names+=("$name-$j"); done
+        fi
+    done
+    for name in "${names[@]}"; do
         say "$name: log"
         cat "$LOGDIR/$name.log"
         tally "$name" "$LOGDIR/$name.log" "$(cat "$LOGDIR/$name.rc" 2>/dev/null || echo 1)"
     done
-    stop_san_services
+    stop_run_services
 else
     run_step plain     test
     if [[ $MODE == all ]]; then

@@ -538,10 +538,34 @@ def ci_share():
     return int(m.group(1)), int(m.group(2))
 
 
+def ci_parts(n):
+    """OUTBOX_TEST_PARTS=M: the CI run's N runs are its builds' runs, M for each build (1 when
+    unset). ValueError when M does not divide N."""
+    parts = os.environ.get("OUTBOX_TEST_PARTS", "1")
+    if not re.fullmatch(r"[1-9]\d*", parts) or n % int(parts):
+        raise ValueError(f"OUTBOX_TEST_PARTS={parts!r}: want a number that divides {n}")
+    return int(parts)
+
+
 # The fixtures that reach the T-SQL engine (tsql_target); a test using one of them, or
 # parametrized with the backend "sqlserver", is marked tsql at collection. A test that calls
 # tsql_target itself carries the marker (tsql_target refuses to run in a test without it).
 TSQL_FIXTURES = frozenset({"mssql", "tsql", "tsql_granted"})
+
+# Each test's seconds in an earlier run (tests/durations.txt: "seconds node-id" a line, the
+# tests of a second or more, written by scripts/test-durations.py), to deal the tests out in
+# balance; a test not listed counts DEFAULT_SECONDS.
+DURATIONS = ROOT / "tests" / "durations.txt"
+DEFAULT_SECONDS = 0.1
+
+
+def _durations():
+    try:
+        lines = DURATIONS.read_text().splitlines()
+    except FileNotFoundError:
+        return {}
+    return {nodeid: float(sec) for sec, _, nodeid in
+            (line.partition(" ") for line in lines if line.strip() and not line.startswith("#"))}
 
 
 def _reaches_tsql(item):
@@ -549,45 +573,82 @@ def _reaches_tsql(item):
     return "sqlserver" in params.values() or bool(TSQL_FIXTURES & set(item.fixturenames))
 
 
+def deal(items, k, n, parts, seconds):
+    """The tests run K of the N runs of a CI run keeps (the others run elsewhere in it). The N
+    runs are the builds' runs, PARTS for each build, run K being part K % PARTS of its build:
+      - the tests of the groups build_independent (nothing of the build under test runs in
+        them: their result is the same in every build) and tsql (the T-SQL engine's: nearly
+        all of Babelfish's CPU goes to parsing each new session's statements, its parser's
+        prediction cache being per process and cold at first) each run in one of the N
+        runs;
+      - every other test runs once in each build, in one of its PARTS runs, with the other
+        tests of its file that are not in a group (they may share a module fixture: one
+        `make deb`, one RabbitMQ cluster).
+    The longest first (seconds(item); a file: its tests' sum), each to the run with the
+    fewest seconds so far (ties: the lower number; equal ones in the order of their ids):
+    first the builds' own files among the parts, then each group among all N runs. The deal
+    depends on the tests only, so every run makes the same one."""
+    def grouped(it):
+        return it.get_closest_marker("build_independent") or it.get_closest_marker("tsql")
+
+    def give(units, runs, load, run_of):
+        """units: (id, seconds, items); each to the least loaded of runs"""
+        for uid, sec, its in sorted(units, key=lambda u: (-u[1], u[0])):
+            run = min(runs, key=lambda r: (load[r], r))
+            load[run] += sec
+            for it in its:
+                run_of[id(it)] = run
+    run_of = {}
+    files = {}
+    for it in items:
+        if not grouped(it):
+            files.setdefault(it.nodeid.split("::")[0], []).append(it)
+    load = [0.0] * n
+    give([(f, sum(map(seconds, its)), its) for f, its in files.items()], range(parts), load,
+         run_of)
+    load = [load[r % parts] for r in range(n)]
+    for marker in ("build_independent", "tsql"):
+        give([(it.nodeid, seconds(it), [it]) for it in items
+              if it.get_closest_marker(marker) and id(it) not in run_of], range(n), load, run_of)
+    return [it for it in items if run_of[id(it)] == (k if grouped(it) else k % parts)]
+
+
 def pytest_collection_modifyitems(config, items):
     """Marks the T-SQL tests (tsql, see TSQL_FIXTURES). With OUTBOX_TEST_SHARE=K/N
-    (scripts/test.sh, when it runs the plain and the sanitizer build at the same time) two
-    groups of tests are dealt out to the N runs, each group on its own, so that each of
-    their tests runs once in the CI run:
-      - build_independent: their result does not depend on the build, nothing of the build
-        under test runs in them;
-      - tsql: the T-SQL engine's tests. Nearly all of Babelfish's CPU goes to parsing each
-        new session's statements (its parser's prediction cache is per process and starts
-        cold), so these cost more CPU than any other; each runs in one of the builds, and
-        both builds still run every PostgreSQL test, whatever the driver.
-    Within a group the longest go first (the marker's seconds=, 1 by default), each to the
-    run with the fewest seconds so far (ties: the lower number; equal tests in the order of
-    their ids); this run, number K, keeps its own. The deal is the same in every run: it
-    depends on the tests only. Unset: every test runs."""
+    (scripts/test.sh, when it runs the plain and the sanitizer build at the same time, each
+    in OUTBOX_TEST_PARTS runs) keeps the tests that deal() gives to this run and deselects
+    the others: each of them runs in another run of the same CI run. Unset: every test
+    runs."""
     for it in items:
         if not it.get_closest_marker("tsql") and _reaches_tsql(it):
             it.add_marker(pytest.mark.tsql)
     try:
         kn = ci_share()
+        if kn is None:
+            return
+        parts = ci_parts(kn[1])
     except ValueError as e:
         raise pytest.UsageError(str(e))
-    if kn is None:
-        return
-    k, n = kn
-    share = os.environ["OUTBOX_TEST_SHARE"]
-    for marker, what in (("build_independent", "build-independent"), ("tsql", "T-SQL")):
-        def seconds(it):
-            return float(it.get_closest_marker(marker).kwargs.get("seconds", 1))
-        group = sorted((it for it in items if it.get_closest_marker(marker)),
-                       key=lambda it: (-seconds(it), it.nodeid))
-        load = [0.0] * n
-        for it in group:
-            run = min(range(n), key=lambda r: (load[r], r))
-            load[run] += seconds(it)
-            if run != k:
-                it.add_marker(pytest.mark.skip(
-                    reason=f"{what}: run {run} of the {n} of this CI run runs it "
-                           f"(OUTBOX_TEST_SHARE={share})"))
+    durations = _durations()
+    keep = deal(items, *kn, parts, lambda it: durations.get(it.nodeid, DEFAULT_SECONDS))
+    kept = {id(it) for it in keep}
+    gone = [it for it in items if id(it) not in kept]
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+        items[:] = keep
+
+
+def pytest_report_header(config):
+    try:
+        kn = ci_share()
+        parts = ci_parts(kn[1]) if kn else 1
+    except ValueError:
+        return None
+    if kn:
+        return (f"OUTBOX_TEST_SHARE={kn[0]}/{kn[1]}, OUTBOX_TEST_PARTS={parts}: run {kn[0]} of "
+                f"the {kn[1]} of this CI run (part {kn[0] % parts} of its build's {parts}); "
+                "the deselected tests run in the others")
+    return None
 
 
 # the test being run (tsql_target checks its marker)

@@ -86,7 +86,7 @@ def test_c_after_teardown(services):
 """
 
 
-@pytest.mark.build_independent(seconds=10)
+@pytest.mark.build_independent
 def test_pgdb_is_fresh_and_dropped(services, tmp_path):
     """The real pgdb (and pgdb2) fixture, driven by pytest itself in an inner session: each
     use gets a new empty database; at teardown — also of a failing test — its connections
@@ -104,6 +104,8 @@ def test_pgdb_is_fresh_and_dropped(services, tmp_path):
     env = dict(os.environ, PGDB_PROBE_OUT=str(out),
                PYTHONPATH=os.pathsep.join(filter(None, [tests_dir,
                                                         os.environ.get("PYTHONPATH")])))
+    for k in ("OUTBOX_TEST_SHARE", "OUTBOX_TEST_PARTS"):   # the inner session runs all three
+        env.pop(k, None)
     # -p conftest: the harness's tests/conftest.py, loaded as a plugin (fixtures and all)
     r = subprocess.run([sys.executable, "-m", "pytest", "-p", "conftest", "-p",
                         "no:cacheprovider", "-c", str(tmp_path / "pytest.ini"),
@@ -172,7 +174,7 @@ def test_rabbitmq_persistent_publish_with_confirms(amqp, services):
     ch.queue_delete(q)
 
 
-@pytest.mark.build_independent(seconds=4)
+@pytest.mark.build_independent
 def test_rabbitmqctl_reaches_private_node(services, amqp):
     ch = amqp.channel()
     q = "harness-ctl"
@@ -329,16 +331,24 @@ class _FakeItem:
     def add_marker(self, marker):
         self.own_markers.append(marker.mark)
 
-    def skipped(self):
-        return self.get_closest_marker("skip") is not None
+
+class _FakeConfig:
+    def __init__(self):
+        self.deselected = []
+        self.hook = self
+
+    def pytest_deselected(self, items):
+        self.deselected += items
 
 
 @pytest.mark.build_independent
-def test_the_share_deals_tsql_and_build_independent_tests_once_each(monkeypatch):
-    """OUTBOX_TEST_SHARE=K/N: the tests on the T-SQL engine (by the backend "sqlserver", by
-    a T-SQL fixture or by their marker) and the build-independent ones each run in exactly
-    one of the N runs, in balance; every other test runs in all of them; and a test that
-    reaches the T-SQL engine without the marker is refused."""
+def test_the_share_deals_each_test_to_one_run_of_each_build(monkeypatch):
+    """OUTBOX_TEST_SHARE=K/N, OUTBOX_TEST_PARTS=M: the tests on the T-SQL engine (by the
+    backend "sqlserver", by a T-SQL fixture or by their marker) and the build-independent
+    ones each run in exactly one of the N runs; every other test runs once in each build
+    (the runs M*b .. M*b+M-1), with the other such tests of its file; the runs' loads, by
+    tests/durations.txt, are in balance; and a test that reaches the T-SQL engine without
+    the marker is refused."""
     import conftest
 
     def suite():
@@ -349,26 +359,50 @@ def test_the_share_deals_tsql_and_build_independent_tests_once_each(monkeypatch)
                   _FakeItem("test_g.py::g", fixtures=["granted"]),
                   _FakeItem("test_p.py::p", fixtures=["pgdb"])]
         items += [_FakeItem(f"test_d.py::d{i}", markers=["build_independent"]) for i in range(5)]
+        items += [_FakeItem(f"test_m{f}.py::x{i}", fixtures=["pgdb"])
+                  for f in range(6) for i in range(3)]
         return items
+    ids = {it.nodeid for it in suite()}
     tsql = {f"test_c.py::t{i}[sqlserver]" for i in range(9)}
     tsql |= {f"test_r.py::r{i}" for i in range(4)} | {"test_s.py::m"}
     indep = {f"test_d.py::d{i}" for i in range(5)}
+    own = ids - tsql - indep
+    seconds = {f"test_m{f}.py::x{i}": 1.0 + f for f in range(6) for i in range(3)}
+    seconds.update({t: 3.0 for t in tsql})
+    monkeypatch.setattr(conftest, "_durations", lambda: seconds)
     monkeypatch.delenv("OUTBOX_TEST_SHARE", raising=False)
+    monkeypatch.delenv("OUTBOX_TEST_PARTS", raising=False)
     items = suite()
-    conftest.pytest_collection_modifyitems(None, items)
+    conftest.pytest_collection_modifyitems(_FakeConfig(), items)
     assert {it.nodeid for it in items if it.get_closest_marker("tsql")} == tsql
-    assert not any(it.skipped() for it in items)
-    ran = []
-    for k in range(2):
-        monkeypatch.setenv("OUTBOX_TEST_SHARE", f"{k}/2")
-        items = suite()
-        conftest.pytest_collection_modifyitems(None, items)
-        ran.append({it.nodeid for it in items if not it.skipped()})
-        assert {it.nodeid for it in items} - tsql - indep <= ran[k]
-    assert ran[0] & ran[1] == {it.nodeid for it in suite()} - tsql - indep
-    assert ran[0] | ran[1] == {it.nodeid for it in suite()}
-    for group in (tsql, indep):
-        assert abs(len(ran[0] & group) - len(ran[1] & group)) <= 1
+    assert len(items) == len(ids)
+    for n, parts in ((2, 1), (4, 2), (6, 3), (4, 4)):
+        ran = []
+        for k in range(n):
+            monkeypatch.setenv("OUTBOX_TEST_SHARE", f"{k}/{n}")
+            monkeypatch.setenv("OUTBOX_TEST_PARTS", str(parts))
+            items, config = suite(), _FakeConfig()
+            conftest.pytest_collection_modifyitems(config, items)
+            ran.append({it.nodeid for it in items})
+            assert ran[k] | {it.nodeid for it in config.deselected} == ids
+            assert not ran[k] & {it.nodeid for it in config.deselected}
+        for t in ids:
+            runs = [k for k in range(n) if t in ran[k]]
+            if t in own:
+                assert [k // parts for k in runs] == list(range(n // parts)), (t, runs)
+                assert len({k % parts for k in runs}) == 1, (t, runs)   # the same part
+            else:
+                assert len(runs) == 1, (t, runs)
+        for k in range(n):
+            files = {t.split("::")[0] for t in ran[k] & own}
+            assert all(f"{f}::x{i}" in ran[k] for f in files if f.startswith("test_m")
+                       for i in range(3)), (k, files)
+        loads = [sum(seconds.get(t, conftest.DEFAULT_SECONDS) for t in r) for r in ran]
+        assert max(loads) - min(loads) <= 6.0, (n, parts, loads)   # the longest file
+    monkeypatch.setenv("OUTBOX_TEST_PARTS", "3")
+    monkeypatch.setenv("OUTBOX_TEST_SHARE", "0/4")
+    with pytest.raises(pytest.UsageError, match="OUTBOX_TEST_PARTS='3': want a number"):
+        conftest.pytest_collection_modifyitems(_FakeConfig(), suite())
     monkeypatch.setattr(conftest, "_CURRENT_ITEM", [_FakeItem("test_x.py::x")])
     with pytest.raises(RuntimeError, match="test_x.py::x reaches the T-SQL engine"):
         conftest.tsql_target(None)

@@ -327,7 +327,7 @@ def poisoned_cmocka(tmp_path):
     return d
 
 
-@pytest.mark.build_independent(seconds=30)
+@pytest.mark.build_independent
 def test_default_build_without_cmocka(tmp_path):
     """A real `make` into a fresh build directory with cmocka made unusable succeeds and
     produces everything that ships; building a test program the same way fails on cmocka."""

@@ -118,7 +118,7 @@ def _run(build, backend, cs, qdb, other_cs, table=None):
     return calls, threads, wrong, extra
 
 
-@pytest.mark.tsql(seconds=25)   # its weight in the CI deal (conftest)
+@pytest.mark.tsql
 def test_misuse_on_tsql_returns_the_documented_code_and_writes_nothing(mssql, build):
     """The same calls through FreeTDS's ODBC driver on the T-SQL engine (Babelfish, or SQL
     Server with OUTBOX_TEST_MSSQL); the other database is master."""

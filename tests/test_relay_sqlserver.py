@@ -88,9 +88,7 @@ class TsqlOutbox:
         self.sql.close()
 
 
-# each test runs the relay end to end, 5-17 s on a quiet machine: its weight in the CI deal
-# (conftest)
-pytestmark = pytest.mark.tsql(seconds=10)
+pytestmark = pytest.mark.tsql
 
 
 @pytest.fixture
