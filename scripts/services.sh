@@ -97,13 +97,20 @@ except OSError:
 EOF
 }
 
-pick_ports() {  # six distinct free ports outside the ephemeral range
-    /usr/bin/python3 - <<'EOF'
-import random, socket
+pick_ports() {  # six distinct free ports outside the ephemeral range, none another set of
+                # this repository's services has picked (.services*/ports.env)
+    /usr/bin/python3 - "$ROOT"/.services*/ports.env <<'EOF'
+import random, re, socket, sys
+taken = set()
+for path in sys.argv[1:]:
+    try:
+        taken.update(int(p) for p in re.findall(r"(?m)^\w+_PORT=(\d+)$", open(path).read()))
+    except OSError:
+        pass
 got = []
 while len(got) < 6:
     p = random.randint(20000, 29999)
-    if p in got or p == 25672:
+    if p in got or p in taken or p == 25672:
         continue
     s = socket.socket()
     try:
@@ -433,9 +440,14 @@ with_lock() {  # serialise start/stop between concurrent test sessions
 
 cmd_start() {
     with_lock
+    # what sets of services started at the same time share (packages, the ODBC driver's
+    # registration, the ports they pick), one at a time
+    exec 8<"$ROOT/scripts/services.sh"
+    flock -w 600 8 || die "could not lock scripts/services.sh"
     ensure_packages
     ensure_odbc_driver
     ensure_ports
+    exec 8<&-
     pg_start
     rmq_start
     bbf_start

@@ -2,7 +2,7 @@
 # scripts/test.sh — every test, in one command, on a fresh Debian 12 machine (as root).
 #   1. install the Debian packages of scripts/packages.txt (apt-get update + install, only if missing)
 #   2. start the private PostgreSQL / RabbitMQ / Babelfish (scripts/services.sh start; in `all`
-#      mode one set for each run, one after the other, in the background while the builds compile)
+#      mode one set for each run, all at once, in the background while the builds compile)
 #   3. make test; make SANITIZER=address+undefined test (one build with both AddressSanitizer
 #      and UBSan: the whole suite once more, instrumented), at the same time, each build in
 #      OUTBOX_TEST_PARTS runs (2) that share its tests out, each run against its own private
@@ -66,13 +66,12 @@ RUNS=$((2 * PARTS))
 svc_dir() { if (($1 == 0)); then echo "${OUTBOX_SERVICES_DIR:-$ROOT/.services}"; else echo "$ROOT/.services-run$1"; fi; }
 if [[ $MODE == all && $PARALLEL == 1 ]]; then
     # the runs build while the services start (a build needs none); each run's tests wait
-    # for its own (wait_started). One start after the other: two at once could pick the
-    # same free ports, each before the other listens.
+    # for its own (wait_started). The starts pick their ports one at a time (services.sh).
     say "starting the services of $RUNS runs (in the background, while the builds compile)"
-    (for ((k = 0; k < RUNS; k++)); do
-         OUTBOX_SERVICES_DIR=$(svc_dir $k) scripts/services.sh start >"$LOGDIR/start-$k.log" 2>&1
-         echo $? >"$LOGDIR/start-$k.rc"
-     done) &
+    for ((k = 0; k < RUNS; k++)); do
+        (OUTBOX_SERVICES_DIR=$(svc_dir $k) scripts/services.sh start >"$LOGDIR/start-$k.log" 2>&1
+         echo $? >"$LOGDIR/start-$k.rc") &
+    done
 else
     say "starting services"
     if ! scripts/services.sh start; then
