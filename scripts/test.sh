@@ -152,16 +152,18 @@ run_tests() {
     fi
     echo "$rc" >"$LOGDIR/$name.rc"
 }
+# run_name NAME J: the name of part J (0 ..) of build NAME's runs: NAME-1 .., NAME alone
+# when PARTS is 1
+run_name() { if ((PARTS == 1)); then echo "$1"; else echo "$1-$(($2 + 1))"; fi; }
 # run_build NAME B [MAKE VARIABLES...]: build B's programs (once), then its PARTS runs
-# (runs B*PARTS ..), named NAME-1 .. (NAME alone when PARTS is 1)
+# (runs B*PARTS ..)
 run_build() {
-    local name=$1 b=$2 rc j
+    local name=$1 b=$2 rc j run
     shift 2
     timeout -k 15 "$STEP_TIMEOUT" make "$@" all test-programs >"$LOGDIR/$name-build.log" 2>&1
     rc=$?
     for ((j = 0; j < PARTS; j++)); do
-        local run=$name
-        ((PARTS == 1)) || run=$name-$((j + 1))
+        run=$(run_name "$name" $j)
         if ((rc != 0)); then
             cat "$LOGDIR/$name-build.log" >"$LOGDIR/$run.log"
             echo "$rc" >"$LOGDIR/$run.rc"
@@ -191,16 +193,13 @@ if [[ $MODE == all && $PARALLEL == 1 ]]; then
     (run_build asan+ubsan 1 SANITIZER=address+undefined) &
     p2=$!
     wait "$p1" "$p2"
-    names=()
-    for name in plain asan+ubsan; do
-        if ((PARTS == 1)); then names+=("$name"); else
-            for ((j = 1; j <= PARTS; j++)); do names+=("$name-$j"); done
-        fi
-    done
-    for name in "${names[@]}"; do
-        say "$name: log"
-        cat "$LOGDIR/$name.log"
-        tally "$name" "$LOGDIR/$name.log" "$(cat "$LOGDIR/$name.rc" 2>/dev/null || echo 1)"
+    for build in plain asan+ubsan; do
+        for ((j = 0; j < PARTS; j++)); do
+            name=$(run_name "$build" $j)
+            say "$name: log"
+            cat "$LOGDIR/$name.log"
+            tally "$name" "$LOGDIR/$name.log" "$(cat "$LOGDIR/$name.rc" 2>/dev/null || echo 1)"
+        done
     done
     stop_run_services
 else

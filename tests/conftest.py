@@ -588,13 +588,15 @@ def deal(items, k, n, parts, seconds):
     fewest seconds so far (ties: the lower number; equal ones in the order of their ids):
     first the builds' own files among the parts, then each group among all N runs. The deal
     depends on the tests only, so every run makes the same one."""
-    def grouped(it):
-        return it.get_closest_marker("build_independent") or it.get_closest_marker("tsql")
+    groups = ("build_independent", "tsql")
 
-    def give(units, runs, load, run_of):
-        """units: (id, seconds, items); each to the least loaded of runs"""
-        for uid, sec, its in sorted(units, key=lambda u: (-u[1], u[0])):
-            run = min(runs, key=lambda r: (load[r], r))
+    def grouped(it):
+        return any(it.get_closest_marker(g) for g in groups)
+
+    def give(units, load, run_of):
+        """units: (id, seconds, items); each to the least loaded run of load"""
+        for _, sec, its in sorted(units, key=lambda u: (-u[1], u[0])):
+            run = min(range(len(load)), key=lambda r: (load[r], r))
             load[run] += sec
             for it in its:
                 run_of[id(it)] = run
@@ -603,13 +605,12 @@ def deal(items, k, n, parts, seconds):
     for it in items:
         if not grouped(it):
             files.setdefault(it.nodeid.split("::")[0], []).append(it)
-    load = [0.0] * n
-    give([(f, sum(map(seconds, its)), its) for f, its in files.items()], range(parts), load,
-         run_of)
+    load = [0.0] * parts
+    give([(f, sum(map(seconds, its)), its) for f, its in files.items()], load, run_of)
     load = [load[r % parts] for r in range(n)]
-    for marker in ("build_independent", "tsql"):
+    for g in groups:
         give([(it.nodeid, seconds(it), [it]) for it in items
-              if it.get_closest_marker(marker) and id(it) not in run_of], range(n), load, run_of)
+              if it.get_closest_marker(g) and id(it) not in run_of], load, run_of)
     return [it for it in items if run_of[id(it)] == (k if grouped(it) else k % parts)]
 
 
