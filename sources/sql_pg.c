@@ -297,9 +297,10 @@ char *sql_pg_lead(const sql_pg_names *n)
    row marked since the table was last vacuumed, at the low end of the index, and with the
    xmin horizon held back none of them can go; a walk from the start crosses them all. The
    bound is read through a subquery so that the planner estimates the claim alike whatever
-   its value: otherwise each value plans better than the generic plan, and a claim would be
-   planned at every execution again (plan_cache_mode = auto keeps a generic plan only when
-   it costs no more than the plans made with the values).
+   its value: otherwise each value plans better than the generic plan, and where the
+   relay sets nothing on its session (psqlODBC), plan_cache_mode = auto would plan the
+   claim at every execution again (it keeps a generic plan only when that costs no more
+   than the plans made with the values).
    The walk passes over the ids in $10 (SQL_PG_HELD) within its index scans: rows the relay
    holds under a live lease of its own, which the claim would not take. Under a steady
    stream they are most of the pending rows (published, waiting for their confirm or their
