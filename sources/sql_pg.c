@@ -311,15 +311,22 @@ char *sql_pg_lead(const sql_pg_names *n)
    none of them, and 300,000 messages scheduled an hour ahead below the ready rows cost a
    walk of a step each, 2.2 s a claim (past query_timeout: nothing was claimed any more);
    filtered, 53 ms. A row falling due is found by the next claim, which walks from the floor
-   (no row below it is pending). */
+   (no row below it is pending).
+   TAKE is the rest of what the claim asks of a row before it locks it: its key is not held
+   back (behind a failed row or one not due; in competing mode also: the key hashes to this
+   relay and its first pending row is no other relay's). It is a filter within the walk's
+   index scans too, so that a key held back costs each claim a look at each of its rows and
+   their key, not a step of the walk and a candidate's lookups each: 300,000 rows of a hot
+   key waiting behind its failed first row made every claim run past a query_timeout of
+   1 s, and the other keys' rows waited with them. */
 #define SQL_PG_HELD(P) P ".id <> ALL (coalesce($10::bigint[], '{}'))"
-#define SQL_PG_WALK(T, GUARD)                                                              \
+#define SQL_PG_WALK(T, GUARD, TAKE)                                                        \
     "w(id) AS ((SELECT p.id FROM " T " p WHERE p.sent_at IS NULL "                         \
     "AND p.id >= (SELECT $9::bigint) AND " SQL_PG_HELD("p") " AND " SQL_PG_DUE("p") " "    \
-    "AND " GUARD " ORDER BY p.id LIMIT 1) "                                                \
+    "AND " TAKE " AND " GUARD " ORDER BY p.id LIMIT 1) "                                   \
     "UNION ALL SELECT (SELECT p.id FROM " T " p "                                          \
     "WHERE p.sent_at IS NULL AND p.id > w.id AND " SQL_PG_HELD("p") " "                    \
-    "AND " SQL_PG_DUE("p") " ORDER BY p.id LIMIT 1) FROM w WHERE w.id IS NOT NULL)"
+    "AND " SQL_PG_DUE("p") " AND " TAKE " ORDER BY p.id LIMIT 1) FROM w WHERE w.id IS NOT NULL)"
 
 /* Row M was leased by one of this relay's claims that failed without an answer ($11, the
    tokens of src_claim_args.lost): such a claim may have committed, and the relay never got
@@ -434,23 +441,23 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
            The candidates are found by walking pending_idx in id order (w, SQL_PG_WALK),
            each pending row looked at in turn until $1 of them can be taken: see there.
            A key's rows also wait behind any of its pending rows that is not due
-           (SQL_PG_NOT_DUE_BEFORE, before the LIMIT, so that such keys do not crowd out the
+           (SQL_PG_NOT_DUE_BEFORE, in the walk, so that such keys do not crowd out the
            others): without it a row its producer delayed was overtaken by the later rows of
            its key. */
         return fmt(
             "WITH RECURSIVE " SQL_PG_FAILED_KEYS("%1$s") ", "
-            SQL_PG_WALK("%1$s", "($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s f "
-                        "WHERE f.name = 'leader' AND f.owner = $2::text "
-                        "AND f.epoch = $5::bigint AND f.expires_at > now() "
-                        "AND " SQL_PG_LIVE_MEMBER("%2$s") " IS NULL))") ", "
+            SQL_PG_WALK("%1$s", "($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s ld "
+                        "WHERE ld.name = 'leader' AND ld.owner = $2::text "
+                        "AND ld.epoch = $5::bigint AND ld.expires_at > now() "
+                        "AND " SQL_PG_LIVE_MEMBER("%2$s") " IS NULL))",
+                        "(p.partition_key IS NULL OR (NOT EXISTS (SELECT 1 FROM f "
+                        "WHERE f.partition_key = p.partition_key AND f.first_failed < p.id) "
+                        "AND NOT EXISTS "
+                        SQL_PG_NOT_DUE_BEFORE("%1$s", "p.partition_key", "p.id") "))") ", "
             "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "
             "m.partition_key" SZ " FROM %1$s m "
             "WHERE m.id = w.id AND m.sent_at IS NULL AND " SQL_PG_DUE("m") " "
             "AND " SQL_PG_CLAIMABLE("m") " "
-            "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM f "
-            "WHERE f.partition_key = m.partition_key AND f.first_failed < m.id)) "
-            "AND (m.partition_key IS NULL OR NOT EXISTS "
-            SQL_PG_NOT_DUE_BEFORE("%1$s", "m.partition_key", "m.id") ") "
             "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint), "
             SQL_PG_BYTE_PREFIX("c0")
             "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
@@ -462,19 +469,24 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced)
         SQL_PG_MEMBERSHIP("%3$s", "$2::text", "(CASE WHEN $4::float8 = 0 "
                           "OR " SQL_PG_LDR_LIVE " IS NULL THEN $4::float8 END)") ", "
         SQL_PG_WALK("%1$s", "($5::bigint >= 0 AND (EXISTS (SELECT 1 FROM ldr) "
-                    "OR EXISTS (SELECT 1 FROM ldr_new)) AND " SQL_PG_LDR_LIVE " IS NULL)")
+                    "OR EXISTS (SELECT 1 FROM ldr_new)) AND " SQL_PG_LDR_LIVE " IS NULL)",
+                    "(" SQL_PG_CLAIMABLE("p") " AND " SQL_PG_MY_KEY("p") " "
+                    /* an earlier row of the key not due (the index of the delayed rows,
+                       a page under a steady stream; it answers first for the rows held
+                       behind one, which CASE makes sure of); then the key's first pending
+                       row, when it comes before this one */
+                    "AND (p.partition_key IS NULL OR CASE WHEN EXISTS "
+                    SQL_PG_NOT_DUE_BEFORE("%1$s", "p.partition_key", "p.id") " THEN false "
+                    "ELSE NOT EXISTS (SELECT 1 FROM (SELECT "
+                    "h.available_at, h.created_at, h.lease_owner, h.lease_until FROM %1$s h "
+                    "WHERE " SQL_PG_KEY_BEFORE("h", "p.partition_key", "p.id") " "
+                    "ORDER BY h.partition_key, h.id LIMIT 1) hd "
+                    "WHERE (hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM "
+                    "$2::text) OR NOT " SQL_PG_DUE("hd") ") END))")
         ", "
         "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "
         "m.partition_key" SZ " FROM %1$s m WHERE m.id = w.id AND m.sent_at IS NULL "
         "AND " SQL_PG_DUE("m") " AND " SQL_PG_CLAIMABLE("m") " "
-        "AND " SQL_PG_MY_KEY("m") " "
-        /* the key's first pending row, when it comes before this one */
-        "AND (m.partition_key IS NULL OR NOT EXISTS (SELECT 1 FROM (SELECT h.available_at, "
-        "h.created_at, h.lease_owner, h.lease_until FROM %1$s h "
-        "WHERE " SQL_PG_KEY_BEFORE("h", "m.partition_key", "m.id") " "
-        "ORDER BY h.partition_key, h.id LIMIT 1) hd "
-        "WHERE (hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM $2::text) "
-        "OR NOT " SQL_PG_DUE("hd") ")) "
         "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint), "
         /* per key, the first pending row that is neither ours (live lease) nor locked by
            this claim: nothing of the key at or after it may be taken now. Only one below

@@ -368,3 +368,40 @@ def test_scheduled_rows_below_the_ready_ones_do_not_stall_the_claims(services, p
         ch.queue_delete(q)
         conn.close()
     assert len(got) == 100, f"{len(got)} of 100 ready rows delivered in 30 s:\n{r.text()[-2000:]}"
+
+
+@pytest.mark.parametrize("mode", ["leader", "competing"])
+@pytest.mark.parametrize("hold", ["failed", "delayed"])
+def test_rows_held_behind_their_keys_first_row_do_not_stall_the_claims(
+        services, pgdb, relay_bin, tmp_path, mode, hold):
+    """A hot key's first row is backing off after a failure (or was scheduled an hour
+    ahead by its producer), and 300,000 later rows of the key wait behind it, below 100
+    ready rows of other keys. Each claim looked at every one of the held rows, each with a
+    step of its walk and a lookup of its key: past a query_timeout of 1 s nothing was
+    delivered, every claim cancelled, although those keys were free. The held rows must be
+    passed over within the walk's index scans, and the other keys' rows flow."""
+    table, qt, q, conn, ch, cfg = relay_table(services, pgdb, relay_bin, tmp_path, "held",
+                                              mode=mode, query_timeout="1s")
+    attempts = 1 if hold == "failed" else 0
+    with psycopg.connect(pgdb.dsn, autocommit=True) as db:
+        db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload, available_at, "
+                   "attempts, last_error) VALUES ('nowhere', 'hot', '\\x00', "
+                   "now() + interval '1 hour', %s, 'unroutable')", (attempts,))
+        db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
+                   "SELECT 'nowhere', 'hot', '\\x00' FROM generate_series(1, 300000) g")
+        db.execute(f"VACUUM ANALYZE {qt}")
+        db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
+                   "SELECT %s, 'k' || (g %% 10), '\\x01' FROM generate_series(1, 100) g", (q,))
+    r = Relay(relay_bin, cfg, tmp_path / "r.log")
+    try:
+        got = consume(ch, q, 100, timeout=30)
+    finally:
+        r.assert_clean_exit(r.stop())
+        ch.queue_delete(q)
+        conn.close()
+    assert len(got) == 100, f"{len(got)} of 100 ready rows delivered in 30 s:\n{r.text()[-2000:]}"
+    with psycopg.connect(pgdb.dsn, autocommit=True) as db:
+        left = db.execute(f"SELECT count(*) FILTER (WHERE partition_key = 'hot'), "
+                          f"count(*) FILTER (WHERE lease_owner IS NOT NULL) "
+                          f"FROM {qt} WHERE sent_at IS NULL").fetchone()
+    assert left == (300001, 0), f"(held rows pending, leased): {left}"
