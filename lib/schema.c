@@ -264,10 +264,10 @@ static const struct {
     { "dead_at_idx", true,  "(dead_at)", NULL, 0, 0 },
     /* competing claims find a key's first pending row through this index */
     { "key_idx",     false, "(partition_key, id)", "sent_at IS NULL", 0, 0 },
-    /* the pending rows delayed when written (or backing off): the leader claim holds a
-       key's later rows behind one not due yet, and finds them through this index, empty
-       while no message is delayed. PostgreSQL only: a filtered index on SQL Server cannot
-       compare two columns. */
+    /* the pending rows delayed when written (or backing off): the claims hold a key's
+       later rows behind one not due yet, and find them through this index, empty while no
+       message is delayed. PostgreSQL only: a filtered index on SQL Server cannot compare
+       two columns. */
     { OUTBOX_DELAYED_IDX, false, "(partition_key, available_at, id)",
       "sent_at IS NULL AND available_at > created_at", "", 0 },
 };

@@ -53,8 +53,11 @@ char *sql_pg_lead(const sql_pg_names *n);
    leased under them are taken as if their lease had ended.
    -> id, message_id, exchange, routing_key, partition_key, message_type, content_type,
       correlation_id, headers (text), payload, attempts, created_at (µs since the epoch),
-      age (µs), and the size of a payload left out (else NULL). */
-char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing);
+      age (µs), and the size of a payload left out (else NULL).
+   delayed_idx: the table has its index of the delayed rows (n->delayed; tables made by
+   earlier versions may lack it), which the competing claim then asks first for each row
+   it looks at. */
+char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing, bool delayed_idx);
 /* Payloads over this many bytes are read in slices of this size (sql_pg_claim_sliced,
    sql_pg_payload_slices). */
 #define SQL_PG_SLICE_BYTES 1048576
@@ -62,7 +65,7 @@ char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing);
    within $8) is left out of the answer too: its column NULL and the last column its size,
    as for one over $8. Same parameters, same result columns, same byte limit (such a row
    counts whole). */
-char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing);
+char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing, bool delayed_idx);
 /* Every claim's $9: its walk over the pending rows starts at this id (0: the table's start).
  *
  * The floor probe finds a start below which no row is pending and none can become pending,

@@ -57,6 +57,7 @@ typedef struct odbcsrc_db {
     bool     lost;            /* the last error was connection-class */
     bool     nodata;          /* the last execution returned SQL_NO_DATA */
     bool     babelfish;       /* T-SQL answered by Babelfish for PostgreSQL (@@VERSION) */
+    bool     delayed_idx;     /* PostgreSQL: the outbox has its index of the delayed rows */
     long     native;          /* the native error number of the last error (1205: deadlock) */
     int      dialect;         /* OUTBOX_DIALECT_* */
     bool     freetds;         /* the driver is FreeTDS's libtdsodbc (see ost_run) */

@@ -104,7 +104,11 @@ struct source {
     cfg_outbox cfg;          /* scalar fields; the string pointers below are ours */
     char     *conninfo, *password, *database, *name;
     sql_pg_names names;
-    char     *sql_lead, *sql_claim, *sql_claim_competing, *sql_settle, *sql_settle_sent;
+    char     *sql_lead, *sql_claim, *sql_settle, *sql_settle_sent;
+    /* the competing claim with and without the index of the delayed rows, and the one for
+       this session's table (set by the schema check, before any statement is prepared) */
+    char       *sql_competing_idx, *sql_competing_noidx;
+    const char *sql_claim_competing;
     char     *sql_cleanup, *sql_stats, *sql_health, *sql_slices;
     bool      prepared[ST_COUNT]; /* this session has the statement prepared */
     int       prep_st;        /* Q_REQ_PREPARE: the statement, then run with these: */
@@ -198,7 +202,8 @@ static void src_free(source *s)
     for (size_t i = 0; i < sizeof s->fp / sizeof s->fp[0]; i++)
         free(s->fp[i].w);
     prep_clear(s);
-    free(s->sql_claim_competing);
+    free(s->sql_competing_idx);
+    free(s->sql_competing_noidx);
     free(s);
 }
 
@@ -420,8 +425,8 @@ static void setup_step(source *s, int op)
            a plan without one exists (enable_sort off, and from PostgreSQL 13 on
            enable_incremental_sort, which enable_sort leaves on): the claims' lookups by
            key are written so that only one index answers each without a sort (on
-           (partition_key, id), or delayed_idx for the leader claim's look for rows not
-           due), which the planner would otherwise not always prefer when the statistics
+           (partition_key, id), or delayed_idx for the claims' look for rows not due),
+           which the planner would otherwise not always prefer when the statistics
            were taken while no row was pending (it then believes pending_idx holds about
            one row, and walks it), nor, for delayed_idx, when they saw many keys and the
            backlog is one key's (key_idx, ordered by key, then sorted a little at a time:
@@ -755,14 +760,16 @@ static void q_done(source *s)
             setup_fail(s, msg);
             return;
         }
-        if (!i_ok && !s->index_warned && s->cbs.on_wake && s->cfg.mode == CFG_MODE_LEADER) {
-            /* once per source: the claiming connection's, where the leader claim runs */
+        s->sql_claim_competing = i_ok ? s->sql_competing_idx : s->sql_competing_noidx;
+        if (!i_ok && !s->index_warned && s->cbs.on_wake) {
+            /* once per source: the claiming connection's, where the claims run */
             s->index_warned = true;
             log_ev(LOG_WARN, &(log_fields){ .event = "delayed_index_missing", .outbox = s->name },
                    "outbox=%s: index %s missing (a table made by an earlier version): the "
-                   "claims read each key's pending rows to keep delayed rows in order, which "
-                   "costs more; run outbox-relay init (on a large table, first CREATE INDEX "
-                   "CONCURRENTLY as outbox-relay schema prints it)", s->name, s->names.delayed);
+                   "claims read each key's rows the long way to keep delayed rows in order, "
+                   "which costs more; run outbox-relay init (on a large table, first CREATE "
+                   "INDEX CONCURRENTLY as outbox-relay schema prints it)", s->name,
+                   s->names.delayed);
         }
         if (s->pooled) {
             /* LISTEN cannot work through transaction pooling, and a LISTEN left on a
@@ -1088,8 +1095,10 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
         s->cfg.reconnect_max_ms = 30000;
     sql_pg_names_init(ob, &s->names);
     s->sql_lead = sql_pg_lead(&s->names);
-    s->sql_claim = sql_pg_claim_sliced(&s->names, false);
-    s->sql_claim_competing = sql_pg_claim_sliced(&s->names, true);
+    s->sql_claim = sql_pg_claim_sliced(&s->names, false, true);
+    s->sql_competing_idx = sql_pg_claim_sliced(&s->names, true, true);
+    s->sql_competing_noidx = sql_pg_claim_sliced(&s->names, true, false);
+    s->sql_claim_competing = s->sql_competing_idx;
     s->sql_settle = sql_pg_settle(&s->names, ob->on_sent);
     s->sql_settle_sent = sql_pg_settle_sent(&s->names, ob->on_sent);
     s->sql_cleanup = sql_pg_cleanup(&s->names);
@@ -1097,7 +1106,8 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
     s->sql_health = sql_pg_health();
     s->sql_slices = sql_pg_payload_slices(&s->names);
     s->sql_floor = sql_pg_floor_probe(&s->names);
-    if (!s->sql_slices || !s->sql_lead || !s->sql_claim || !s->sql_claim_competing || !s->sql_settle ||
+    if (!s->sql_slices || !s->sql_lead || !s->sql_claim || !s->sql_competing_idx ||
+        !s->sql_competing_noidx || !s->sql_settle ||
         !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats || !s->sql_health ||
         !s->sql_floor)
         goto oom;

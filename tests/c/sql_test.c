@@ -49,10 +49,10 @@ static void t_qmarks(void **state)
 /* Every marker of a statement is within 1..nparams, and each of them is used. */
 static void check_stmt(char *sql, int nparams)
 {
-    int order[32], seen[16] = {0};
+    int order[64], seen[16] = {0};
     size_t n = 0;
     assert_non_null(sql);
-    char *q = sql_pg_qmarks(sql, order, 32, &n);
+    char *q = sql_pg_qmarks(sql, order, 64, &n);
     assert_non_null(q);
     for (size_t i = 0; i < n; i++) {
         assert_in_range(order[i], 1, nparams);
@@ -80,10 +80,12 @@ static void t_statements(void **state)
     assert_string_equal(n.dead, "\"app\".\"outbox_dead\"");
     assert_string_equal(n.lease, "\"app\".\"outbox_lease\"");
     check_stmt(sql_pg_lead(&n), 3);
-    check_stmt(sql_pg_claim_bytes(&n, false), 11);
-    check_stmt(sql_pg_claim_bytes(&n, true), 11);
-    check_stmt(sql_pg_claim_sliced(&n, false), 11);
-    check_stmt(sql_pg_claim_sliced(&n, true), 11);
+    for (int idx = 0; idx < 2; idx++) {
+        check_stmt(sql_pg_claim_bytes(&n, false, idx), 11);
+        check_stmt(sql_pg_claim_bytes(&n, true, idx), 11);
+        check_stmt(sql_pg_claim_sliced(&n, false, idx), 11);
+        check_stmt(sql_pg_claim_sliced(&n, true, idx), 11);
+    }
     check_stmt(sql_pg_floor_probe(&n), 3);
     for (int on_sent = 0; on_sent < 2; on_sent++) {
         check_stmt(sql_pg_settle_sent(&n, on_sent), 2);
