@@ -484,7 +484,7 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced, bool dela
         SQL_PG_WALK("%1$s", "($5::bigint >= 0 AND (EXISTS (SELECT 1 FROM ldr) "
                     "OR EXISTS (SELECT 1 FROM ldr_new)) AND " SQL_PG_LDR_LIVE " IS NULL)",
                     "(" SQL_PG_CLAIMABLE("p") " AND " SQL_PG_MY_KEY("p") " "
-                    /* an earlier row of the key not due (%4$s, see below); then the key's
+                    /* an earlier row of the key not due (%4$s: not_due above); then the key's
                        first pending row, when it comes before this one */
                     "AND (p.partition_key IS NULL OR CASE WHEN %4$s THEN false "
                     "ELSE NOT EXISTS (SELECT 1 FROM (SELECT "
