@@ -408,7 +408,26 @@ char *sql_pg_lead(const sql_pg_names *n)
     "AND h.available_at > h.created_at AND h.id >= (SELECT $9::bigint) AND h.id < " ID " " \
     "ORDER BY h.partition_key, h.available_at LIMIT 1) hd)"
 
-static char *claim(const sql_pg_names *n, bool competing, bool sliced, bool delayed_idx)
+/* What a claim asks of row A (an alias of table T) before it locks it, beside its lease
+   (TAKE, see SQL_PG_WALK). Leader mode: its key has no earlier failed row (the CTE f) nor
+   one not due. Competing mode: its key hashes to this relay, and the key's first pending
+   row, when it comes before this one, is neither another relay's (live lease) nor not
+   due; NOT_DUE, a condition asked first (CASE makes sure of it), says that an earlier row
+   of the key is not due. */
+#define SQL_PG_LEADER_TAKE(T, A)                                                           \
+    "(" A ".partition_key IS NULL OR (NOT EXISTS (SELECT 1 FROM f "                        \
+    "WHERE f.partition_key = " A ".partition_key AND f.first_failed < " A ".id) "          \
+    "AND NOT EXISTS " SQL_PG_NOT_DUE_BEFORE(T, A ".partition_key", A ".id") "))"
+#define SQL_PG_COMPETING_TAKE(T, A, NOT_DUE)                                               \
+    "(" SQL_PG_MY_KEY(A) " AND (" A ".partition_key IS NULL OR CASE WHEN " NOT_DUE " "     \
+    "THEN false ELSE NOT EXISTS (SELECT 1 FROM (SELECT h.available_at, h.created_at, "     \
+    "h.lease_owner, h.lease_until FROM " T " h "                                           \
+    "WHERE " SQL_PG_KEY_BEFORE("h", A ".partition_key", A ".id") " "                       \
+    "ORDER BY h.partition_key, h.id LIMIT 1) hd "                                          \
+    "WHERE (hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM $2::text) "        \
+    "OR NOT " SQL_PG_DUE("hd") ") END))"
+
+static char *claim(const sql_pg_names *n, bool competing, bool sliced, int form)
 {
     static const char ret_sized[] =
         "RETURNING m.id, m.message_id, m.exchange, m.routing_key, m.partition_key, "
@@ -428,6 +447,39 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced, bool dela
     /* The candidates carry their size (SZ), and the rows leased are their prefix within
        the byte limit (the CTE b). */
 #define SZ ", " SQL_PG_CLAIMED_BYTES("m") " AS sz"
+    /* TAKE goes into the walk (SQL_PG_CLAIM_WALK: the relay's own sessions, where sorts
+       are ruled out and each step of the walk is an ordered index scan, whatever the
+       statistics), or else is asked of each candidate the walk brings (c0). Where sorts
+       are allowed (through a pooler, through psqlODBC), a step of the walk may be planned
+       as a read of every pending row, then a sort, when the statistics lag behind (a
+       backlog written at once): TAKE there would look up the key of every pending row at
+       every step (two competing relays through PgBouncer, 6,000 rows: nothing claimed
+       before the leases ran out).
+       In the walk, competing mode asks first whether an earlier row of the key is not due
+       (SQL_PG_NOT_DUE_BEFORE), from the index of the delayed rows
+       (SQL_PG_CLAIM_DELAYED_IDX: the table has it), a page under a steady stream: it
+       answers at once for each row held behind one (300,000 rows of a key behind its
+       scheduled first row: 0.39 s a claim, against more than 1 s for the look at the key's
+       first pending row alone). Without that index (a table made by an earlier version)
+       the question would read and sort the key's pending rows for every row walked; the
+       look at the key's first pending row answers it alone then. */
+    bool walk = (form & SQL_PG_CLAIM_WALK) != 0;
+    char *take, *sql = NULL;
+    if (!competing)
+        take = walk ? fmt(SQL_PG_LEADER_TAKE("%1$s", "p"), n->table)
+                    : fmt(SQL_PG_LEADER_TAKE("%1$s", "m"), n->table);
+    else if (!walk)
+        take = fmt(SQL_PG_COMPETING_TAKE("%1$s", "m", "false"), n->table);
+    else if (form & SQL_PG_CLAIM_DELAYED_IDX)
+        take = fmt("(" SQL_PG_CLAIMABLE("p") " AND "
+                   SQL_PG_COMPETING_TAKE("%1$s", "p", "EXISTS " SQL_PG_NOT_DUE_BEFORE(
+                       "%1$s", "p.partition_key", "p.id")) ")", n->table);
+    else
+        take = fmt("(" SQL_PG_CLAIMABLE("p") " AND "
+                   SQL_PG_COMPETING_TAKE("%1$s", "p", "false") ")", n->table);
+    if (!take)
+        return NULL;
+    const char *walk_take = walk ? take : "true", *c0_take = walk ? "true" : take;
     if (!competing)
         /* The claim commits durably, as marks do: a claim a crashed server forgot leaves
            the relay holding rows whose leases are gone; they are claimed and published
@@ -444,59 +496,34 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced, bool dela
            (SQL_PG_NOT_DUE_BEFORE, in the walk, so that such keys do not crowd out the
            others): without it a row its producer delayed was overtaken by the later rows of
            its key. */
-        return fmt(
+        sql = fmt(
             "WITH RECURSIVE " SQL_PG_FAILED_KEYS("%1$s") ", "
             SQL_PG_WALK("%1$s", "($5::bigint = 0 OR EXISTS (SELECT 1 FROM %2$s ld "
                         "WHERE ld.name = 'leader' AND ld.owner = $2::text "
                         "AND ld.epoch = $5::bigint AND ld.expires_at > now() "
-                        "AND " SQL_PG_LIVE_MEMBER("%2$s") " IS NULL))",
-                        "(p.partition_key IS NULL OR (NOT EXISTS (SELECT 1 FROM f "
-                        "WHERE f.partition_key = p.partition_key AND f.first_failed < p.id) "
-                        "AND NOT EXISTS "
-                        SQL_PG_NOT_DUE_BEFORE("%1$s", "p.partition_key", "p.id") "))") ", "
+                        "AND " SQL_PG_LIVE_MEMBER("%2$s") " IS NULL))", "%4$s") ", "
             "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "
             "m.partition_key" SZ " FROM %1$s m "
             "WHERE m.id = w.id AND m.sent_at IS NULL AND " SQL_PG_DUE("m") " "
-            "AND " SQL_PG_CLAIMABLE("m") " "
+            "AND " SQL_PG_CLAIMABLE("m") " AND %5$s "
             "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint), "
             SQL_PG_BYTE_PREFIX("c0")
             "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
             "lease_until = now() + $4::float8 * interval '1 millisecond' "
             "FROM b WHERE m.id = b.id %3$s",
-            n->table, n->lease, ret);
-    /* The competing claim's walk asks first whether an earlier row of the key is not due
-       (SQL_PG_NOT_DUE_BEFORE): from the index of the delayed rows, a page under a steady
-       stream, that answers at once for each row held behind one (300,000 rows of a key
-       behind its scheduled first row: 0.39 s a claim, against more than 1 s for the look
-       at the key's first pending row alone). CASE makes it answer first. Without that
-       index (a table made by an earlier version, delayed_idx false) the question would
-       read and sort the key's pending rows for every row walked; the look at the key's
-       first pending row answers it alone then. */
-    char *not_due = delayed_idx ? fmt("EXISTS " SQL_PG_NOT_DUE_BEFORE("%1$s", "p.partition_key",
-                                                                      "p.id"), n->table)
-                                : fmt("false");
-    if (!not_due)
-        return NULL;
-    char *sql = fmt(
+            n->table, n->lease, ret, walk_take, c0_take);
+    else
+        sql = fmt(
         "WITH RECURSIVE " SQL_PG_LDR("%3$s") ", "
         SQL_PG_MEMBERSHIP("%3$s", "$2::text", "(CASE WHEN $4::float8 = 0 "
                           "OR " SQL_PG_LDR_LIVE " IS NULL THEN $4::float8 END)") ", "
         SQL_PG_WALK("%1$s", "($5::bigint >= 0 AND (EXISTS (SELECT 1 FROM ldr) "
                     "OR EXISTS (SELECT 1 FROM ldr_new)) AND " SQL_PG_LDR_LIVE " IS NULL)",
-                    "(" SQL_PG_CLAIMABLE("p") " AND " SQL_PG_MY_KEY("p") " "
-                    /* an earlier row of the key not due (%4$s: not_due above); then the key's
-                       first pending row, when it comes before this one */
-                    "AND (p.partition_key IS NULL OR CASE WHEN %4$s THEN false "
-                    "ELSE NOT EXISTS (SELECT 1 FROM (SELECT "
-                    "h.available_at, h.created_at, h.lease_owner, h.lease_until FROM %1$s h "
-                    "WHERE " SQL_PG_KEY_BEFORE("h", "p.partition_key", "p.id") " "
-                    "ORDER BY h.partition_key, h.id LIMIT 1) hd "
-                    "WHERE (hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM "
-                    "$2::text) OR NOT " SQL_PG_DUE("hd") ") END))")
+                    "%4$s")
         ", "
         "c0 AS (SELECT x.id, x.partition_key, x.sz FROM w, LATERAL (SELECT m.id, "
         "m.partition_key" SZ " FROM %1$s m WHERE m.id = w.id AND m.sent_at IS NULL "
-        "AND " SQL_PG_DUE("m") " AND " SQL_PG_CLAIMABLE("m") " "
+        "AND " SQL_PG_DUE("m") " AND " SQL_PG_CLAIMABLE("m") " AND %5$s "
         "FOR UPDATE SKIP LOCKED) x LIMIT $1::bigint), "
         /* per key, the first pending row that is neither ours (live lease) nor locked by
            this claim: nothing of the key at or after it may be taken now. Only one below
@@ -516,20 +543,20 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced, bool dela
         "UPDATE %1$s m SET lease_owner = $2::text, lease_token = $3::bigint, "
         "lease_until = now() + $4::float8 * interval '1 millisecond' "
         "FROM b WHERE m.id = b.id %2$s",
-        n->table, ret, n->lease, not_due);
-    free(not_due);
+        n->table, ret, n->lease, walk_take, c0_take);
+    free(take);
     return sql;
 #undef SZ
 }
 
-char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing, bool delayed_idx)
+char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing, int form)
 {
-    return claim(n, competing, false, delayed_idx);
+    return claim(n, competing, false, form);
 }
 
-char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing, bool delayed_idx)
+char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing, int form)
 {
-    return claim(n, competing, true, delayed_idx);
+    return claim(n, competing, true, form);
 }
 
 /* The floor probe (see sql_pg.h): $1 the floor in use, $2 the lock holders the previous probe

@@ -54,10 +54,14 @@ char *sql_pg_lead(const sql_pg_names *n);
    -> id, message_id, exchange, routing_key, partition_key, message_type, content_type,
       correlation_id, headers (text), payload, attempts, created_at (µs since the epoch),
       age (µs), and the size of a payload left out (else NULL).
-   delayed_idx: the table has its index of the delayed rows (n->delayed; tables made by
-   earlier versions may lack it), which the competing claim then asks first for each row
-   it looks at. */
-char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing, bool delayed_idx);
+   form: SQL_PG_CLAIM_WALK for a session that rules sorts out (the relay's own, see the
+   PostgreSQL source's session setup): the rows of keys held back are passed over within
+   the walk's index scans; with SQL_PG_CLAIM_DELAYED_IDX too when the table has its index
+   of the delayed rows (n->delayed; tables made by earlier versions may lack it), which
+   the competing claim then asks first. 0 elsewhere (through a pooler, psqlODBC). */
+#define SQL_PG_CLAIM_WALK        1
+#define SQL_PG_CLAIM_DELAYED_IDX 2
+char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing, int form);
 /* Payloads over this many bytes are read in slices of this size (sql_pg_claim_sliced,
    sql_pg_payload_slices). */
 #define SQL_PG_SLICE_BYTES 1048576
@@ -65,7 +69,7 @@ char *sql_pg_claim_bytes(const sql_pg_names *n, bool competing, bool delayed_idx
    within $8) is left out of the answer too: its column NULL and the last column its size,
    as for one over $8. Same parameters, same result columns, same byte limit (such a row
    counts whole). */
-char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing, bool delayed_idx);
+char *sql_pg_claim_sliced(const sql_pg_names *n, bool competing, int form);
 /* Every claim's $9: its walk over the pending rows starts at this id (0: the table's start).
  *
  * The floor probe finds a start below which no row is pending and none can become pending,

@@ -434,8 +434,7 @@ int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
                                TV_S("lease", db->ql) };
         sql = ost_tsql(db, &sql_tsql_tables_exist, tv, 3, &ps);
     } else {
-        char qi[160];   /* v[3]: chooses the competing claim (not reported here: the libpq
-                           source and its check do) */
+        char qi[160];   /* v[3], not reported here: the libpq source and its check do */
         outbox_pg_delayed_index(&db->conf->tn, qi, sizeof qi);
         const pgv pv[4] = { PV_S(db->qt), PV_S(db->qd), PV_S(db->ql), PV_S(qi) };
         sql = ost_pg_stmt(db, sql_pg_tables_exist(), pv, 4, &ps);
@@ -447,7 +446,6 @@ int odbcsrc_db_verify(odbcsrc_db *db, bool tables)
     (void)odbcsrc_db_end(db, false);
     if (r < 0)
         goto done;
-    db->delayed_idx = v[3] != 0;
     if (!v[0] || !v[1]) {
         ost_err(db, "%s%s%s%s%s %s not exist in database \"%s\": run outbox-relay init",
                 v[0] ? "" : "table ", v[0] ? "" : db->qt, (!v[0] && !v[1]) ? " and " : "",
@@ -634,8 +632,8 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool fir
                             PV_I(competing ? 0 : epoch), PV_I(bytes),
                             PV_S(first_whole ? "true" : "false"), PV_I(maxpay), PV_I(0), PV_NUL,
                             lt.p ? PV_BIG(lt.p) : PV_NUL };
-        sql = ost_pg_stmt(db, sql_pg_claim_bytes(&db->conf->pgn, competing, db->delayed_idx),
-                          v, 11, &ps);
+        /* psqlODBC's session sets nothing (sorts allowed): the plain form */
+        sql = ost_pg_stmt(db, sql_pg_claim_bytes(&db->conf->pgn, competing, 0), v, 11, &ps);
     }
     if (!sql)
         goto done;

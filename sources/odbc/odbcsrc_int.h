@@ -57,7 +57,6 @@ typedef struct odbcsrc_db {
     bool     lost;            /* the last error was connection-class */
     bool     nodata;          /* the last execution returned SQL_NO_DATA */
     bool     babelfish;       /* T-SQL answered by Babelfish for PostgreSQL (@@VERSION) */
-    bool     delayed_idx;     /* PostgreSQL: the outbox has its index of the delayed rows */
     long     native;          /* the native error number of the last error (1205: deadlock) */
     int      dialect;         /* OUTBOX_DIALECT_* */
     bool     freetds;         /* the driver is FreeTDS's libtdsodbc (see ost_run) */
@@ -125,7 +124,7 @@ int  odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t
 
 /* ------------------------------------------------ statement mechanics (odbcsrc_stmt.c) */
 
-#define MAX_PARAMS 48  /* the most any statement binds: the competing claim on PostgreSQL (35
+#define MAX_PARAMS 32  /* the most any statement binds: the competing claim on PostgreSQL (27
                           markers: psqlODBC binds each $n where it occurs) */
 #define P_SHORT 255    /* nvarchar(255): names, owners */
 #define P_MAX   0      /* nvarchar(max) (column size 0: SQL_SS_LENGTH_UNLIMITED) */

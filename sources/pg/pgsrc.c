@@ -104,11 +104,14 @@ struct source {
     cfg_outbox cfg;          /* scalar fields; the string pointers below are ours */
     char     *conninfo, *password, *database, *name;
     sql_pg_names names;
-    char     *sql_lead, *sql_claim, *sql_settle, *sql_settle_sent;
-    /* the competing claim with and without the index of the delayed rows, and the one for
-       this session's table (set by the schema check, before any statement is prepared) */
-    char       *sql_competing_idx, *sql_competing_noidx;
-    const char *sql_claim_competing;
+    char     *sql_lead, *sql_settle, *sql_settle_sent;
+    /* the claims in their forms (sql_pg_claim_sliced): for the relay's own session
+       (walk; competing: with or without the table's index of the delayed rows) and for
+       a pooled one (plain); and the two for this session, set by the schema check before
+       any statement is sent */
+    char       *sql_leader_walk, *sql_leader_plain;
+    char       *sql_competing_idx, *sql_competing_noidx, *sql_competing_plain;
+    const char *sql_claim, *sql_claim_competing;
     char     *sql_cleanup, *sql_stats, *sql_health, *sql_slices;
     bool      prepared[ST_COUNT]; /* this session has the statement prepared */
     int       prep_st;        /* Q_REQ_PREPARE: the statement, then run with these: */
@@ -191,7 +194,8 @@ static void src_free(source *s)
     free(s->database);
     free(s->name);
     free(s->sql_lead);
-    free(s->sql_claim);
+    free(s->sql_leader_walk);
+    free(s->sql_leader_plain);
     free(s->sql_settle);
     free(s->sql_settle_sent);
     free(s->sql_cleanup);
@@ -204,6 +208,7 @@ static void src_free(source *s)
     prep_clear(s);
     free(s->sql_competing_idx);
     free(s->sql_competing_noidx);
+    free(s->sql_competing_plain);
     free(s);
 }
 
@@ -760,7 +765,11 @@ static void q_done(source *s)
             setup_fail(s, msg);
             return;
         }
-        s->sql_claim_competing = i_ok ? s->sql_competing_idx : s->sql_competing_noidx;
+        /* through a pooler the session sets nothing (sorts allowed): the plain forms */
+        s->sql_claim = s->pooled ? s->sql_leader_plain : s->sql_leader_walk;
+        s->sql_claim_competing = s->pooled ? s->sql_competing_plain
+                                 : i_ok    ? s->sql_competing_idx
+                                           : s->sql_competing_noidx;
         if (!i_ok && !s->index_warned && s->cbs.on_wake) {
             /* once per source: the claiming connection's, where the claims run */
             s->index_warned = true;
@@ -1095,9 +1104,13 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
         s->cfg.reconnect_max_ms = 30000;
     sql_pg_names_init(ob, &s->names);
     s->sql_lead = sql_pg_lead(&s->names);
-    s->sql_claim = sql_pg_claim_sliced(&s->names, false, true);
-    s->sql_competing_idx = sql_pg_claim_sliced(&s->names, true, true);
-    s->sql_competing_noidx = sql_pg_claim_sliced(&s->names, true, false);
+    s->sql_leader_walk = sql_pg_claim_sliced(&s->names, false, SQL_PG_CLAIM_WALK);
+    s->sql_leader_plain = sql_pg_claim_sliced(&s->names, false, 0);
+    s->sql_competing_idx = sql_pg_claim_sliced(&s->names, true,
+                                               SQL_PG_CLAIM_WALK | SQL_PG_CLAIM_DELAYED_IDX);
+    s->sql_competing_noidx = sql_pg_claim_sliced(&s->names, true, SQL_PG_CLAIM_WALK);
+    s->sql_competing_plain = sql_pg_claim_sliced(&s->names, true, 0);
+    s->sql_claim = s->sql_leader_walk;
     s->sql_claim_competing = s->sql_competing_idx;
     s->sql_settle = sql_pg_settle(&s->names, ob->on_sent);
     s->sql_settle_sent = sql_pg_settle_sent(&s->names, ob->on_sent);
@@ -1106,8 +1119,9 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
     s->sql_health = sql_pg_health();
     s->sql_slices = sql_pg_payload_slices(&s->names);
     s->sql_floor = sql_pg_floor_probe(&s->names);
-    if (!s->sql_slices || !s->sql_lead || !s->sql_claim || !s->sql_competing_idx ||
-        !s->sql_competing_noidx || !s->sql_settle ||
+    if (!s->sql_slices || !s->sql_lead || !s->sql_leader_walk || !s->sql_leader_plain ||
+        !s->sql_competing_idx || !s->sql_competing_noidx || !s->sql_competing_plain ||
+        !s->sql_settle ||
         !s->sql_settle_sent || !s->sql_cleanup || !s->sql_stats || !s->sql_health ||
         !s->sql_floor)
         goto oom;

@@ -80,11 +80,11 @@ static void t_statements(void **state)
     assert_string_equal(n.dead, "\"app\".\"outbox_dead\"");
     assert_string_equal(n.lease, "\"app\".\"outbox_lease\"");
     check_stmt(sql_pg_lead(&n), 3);
-    for (int idx = 0; idx < 2; idx++) {
-        check_stmt(sql_pg_claim_bytes(&n, false, idx), 11);
-        check_stmt(sql_pg_claim_bytes(&n, true, idx), 11);
-        check_stmt(sql_pg_claim_sliced(&n, false, idx), 11);
-        check_stmt(sql_pg_claim_sliced(&n, true, idx), 11);
+    for (int form = 0; form <= (SQL_PG_CLAIM_WALK | SQL_PG_CLAIM_DELAYED_IDX); form++) {
+        check_stmt(sql_pg_claim_bytes(&n, false, form), 11);
+        check_stmt(sql_pg_claim_bytes(&n, true, form), 11);
+        check_stmt(sql_pg_claim_sliced(&n, false, form), 11);
+        check_stmt(sql_pg_claim_sliced(&n, true, form), 11);
     }
     check_stmt(sql_pg_floor_probe(&n), 3);
     for (int on_sent = 0; on_sent < 2; on_sent++) {
