@@ -314,11 +314,12 @@ char *sql_pg_lead(const sql_pg_names *n)
    (no row below it is pending).
    TAKE is the rest of what the claim asks of a row before it locks it: its key is not held
    back (behind a failed row or one not due; in competing mode also: the key hashes to this
-   relay and its first pending row is no other relay's). It is a filter within the walk's
-   index scans too, so that a key held back costs each claim a look at each of its rows and
-   their key, not a step of the walk and a candidate's lookups each: 300,000 rows of a hot
-   key waiting behind its failed first row made every claim run past a query_timeout of
-   1 s, and the other keys' rows waited with them. */
+   relay and its first pending row is no other relay's). In the relay's own sessions
+   (SQL_PG_CLAIM_WALK, see claim) it is a filter within the walk's index scans too, so that
+   a key held back costs each claim a look at each of its rows and their key, not a step of
+   the walk and a candidate's lookups each: 300,000 rows of a hot key waiting behind its
+   failed first row made every claim run past a query_timeout of 1 s, and the other keys'
+   rows waited with them. Elsewhere TAKE is "true" and c0 asks it of each candidate. */
 #define SQL_PG_HELD(P) P ".id <> ALL (coalesce($10::bigint[], '{}'))"
 #define SQL_PG_WALK(T, GUARD, TAKE)                                                        \
     "w(id) AS ((SELECT p.id FROM " T " p WHERE p.sent_at IS NULL "                         \
@@ -493,7 +494,7 @@ static char *claim(const sql_pg_names *n, bool competing, bool sliced, int form)
            The candidates are found by walking pending_idx in id order (w, SQL_PG_WALK),
            each pending row looked at in turn until $1 of them can be taken: see there.
            A key's rows also wait behind any of its pending rows that is not due
-           (SQL_PG_NOT_DUE_BEFORE, in the walk, so that such keys do not crowd out the
+           (SQL_PG_NOT_DUE_BEFORE, before the LIMIT, so that such keys do not crowd out the
            others): without it a row its producer delayed was overtaken by the later rows of
            its key. */
         sql = fmt(
