@@ -377,11 +377,15 @@ def test_rows_held_behind_their_keys_first_row_do_not_stall_the_claims(
     """A hot key's first row is backing off after a failure (or was scheduled an hour
     ahead by its producer), and 300,000 later rows of the key wait behind it, below 100
     ready rows of other keys. Each claim looked at every one of the held rows, each with a
-    step of its walk and a lookup of its key: past a query_timeout of 1 s nothing was
+    step of its walk and a lookup of its key: 2.7 s a claim in leader mode and 13 s in
+    competing mode on a quiet machine, so that past a query_timeout below that nothing was
     delivered, every claim cancelled, although those keys were free. The held rows must be
-    passed over within the walk's index scans, and the other keys' rows flow."""
+    passed over within the walk's index scans (0.17 and 0.39 s a claim), and the other
+    keys' rows flow. The timeouts sit between the two with room on both sides, so that a
+    machine several times slower still tells them apart."""
+    timeout = "1500ms" if mode == "leader" else "3s"
     table, qt, q, conn, ch, cfg = relay_table(services, pgdb, relay_bin, tmp_path, "held",
-                                              mode=mode, query_timeout="1s")
+                                              mode=mode, query_timeout=timeout)
     attempts = 1 if hold == "failed" else 0
     with psycopg.connect(pgdb.dsn, autocommit=True) as db:
         db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload, available_at, "
@@ -411,13 +415,14 @@ def test_a_competing_claim_on_a_table_without_the_delayed_index_keeps_its_pace(
         services, pgdb, relay_bin, tmp_path):
     """A table made by an earlier version has no index of the delayed rows. The competing
     claim's walk must not ask for each row it looks at whether an earlier row of its key is
-    not due: without that index the question reads and sorts the key's pending rows for
-    every row (a backlog of 20,000 rows of one key: 2.2 s a claim of 500, past a
-    query_timeout of 1 s). The key's first pending row answers it alone there, and the
-    relay says at the default level that init would make the index."""
+    not due: without that index the question reads and sorts the key's pending rows below
+    each row it walks, for every row (one key's backlog: 2.2 s a claim of 500 rows, and four
+    times that for 1,000, past a query_timeout of 1 s). The key's first pending row answers
+    it alone there (about 0.05 s a claim of 1,000), and the relay says at the default level
+    that init would make the index."""
     table, qt, q, conn, ch, cfg = relay_table(services, pgdb, relay_bin, tmp_path, "noidx",
                                               mode="competing", query_timeout="1s",
-                                              batch_size=str(BATCH))
+                                              batch_size="1000")
     n = 20_000
     with psycopg.connect(pgdb.dsn, autocommit=True) as db:
         db.execute(f'DROP INDEX "outbox"."{table}_delayed_idx"')
