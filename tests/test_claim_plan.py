@@ -344,6 +344,22 @@ def assert_bounded(plan, table):
     assert not seq, f"a claim scanned the table: {seq}\n{json.dumps(plan, indent=1)}"
 
 
+def ready_rows_flow(pgdb, relay_bin, tmp_path, qt, q, conn, ch, cfg):
+    """Writes 100 ready rows of 10 keys above what the table holds, runs the relay and
+    checks that all of them are delivered within 30 s."""
+    with psycopg.connect(pgdb.dsn, autocommit=True) as db:
+        db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
+                   "SELECT %s, 'k' || (g %% 10), '\\x01' FROM generate_series(1, 100) g", (q,))
+    r = Relay(relay_bin, cfg, tmp_path / "r.log")
+    try:
+        got = consume(ch, q, 100, timeout=30)
+    finally:
+        r.assert_clean_exit(r.stop())
+        ch.queue_delete(q)
+        conn.close()
+    assert len(got) == 100, f"{len(got)} of 100 ready rows delivered in 30 s:\n{r.text()[-2000:]}"
+
+
 @pytest.mark.parametrize("mode", ["leader", "competing"])
 def test_scheduled_rows_below_the_ready_ones_do_not_stall_the_claims(services, pgdb, relay_bin,
                                                                      tmp_path, mode):
@@ -358,16 +374,7 @@ def test_scheduled_rows_below_the_ready_ones_do_not_stall_the_claims(services, p
                    "SELECT 'nowhere', 's' || (g % 1000), '\\x00', now() + interval '1 hour' "
                    "FROM generate_series(1, 300000) g")
         db.execute(f"VACUUM ANALYZE {qt}")
-        db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
-                   "SELECT %s, 'k' || (g %% 10), '\\x01' FROM generate_series(1, 100) g", (q,))
-    r = Relay(relay_bin, cfg, tmp_path / "r.log")
-    try:
-        got = consume(ch, q, 100, timeout=30)
-    finally:
-        r.assert_clean_exit(r.stop())
-        ch.queue_delete(q)
-        conn.close()
-    assert len(got) == 100, f"{len(got)} of 100 ready rows delivered in 30 s:\n{r.text()[-2000:]}"
+    ready_rows_flow(pgdb, relay_bin, tmp_path, qt, q, conn, ch, cfg)
 
 
 @pytest.mark.parametrize("mode", ["leader", "competing"])
@@ -394,16 +401,7 @@ def test_rows_held_behind_their_keys_first_row_do_not_stall_the_claims(
         db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
                    "SELECT 'nowhere', 'hot', '\\x00' FROM generate_series(1, 300000) g")
         db.execute(f"VACUUM ANALYZE {qt}")
-        db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
-                   "SELECT %s, 'k' || (g %% 10), '\\x01' FROM generate_series(1, 100) g", (q,))
-    r = Relay(relay_bin, cfg, tmp_path / "r.log")
-    try:
-        got = consume(ch, q, 100, timeout=30)
-    finally:
-        r.assert_clean_exit(r.stop())
-        ch.queue_delete(q)
-        conn.close()
-    assert len(got) == 100, f"{len(got)} of 100 ready rows delivered in 30 s:\n{r.text()[-2000:]}"
+    ready_rows_flow(pgdb, relay_bin, tmp_path, qt, q, conn, ch, cfg)
     with psycopg.connect(pgdb.dsn, autocommit=True) as db:
         left = db.execute(f"SELECT count(*) FILTER (WHERE partition_key = 'hot'), "
                           f"count(*) FILTER (WHERE lease_owner IS NOT NULL) "
