@@ -178,6 +178,7 @@ def auto_explain_on(db, name):
     db.execute(f"ALTER DATABASE \"{name}\" SET session_preload_libraries = 'auto_explain'")
     for k, v in (("auto_explain.log_min_duration", "0"), ("auto_explain.log_analyze", "on"),
                  ("auto_explain.log_timing", "off"), ("auto_explain.log_format", "json"),
+                 ("auto_explain.log_buffers", "on"),
                  ("auto_explain.log_nested_statements", "on"),
                  ("log_min_messages", "log")):
         db.execute(f"ALTER DATABASE \"{name}\" SET {k} = '{v}'")
@@ -437,3 +438,53 @@ def test_a_competing_claim_on_a_table_without_the_delayed_index_keeps_its_pace(
     assert len(got) == n, f"{len(got)} of {n} rows delivered in 60 s:\n{r.text()[-2000:]}"
     assert "missing (a table made by an earlier version)" in r.text(), r.text()
     assert "claim failed" not in r.text(), r.text()
+
+
+@pytest.mark.parametrize("mode", ["leader", "competing"])
+def test_claims_planned_on_a_never_analyzed_table_keep_their_pace_after_a_bulk_load(
+        services, pgdb, relay_bin, tmp_path, mode):
+    """The relay starts on a table `init` just made, empty and never analyzed, and plans
+    its claims there (once per session). A backlog is then written at once, before
+    autovacuum (off here: a table with autovacuum off, or a load in the first minute)
+    analyzes the table and the plans are made again. The claims on the old plans must walk
+    the backlog in id order and find each row by its id, not read the table or an index
+    for every row they take."""
+    table, qt, q, conn, ch, cfg = relay_table(services, pgdb, relay_bin, tmp_path, "fresh",
+                                              batch_size=str(BATCH), mode=mode)
+    with psycopg.connect(pgdb.dsn, autocommit=True) as db:
+        db.execute(f"ALTER TABLE {qt} SET (autovacuum_enabled = off)")
+        never = db.execute("SELECT reltuples < 0 FROM pg_class WHERE oid = %s::regclass",
+                           (qt,)).fetchone()[0]
+        auto_explain_on(db, pgdb.name)
+    assert never, "the table was analyzed"
+    log_from = services.pg_log.stat().st_size
+    r = Relay(relay_bin, cfg, tmp_path / "r.log")
+    try:
+        with psycopg.connect(pgdb.dsn, autocommit=True) as db:
+            db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
+                       "VALUES (%s, 'k0', '\\x00')", (q,))
+            assert len(consume(ch, q, 1, timeout=30)) == 1   # claims planned, table empty
+            with db.transaction():   # the bulk load, in one transaction
+                db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
+                           "SELECT %s, 'k' || (g %% 100), convert_to(repeat('x', 100), 'UTF8') "
+                           "FROM generate_series(1, %s) g", (q, BACKLOG))
+        assert len(consume(ch, q, 4 * BATCH, timeout=120)) == 4 * BATCH
+    finally:
+        r.assert_clean_exit(r.stop())
+        ch.queue_delete(q)
+        conn.close()
+    with psycopg.connect(pgdb.dsn, autocommit=True) as db:
+        db.execute(f"ALTER DATABASE \"{pgdb.name}\" RESET ALL")
+    text = server_log_since(services, log_from)
+    claims = [p for p in logged_plans(text, "FOR UPDATE SKIP LOCKED") if table in p["Query Text"]
+              and p["Plan"].get("Actual Rows", 0) >= BATCH // 2]
+    assert len(claims) >= 4, f"{len(claims)} claims of the backlog in the server log"
+    for p in claims:
+        assert_bounded(p["Plan"], table)
+        # a row taken costs its walk step, its lookups, its lock and its update: about 25
+        # buffers; a lookup by id through key_idx (the plan made on the empty table, whose
+        # second column is the id) reads that whole index for every row: 850 here
+        top = p["Plan"]
+        buffers = top.get("Shared Hit Blocks", 0) + top.get("Shared Read Blocks", 0)
+        assert buffers <= 100 * top["Actual Rows"], \
+            f"{buffers} buffers for {top['Actual Rows']} rows\n{json.dumps(p, indent=1)}"
