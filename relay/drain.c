@@ -127,6 +127,8 @@ struct drain {
 
     bool      stopping;
     bool      resigned;          /* stopping: leadership or membership handed over (lease 0) */
+    bool      settle_gives_back; /* the settle in flight gives rows back to the table */
+    bool      given_back;        /* one did since the last claim (src_claim_args.given_back) */
     bool      stop_reported;
     void    (*on_stopped)(void *ud);
     void     *stop_ud;
@@ -1006,6 +1008,8 @@ static void src_on_done(void *ud, const src_result *res)
         rbudget_claim_done(d->budget, &d->rb);    /* a whole turn may end */
         break;
     case SRC_REQ_SETTLE:
+        d->given_back = d->given_back || d->settle_gives_back;   /* (src_claim_args) */
+        d->settle_gives_back = false;
         on_settled(d, res);
         break;
     case SRC_REQ_CLEANUP:
@@ -1143,6 +1147,9 @@ static bool start_settle(drain *d)
     size_t n = ledger_settle_begin(d->led, &v);
     if (n == 0)
         return false;
+    d->settle_gives_back = false;
+    for (size_t i = 0; i < n && !d->settle_gives_back; i++)
+        d->settle_gives_back = v[i].kind == SRC_UNCLAIM || v[i].kind == SRC_RETRY;
     sconn *c = &d->settler;
     c->busy = true;
     c->busy_req = SRC_REQ_SETTLE;
@@ -1259,7 +1266,9 @@ static bool main_request(drain *d, enum src_req req)
             .n_held = ledger_held_ids(d->led, d->claim_sent, d->claim_held, CLAIM_HELD_MAX),
             .lost = d->lost,
             .n_lost = claims_lost(d, d->claim_sent),
+            .given_back = d->given_back,
         };
+        d->given_back = false;
         d->claim_asked = a.max_rows;
         d->claim_bytes = bytes;
         ledger_claim_started(d->led);

@@ -193,6 +193,12 @@ typedef struct src_claim_args {
        lease) and take later rows of their keys first. Every source must honour it. */
     const int64_t *lost;
     size_t      n_lost;
+    /* Rows went back to the table since the last claim (a settle gave their leases up, or
+       set them to be retried later): a source whose claims may start past rows they
+       passed over (PostgreSQL, while a transaction is still open) walks from its start
+       this time, so that those rows are not left waiting. Their keys' order holds either
+       way. */
+    bool        given_back;
 } src_claim_args;
 
 /* Leadership is a lease row per outbox (<table>_lease, name 'leader': owner,

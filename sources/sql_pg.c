@@ -300,8 +300,10 @@ char *sql_pg_lead(const sql_pg_names *n)
    query timeout on a loaded server). Each step of the walk asks for one row, which
    the planner can never believe to be fewer than there are: the ordered index scan
    with its LIMIT 1 is then its cheapest plan, stale statistics or not.
-   The walk starts at $9, a lower bound below which no row is pending or can become
-   pending (sql_pg_floor_probe; 0: the table's start): pending_idx keeps an entry for every
+   The walk starts at $12: the floor $9, or past it while a transaction that wrote many
+   rows is still open (see SQL_PG_NONE_PASSED_OVER and the PostgreSQL source). The floor is
+   a lower bound below which no row is pending or can become pending
+   (sql_pg_floor_probe; 0: the table's start): pending_idx keeps an entry for every
    row marked since the table was last vacuumed, at the low end of the index, and with the
    xmin horizon held back none of them can go; a walk from the start crosses them all. The
    bound is read through a subquery so that the planner estimates the claim alike whatever
@@ -331,7 +333,7 @@ char *sql_pg_lead(const sql_pg_names *n)
 #define SQL_PG_HELD(P) P ".id <> ALL (coalesce($10::bigint[], '{}'))"
 #define SQL_PG_WALK(T, GUARD, TAKE)                                                        \
     "w(id, tid) AS ((SELECT p.id, p.ctid FROM " T " p WHERE p.sent_at IS NULL "            \
-    "AND p.id >= (SELECT $9::bigint) AND " SQL_PG_HELD("p") " AND " SQL_PG_DUE("p") " "    \
+    "AND p.id >= (SELECT $12::bigint) AND " SQL_PG_HELD("p") " AND " SQL_PG_DUE("p") " "    \
     "AND " TAKE " AND " GUARD " ORDER BY p.id LIMIT 1) "                                   \
     "UNION ALL SELECT s.id, s.tid FROM w, LATERAL (SELECT p.id, p.ctid AS tid FROM " T " p " \
     "WHERE p.sent_at IS NULL AND p.id > w.id AND " SQL_PG_HELD("p") " "                    \
@@ -417,16 +419,37 @@ char *sql_pg_lead(const sql_pg_names *n)
     "AND h.available_at > h.created_at AND h.id >= (SELECT $9::bigint) AND h.id < " ID " " \
     "ORDER BY h.partition_key, h.available_at LIMIT 1) hd)"
 
+/* A claim whose walk starts past the floor ($12 > $9, see SQL_PG_WALK) passes over the
+   rows between them, and in leader mode nothing else would keep a key's later row from
+   going before one of them: row A may be taken only when its key has no pending row in
+   [$9, $12) but those this relay holds under a live lease (published or being published,
+   in order). A look into key_idx over that range, for the rows of keys that have any there;
+   none at all when the walk starts at the floor. In competing mode the gap (g) would drop
+   such a row too, but only after the LIMIT: a hot key's rows would crowd the others out.
+   The last conditions repeat the range's ends for a session where sorts are allowed (see
+   SQL_PG_KEY_BEFORE). */
+#define SQL_PG_NONE_PASSED_OVER(T, A)                                                      \
+    "((SELECT $12::bigint) <= (SELECT $9::bigint) OR NOT EXISTS (SELECT 1 FROM "           \
+    "(SELECT h.id FROM " T " h "                                                           \
+    "WHERE (h.partition_key, h.id) >= (" A ".partition_key, (SELECT $9::bigint)) "         \
+    "AND (h.partition_key, h.id) < (" A ".partition_key, (SELECT $12::bigint)) "           \
+    "AND h.sent_at IS NULL AND NOT coalesce(h.lease_owner = $2::text "                     \
+    "AND h.lease_until >= now() AND NOT " SQL_PG_LOST("h") ", false) "                     \
+    "AND h.id >= (SELECT $9::bigint) AND h.id < (SELECT $12::bigint) "                     \
+    "ORDER BY h.partition_key, h.id LIMIT 1) hp))"
+
 /* What a claim asks of row A (an alias of table T) before it locks it, beside its lease
    (TAKE, see SQL_PG_WALK). Leader mode: its key has no earlier failed row (the CTE f) nor
    one not due. Competing mode: its key hashes to this relay, and the key's first pending
    row, when it comes before this one, is neither another relay's (live lease) nor not
    due; NOT_DUE, a condition asked first (CASE makes sure of it), says that an earlier row
-   of the key is not due. */
+   of the key is not due. Both: no pending row of the key that the walk started past
+   (SQL_PG_NONE_PASSED_OVER). */
 #define SQL_PG_LEADER_TAKE(T, A)                                                           \
     "(" A ".partition_key IS NULL OR (NOT EXISTS (SELECT 1 FROM f "                        \
     "WHERE f.partition_key = " A ".partition_key AND f.first_failed < " A ".id) "          \
-    "AND NOT EXISTS " SQL_PG_NOT_DUE_BEFORE(T, A ".partition_key", A ".id") "))"
+    "AND NOT EXISTS " SQL_PG_NOT_DUE_BEFORE(T, A ".partition_key", A ".id") " "            \
+    "AND " SQL_PG_NONE_PASSED_OVER(T, A) "))"
 #define SQL_PG_COMPETING_TAKE(T, A, NOT_DUE)                                               \
     "(" SQL_PG_MY_KEY(A) " AND (" A ".partition_key IS NULL OR CASE WHEN " NOT_DUE " "     \
     "THEN false ELSE NOT EXISTS (SELECT 1 FROM (SELECT h.available_at, h.created_at, "     \
@@ -434,7 +457,7 @@ char *sql_pg_lead(const sql_pg_names *n)
     "WHERE " SQL_PG_KEY_BEFORE("h", A ".partition_key", A ".id") " "                       \
     "ORDER BY h.partition_key, h.id LIMIT 1) hd "                                          \
     "WHERE (hd.lease_until >= now() AND hd.lease_owner IS DISTINCT FROM $2::text) "        \
-    "OR NOT " SQL_PG_DUE("hd") ") END))"
+    "OR NOT " SQL_PG_DUE("hd") ") AND " SQL_PG_NONE_PASSED_OVER(T, A) " END))"
 
 static char *claim(const sql_pg_names *n, bool competing, bool sliced, int form)
 {

@@ -50,7 +50,9 @@ char *sql_pg_lead(const sql_pg_names *n);
    it passes over (bigint[], NULL: none): rows the relay holds under a live lease of its own
    (src_claim_args.held), which it would not take anyway; $11 the tokens of the relay's
    claims that failed without an answer (bigint[], NULL: none; src_claim_args.lost): rows
-   leased under them are taken as if their lease had ended.
+   leased under them are taken as if their lease had ended; $12 where its walk starts, $9
+   or above: the claim then passes over the rows in [$9, $12), and takes no row of a key
+   that has a pending row there but those the relay holds under a live lease of its own.
    -> id, message_id, exchange, routing_key, partition_key, message_type, content_type,
       correlation_id, headers (text), payload, attempts, created_at (µs since the epoch),
       age (µs), and the size of a payload left out (else NULL).

@@ -24,7 +24,7 @@ from test_relay import init_schema
 CLAIM_SQL = {"leader": "WITH RECURSIVE f(partition_key%", "competing": "WITH RECURSIVE ldr AS%"}
 
 
-def prepare(relay_bin, tmp_path, services, pgdb, **ob):
+def prepare(relay_bin, tmp_path, services, pgdb, poll_interval="5s", **ob):
     """A queue for the test and the relay's config (schema made): (queue, the broker
     connection that declared it, config path, http port)."""
     q = f"qfloor-{uuid.uuid4().hex[:6]}"
@@ -33,7 +33,7 @@ def prepare(relay_bin, tmp_path, services, pgdb, **ob):
     port = free_port()
     cfg = write_config(tmp_path / "r.ini", services, pgdb,
                        relay={"name": "floor", "http_listen": f"127.0.0.1:{port}"},
-                       poll_interval="5s", **ob)
+                       poll_interval=poll_interval, **ob)
     init_schema(relay_bin, cfg)
     return q, conn, cfg, port
 
@@ -217,3 +217,137 @@ def test_a_sequence_caching_several_values_keeps_no_floor(services, pgdb, relay_
     assert len(warned) == 1 and "caches more than one value" in warned[0], warned
     assert not log_lines_at(r.text(), r"claims start from the table's first row",
                             levels=("INFO", "ERROR"))
+
+
+# the floor probe, as pg_stat_statements keeps it
+PROBE_SQL = "SELECT (SELECT p.id FROM %"
+OPEN_ROWS = 300_000
+PASSING = r"the next claims start at id \d+"
+
+
+def open_bulk(pgdb, q):
+    """A bulk load of OPEN_ROWS rows over 100 keys of its own, in a transaction left open
+    (its connection, to roll back)."""
+    bulk = pgdb.connect(autocommit=False)
+    bulk.execute("INSERT INTO outbox.messages (message_id, routing_key, partition_key, "
+                 "headers, payload) SELECT gen_random_uuid(), %s, 'bulk' || (g %% 100), "
+                 "jsonb_build_object('seq', (-g)::text), 'x' FROM generate_series(1, %s) g",
+                 (q, OPEN_ROWS))
+    return bulk
+
+
+def statement_stats(c, like):
+    """(buffers read or hit, calls) of the statements like `like` in this database."""
+    return c.execute(
+        "SELECT coalesce(sum(s.shared_blks_hit + s.shared_blks_read), 0), "
+        "coalesce(sum(s.calls), 0) FROM pg_stat_statements s JOIN pg_database d "
+        "ON d.oid = s.dbid WHERE d.datname = current_database() AND s.query LIKE %s",
+        (like,)).fetchone()
+
+
+@pytest.mark.parametrize("mode", ["leader", "competing"])
+def test_claims_pass_over_the_rows_of_a_transaction_still_open(
+        services, pgdb, relay_bin, tmp_path, mode):
+    """A bulk load of 300,000 rows stays open (one transaction) while other producers commit
+    a row at a time. Its rows' index entries lie across each claim's walk from the floor,
+    which cannot pass them while the load may still commit, and every claim and floor probe
+    stepped over all of them, which it cannot see: about 10,000 buffers and 40 ms each here (at
+    1,000,000 rows 0.44 s, and every other producer's message waited that long). Now the
+    claims start past them, with one from the floor every second or so, and a probe does not
+    look for the lowest pending row while a transaction the one before saw is still open."""
+    q, conn, cfg, port = prepare(relay_bin, tmp_path, services, pgdb, mode=mode)
+    with pgdb.connect() as c:
+        c.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+    r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
+    bulk = None
+    try:
+        r.wait_log("database connected")
+        cons = LiveConsumer(services, q)
+        bulk = open_bulk(pgdb, q)
+        with pgdb.connect() as c:
+            # the first claims and probes after it began walk from the floor: a probe sees
+            # the load open only two probes after its start (the one before had no lock
+            # holder to wait for), and a claim starts past it after one slow claim
+            for i in range(10):
+                insert(c, q, f"k{i % 5}", i)
+                time.sleep(0.05)
+            assert cons.wait_distinct(10, 30), f"{len(cons.seen)} of 10 arrived"
+            c.execute("SELECT pg_stat_statements_reset(0, (SELECT oid FROM pg_database "
+                      "WHERE datname = current_database()), 0)")
+            for i in range(10, 70):
+                insert(c, q, f"k{i % 5}", i)
+                time.sleep(0.05)
+            assert cons.wait_distinct(70, 30), f"{len(cons.seen)} of 70 arrived"
+            hits, calls = statement_stats(c, CLAIM_SQL[mode])
+            p_hits, p_calls = statement_stats(c, PROBE_SQL)
+        cons.stop(idle=0)
+    finally:
+        if bulk is not None:
+            bulk.rollback()
+            bulk.close()
+        r.assert_clean_exit(r.stop())
+        conn.close()
+    print(f"{mode}: {hits / max(calls, 1):.0f} buffers a claim over {calls} claims, "
+          f"{p_hits / max(p_calls, 1):.0f} a probe over {p_calls} probes")
+    assert calls >= 20 and p_calls >= 5, f"{calls} claims, {p_calls} probes"
+    assert re.search(PASSING, r.text()), "the relay did not say that its claims pass over rows"
+    assert hits / calls < 600, f"{hits / calls:.0f} buffers a claim over {calls} claims"
+    assert p_hits / p_calls < 600, f"{p_hits / p_calls:.0f} buffers a probe over {p_calls}"
+
+
+@pytest.mark.parametrize("mode", ["leader", "competing"])
+def test_a_row_the_claims_pass_over_still_goes_before_its_keys_later_rows(
+        services, pgdb, relay_bin, tmp_path, mode):
+    """A producer's row of key K is written before a bulk load of 300,000 rows and stays
+    uncommitted, like the load, while the claims start past both. Then, with nothing else
+    being written, it commits, and K's next row is committed right after it, above where
+    the claims start. That next row must not go first: a claim that starts past a key's
+    pending row takes none of the key's later rows. And both must come within seconds,
+    not at the next poll (a minute here): when the claims stop passing over rows, the
+    relay claims from the floor at once."""
+    q, conn, cfg, port = prepare(relay_bin, tmp_path, services, pgdb, poll_interval="60s",
+                                 mode=mode)
+    r = Relay(relay_bin, cfg, tmp_path / "r.log", http_port=port)
+    late = pgdb.connect(autocommit=False)
+    bulk = None
+    stream_stop = threading.Event()
+
+    def stream():
+        with pgdb.connect() as c:
+            i = 1
+            while not stream_stop.is_set():
+                insert(c, q, f"k{i % 5}", i)
+                i += 1
+                time.sleep(0.02)
+    streamer = threading.Thread(target=stream, daemon=True)
+    try:
+        r.wait_log("database connected")
+        cons = LiveConsumer(services, q)
+        late_id = insert(late, q, "K", 0)
+        bulk = open_bulk(pgdb, q)
+        streamer.start()
+        r.wait_log(PASSING, timeout=30)
+        stream_stop.set()
+        streamer.join(10)
+        time.sleep(0.2)
+        late.commit()
+        t_commit = time.monotonic()
+        with pgdb.connect() as c:
+            next_id = insert(c, q, "K", 1_000_000)
+        wait_for(lambda: {0, 1_000_000} <= cons.seen, 30, desc="both rows of K arrived")
+        waited = time.monotonic() - t_commit
+        got = [int(p.headers["seq"]) for p, _b, _t in cons.stop(idle=0)]
+    finally:
+        stream_stop.set()
+        late.rollback()
+        late.close()
+        if bulk is not None:
+            bulk.rollback()
+            bulk.close()
+        r.assert_clean_exit(r.stop())
+        conn.close()
+    start = int(re.findall(r"the next claims start at id (\d+)", r.text())[-1])
+    assert late_id < start <= next_id, (late_id, start, next_id)
+    assert got.index(0) < got.index(1_000_000), "K's next row went before its first"
+    # claims pass over rows for at most 10 s at a time; the poll would come after 60 s
+    assert waited < 15, f"K's rows came {waited:.1f} s after the first one's commit"

@@ -143,7 +143,7 @@ def test_claim_walks_pending_rows_in_order_under_stale_statistics(
         # lost: tokens of claims that failed without an answer (none of them leased a row)
         lost = "'{" + ",".join(str(-i) for i in range(1, 17)) + "}'"
         plan = db.execute(f"EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) EXECUTE claim({BATCH}, "
-                          f"'plan-probe', 1, {lease}, 0, 0, true, 0, 0, {held}, {lost})"
+                          f"'plan-probe', 1, {lease}, 0, 0, true, 0, 0, {held}, {lost}, 0)"
                           ).fetchone()[0][0]
         generic = db.execute("SELECT generic_plans FROM pg_prepared_statements "
                              "WHERE name = 'claim'").fetchone()[0]
@@ -219,7 +219,7 @@ def test_claim_generic_plan_made_on_a_nearly_empty_table_scans_no_table(
             db.execute(f"SET {k} = '{v}'")
         db.execute("PREPARE claim AS " + claims[0]["Query Text"])
         plan = db.execute(f"EXPLAIN (FORMAT JSON) EXECUTE claim({BATCH}, 'plan-probe', 1, "
-                          "30000, 0, 0, true, 0, 0, NULL, NULL)").fetchone()[0][0]["Plan"]
+                          "30000, 0, 0, true, 0, 0, NULL, NULL, 0)").fetchone()[0][0]["Plan"]
         db.rollback()
 
     def seq_scans(node):

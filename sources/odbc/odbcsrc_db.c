@@ -626,14 +626,14 @@ int odbcsrc_db_claim(odbcsrc_db *db, size_t max_rows, size_t max_bytes, bool fir
         const size_t nv = sizeof v / sizeof v[0];
         sql = ost_tsql(db, st, v, competing ? nv - 1 : nv, &ps);
     } else {
-        /* the walk from the table's start ($9 = 0): this path keeps no floor, nor passes
-           over the rows it holds ($10 NULL) */
-        const pgv v[11] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
+        /* the walk from the table's start ($9 = $12 = 0): this path keeps no floor, nor
+           passes over the rows it holds ($10 NULL) */
+        const pgv v[12] = { PV_I((int64_t)max_rows), PV_S(me), PV_I(token), PV_I(lease_ms),
                             PV_I(competing ? 0 : epoch), PV_I(bytes),
                             PV_S(first_whole ? "true" : "false"), PV_I(maxpay), PV_I(0), PV_NUL,
-                            lt.p ? PV_BIG(lt.p) : PV_NUL };
+                            lt.p ? PV_BIG(lt.p) : PV_NUL, PV_I(0) };
         /* psqlODBC's session sets nothing (sorts allowed): the plain form */
-        sql = ost_pg_stmt(db, sql_pg_claim_bytes(&db->conf->pgn, competing, 0), v, 11, &ps);
+        sql = ost_pg_stmt(db, sql_pg_claim_bytes(&db->conf->pgn, competing, 0), v, 12, &ps);
     }
     if (!sql)
         goto done;

@@ -124,7 +124,7 @@ int  odbcsrc_db_dead_move(odbcsrc_db *db, bool retry, const int64_t *ids, size_t
 
 /* ------------------------------------------------ statement mechanics (odbcsrc_stmt.c) */
 
-#define MAX_PARAMS 32  /* the most any statement binds: the competing claim on PostgreSQL (27
+#define MAX_PARAMS 48  /* the most any statement binds: the competing claim on PostgreSQL (36
                           markers: psqlODBC binds each $n where it occurs) */
 #define P_SHORT 255    /* nvarchar(255): names, owners */
 #define P_MAX   0      /* nvarchar(max) (column size 0: SQL_SS_LENGTH_UNLIMITED) */

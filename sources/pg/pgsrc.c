@@ -52,9 +52,32 @@ enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_P
    next claim comes claim_delay later as it would have, without a LISTEN and an UNLISTEN.) */
 #define QUIET_ROWS 4
 #define QUIET_EMPTY 2
-/* The claims' parameters ($1..$10 of sql_pg_claim_sliced); $9 is the floor. */
-#define CLAIM_NPARAMS 11
+/* The claims' parameters ($1..$12 of sql_pg_claim_sliced); $9 is the floor, $12 where the
+   walk starts (the floor, or past it: see claim_answered). */
+#define CLAIM_NPARAMS 12
 #define CLAIM_FLOOR 8
+#define CLAIM_START 11
+/* Past the rows of a transaction still open. A claim's walk from the floor steps over the
+   index entries of every row written by a transaction that has not ended, which it cannot
+   see yet: with 1,000,000 rows of a bulk load open, each claim and each floor probe stepped
+   over all of them, and every other producer's message waited 0.44 s. When a claim from
+   the floor took PASS_MIN_S or more and found all it could (fewer rows than asked for,
+   within half the byte limit, and not an empty answer that a first row over the limit may
+   have cut), the next claims start past the ids drawn before it (the newest probe's
+   sequence value), for PASS_SHARE times as long as it took (between PASS_MIN_T_S and
+   PASS_MAX_T_S); then one walks from the floor again, and a timer wakes the drain for it.
+   So does the first claim after any sign of a change below: a probe that saw every lock
+   holder of the one before ended (the open transaction among them), rows given back to
+   the table (src_claim_args.given_back), a claim that failed, lost claims to take back.
+   Such a claim takes no row of a key that has a pending row it passed over
+   (SQL_PG_NONE_PASSED_OVER), so a key's rows still go in id order; a row below the start
+   waits for the next claim from the floor. */
+#define PASS_MIN_S 0.02
+#define PASS_SHARE 20.0
+#define PASS_MIN_T_S 1.0
+#define PASS_MAX_T_S 10.0
+/* At most one INFO line about it this often. */
+#define PASS_LOG_S 600.0
 /* The floor probe (sql_pg_floor_probe) runs before a claim at most this often. The floor
    trails the pending rows by about three probes (it moves past ids only once the next
    probes saw their producers ended), and each claim's walk crosses the entries of the rows
@@ -163,6 +186,19 @@ struct source {
     char      floor_from[24]; /* the outstanding probe's $1 */
     unsigned  fp_n;           /* probes answered on this session */
     floor_probe fp[4];        /* the last four answered, probe k at k % 4 */
+    /* Claims that start past the floor (CLAIM_START, PASS_*): from pass_from (0: none)
+       until pass_until. */
+    int64_t   pass_from;
+    double    pass_until;
+    ev_timer  pass_end;       /* wakes the drain at pass_until after a claim that passed */
+    double    pass_logged;    /* ev_now() of the last INFO line about it (0: none) */
+    double    claim_sent;     /* the claim in flight: ev_now() it was sent, how long its
+                                 statement took (its payloads read in slices apart), */
+    double    claim_took;
+    bool      claim_full;     /* whether it walks from the floor, */
+    int64_t   claim_lv;       /* the newest probe's sequence value then (-1: none), */
+    size_t    claim_max_rows, claim_max_bytes, claim_n_lost;   /* and its limits */
+    bool      claim_whole;
     int       server_pid;     /* pg_backend_pid() seen at setup */
 
     /* A conninfo naming several hosts: the one the next connect starts with (0: the
@@ -177,6 +213,8 @@ struct source {
 
 static void prep_clear(source *s);
 static void floor_reset(source *s);
+static const char *claim_start(source *s, char buf[24]);
+static void claim_answered(source *s, const src_result *res);
 static void floor_done(source *s, PGresult *r);
 static void floor_prepared(source *s, PGresult *r);
 
@@ -623,6 +661,7 @@ static void req_complete(source *s, PGresult *r)
     pgsrc_rows_free(&s->crows);      /* a failed claim's rows so far (the statement rolled back) */
     bool wake = false;
     if (res.req == SRC_REQ_CLAIM) {
+        claim_answered(s, &res);
         /* QUIET_ROWS: listen only while claims come back empty */
         if (s->listen == LS_ON && res.ok == 0 && res.n_rows >= QUIET_ROWS)
             s->unlisten_next = true;
@@ -703,6 +742,10 @@ static void q_done(source *s)
     ev_timer_stop(s->loop, &s->deadline);
 
     if (op == Q_REQ || op == Q_LOAD) {
+        if (op == Q_REQ && s->req == SRC_REQ_CLAIM) {
+            ev_now_update(s->loop);    /* the statement's own time, before any payload read */
+            s->claim_took = ev_now(s->loop) - s->claim_sent;
+        }
         if (s->req == SRC_REQ_CLAIM && result_ok(r) && claim_read(s, op, r)) {
             PQclear(r);
             return;         /* a payload is being read */
@@ -1040,6 +1083,18 @@ static void retry_cb(struct ev_loop *loop, ev_timer *w, int revents)
     release(s);
 }
 
+/* Claims stopped passing over rows (PASS_*): a row below where they started (one its
+   producer committed while they passed, whose notification woke a claim that passed over
+   it) is claimed now, not at the next poll. */
+static void pass_end_cb(struct ev_loop *loop, ev_timer *w, int revents)
+{
+    source *s = w->data;
+    (void)loop;
+    (void)revents;
+    if (s->phase == PH_UP)
+        (void)cb_wake(s);
+}
+
 static void defer_cb(struct ev_loop *loop, ev_timer *w, int revents)
 {
     source *s = w->data;
@@ -1135,6 +1190,8 @@ static int pgsrc_create(struct ev_loop *loop, const cfg_outbox *ob, const src_cb
     s->retry.data = s;
     ev_timer_init(&s->defer, defer_cb, 0., 0.);
     s->defer.data = s;
+    ev_timer_init(&s->pass_end, pass_end_cb, 0., 0.);
+    s->pass_end.data = s;
     s->phase = PH_IDLE;
     *out = s;  /* ownership to the caller: pgsrc_destroy */
     return 0;
@@ -1152,6 +1209,7 @@ static void pgsrc_destroy(source *s)
     conn_close(s);
     ev_timer_stop(s->loop, &s->retry);
     ev_timer_stop(s->loop, &s->defer);
+    ev_timer_stop(s->loop, &s->pass_end);
     s->req = 0;
     s->destroyed = true;
     if (s->cb_depth == 0)
@@ -1343,7 +1401,8 @@ static void lq_send_failed(source *s)
 }
 
 /* The stashed claim's next statement: its UNLISTEN or LISTEN (QUIET_ROWS), else the claim
-   itself, with the floor as it is now (binary results: payloads as they are). */
+   itself, with the floor and its start as they are now (binary results: payloads as they
+   are). */
 static void lq_next(source *s)
 {
     if (s->unlisten_next || s->listen_next) {
@@ -1355,14 +1414,15 @@ static void lq_next(source *s)
     }
     const char *sql = s->lq_sql;
     char *v[CLAIM_NPARAMS];
-    char fl[24];
+    char fl[24], st[24];
     const char *cv[CLAIM_NPARAMS];
     memcpy(v, s->lq_vals, sizeof v);
     memset(s->lq_vals, 0, sizeof s->lq_vals);
     s->lq_sql = NULL;
     snprintf(fl, sizeof fl, "%" PRId64, s->floor_id);
+    const char *start = claim_start(s, st);
     for (int k = 0; k < CLAIM_NPARAMS; k++)
-        cv[k] = k == CLAIM_FLOOR ? fl : v[k];
+        cv[k] = k == CLAIM_FLOOR ? fl : k == CLAIM_START ? start : v[k];
     (void)req_send(s, sql, CLAIM_NPARAMS, cv, 1);
     for (int k = 0; k < CLAIM_NPARAMS; k++)
         free(v[k]);
@@ -1393,6 +1453,7 @@ static void listen_done(source *s, PGresult *r)
 static void floor_reset(source *s)
 {
     s->floor_id = 0;
+    s->pass_from = 0;
     s->floor_off = false;
     s->floor_due = s->floor_full_due = s->floor_full_at = 0;
     s->fp_n = 0;
@@ -1411,7 +1472,7 @@ static bool floor_probe_due(source *s)
    probe saw, the table. */
 static void floor_vals(source *s, const char *vals[3])
 {
-    vals[0] = s->floor_from;
+    vals[0] = s->floor_from[0] ? s->floor_from : NULL;
     vals[1] = s->fp_n > 0 ? s->fp[(s->fp_n - 1) % 4].w : NULL;
     vals[2] = s->names.table;
 }
@@ -1444,11 +1505,19 @@ static void floor_prepared(source *s, PGresult *r)
         lq_send_failed(s);
 }
 
+/* Sends the next probe. Its lowest pending id moves the floor only when the probe before saw
+   every lock holder of the one before it ended (floor_done); when it did not (a transaction
+   still open, as a bulk load is), the probe does not look for it ($1 NULL: an index scan
+   with a NULL bound reads nothing), since that look crosses the open transaction's rows. */
 static void floor_send(source *s)
 {
     double now = ev_now(s->loop);
-    bool full = now >= s->floor_full_due;
-    snprintf(s->floor_from, sizeof s->floor_from, "%" PRId64, full ? 0 : s->floor_id);
+    bool look = s->fp_n == 0 || s->fp[(s->fp_n - 1) % 4].ended;
+    bool full = look && now >= s->floor_full_due;
+    if (look)
+        snprintf(s->floor_from, sizeof s->floor_from, "%" PRId64, full ? 0 : s->floor_id);
+    else
+        s->floor_from[0] = '\0';
     s->floor_due = now + FLOOR_PROBE_S;
     if (full)
         s->floor_full_due = now + FLOOR_FULL_S;
@@ -1504,6 +1573,8 @@ static void floor_done(source *s, PGresult *r)
         p->lv = PQgetisnull(r, 0, 1) ? 0 : strtoll(PQgetvalue(r, 0, 1), NULL, 10);
         p->w = PQgetisnull(r, 0, 3) ? NULL : dupstr(PQgetvalue(r, 0, 3));
         p->ended = strcmp(PQgetvalue(r, 0, 4), "t") == 0;
+        if (p->ended)
+            s->pass_until = 0;    /* what was open has ended: its rows are to be seen */
         if (!PQgetisnull(r, 0, 3) && p->w == NULL) {
             floor_reset(s);      /* out of memory: start over, without a floor meanwhile */
         } else if (k >= 3 && s->fp[(k - 1) % 4].ended) {
@@ -1513,6 +1584,67 @@ static void floor_done(source *s, PGresult *r)
     }
     PQclear(r);
     lq_next(s);
+}
+
+/* The claim about to be sent: where its walk starts ($12, into buf), the floor or past it
+   (PASS_*), noted with its sending for claim_answered. */
+static const char *claim_start(source *s, char buf[24])
+{
+    ev_now_update(s->loop);
+    double now = ev_now(s->loop);
+    bool pass = s->pass_from > s->floor_id && now < s->pass_until &&
+                s->pass_until - now <= PASS_MAX_T_S && s->claim_n_lost == 0;
+    s->claim_full = !pass;
+    s->claim_sent = now;
+    s->claim_took = 0;
+    s->claim_lv = s->fp_n > 0 && !s->floor_off ? s->fp[(s->fp_n - 1) % 4].lv : -1;
+    snprintf(buf, 24, "%" PRId64, pass ? s->pass_from : s->floor_id);
+    return buf;
+}
+
+/* A claim answered: a slow one from the floor that found all it could lets the next ones
+   start past the ids drawn before it was sent (PASS_*); any other claim from the floor, or
+   a failed one, ends that. */
+static void claim_answered(source *s, const src_result *res)
+{
+    if (res->ok != 0) {
+        s->pass_from = 0;
+        return;
+    }
+    if (!s->claim_full) {
+        double left = s->pass_until - ev_now(s->loop);
+        if (!ev_is_active(&s->pass_end) && left > 0 && left <= PASS_MAX_T_S) {
+            ev_timer_set(&s->pass_end, left, 0.);
+            ev_timer_start(s->loop, &s->pass_end);
+        }
+        return;
+    }
+    double now = ev_now(s->loop), took = s->claim_took;
+    size_t bytes = 0;
+    for (size_t i = 0; i < res->n_rows; i++)
+        bytes += src_row_bytes(res->rows[i]);
+    /* (with a byte limit, an empty answer may be a first row over it, unless that row
+       would have come whole) */
+    bool complete = res->n_rows < s->claim_max_rows &&
+                    (s->claim_max_bytes == 0 ||
+                     (bytes <= s->claim_max_bytes / 2 && (res->n_rows > 0 || s->claim_whole)));
+    if (!complete || took < PASS_MIN_S || s->claim_lv < s->floor_id) {
+        s->pass_from = 0;
+        return;
+    }
+    double t = took * PASS_SHARE;
+    t = t < PASS_MIN_T_S ? PASS_MIN_T_S : t > PASS_MAX_T_S ? PASS_MAX_T_S : t;
+    s->pass_from = s->claim_lv + 1;
+    s->pass_until = s->claim_sent + t;
+    if (s->pass_logged == 0 || now - s->pass_logged >= PASS_LOG_S) {
+        s->pass_logged = now;
+        log_ev(LOG_INFO, &(log_fields){ .event = "claims_pass_over", .outbox = s->name },
+               "outbox=%s: a claim took %.0f ms to walk from id %" PRId64 " (rows of a "
+               "transaction still open, or held behind their key's first row, lie across "
+               "its way); the next claims start at id %" PRId64 ", and one walks from the "
+               "floor every %.1f s until that ends", s->name, took * 1000.0, s->floor_id,
+               s->pass_from, t);
+    }
 }
 
 static int pgsrc_lead(source *s, const src_lead_args *a)
@@ -1550,8 +1682,16 @@ static int pgsrc_claim(source *s, const src_claim_args *a)
         req_defer(s, -1, "out of memory");
         return 0;
     }
+    s->claim_max_rows = a->max_rows;
+    s->claim_max_bytes = a->max_bytes;
+    s->claim_whole = a->first_whole;
+    s->claim_n_lost = a->n_lost;
+    if (a->given_back)
+        s->pass_until = 0;   /* rows back in the table: this claim walks from the floor */
+    char st[24];     /* (set again when a statement goes first: see lq_next) */
     const char *vals[CLAIM_NPARAMS] = {lim, a->owner ? a->owner : "", tok, lease, ep, bytes,
-                           a->first_whole ? "true" : "false", maxpay, fl, held, lost};
+                           a->first_whole ? "true" : "false", maxpay, fl, held, lost,
+                           claim_start(s, st)};
     s->claim_token = a->lease_token;
     s->crows.max_payload = a->max_payload > INT64_MAX ? 0 : a->max_payload;
     const char *sql = a->competing ? s->sql_claim_competing : s->sql_claim;

@@ -81,10 +81,10 @@ static void t_statements(void **state)
     assert_string_equal(n.lease, "\"app\".\"outbox_lease\"");
     check_stmt(sql_pg_lead(&n), 3);
     for (int form = 0; form <= (SQL_PG_CLAIM_WALK | SQL_PG_CLAIM_DELAYED_IDX); form++) {
-        check_stmt(sql_pg_claim_bytes(&n, false, form), 11);
-        check_stmt(sql_pg_claim_bytes(&n, true, form), 11);
-        check_stmt(sql_pg_claim_sliced(&n, false, form), 11);
-        check_stmt(sql_pg_claim_sliced(&n, true, form), 11);
+        check_stmt(sql_pg_claim_bytes(&n, false, form), 12);
+        check_stmt(sql_pg_claim_bytes(&n, true, form), 12);
+        check_stmt(sql_pg_claim_sliced(&n, false, form), 12);
+        check_stmt(sql_pg_claim_sliced(&n, true, form), 12);
     }
     check_stmt(sql_pg_floor_probe(&n), 3);
     for (int on_sent = 0; on_sent < 2; on_sent++) {
