@@ -63,9 +63,10 @@ enum qop { Q_NONE = 0, Q_SET_TIMEOUT, Q_FENCE, Q_CHECK_SCHEMA, Q_LISTEN, Q_REQ_P
    over all of them, and every other producer's message waited 0.44 s. When a claim from
    the floor took PASS_MIN_S or more and found all it could (fewer rows than asked for,
    within half the byte limit, and not an empty answer that a first row over the limit may
-   have cut), the next claims start past the ids drawn before it (the newest probe's
-   sequence value), for PASS_SHARE times as long as it took (between PASS_MIN_T_S and
-   PASS_MAX_T_S); then one walks from the floor again, and a timer wakes the drain for it.
+   have cut) while the last probe saw a lock holder of the one before still there, the
+   next claims start past the ids drawn before it (the newest probe's sequence value), for
+   PASS_SHARE times as long as it took (between PASS_MIN_T_S and PASS_MAX_T_S); then one
+   walks from the floor again, and a timer wakes the drain for it.
    So does the first claim after any sign of a change below: a probe that saw every lock
    holder of the one before ended (the open transaction among them), rows given back to
    the table (src_claim_args.given_back), a claim that failed, lost claims to take back.
@@ -1628,7 +1629,11 @@ static void claim_answered(source *s, const src_result *res)
     bool complete = res->n_rows < s->claim_max_rows &&
                     (s->claim_max_bytes == 0 ||
                      (bytes <= s->claim_max_bytes / 2 && (res->n_rows > 0 || s->claim_whole)));
-    if (!complete || took < PASS_MIN_S || s->claim_lv < s->floor_id) {
+    /* and something the floor waits for is still open (the last probe saw a lock holder
+       of the one before it still there): else a slow claim (its first, planned then, on a
+       loaded server) has nothing to pass over */
+    bool open = s->fp_n > 0 && !s->fp[(s->fp_n - 1) % 4].ended;
+    if (!complete || !open || took < PASS_MIN_S || s->claim_lv < s->floor_id) {
         s->pass_from = 0;
         return;
     }
@@ -1640,10 +1645,9 @@ static void claim_answered(source *s, const src_result *res)
         s->pass_logged = now;
         log_ev(LOG_INFO, &(log_fields){ .event = "claims_pass_over", .outbox = s->name },
                "outbox=%s: a claim took %.0f ms to walk from id %" PRId64 " (rows of a "
-               "transaction still open, or held behind their key's first row, lie across "
-               "its way); the next claims start at id %" PRId64 ", and one walks from the "
-               "floor every %.1f s until that ends", s->name, took * 1000.0, s->floor_id,
-               s->pass_from, t);
+               "transaction still open lie across its way); the next claims start at id "
+               "%" PRId64 ", and one walks from the floor every %.1f s until it ends",
+               s->name, took * 1000.0, s->floor_id, s->pass_from, t);
     }
 }
 
