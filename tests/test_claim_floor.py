@@ -56,13 +56,19 @@ def trickle(services, pgdb, q, n, pause):
     cons.stop(idle=0)
 
 
-def claim_stats(c, mode):
-    """(buffers read or hit, calls) of the relay's claims in this database since the reset."""
+def statement_stats(c, like):
+    """(buffers read or hit, calls) of the statements like `like` in this database since
+    the reset."""
     return c.execute(
         "SELECT coalesce(sum(s.shared_blks_hit + s.shared_blks_read), 0), "
         "coalesce(sum(s.calls), 0) FROM pg_stat_statements s JOIN pg_database d "
         "ON d.oid = s.dbid WHERE d.datname = current_database() AND s.query LIKE %s",
-        (CLAIM_SQL[mode],)).fetchone()
+        (like,)).fetchone()
+
+
+def claim_stats(c, mode):
+    """(buffers read or hit, calls) of the relay's claims in this database since the reset."""
+    return statement_stats(c, CLAIM_SQL[mode])
 
 
 @pytest.mark.parametrize("mode", ["leader", "competing"])
@@ -234,15 +240,6 @@ def open_bulk(pgdb, q):
                  "jsonb_build_object('seq', (-g)::text), 'x' FROM generate_series(1, %s) g",
                  (q, OPEN_ROWS))
     return bulk
-
-
-def statement_stats(c, like):
-    """(buffers read or hit, calls) of the statements like `like` in this database."""
-    return c.execute(
-        "SELECT coalesce(sum(s.shared_blks_hit + s.shared_blks_read), 0), "
-        "coalesce(sum(s.calls), 0) FROM pg_stat_statements s JOIN pg_database d "
-        "ON d.oid = s.dbid WHERE d.datname = current_database() AND s.query LIKE %s",
-        (like,)).fetchone()
 
 
 @pytest.mark.parametrize("mode", ["leader", "competing"])
