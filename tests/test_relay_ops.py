@@ -21,7 +21,8 @@ from relay_util import (ANY_LEVEL, BlackholeProxy, BrokerTlsListener, Relay, Sil
 
 SLOW = 4 if os.environ.get("OUTBOX_VALGRIND") == "1" else \
     2 if "build-" in os.environ.get("OUTBOX_BUILD", "") else 1   # valgrind / sanitizer builds
-PROBE_MAX_S = 0.1 * SLOW   # every probe answers within this while the broker hangs
+PROBE_MAX_S = 0.2 * SLOW   # every probe answers within this while the broker hangs (a loop
+#                            blocked on the broker would take its connect_timeout, 1 s)
 
 
 def cli(relay_bin, *args, timeout=60):
