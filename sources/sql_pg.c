@@ -425,17 +425,13 @@ char *sql_pg_lead(const sql_pg_names *n)
    [$9, $12) but those this relay holds under a live lease (published or being published,
    in order). A look into key_idx over that range, for the rows of keys that have any there;
    none at all when the walk starts at the floor. In competing mode the gap (g) would drop
-   such a row too, but only after the LIMIT: a hot key's rows would crowd the others out.
-   The last conditions repeat the range's ends for a session where sorts are allowed (see
-   SQL_PG_KEY_BEFORE). */
+   such a row too, but only after the LIMIT: a hot key's rows would crowd the others out. */
 #define SQL_PG_NONE_PASSED_OVER(T, A)                                                      \
     "((SELECT $12::bigint) <= (SELECT $9::bigint) OR NOT EXISTS (SELECT 1 FROM "           \
     "(SELECT h.id FROM " T " h "                                                           \
-    "WHERE (h.partition_key, h.id) >= (" A ".partition_key, (SELECT $9::bigint)) "         \
-    "AND (h.partition_key, h.id) < (" A ".partition_key, (SELECT $12::bigint)) "           \
-    "AND h.sent_at IS NULL AND NOT coalesce(h.lease_owner = $2::text "                     \
+    "WHERE " SQL_PG_KEY_BEFORE("h", A ".partition_key", "(SELECT $12::bigint)") " "        \
+    "AND NOT coalesce(h.lease_owner = $2::text "                                           \
     "AND h.lease_until >= now() AND NOT " SQL_PG_LOST("h") ", false) "                     \
-    "AND h.id >= (SELECT $9::bigint) AND h.id < (SELECT $12::bigint) "                     \
     "ORDER BY h.partition_key, h.id LIMIT 1) hp))"
 
 /* What a claim asks of row A (an alias of table T) before it locks it, beside its lease

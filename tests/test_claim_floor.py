@@ -45,6 +45,19 @@ def insert(c, q, key, seq):
                      (q, key, seq)).fetchone()[0]
 
 
+def streamer(pgdb, q, stop, pause):
+    """A thread (not started) that commits a row at a time over 5 keys, `pause` seconds
+    apart, until `stop` is set."""
+    def stream():
+        with pgdb.connect() as c:
+            i = 1
+            while not stop.is_set():
+                insert(c, q, f"k{i % 5}", i)
+                i += 1
+                time.sleep(pause)
+    return threading.Thread(target=stream, daemon=True)
+
+
 def trickle(services, pgdb, q, n, pause):
     """n rows over 3 keys, one commit each `pause` seconds apart, all taken from the queue."""
     cons = LiveConsumer(services, q)
@@ -150,19 +163,12 @@ def test_a_row_committed_late_is_claimed_at_once_and_before_its_keys_later_rows(
         ch2.cancel()
         c2.close()
 
-    def stream():
-        with pgdb.connect() as c:
-            i = 1
-            while not stream_stop.is_set():
-                insert(c, q, f"k{i % 5}", i)
-                i += 1
-                time.sleep(0.01)
     taker = threading.Thread(target=take, daemon=True)
-    streamer = threading.Thread(target=stream, daemon=True)
+    stream = streamer(pgdb, q, stream_stop, 0.01)
     taker.start()
     try:
         late_id = insert(late, q, "late", 0)            # drawn now, committed in 3 s
-        streamer.start()
+        stream.start()
         time.sleep(3)
         late.commit()
         t_commit = time.monotonic()
@@ -170,7 +176,7 @@ def test_a_row_committed_late_is_claimed_at_once_and_before_its_keys_later_rows(
             after_id = insert(c, q, "late", 1_000_000)
         time.sleep(2)
         stream_stop.set()
-        streamer.join(10)
+        stream.join(10)
         with pgdb.connect() as c:
             wait_for(lambda: c.execute("SELECT count(*) FROM outbox.messages "
                                        "WHERE sent_at IS NULL").fetchone()[0] == 0, 30,
@@ -308,24 +314,16 @@ def test_a_row_the_claims_pass_over_still_goes_before_its_keys_later_rows(
     late = pgdb.connect(autocommit=False)
     bulk = None
     stream_stop = threading.Event()
-
-    def stream():
-        with pgdb.connect() as c:
-            i = 1
-            while not stream_stop.is_set():
-                insert(c, q, f"k{i % 5}", i)
-                i += 1
-                time.sleep(0.02)
-    streamer = threading.Thread(target=stream, daemon=True)
+    stream = streamer(pgdb, q, stream_stop, 0.02)
     try:
         r.wait_log("database connected")
         cons = LiveConsumer(services, q)
         late_id = insert(late, q, "K", 0)
         bulk = open_bulk(pgdb, q)
-        streamer.start()
+        stream.start()
         r.wait_log(PASSING, timeout=30)
         stream_stop.set()
-        streamer.join(10)
+        stream.join(10)
         time.sleep(0.2)
         late.commit()
         t_commit = time.monotonic()

@@ -70,13 +70,17 @@ def logged_plans(text, marker):
             plans.append(obj)
 
 
-def drained_claim_plans(services, pgdb, relay_bin, tmp_path, table, q, conn, ch, cfg):
-    """Runs the relay until it delivered 4 batches (a few claims' worth is enough: every
-    claim of the backlog plans alike), with auto_explain on for the database (turned off
-    after); returns the executed plans of its claims (at least 4)."""
+def drained_claim_plans(services, pgdb, relay_bin, tmp_path, table, q, conn, ch, cfg,
+                        before=None):
+    """Runs the relay (after it started, `before()` if given) until it delivered 4 batches
+    (a few claims' worth is enough: every claim of the backlog plans alike), with
+    auto_explain on for the database (turned off after); returns the executed plans of its
+    claims (at least 4)."""
     log_from = services.pg_log.stat().st_size
     r = Relay(relay_bin, cfg, tmp_path / "r.log")
     try:
+        if before is not None:
+            before()
         assert len(consume(ch, q, 4 * BATCH, timeout=120)) == 4 * BATCH
     finally:
         r.assert_clean_exit(r.stop())
@@ -447,8 +451,8 @@ def test_claims_planned_on_a_never_analyzed_table_keep_their_pace_after_a_bulk_l
     its claims there (once per session). A backlog is then written at once, before
     autovacuum (off here: a table with autovacuum off, or a load in the first minute)
     analyzes the table and the plans are made again. The claims on the old plans must walk
-    the backlog in id order and find each row by its id, not read the table or an index
-    for every row they take."""
+    the backlog in id order and fetch each row where the walk found it, not read the table
+    or an index for every row they take."""
     table, qt, q, conn, ch, cfg = relay_table(services, pgdb, relay_bin, tmp_path, "fresh",
                                               batch_size=str(BATCH), mode=mode)
     with psycopg.connect(pgdb.dsn, autocommit=True) as db:
@@ -457,9 +461,8 @@ def test_claims_planned_on_a_never_analyzed_table_keep_their_pace_after_a_bulk_l
                            (qt,)).fetchone()[0]
         auto_explain_on(db, pgdb.name)
     assert never, "the table was analyzed"
-    log_from = services.pg_log.stat().st_size
-    r = Relay(relay_bin, cfg, tmp_path / "r.log")
-    try:
+
+    def load():
         with psycopg.connect(pgdb.dsn, autocommit=True) as db:
             db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
                        "VALUES (%s, 'k0', '\\x00')", (q,))
@@ -468,16 +471,9 @@ def test_claims_planned_on_a_never_analyzed_table_keep_their_pace_after_a_bulk_l
                 db.execute(f"INSERT INTO {qt} (routing_key, partition_key, payload) "
                            "SELECT %s, 'k' || (g %% 100), convert_to(repeat('x', 100), 'UTF8') "
                            "FROM generate_series(1, %s) g", (q, BACKLOG))
-        assert len(consume(ch, q, 4 * BATCH, timeout=120)) == 4 * BATCH
-    finally:
-        r.assert_clean_exit(r.stop())
-        ch.queue_delete(q)
-        conn.close()
-    with psycopg.connect(pgdb.dsn, autocommit=True) as db:
-        db.execute(f"ALTER DATABASE \"{pgdb.name}\" RESET ALL")
-    text = server_log_since(services, log_from)
-    claims = [p for p in logged_plans(text, "FOR UPDATE SKIP LOCKED") if table in p["Query Text"]
-              and p["Plan"].get("Actual Rows", 0) >= BATCH // 2]
+    plans = drained_claim_plans(services, pgdb, relay_bin, tmp_path, table, q, conn, ch, cfg,
+                                before=load)
+    claims = [p for p in plans if p["Plan"].get("Actual Rows", 0) >= BATCH // 2]
     assert len(claims) >= 4, f"{len(claims)} claims of the backlog in the server log"
     for p in claims:
         assert_bounded(p["Plan"], table)

@@ -1621,19 +1621,22 @@ static void claim_answered(source *s, const src_result *res)
         return;
     }
     double now = ev_now(s->loop), took = s->claim_took;
-    size_t bytes = 0;
-    for (size_t i = 0; i < res->n_rows; i++)
-        bytes += src_row_bytes(res->rows[i]);
-    /* (with a byte limit, an empty answer may be a first row over it, unless that row
-       would have come whole) */
-    bool complete = res->n_rows < s->claim_max_rows &&
-                    (s->claim_max_bytes == 0 ||
-                     (bytes <= s->claim_max_bytes / 2 && (res->n_rows > 0 || s->claim_whole)));
-    /* and something the floor waits for is still open (the last probe saw a lock holder
-       of the one before it still there): else a slow claim (its first, planned then, on a
-       loaded server) has nothing to pass over */
+    /* something the floor waits for is still open (the last probe saw a lock holder of the
+       one before it still there): else a slow claim (its first, planned then, on a loaded
+       server) has nothing to pass over */
     bool open = s->fp_n > 0 && !s->fp[(s->fp_n - 1) % 4].ended;
-    if (!complete || !open || took < PASS_MIN_S || s->claim_lv < s->floor_id) {
+    bool complete = false;
+    if (open && took >= PASS_MIN_S && s->claim_lv >= s->floor_id) {
+        size_t bytes = 0;
+        for (size_t i = 0; i < res->n_rows; i++)
+            bytes += src_row_bytes(res->rows[i]);
+        /* (with a byte limit, an empty answer may be a first row over it, unless that row
+           would have come whole) */
+        complete = res->n_rows < s->claim_max_rows &&
+                   (s->claim_max_bytes == 0 ||
+                    (bytes <= s->claim_max_bytes / 2 && (res->n_rows > 0 || s->claim_whole)));
+    }
+    if (!complete) {
         s->pass_from = 0;
         return;
     }
